@@ -1,0 +1,58 @@
+# kube-bpf-proxy developer and CI entry points. Run as root (apt-get, /lib/modules, BPF).
+#
+#   make setup   Debian packages (deps/debian.txt), kernel headers for bcc, .venv
+#   make test    ruff check, then pytest (PYTEST_ARGS='-k foo' passes arguments through)
+#   make lab     the network-namespace lab (for now: compile the example manifests)
+#   make clean   remove .venv and caches (never system packages)
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+
+VENV        := .venv
+PYTHON      := $(VENV)/bin/python
+STAMP       := $(VENV)/.installed-stamp
+DEBIAN_DEPS := deps/debian.txt
+HASH        := \#
+DEBS        := $(shell sed -e 's/$(HASH).*//' $(DEBIAN_DEPS))
+PYTEST_ARGS ?=
+
+export DEBIAN_FRONTEND := noninteractive
+
+.PHONY: setup debian-packages kernel-headers test lab clean
+
+setup: debian-packages kernel-headers $(STAMP)
+
+# Ask apt only when dpkg says something from deps/debian.txt is not installed.
+debian-packages:
+	@missing=""; \
+	for pkg in $(DEBS); do \
+	    status=$$(dpkg-query -W -f='$${db:Status-Status}' "$$pkg" 2>/dev/null || true); \
+	    [[ "$$status" == installed ]] || missing="$$missing $$pkg"; \
+	done; \
+	if [[ -n "$$missing" ]]; then \
+	    echo "setup: installing Debian packages:$$missing"; \
+	    apt-get update -q; \
+	    apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+# bcc needs /lib/modules/$(uname -r)/build; link Debian's headers when the kernel has none.
+kernel-headers: debian-packages
+	@bash scripts/kernel-headers.sh
+
+# The venv sees Debian's python3-bpfcc (import bcc); reinstalled when pyproject.toml changes.
+$(STAMP): pyproject.toml | debian-packages
+	@[[ -x $(PYTHON) ]] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+lab: setup
+	$(VENV)/bin/kube-bpf-proxy compile --manifests examples/ --node node-a -o yaml
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info
+	find . -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,102 @@
+"""Command line: `kube-bpf-proxy <command>` (also `python -m agent`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import yaml
+
+from . import __version__
+from .config import add_arguments, settings_from
+from .model.compile import compile
+from .model.nodestate import NodeState
+from .sources.manifests import load_manifests
+
+log = logging.getLogger("kube-bpf-proxy")
+
+COMPILE_SETTINGS = [
+    "manifests",
+    "node",
+    "node_ip",
+    "node_label",
+    "nodeport_addresses",
+    "cluster_cidr",
+    "cluster_name",
+    "service_proxy_name",
+    "output",
+    "strict",
+    "log_level",
+]
+
+try:
+    YamlDumper: type = yaml.CSafeDumper
+except AttributeError:  # pragma: no cover
+    YamlDumper = yaml.SafeDumper
+
+
+def render(state: NodeState, output: str) -> str:
+    """The NodeState document as YAML or JSON text (deterministic)."""
+    document = state.to_dict()
+    if output == "json":
+        return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+    return yaml.dump(
+        document, Dumper=YamlDumper, sort_keys=False, default_flow_style=None, width=200
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kube-bpf-proxy",
+        description="Kubernetes Service load balancing in eBPF: a kube-proxy replacement.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    compile_parser = commands.add_parser(
+        "compile",
+        help="print this node's NodeState compiled from manifest files",
+        description="Read Services, EndpointSlices and Nodes from manifest files and print the "
+        "node-local service map (NodeState) the dataplanes would program for --node. "
+        "Input problems go to stderr; the document to stdout.",
+    )
+    add_arguments(compile_parser, COMPILE_SETTINGS)
+    return parser
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    settings = settings_from(args, COMPILE_SETTINGS)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    if not settings.manifests:
+        log.error("--manifests: at least one file or directory is required")
+        return 2
+    state, reports = load_manifests(settings.manifests)
+    for report in reports:
+        print(f"{'error' if report.error else 'warning'}: {report}", file=sys.stderr)
+    node_state = compile(state, settings.node, settings.compile_options())
+    if settings.node not in state.nodes:
+        log.info("no Node %r in the manifests: using only --node-ip/--node-label", settings.node)
+    sys.stdout.write(render(node_state, settings.output))
+    if reports and settings.strict:
+        print(f"--strict: {len(reports)} input problem(s) reported", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "compile":
+            return cmd_compile(args)
+    except ValueError as err:  # settings validation: a usage error
+        parser.exit(2, f"kube-bpf-proxy {args.command}: error: {err}\n")
+    except BrokenPipeError:  # e.g. `| head`
+        return 0
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Well-known Kubernetes, multi-cluster and kube-bpf-proxy label and annotation keys.
+
+Sources and semantics: ../shared/reference/conventions.md. Only the compiler and the
+decoder interpret these; dataplanes never see them.
+"""
+
+# EndpointSlice → Service association; the only one kube-proxy honours.
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+LABEL_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+# Set by the control plane on slices (and Endpoints) of headless Services.
+LABEL_HEADLESS = "service.kubernetes.io/headless"
+# A Service with this label is implemented by another proxy (conventions §5.4).
+LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
+# Standard node topology label.
+LABEL_ZONE = "topology.kubernetes.io/zone"
+
+# Multi-cluster markers on EndpointSlices (conventions §1.8, §2.1).
+ANNOTATION_KARMADA_PROVISION_CLUSTER = "endpointslice.karmada.io/provision-cluster"
+KARMADA_MANAGED_BY = frozenset(
+    {
+        "endpointslice-dispatch-controller.karmada.io",  # MultiClusterService dispatch
+        "endpointslice-controller.karmada.io",  # older ServiceExport/derived- flow
+    }
+)
+LABEL_MCS_SOURCE_CLUSTER = "multicluster.kubernetes.io/source-cluster"
+# Set on slices when the cluster that sent them is not known by name.
+UNKNOWN_CLUSTER = "unknown"
+
+# Service annotations defined by this project (DESIGN.md §4).
+ANNOTATION_TOPOLOGY_KEYS = "kube-bpf-proxy.io/topology-keys"
+ANNOTATION_MULTI_CLUSTER = "kube-bpf-proxy.io/multi-cluster"
+# Cilium's equivalent of LocalFirst, honoured when ours is absent (conventions §3.1).
+ANNOTATION_CILIUM_AFFINITY = "service.cilium.io/affinity"
+
+# Multi-cluster policies.
+REMOTE_AND_LOCAL = "RemoteAndLocal"
+LOCAL_FIRST = "LocalFirst"
+
+# KEP-536 limits for the (removed) spec.topologyKeys, reused for our annotation.
+TOPOLOGY_KEYS_MAX = 16
+TOPOLOGY_KEY_ANY = "*"
+
+# Defaults the API server would apply.
+DEFAULT_AFFINITY_TIMEOUT = 10800  # seconds, core/v1 DefaultClientIPServiceAffinitySeconds
+MAX_AFFINITY_TIMEOUT = 86400
+PROTOCOLS = frozenset({"TCP", "UDP", "SCTP"})
+SERVICE_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer", "ExternalName"})

@@ -1,0 +1,162 @@
+"""NodeState (schema v1): the complete, deterministic node-local service map.
+
+This is the contract between the compiler and every dataplane (DESIGN.md §3). Values are
+frozen; `to_dict` gives the documented field names and order. Each ServiceEntry carries
+the digest of its own canonical JSON, so the document's revision is recomputed from
+per-entry digests after an incremental compile instead of re-serialising everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+API_VERSION = "kube-bpf-proxy/v1"
+KIND = "NodeState"
+
+# Frontend types in document order.
+CLUSTER_IP = "ClusterIP"
+NODE_PORT = "NodePort"
+EXTERNAL_IP = "ExternalIP"
+LOAD_BALANCER = "LoadBalancer"
+FRONTEND_ORDER = {CLUSTER_IP: 0, NODE_PORT: 1, EXTERNAL_IP: 2, LOAD_BALANCER: 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Frontend:
+    type: str  # ClusterIP | NodePort | ExternalIP | LoadBalancer
+    ip: str
+    port: int
+    source_ranges: tuple[str, ...] = ()  # LoadBalancer only; empty = any source
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "ip": self.ip, "port": self.port}
+        if self.type == LOAD_BALANCER:
+            out["sourceRanges"] = list(self.source_ranges)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    ip: str
+    port: int
+    node_name: str | None
+    zone: str | None
+    cluster: str | None  # None for this cluster, else the source cluster's name
+    local: bool  # on this node (and in this cluster)
+    ready: bool
+    serving: bool
+    terminating: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ip": self.ip,
+            "port": self.port,
+            "nodeName": self.node_name,
+            "zone": self.zone,
+            "cluster": self.cluster,
+            "local": self.local,
+            "ready": self.ready,
+            "serving": self.serving,
+            "terminating": self.terminating,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceEntry:
+    """One (Service, ServicePort, IP family): frontends and the backend sets they use."""
+
+    namespace: str
+    name: str
+    port: str  # ServicePort.name
+    protocol: str
+    ip_family: str  # IPv4 | IPv6: frontends and backends of an entry never mix families
+    frontends: tuple[Frontend, ...]
+    affinity_timeout: int | None
+    internal_traffic_policy: str
+    external_traffic_policy: str  # effective: Local only when external frontends exist
+    health_check_node_port: int | None
+    topology: str
+    has_endpoints: bool
+    cluster_backends: tuple[Backend, ...] | None
+    local_backends: tuple[Backend, ...] | None
+    digest: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def sort_key(self) -> tuple[str, str, str, str, str]:
+        return (self.namespace, self.name, self.port, self.protocol, self.ip_family)
+
+    def to_dict(self) -> dict[str, Any]:
+        affinity = None
+        if self.affinity_timeout is not None:
+            affinity = {"type": "ClientIP", "timeoutSeconds": self.affinity_timeout}
+        return {
+            "namespace": self.namespace,
+            "name": self.name,
+            "port": self.port,
+            "protocol": self.protocol,
+            "ipFamily": self.ip_family,
+            "frontends": [f.to_dict() for f in self.frontends],
+            "sessionAffinity": affinity,
+            "internalTrafficPolicy": self.internal_traffic_policy,
+            "externalTrafficPolicy": self.external_traffic_policy,
+            "healthCheckNodePort": self.health_check_node_port,
+            "topology": self.topology,
+            "hasEndpoints": self.has_endpoints,
+            "clusterBackends": _backends(self.cluster_backends),
+            "localBackends": _backends(self.local_backends),
+        }
+
+    def sealed(self) -> ServiceEntry:
+        """Set the digest (SHA-256 of the canonical JSON) once, at construction time."""
+        canonical = json.dumps(self.to_dict(), separators=(",", ":"), ensure_ascii=False)
+        object.__setattr__(self, "digest", hashlib.sha256(canonical.encode()).digest())
+        return self
+
+
+def _backends(backends: tuple[Backend, ...] | None) -> list[dict[str, Any]] | None:
+    return None if backends is None else [b.to_dict() for b in backends]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    name: str
+    zone: str | None
+    labels: Mapping[str, str]
+    addresses: tuple[str, ...]  # primary first per family
+    cluster_cidrs: tuple[str, ...] = ()
+    cluster_name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "zone": self.zone,
+            "labels": dict(sorted(self.labels.items())),
+            "addresses": list(self.addresses),
+            "clusterCIDRs": list(self.cluster_cidrs),
+            "clusterName": self.cluster_name,
+        }
+
+
+def revision_of(entries: Iterable[ServiceEntry]) -> str:
+    """Hash of the `services` list: SHA-256 over the entries' digests, in order."""
+    return "sha256:" + hashlib.sha256(b"".join(e.digest for e in entries)).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeState:
+    node: NodeInfo
+    revision: str
+    services: tuple[ServiceEntry, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "node": self.node.to_dict(),
+            "revision": self.revision,
+            "services": [e.to_dict() for e in self.services],
+        }

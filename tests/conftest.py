@@ -1,0 +1,140 @@
+"""Shared pytest plumbing for kernel tests.
+
+Tests marked ``@pytest.mark.kernel``, and every test under ``tests/kernel/``, need root,
+BPF and network namespaces. Their prerequisites are checked once per session:
+
+* euid 0
+* bpffs at ``/sys/fs/bpf`` (mounted here when it is not yet)
+* ``import bcc`` (Debian's python3-bpfcc; the venv has ``--system-site-packages``)
+* ``bpftool``, ``ip``, ``tc`` and ``nsenter`` on PATH
+* ``ip netns`` able to add and delete a namespace
+* kernel BTF at ``/sys/kernel/btf/vmlinux``
+
+A missing prerequisite skips the test with the precise reason, except when
+``KBP_REQUIRE_KERNEL=1`` (set by ``.ci/run``): then the same reason fails it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+KERNEL_TESTS_DIR = Path(__file__).parent / "kernel"
+BPFFS = Path("/sys/fs/bpf")
+VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
+
+
+def kernel_required() -> bool:
+    """True when missing kernel prerequisites must fail tests instead of skipping them."""
+    return os.environ.get("KBP_REQUIRE_KERNEL") == "1"
+
+
+def _run(*argv: str) -> str | None:
+    """Run a command; None on success, else a one-line description of the failure."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    except OSError as exc:
+        return f"`{' '.join(argv)}` failed: {exc}"
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip().splitlines()
+        return f"`{' '.join(argv)}` exited {proc.returncode}: {detail[-1] if detail else ''}"
+    return None
+
+
+def _check_bpffs() -> str | None:
+    if os.path.ismount(BPFFS):
+        return None
+    error = _run("mount", "-t", "bpf", "bpf", str(BPFFS))
+    return None if error is None else f"{BPFFS} is not a bpffs and cannot be mounted: {error}"
+
+
+def _check_bcc() -> str | None:
+    try:
+        import bcc  # noqa: F401
+    except Exception as exc:
+        return f"`import bcc` failed ({type(exc).__name__}: {exc}); install python3-bpfcc"
+    return None
+
+
+def _check_netns() -> str | None:
+    name = f"kbp-probe-{os.getpid()}"
+    error = _run("ip", "netns", "add", name)
+    if error is None:
+        error = _run("ip", "netns", "delete", name)
+    return None if error is None else f"ip netns does not work: {error}"
+
+
+@functools.cache
+def missing_kernel_prerequisites() -> tuple[str, ...]:
+    """Reasons the kernel tests cannot run here; empty when they can. Checked once."""
+    if os.geteuid() != 0:
+        return (f"kernel tests need root (euid is {os.geteuid()})",)
+    tools = ("bpftool", "ip", "tc", "nsenter")
+    missing = [f"`{tool}` not on PATH" for tool in tools if not shutil.which(tool)]
+    if not VMLINUX_BTF.exists():
+        missing.append(f"no kernel BTF ({VMLINUX_BTF} missing)")
+    for check in (_check_bpffs, _check_bcc, _check_netns):
+        if (reason := check()) is not None:
+            missing.append(reason)
+    return tuple(missing)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/kernel/ is a kernel test, marked or not."""
+    for item in items:
+        if KERNEL_TESTS_DIR in item.path.parents:
+            item.add_marker(pytest.mark.kernel)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip (or, under KBP_REQUIRE_KERNEL=1, fail) kernel tests lacking prerequisites."""
+    if item.get_closest_marker("kernel") is None:
+        return
+    missing = missing_kernel_prerequisites()
+    if not missing:
+        return
+    reason = "kernel prerequisites missing: " + "; ".join(missing)
+    if kernel_required():
+        pytest.fail(f"{reason} (KBP_REQUIRE_KERNEL=1)", pytrace=False)
+    pytest.skip(reason)
+
+
+# Fixtures for kernel tests. Names carry the pid so parallel runs never collide, and
+# teardown removes everything the test made, also when it failed.
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def netns() -> Iterator[Callable[[], str]]:
+    """Factory: each call adds a fresh network namespace and returns its name."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"kbp-test-{os.getpid()}-{next(_names)}"
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        made.append(name)
+        return name
+
+    yield make
+    for name in reversed(made):
+        subprocess.run(["ip", "netns", "delete", name], check=False)
+
+
+@pytest.fixture
+def bpf_pin_dir() -> Iterator[Path]:
+    """A fresh directory on bpffs for a test's pins; removed with its pins afterwards."""
+    path = BPFFS / f"kbp-test-{os.getpid()}-{next(_names)}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
