@@ -1,0 +1,158 @@
+"""The incremental compiler: one change recompiles one Service; no-ops change nothing;
+the result always equals a full compile."""
+
+from __future__ import annotations
+
+from agent.model.compile import CompileOptions, Compiler, compile
+from agent.model.decode import Value, decode_object
+from agent.model.nodestate import NodeState, ServiceEntry
+from agent.model.types import ClusterState
+
+from ..builders import (
+    Obj,
+    default_nodes,
+    make_endpoint,
+    make_node,
+    make_service,
+    make_slice,
+    state_of,
+)
+
+
+def decoded(obj: Obj) -> Value:
+    result = decode_object(obj)
+    assert result.value is not None, result.error
+    return result.value
+
+
+def two_services() -> ClusterState:
+    return state_of(
+        *default_nodes(),
+        make_service(name="a"),
+        make_slice(name="a-1", service="a", endpoints=[make_endpoint("10.244.1.5", "node-a")]),
+        make_service(
+            name="b",
+            mutate=lambda o: o["spec"].update(clusterIP="10.96.0.2", clusterIPs=["10.96.0.2"]),
+        ),
+        make_slice(name="b-1", service="b", endpoints=[make_endpoint("10.244.2.5", "node-b")]),
+    )
+
+
+def entry_of(node_state: NodeState, name: str) -> ServiceEntry:
+    return next(e for e in node_state.services if e.name == name)
+
+
+def test_a_slice_change_recompiles_only_its_service() -> None:
+    state = two_services()
+    compiler = Compiler("node-a", CompileOptions())
+    before = compiler.update(state)
+    state.set_slice(
+        decoded(
+            make_slice(
+                name="a-1",
+                service="a",
+                endpoints=[make_endpoint("10.244.1.5", "node-a", ready=False)],
+            )
+        )
+    )
+    after = compiler.update(state)
+    assert after.revision != before.revision
+    assert entry_of(after, "b") is entry_of(before, "b")  # untouched, not rebuilt
+    assert entry_of(after, "a").cluster_backends == ()
+    assert after == compile(state, "node-a")
+
+
+def test_a_no_op_update_keeps_the_revision_and_the_object() -> None:
+    state = two_services()
+    compiler = Compiler("node-a", CompileOptions())
+    before = compiler.update(state)
+    assert not state.set_slice(
+        decoded(
+            make_slice(name="a-1", service="a", endpoints=[make_endpoint("10.244.1.5", "node-a")])
+        )
+    )
+    assert compiler.update(state) is before
+
+
+def test_an_unrelated_change_that_compiles_the_same_keeps_the_revision() -> None:
+    state = two_services()
+    compiler = Compiler("node-a", CompileOptions())
+    before = compiler.update(state)
+    # A label the compiler does not use changes the object but not the result.
+    state.set_service(
+        decoded(
+            make_service(
+                name="a", mutate=lambda o: o["metadata"].update(annotations={"team": "payments"})
+            )
+        )
+    )
+    assert compiler.update(state).revision == before.revision
+
+
+def test_deleting_and_re_adding_a_service() -> None:
+    state = two_services()
+    compiler = Compiler("node-a", CompileOptions())
+    full = compiler.update(state)
+    state.delete_service("default", "a")
+    without = compiler.update(state)
+    assert [e.name for e in without.services] == ["b"]
+    state.set_service(decoded(make_service(name="a")))
+    assert compiler.update(state) == full
+
+
+def test_moving_a_slice_to_another_service_updates_both() -> None:
+    state = two_services()
+    compiler = Compiler("node-a", CompileOptions())
+    compiler.update(state)
+    state.set_slice(
+        decoded(
+            make_slice(name="a-1", service="b", endpoints=[make_endpoint("10.244.1.5", "node-a")])
+        )
+    )
+    after = compiler.update(state)
+    assert entry_of(after, "a").has_endpoints is False
+    assert [b.ip for b in entry_of(after, "b").cluster_backends] == ["10.244.1.5", "10.244.2.5"]
+    assert after == compile(state, "node-a")
+
+
+def test_this_nodes_labels_changing_recompiles_everything() -> None:
+    state = state_of(
+        *default_nodes(),
+        make_service(),
+        make_slice(
+            endpoints=[
+                make_endpoint("10.244.2.5", "node-b", zone_hints=["zone-1"]),
+                make_endpoint("10.244.3.5", "node-c", zone_hints=["zone-2"]),
+            ]
+        ),
+    )
+    compiler = Compiler("node-a", CompileOptions())
+    assert [b.ip for b in compiler.update(state).services[0].cluster_backends] == ["10.244.2.5"]
+    state.set_node(
+        decoded(make_node("node-a", {"topology.kubernetes.io/zone": "zone-2"}, "192.0.2.10"))
+    )
+    assert [b.ip for b in compiler.update(state).services[0].cluster_backends] == ["10.244.3.5"]
+
+
+def test_another_nodes_labels_matter_to_services_with_topology_keys() -> None:
+    keys = {"kube-bpf-proxy.io/topology-keys": "example.com/rack"}
+    state = state_of(
+        *default_nodes(),
+        make_service(mutate=lambda o: o["metadata"].update(annotations=keys)),
+        make_slice(
+            endpoints=[make_endpoint("10.244.2.5", "node-b"), make_endpoint("10.244.3.5", "node-c")]
+        ),
+    )
+    compiler = Compiler("node-a", CompileOptions())
+    assert [b.ip for b in compiler.update(state).services[0].cluster_backends] == ["10.244.3.5"]
+    state.set_node(decoded(make_node("node-b", {"example.com/rack": "r1"}, "192.0.2.11")))
+    after = compiler.update(state)
+    assert [b.ip for b in after.services[0].cluster_backends] == ["10.244.2.5", "10.244.3.5"]
+    assert after == compile(state, "node-a")
+
+
+def test_compile_does_not_consume_the_change_log() -> None:
+    state = two_services()
+    compile(state, "node-a")
+    services, _ = state.take_changes()
+    assert services == {("default", "a"), ("default", "b")}
