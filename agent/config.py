@@ -154,7 +154,8 @@ def add_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:
         f = SETTINGS_FIELDS[name]
         meta = dict(f.metadata)
         flag, short, help_text = meta.pop("flag"), meta.pop("short"), meta.pop("help")
-        meta.pop("comma", None)
+        if meta.pop("comma", False):
+            meta["action"] = "append"
         env = ENV_PREFIX + name.upper()
         flags = [short, flag] if short else [flag]
         parser.add_argument(
