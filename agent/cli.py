@@ -67,10 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_compile(args: argparse.Namespace) -> int:
     settings = settings_from(args, COMPILE_SETTINGS)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
     if not settings.manifests:
-        log.error("--manifests: at least one file or directory is required")
-        return 2
+        raise ValueError("--manifests: at least one file or directory is required")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
     state, reports = load_manifests(settings.manifests)
     for report in reports:
         print(f"{'error' if report.error else 'warning'}: {report}", file=sys.stderr)
