@@ -152,6 +152,17 @@ CASES = [
         has_endpoints=False,
     ),
     Case(
+        "only the first address of an endpoint is used",
+        [
+            make_slice(
+                endpoints=[
+                    {"addresses": ["10.244.1.5", "10.244.1.6"], "nodeName": "node-a"},
+                ]
+            )
+        ],
+        ["10.244.1.5:8080"],
+    ),
+    Case(
         "backends are sorted numerically by ip, then by port",
         [
             make_slice(
