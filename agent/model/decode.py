@@ -62,6 +62,8 @@ def decode_object(obj: object) -> Decoded:
     if not isinstance(kind, str) or not kind:
         return Decoded("<unknown>", namespace, name, error="kind is missing")
     decoder = _DECODERS.get((api_version, kind))
+    if decoder is None and api_version is None and kind in _KINDS:
+        return Decoded(kind, namespace, name, error="apiVersion is missing")
     if decoder is None:
         return Decoded(kind, namespace, name, skipped=f"{api_version}/{kind} is not used")
     if kind == "Node":
@@ -276,19 +278,36 @@ def parse_cidr_at(cidr: object, path: str) -> tuple[str, str]:
 def _cluster_ips(spec: Mapping[str, Any]) -> tuple[str, ...]:
     """Canonical ClusterIPs, primary first; () for headless or unallocated Services."""
     cluster_ip = _str(spec, "clusterIP", "spec.clusterIP")
-    raw = _list(spec, "clusterIPs", "spec.clusterIPs") or ([cluster_ip] if cluster_ip else [])
-    if not raw or raw[0] in ("None", ""):
-        return ()
-    ips: list[str] = []
-    families: set[str] = set()
-    for i, text in enumerate(raw):
-        family, ip = _ip(text, f"spec.clusterIPs[{i}]")
-        if family in families:
-            raise Invalid(f"spec.clusterIPs: more than one {family} address")
-        families.add(family)
-        ips.append(ip)
-    if cluster_ip and cluster_ip != "None" and _ip(cluster_ip, "spec.clusterIP")[1] != ips[0]:
-        raise Invalid(f"spec.clusterIP: {cluster_ip!r} differs from spec.clusterIPs[0] {raw[0]!r}")
+    listed = _list(spec, "clusterIPs", "spec.clusterIPs")
+    if not listed:  # only the singular field: unallocated, headless, or one address
+        if cluster_ip in (None, "", "None"):
+            return ()
+        return (_ip(cluster_ip, "spec.clusterIP")[1],)
+    if listed[0] in ("None", ""):
+        if len(listed) > 1:
+            raise Invalid(f"spec.clusterIPs: {listed[0]!r} must be the only entry")
+        ips: list[str] = []
+    else:
+        families: set[str] = set()
+        ips = []
+        for i, text in enumerate(listed):
+            family, ip = _ip(text, f"spec.clusterIPs[{i}]")
+            if family in families:
+                raise Invalid(f"spec.clusterIPs: more than one {family} address")
+            families.add(family)
+            ips.append(ip)
+    # The singular field, when set, must be the primary (the API server enforces this).
+    if cluster_ip:
+        primary = ips[0] if ips else listed[0]
+        same = (
+            _ip(cluster_ip, "spec.clusterIP")[1] == primary
+            if ips and cluster_ip != "None"
+            else cluster_ip == primary
+        )
+        if not same:
+            raise Invalid(
+                f"spec.clusterIP: {cluster_ip!r} differs from spec.clusterIPs[0] {listed[0]!r}"
+            )
     return tuple(ips)
 
 
@@ -520,3 +539,4 @@ _DECODERS = {
     ("discovery.k8s.io/v1", "EndpointSlice"): decode_endpoint_slice,
     ("v1", "Node"): decode_node,
 }
+_KINDS = {kind for _, kind in _DECODERS}

@@ -62,7 +62,7 @@ def manifest_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
 def read_documents(path: Path, reports: list[Report]) -> Iterator[tuple[str, Any]]:
     """(where, document) for each document of a file; read errors become reports."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # tolerate a byte-order mark
     except (OSError, UnicodeDecodeError) as err:
         reports.append(Report(str(path), "", f"cannot read: {err}"))
         return
