@@ -199,7 +199,7 @@ def is_programmed(service: Service, service_proxy_name: str | None) -> bool:
 def slice_cluster(endpoint_slice: EndpointSlice, cluster_name: str | None) -> str | None:
     """The cluster a slice's endpoints live in: None for this one (conventions §1.8)."""
     for marker in (endpoint_slice.provision_cluster, endpoint_slice.source_cluster):
-        if marker is not None and marker != cluster_name:
+        if marker and marker != cluster_name:  # an empty marker names no cluster
             return marker
     if (
         endpoint_slice.managed_by in c.KARMADA_MANAGED_BY
@@ -244,7 +244,9 @@ def compile_service(
             etp = "Local" if external and service.external_traffic_policy == "Local" else "Cluster"
             itp = service.internal_traffic_policy
             uses_local = itp == "Local" or etp == "Local"
-            uses_cluster = itp != "Local" or (external and etp != "Local")
+            # kube-proxy's UsesClusterEndpoints: external frontends need cluster endpoints
+            # even with externalTrafficPolicy Local, for traffic from pods and the node.
+            uses_cluster = itp != "Local" or external
             candidates = merged.get((port.name, port.protocol), [])
             cluster, topology = (
                 _cluster_backends(candidates, service, ctx) if uses_cluster else (None, NO_TOPOLOGY)
@@ -339,7 +341,7 @@ def _cluster_backends(
     """
     tiers: list[str] = []
     pool = candidates
-    if service.multi_cluster == c.LOCAL_FIRST and any(b.cluster for b, _ in candidates):
+    if service.multi_cluster == c.LOCAL_FIRST and any(b.cluster is not None for b, _ in candidates):
         if any(b.cluster is None and ep.ready for b, ep in candidates):
             pool = [(b, ep) for b, ep in candidates if b.cluster is None]
             tiers.append(LOCAL_CLUSTER)

@@ -347,9 +347,9 @@ CASES = [
         service=make_service(mutate=spec(externalTrafficPolicy="Local")),
     ),
     Case(
-        "both policies Local: only local backends",
+        "both policies Local: pods still reach the external frontends through cluster backends",
         [make_slice(endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")])],
-        None,
+        ["10.244.1.5:8080", "10.244.2.5:8080"],
         local=["10.244.1.5:8080"],
         service=make_service(mutate=nodeport(etp="Local", itp="Local")),
     ),
