@@ -18,6 +18,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ..gcpause import gc_paused
 from . import conventions as c
 from .ip import FAMILIES, in_networks, ip_family, ip_sort_key, parse_ip
 from .nodestate import (
@@ -123,13 +124,20 @@ def compile(state: ClusterState, node: str, options: CompileOptions | None = Non
 
 
 class Compiler:
-    """Keeps the last compiled entries per Service so one change costs one Service."""
+    """Keeps the last compiled entries so one change costs one Service.
+
+    The entries of all Services are kept flat and sorted, beside their Service keys and
+    digests; an update splices one Service's range (found by bisection) in all three,
+    so publishing a new NodeState costs a tuple copy and one hash over the digests.
+    """
 
     def __init__(self, node: str, options: CompileOptions) -> None:
         self.node_name = node
         self.options = options
-        self._entries: dict[ServiceKey, tuple[ServiceEntry, ...]] = {}
-        self._order: list[ServiceKey] = []  # sorted keys of Services that have entries
+        self._entries: list[ServiceEntry] = []  # sorted by ServiceEntry.sort_key
+        self._keys: list[ServiceKey] = []  # the Service key of each entry
+        self._digests: list[bytes] = []  # the digest of each entry
+        self._topology_keyed: set[ServiceKey] = set()  # Services using node labels
         self._context: _Context | None = None
         self._state: NodeState | None = None
 
@@ -137,12 +145,15 @@ class Compiler:
         """Recompile every Service."""
         self._context = ctx = _context(state, self.node_name, self.options)
         slices = state.slices_by_service
-        self._entries = {}
-        for key, service in state.services.items():
-            entries = compile_service(service, slices.get(key), ctx)
-            if entries:
-                self._entries[key] = entries
-        self._order = sorted(self._entries)
+        entries: list[ServiceEntry] = []
+        with gc_paused():  # bulk allocation of acyclic values (see agent/gcpause.py)
+            for key, service in state.services.items():
+                entries.extend(compile_service(service, slices.get(key), ctx))
+        entries.sort(key=_entry_order)
+        self._entries = entries
+        self._keys = [(e.namespace, e.name) for e in entries]
+        self._digests = [e.digest for e in entries]
+        self._topology_keyed = {k for k, s in state.services.items() if s.topology_keys}
         return self._publish()
 
     def update(self, state: ClusterState) -> NodeState:
@@ -161,26 +172,32 @@ class Compiler:
             return self._state
         self._context = ctx
         if nodes:  # other nodes' labels only matter to Services with topology keys
-            services |= {k for k, s in state.services.items() if s.topology_keys}
+            services |= self._topology_keyed
         slices = state.slices_by_service
         for key in services:
             service = state.services.get(key)
             entries = compile_service(service, slices.get(key), ctx) if service else ()
-            had = key in self._entries
-            if entries:
-                self._entries[key] = entries
-                if not had:
-                    bisect.insort(self._order, key)
-            elif had:
-                del self._entries[key]
-                del self._order[bisect.bisect_left(self._order, key)]
+            if service is not None and service.topology_keys:
+                self._topology_keyed.add(key)
+            else:
+                self._topology_keyed.discard(key)
+            low = bisect.bisect_left(self._keys, key)
+            high = bisect.bisect_right(self._keys, key, low)
+            self._entries[low:high] = entries
+            self._keys[low:high] = [key] * len(entries)
+            self._digests[low:high] = [e.digest for e in entries]
         return self._publish()
 
     def _publish(self) -> NodeState:
         assert self._context is not None
-        entries = tuple(e for key in self._order for e in self._entries[key])
-        self._state = NodeState(self._context.node, revision_of(entries), entries)
+        self._state = NodeState(
+            self._context.node, revision_of(self._digests), tuple(self._entries)
+        )
         return self._state
+
+
+def _entry_order(entry: ServiceEntry) -> tuple[str, str, str, str, str]:
+    return entry.sort_key
 
 
 # --- one Service -------------------------------------------------------------------------

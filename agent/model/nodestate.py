@@ -141,9 +141,9 @@ class NodeInfo:
         }
 
 
-def revision_of(entries: Iterable[ServiceEntry]) -> str:
+def revision_of(digests: Iterable[bytes]) -> str:
     """Hash of the `services` list: SHA-256 over the entries' digests, in order."""
-    return "sha256:" + hashlib.sha256(b"".join(e.digest for e in entries)).hexdigest()
+    return "sha256:" + hashlib.sha256(b"".join(digests)).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
