@@ -43,5 +43,5 @@ TOPOLOGY_KEY_ANY = "*"
 # Defaults the API server would apply.
 DEFAULT_AFFINITY_TIMEOUT = 10800  # seconds, core/v1 DefaultClientIPServiceAffinitySeconds
 MAX_AFFINITY_TIMEOUT = 86400
-PROTOCOLS = frozenset({"TCP", "UDP", "SCTP"})
-SERVICE_TYPES = frozenset({"ClusterIP", "NodePort", "LoadBalancer", "ExternalName"})
+PROTOCOLS = ("TCP", "UDP", "SCTP")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")

@@ -151,6 +151,11 @@ def _enum(value: str | None, allowed: tuple[str, ...], path: str, default: str) 
     return value
 
 
+def _protocol(port: Mapping[str, Any], path: str) -> str:
+    """A port's protocol; TCP when unset, as the API server defaults it."""
+    return _enum(_str(port, "protocol", f"{path}.protocol"), c.PROTOCOLS, f"{path}.protocol", "TCP")
+
+
 def _string_map(obj: Mapping[str, Any], key: str, path: str) -> Mapping[str, str]:
     value = _map(obj, key, path)
     for k, v in value.items():
@@ -188,7 +193,7 @@ def decode_service(obj: Mapping[str, Any], warnings: list[str]) -> Service:
     spec = _map(obj, "spec", "spec", required=True)
     svc_type = _enum(
         _str(spec, "type", "spec.type"),
-        ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName"),
+        c.SERVICE_TYPES,
         "spec.type",
         "ClusterIP",
     )
@@ -324,12 +329,7 @@ def _service_ports(spec: Mapping[str, Any]) -> tuple[ServicePort, ...]:
         if item.get("port") is None:
             raise Invalid(f"{path}.port: is missing")
         port = _int(item, "port", f"{path}.port", 1, 65535, 0)
-        protocol = _enum(
-            _str(item, "protocol", f"{path}.protocol"),
-            ("TCP", "UDP", "SCTP"),
-            f"{path}.protocol",
-            "TCP",
-        )
+        protocol = _protocol(item, path)
         name = _str(item, "name", f"{path}.name", "") or ""
         if name in names:
             raise Invalid(f"{path}.name: duplicate port name {name!r}")
@@ -442,12 +442,7 @@ def _slice_ports(obj: Mapping[str, Any]) -> tuple[SlicePort, ...]:
         if not isinstance(item, Mapping):
             raise Invalid(f"{path}: expected an object, got {_type(item)}")
         port = _int(item, "port", f"{path}.port", 0, 65535, 0)
-        protocol = _enum(
-            _str(item, "protocol", f"{path}.protocol"),
-            ("TCP", "UDP", "SCTP"),
-            f"{path}.protocol",
-            "TCP",
-        )
+        protocol = _protocol(item, path)
         name = _str(item, "name", f"{path}.name")
         # kube-proxy ignores ports without a name key and "all ports" (nil or 0) entries.
         if name is None or port == 0:

@@ -193,7 +193,26 @@ def slice_origin(obj: Obj, cluster_name: str | None) -> frozenset[str] | None:
 def endpoint_copies(cluster: Cluster, entry: Entry) -> dict[EndpointKey, list[Copy]]:
     """Every copy of every ip:port the entry's Service port may use, over all its slices."""
     out: dict[EndpointKey, list[Copy]] = {}
-    for obj in cluster.slices:
+    for obj, port, ep in entry_endpoints(cluster.slices, entry):
+        conditions = ep.get("conditions") or {}
+        hints = ep.get("hints") or {}
+        out.setdefault((canonical(ep["addresses"][0]), port["port"]), []).append(
+            Copy(
+                node_name=ep.get("nodeName"),
+                zone=ep.get("zone"),
+                clusters=slice_origin(obj, cluster.options.cluster_name),
+                ready=conditions.get("ready") is not False,
+                serving=conditions.get("serving") is not False,
+                terminating=conditions.get("terminating") is True,
+                hinted=bool(hints.get("forZones") or hints.get("forNodes")),
+            )
+        )
+    return out
+
+
+def entry_endpoints(slices: Iterable[Obj], entry: Entry) -> Iterable[tuple[Obj, Obj, Obj]]:
+    """(slice, slice port, endpoint) for every endpoint the entry's Service port may use."""
+    for obj in slices:
         meta = obj["metadata"]
         if (
             meta["namespace"] != entry["namespace"]
@@ -202,7 +221,6 @@ def endpoint_copies(cluster: Cluster, entry: Entry) -> dict[EndpointKey, list[Co
             or obj["addressType"] != entry["ipFamily"]
         ):
             continue
-        origin = slice_origin(obj, cluster.options.cluster_name)
         for port in obj["ports"]:
             if (
                 "name" not in port
@@ -212,20 +230,7 @@ def endpoint_copies(cluster: Cluster, entry: Entry) -> dict[EndpointKey, list[Co
             ):
                 continue
             for ep in obj["endpoints"]:
-                conditions = ep.get("conditions") or {}
-                hints = ep.get("hints") or {}
-                out.setdefault((canonical(ep["addresses"][0]), port["port"]), []).append(
-                    Copy(
-                        node_name=ep.get("nodeName"),
-                        zone=ep.get("zone"),
-                        clusters=origin,
-                        ready=conditions.get("ready") is not False,
-                        serving=conditions.get("serving") is not False,
-                        terminating=conditions.get("terminating") is True,
-                        hinted=bool(hints.get("forZones") or hints.get("forNodes")),
-                    )
-                )
-    return out
+                yield obj, port, ep
 
 
 def winners(copies: list[Copy]) -> list[Copy]:
@@ -350,43 +355,27 @@ def merge(cluster: Cluster, entry: Entry) -> list[Merged]:
     """Issue 2 §3: one copy per ip:port; a non-terminating copy wins, then one of this
     cluster, then the first in slice-name order (compile.py documents the last two)."""
     chosen: dict[EndpointKey, tuple[tuple[bool, bool], Merged]] = {}
-    for obj in sorted(cluster.slices, key=lambda o: o["metadata"]["name"]):
-        meta = obj["metadata"]
-        if (
-            meta["namespace"] != entry["namespace"]
-            or meta.get("labels", {}).get(LABEL_SERVICE_NAME) != entry["name"]
-            or LABEL_HEADLESS in meta.get("labels", {})
-            or obj["addressType"] != entry["ipFamily"]
-        ):
-            continue
+    by_name = sorted(cluster.slices, key=lambda o: o["metadata"]["name"])
+    for obj, port, ep in entry_endpoints(by_name, entry):
         origin = origin_name(obj, cluster.options.cluster_name)
-        for port in obj["ports"]:
-            if (
-                "name" not in port
-                or not port.get("port")
-                or port["name"] != entry["port"]
-                or port.get("protocol", "TCP") != entry["protocol"]
-            ):
-                continue
-            for ep in obj["endpoints"]:
-                conditions = ep.get("conditions") or {}
-                hints = ep.get("hints") or {}
-                candidate = Merged(
-                    ip=canonical(ep["addresses"][0]),
-                    port=port["port"],
-                    node_name=ep.get("nodeName"),
-                    zone=ep.get("zone"),
-                    cluster=origin,
-                    ready=conditions.get("ready") is not False,
-                    serving=conditions.get("serving") is not False,
-                    terminating=conditions.get("terminating") is True,
-                    zone_hints=frozenset(h["name"] for h in hints.get("forZones", [])),
-                    node_hints=frozenset(h["name"] for h in hints.get("forNodes", [])),
-                )
-                rank = (candidate.terminating, origin is not None)
-                key = (candidate.ip, candidate.port)
-                if key not in chosen or rank < chosen[key][0]:
-                    chosen[key] = (rank, candidate)
+        conditions = ep.get("conditions") or {}
+        hints = ep.get("hints") or {}
+        candidate = Merged(
+            ip=canonical(ep["addresses"][0]),
+            port=port["port"],
+            node_name=ep.get("nodeName"),
+            zone=ep.get("zone"),
+            cluster=origin,
+            ready=conditions.get("ready") is not False,
+            serving=conditions.get("serving") is not False,
+            terminating=conditions.get("terminating") is True,
+            zone_hints=frozenset(h["name"] for h in hints.get("forZones", [])),
+            node_hints=frozenset(h["name"] for h in hints.get("forNodes", [])),
+        )
+        rank = (candidate.terminating, origin is not None)
+        key = (candidate.ip, candidate.port)
+        if key not in chosen or rank < chosen[key][0]:
+            chosen[key] = (rank, candidate)
     return sorted(
         (c for _, c in chosen.values()),
         key=lambda c: (ipaddress.ip_address(c.ip).version, int(ipaddress.ip_address(c.ip)), c.port),
