@@ -125,6 +125,13 @@ class Settings:
 
     def validate(self) -> None:
         """Raise ValueError naming the setting that is wrong."""
+        for f in fields(self):  # flags are checked by argparse, env vars only here
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"{f.metadata['flag']}: {getattr(self, f.name)!r} is not one of "
+                    f"{', '.join(choices)}"
+                )
         for ip in self.node_ip:
             try:
                 parse_ip(ip)

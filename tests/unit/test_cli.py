@@ -110,6 +110,15 @@ def test_bad_flags_are_usage_errors(
     assert message in err
 
 
+def test_an_env_var_outside_the_choices_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KBP_OUTPUT", "table")
+    code, out, err = run(capsys, "compile", "--manifests", EXAMPLES, "--node", "node-a")
+    assert (code, out) == (2, "")
+    assert "--output: 'table' is not one of yaml, json" in err
+
+
 def test_no_manifests_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "compile", "--node", "node-a")
     assert code == 2 and "--manifests" in err
