@@ -130,6 +130,7 @@ def _json_objects(text: str, where: str) -> Iterator[tuple[str, Any]]:
         return
     header: dict[str, Any] = {}
     streamed = False
+    late: list[tuple[int, Any]] = []
     pos = space(text, pos + 1).end()
     while not text.startswith("}", pos):
         key, pos = _JSON.raw_decode(text, pos)
@@ -144,10 +145,12 @@ def _json_objects(text: str, where: str) -> Iterator[tuple[str, Any]]:
             count = 0
             while not text.startswith("]", pos):
                 item, pos = _JSON.raw_decode(text, pos)
-                if streamed:
-                    yield f"{where} items[{count}]", _with_kind(item, header)
-                else:
+                if not streamed:
                     pending.append(item)
+                elif isinstance(item, dict) and "kind" not in item and "apiVersion" not in header:
+                    late.append((count, item))  # needs the list's apiVersion, still unread
+                else:
+                    yield f"{where} items[{count}]", _with_kind(item, header)
                 count += 1
                 pos = _after_comma(text, space(text, pos).end(), "]")
             header[key] = None if streamed else pending
@@ -158,6 +161,8 @@ def _json_objects(text: str, where: str) -> Iterator[tuple[str, Any]]:
     _expect_end(text, space(text, pos + 1).end())
     if not streamed:  # exactly what json.loads would have given
         yield from iter_objects(header, where)
+    for index, item in late:
+        yield f"{where} items[{index}]", _with_kind(item, header)
 
 
 def _is_list_kind(kind: object) -> bool:

@@ -43,7 +43,7 @@ def streamed(text: str) -> list[tuple[str, Any]]:
     return sorted(_json_objects(text, "f.json"), key=lambda pair: pair[0]) if text else []
 
 
-@settings(max_examples=200, derandomize=True, database=None)
+@settings(max_examples=500, derandomize=True, database=None)
 @given(document=lists | values, data=st.data())
 def test_streaming_equals_loading_whole(document: Any, data: st.DataObject) -> None:
     if isinstance(document, dict):  # any key order, as kubectl (sorted) or the API writes it
@@ -58,6 +58,16 @@ def test_kind_less_items_before_the_list_kind_get_it() -> None:
     text = '{"apiVersion": "v1", "items": [{"metadata": {"name": "a"}}], "kind": "ServiceList"}'
     ((where, item),) = _json_objects(text, "f.json")
     assert (where, item["kind"], item["apiVersion"]) == ("f.json items[0]", "Service", "v1")
+
+
+def test_kind_less_items_before_the_list_api_version_get_it() -> None:
+    text = (
+        '{"kind": "ServiceList", "items": [{"metadata": {}}, {"kind": "Node"}], "apiVersion": "v"}'
+    )
+    assert sorted(_json_objects(text, "f.json"), key=lambda pair: pair[0]) == [
+        ("f.json items[0]", {"kind": "Service", "apiVersion": "v", "metadata": {}}),
+        ("f.json items[1]", {"kind": "Node"}),
+    ]
 
 
 @pytest.mark.parametrize(
