@@ -133,6 +133,8 @@ def _json_objects(text: str, where: str) -> Iterator[tuple[str, Any]]:
     late: list[tuple[int, Any]] = []
     pos = space(text, pos + 1).end()
     while not text.startswith("}", pos):
+        if not text.startswith('"', pos):
+            raise _Syntax(f"expected a property name at character {pos}")
         key, pos = _JSON.raw_decode(text, pos)
         pos = space(text, pos).end()
         if not text.startswith(":", pos):

@@ -79,6 +79,7 @@ def test_kind_less_items_before_the_list_api_version_get_it() -> None:
         '{"items" [1]}',
         '{"items": [1 2]}',
         '{"items": [1',
+        "{1: [1]}",
     ],
     ids=[
         "a trailing comma in items",
@@ -87,6 +88,7 @@ def test_kind_less_items_before_the_list_api_version_get_it() -> None:
         "a missing colon",
         "a missing comma",
         "a truncated file",
+        "a property name that is not a string",
     ],
 )
 def test_invalid_json_is_rejected(text: str) -> None:
