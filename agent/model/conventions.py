@@ -7,6 +7,8 @@ decoder interpret these; dataplanes never see them.
 # EndpointSlice → Service association; the only one kube-proxy honours.
 LABEL_SERVICE_NAME = "kubernetes.io/service-name"
 LABEL_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
+# When the change a slice carries happened (RFC 3339), set by the EndpointSlice controller.
+ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 # Set by the control plane on slices (and Endpoints) of headless Services.
 LABEL_HEADLESS = "service.kubernetes.io/headless"
 # A Service with this label is implemented by another proxy (conventions §5.4).

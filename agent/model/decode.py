@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from . import conventions as c
@@ -432,7 +433,18 @@ def decode_endpoint_slice(obj: Mapping[str, Any], warnings: list[str]) -> Endpoi
         provision_cluster=annotations.get(c.ANNOTATION_KARMADA_PROVISION_CLUSTER),
         source_cluster=labels.get(c.LABEL_MCS_SOURCE_CLUSTER),
         managed_by=labels.get(c.LABEL_MANAGED_BY),
+        trigger_time=_timestamp(annotations.get(c.ANNOTATION_TRIGGER_TIME)),
     )
+
+
+def _timestamp(text: str | None) -> float | None:
+    """RFC 3339 to Unix time; None when absent or unreadable (it only feeds a metric)."""
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
 
 
 def _slice_ports(obj: Mapping[str, Any]) -> tuple[SlicePort, ...]:

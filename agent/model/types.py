@@ -76,6 +76,10 @@ class EndpointSlice:
     provision_cluster: str | None = None  # endpointslice.karmada.io/provision-cluster
     source_cluster: str | None = None  # multicluster.kubernetes.io/source-cluster
     managed_by: str | None = None  # endpointslice.kubernetes.io/managed-by
+    # endpoints.kubernetes.io/last-change-trigger-time as Unix time: when the change this
+    # slice carries happened (for kubeproxy_network_programming_duration_seconds). Not
+    # compared: a slice differing only here is the same slice.
+    trigger_time: float | None = field(default=None, compare=False)
 
     @property
     def service_key(self) -> ServiceKey:

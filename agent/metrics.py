@@ -1,0 +1,99 @@
+"""Prometheus metrics of one agent, on their own registry (so tests can run several).
+
+Names equal kube-proxy's where the meaning is equal, so existing dashboards keep
+working; everything else is prefixed `kbp_`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# kube-proxy's buckets for sync durations (exponential from 1 ms).
+SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
+# kube-proxy's network programming buckets (0.25 s .. 30 min).
+PROGRAMMING_BUCKETS = (
+    0.25, 0.5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+    25, 30, 35, 40, 45, 50, 55, 60, 75, 90, 105, 120, 135, 150, 165, 180, 195, 210,
+    225, 240, 255, 270, 285, 300, 600, 900, 1200, 1500, 1800,
+)  # fmt: skip
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        # --- kube-proxy's names -----------------------------------------------------
+        self.sync_duration = Histogram(
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "Time a sync of the dataplane took (compile + apply).",
+            buckets=SYNC_BUCKETS,
+            registry=r,
+        )
+        self.sync_last_timestamp = Gauge(
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "Unix time of the last successful sync.",
+            registry=r,
+        )
+        self.network_programming = Histogram(
+            "kubeproxy_network_programming_duration_seconds",
+            "From an EndpointSlice's endpoints.kubernetes.io/last-change-trigger-time "
+            "to its change being programmed.",
+            buckets=PROGRAMMING_BUCKETS,
+            registry=r,
+        )
+        self.endpoint_changes = Counter(
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "EndpointSlice changes seen (no-op updates excluded).",
+            registry=r,
+        )
+        self.service_changes = Counter(
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "Service changes seen (no-op updates excluded).",
+            registry=r,
+        )
+        self.no_local_endpoints = Gauge(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Service ports with a Local traffic policy and no endpoint on this node.",
+            ["traffic_policy"],
+            registry=r,
+        )
+        # --- ours -------------------------------------------------------------------
+        self.api_events = Counter(
+            "kbp_api_events",
+            "Watch and list events received from the API server.",
+            ["resource", "type"],
+            registry=r,
+        )
+        self.api_up = Gauge(
+            "kbp_api_up",
+            "1 while the watch of a resource is connected, 0 while retrying.",
+            ["resource"],
+            registry=r,
+        )
+        self.revisions = Counter(
+            "kbp_nodestate_revisions", "NodeState revisions computed (changes only).", registry=r
+        )
+        self.kernel_writes = Counter(
+            "kbp_kernel_writes",
+            "Writes made to the kernel by the dataplane.",
+            ["dataplane"],
+            registry=r,
+        )
+        self.programmed_services = Gauge(
+            "kbp_programmed_services", "Service entries in the applied NodeState.", registry=r
+        )
+        self.programmed_backends = Gauge(
+            "kbp_programmed_backends", "Backends in the applied NodeState.", registry=r
+        )
+        self.map_fill = Gauge(
+            "kbp_map_fill_ratio", "Used entries / capacity of a BPF map.", ["map"], registry=r
+        )
+        self.sync_errors = Counter(
+            "kbp_sync_errors", "Failed syncs by reason.", ["reason"], registry=r
+        )
+        self.dataplane_info = Gauge(
+            "kbp_dataplane_info",
+            "1 for the dataplane in use; `reason` says why it was chosen.",
+            ["dataplane", "reason"],
+            registry=r,
+        )

@@ -1,0 +1,1 @@
+"""The sync loop: sources write a shared ClusterState, the loop compiles and applies."""
