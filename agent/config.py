@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any
+
+import yaml
 
 from .model.compile import PRIMARY, CompileOptions
 from .model.ip import parse_cidr, parse_ip
@@ -90,6 +93,80 @@ class Settings:
             "handle only Services labelled service.kubernetes.io/service-proxy-name=NAME; "
             "default: only Services without that label",
             metavar="NAME",
+        ),
+    )
+    kubeconfig: str | None = field(
+        default=None,
+        metadata=_opt(
+            "--kubeconfig",
+            "kubeconfig file; default: in-cluster service account, else $KUBECONFIG, "
+            "else ~/.kube/config",
+            metavar="FILE",
+        ),
+    )
+    dataplane: str = field(
+        default="auto",
+        metadata=_opt(
+            "--dataplane",
+            "what programs the NodeState: auto picks the best available and says why; "
+            "none compiles and serves it without programming anything (a dry run)",
+            choices=("auto", "ebpf", "iptables", "none"),
+        ),
+    )
+    min_sync_period: float = field(
+        default=0.0,
+        metadata=_opt(
+            "--min-sync-period",
+            "minimum time between syncs (e.g. 1s); 0 applies changes at once, coalescing "
+            "those that arrive during a sync",
+            metavar="DURATION",
+            type=lambda text: parse_duration(text),
+        ),
+    )
+    sync_period: float = field(
+        default=30.0,
+        metadata=_opt(
+            "--sync-period",
+            "full resync period (e.g. 30s); a resync writes nothing when the kernel matches",
+            metavar="DURATION",
+            type=lambda text: parse_duration(text),
+        ),
+    )
+    metrics_bind_address: str = field(
+        default="127.0.0.1:10249",
+        metadata=_opt(
+            "--metrics-bind-address", "address of /metrics and /state", metavar="HOST:PORT"
+        ),
+    )
+    healthz_bind_address: str = field(
+        default="0.0.0.0:10256",
+        metadata=_opt(
+            "--healthz-bind-address",
+            "address of /healthz, /livez and /readyz",
+            metavar="HOST:PORT",
+        ),
+    )
+    log_format: str = field(
+        default="text",
+        metadata=_opt("--log-format", "log line format", choices=("text", "json")),
+    )
+    verbosity: int = field(
+        default=0,
+        metadata=_opt(
+            "--v",
+            "log verbosity like kube-proxy's -v: 0-1 info, 2+ debug",
+            short="-v",
+            type=int,
+            metavar="N",
+        ),
+    )
+    config: str | None = field(
+        default=None,
+        metadata=_opt(
+            "--config",
+            "YAML file with any of these settings (keys as the flags without dashes, "
+            "e.g. sync-period or sync_period); flags and env vars win over it",
+            metavar="FILE",
         ),
     )
     output: str = field(
@@ -173,19 +250,26 @@ def add_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:
 def settings_from(
     args: argparse.Namespace, names: list[str], environ: dict[str, str] | None = None
 ) -> Settings:
-    """Settings from parsed flags, falling back to KBP_* env vars, then defaults."""
+    """Settings from parsed flags, then KBP_* env vars, then the --config file, then
+    defaults. Raises ValueError naming the setting (and its source) that is wrong."""
     environ = dict(os.environ) if environ is None else environ
+    file_values: dict[str, Any] = {}
+    if "config" in names:
+        path = getattr(args, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
+        if path:
+            file_values = _read_config(path, names)
     values: dict[str, Any] = {}
     for name in names:
         f = SETTINGS_FIELDS[name]
         value = getattr(args, name, None)
-        is_list = f.default_factory is list  # type: ignore[comparison-overlap]
-        if value is not None and is_list and f.metadata.get("comma"):
-            value = [v.strip() for item in value for v in item.split(",") if v.strip()]
+        if isinstance(value, list) and f.metadata.get("comma"):
+            value = _split(value)
         if value is None or value is False:
             raw = environ.get(ENV_PREFIX + name.upper())
             if raw is not None:
-                value = _from_env(f.type, raw, is_list)
+                value = _convert(f, raw, f"{ENV_PREFIX}{name.upper()}")
+            elif name in file_values:
+                value = file_values[name]
         if value is not None:
             values[name] = value
     settings = Settings(**values)
@@ -193,9 +277,65 @@ def settings_from(
     return settings
 
 
-def _from_env(type_name: object, raw: str, is_list: bool) -> Any:
-    if is_list:
-        return [v.strip() for v in raw.split(",") if v.strip()]
-    if type_name in ("bool", bool):
-        return raw.strip().lower() in ("1", "true", "yes", "on")
-    return raw
+def parse_duration(text: str | float) -> float:
+    """Seconds from a number or a Go-style duration ("500ms", "30s", "1m30s", "2h")."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        stripped = str(text).strip()
+        try:
+            seconds = float(stripped)
+        except ValueError:
+            parts = _DURATION.findall(stripped)
+            if not parts or "".join(n + u for n, u in parts) != stripped:
+                raise ValueError(f"{text!r} is not a duration (e.g. 500ms, 30s, 1m)") from None
+            seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if seconds < 0:
+        raise ValueError(f"{text!r} is negative")
+    return seconds
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _split(items: list[str]) -> list[str]:
+    return [v.strip() for item in items for v in str(item).split(",") if v.strip()]
+
+
+def _convert(f: Field[Any], raw: Any, source: str) -> Any:
+    """A value from the environment (text) or the config file (YAML) as the setting's type."""
+    kind = str(f.type)
+    try:
+        if kind.startswith("list"):
+            return _split(raw if isinstance(raw, list) else [raw])
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            return str(raw).strip().lower() in ("1", "true", "yes", "on")
+        if f.metadata.get("type") is not None:
+            return f.metadata["type"](raw)
+        if kind == "int":
+            return int(raw)
+        return None if raw is None else str(raw)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: {err}") from None
+
+
+def _read_config(path: str, names: list[str]) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as stream:
+            document = yaml.safe_load(stream)
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"--config {path}: {err}") from None
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ValueError(f"--config {path}: expected a mapping of settings")
+    values: dict[str, Any] = {}
+    for key, raw in document.items():
+        name = str(key).replace("-", "_")
+        if name not in names or name == "config":
+            raise ValueError(f"--config {path}: unknown setting {key!r}")
+        values[name] = _convert(SETTINGS_FIELDS[name], raw, f"--config {path}: {key}")
+    return values
