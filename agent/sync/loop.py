@@ -31,7 +31,9 @@ class StatusSink(Protocol):
 
     def set_node_state(self, state: NodeState) -> None: ...
 
-    def record_sync(self, success: bool, when: float, held_revision: str | None) -> None: ...
+    def record_sync(
+        self, success: bool, when: float, held_revision: str | None, error: str | None = None
+    ) -> None: ...
 
 
 class StateSink(Protocol):
@@ -172,5 +174,7 @@ class SyncLoop:
             self.dataplane.name, reason, message, delay,
         )  # fmt: skip
         if self.status is not None:
-            self.status.record_sync(False, self._wall(), self.dataplane.held_revision)
+            self.status.record_sync(
+                False, self._wall(), self.dataplane.held_revision, error=f"{reason}: {message}"
+            )
         self.runner.retry_after(delay)

@@ -46,7 +46,9 @@ class Status:
     def set_node_state(self, state: NodeState) -> None:
         self.state = state
 
-    def record_sync(self, success: bool, when: float, held_revision: str | None) -> None:
+    def record_sync(
+        self, success: bool, when: float, held_revision: str | None, error: str | None = None
+    ) -> None:
         self.syncs.append((success, held_revision))
 
 
