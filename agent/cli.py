@@ -11,6 +11,7 @@ import yaml
 
 from . import __version__
 from .config import add_arguments, settings_from
+from .logs import setup_logging
 from .model.compile import compile
 from .model.nodestate import NodeState
 from .sources.manifests import load_manifests
@@ -29,6 +30,27 @@ COMPILE_SETTINGS = [
     "output",
     "strict",
     "log_level",
+]
+
+RUN_SETTINGS = [
+    "manifests",
+    "kubeconfig",
+    "node",
+    "node_ip",
+    "node_label",
+    "nodeport_addresses",
+    "cluster_cidr",
+    "cluster_name",
+    "service_proxy_name",
+    "dataplane",
+    "min_sync_period",
+    "sync_period",
+    "metrics_bind_address",
+    "healthz_bind_address",
+    "log_level",
+    "log_format",
+    "verbosity",
+    "config",
 ]
 
 try:
@@ -62,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Input problems go to stderr; the document to stdout.",
     )
     add_arguments(compile_parser, COMPILE_SETTINGS)
+    run_parser = commands.add_parser(
+        "run",
+        help="run the agent: follow the cluster and program this node",
+        description="Follow Services, EndpointSlices and Nodes (from the API server, or from "
+        "--manifests), compile this node's NodeState and program it with the dataplane; "
+        "serve /metrics and /state on --metrics-bind-address and /healthz, /livez, /readyz "
+        "on --healthz-bind-address.",
+    )
+    add_arguments(run_parser, RUN_SETTINGS)
     return parser
 
 
@@ -83,12 +114,22 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = settings_from(args, RUN_SETTINGS)
+    setup_logging(settings.log_level, settings.log_format, settings.verbosity)
+    from .daemon import run  # imports the servers and, without --manifests, kubernetes
+
+    return run(settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "compile":
             return cmd_compile(args)
+        if args.command == "run":
+            return cmd_run(args)
     except ValueError as err:  # settings validation: a usage error
         parser.exit(2, f"kube-bpf-proxy {args.command}: error: {err}\n")
     except BrokenPipeError:  # e.g. `| head`

@@ -1,0 +1,121 @@
+"""`kube-bpf-proxy run`: wire a source, the sync loop, a dataplane and the local API."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+
+from .api.healthcheck import HealthCheckServers
+from .api.server import AgentStatus, HealthServer, MetricsServer
+from .config import Settings
+from .dataplane.select import select_dataplane
+from .metrics import Metrics
+from .sources.manifests import load_manifests
+from .sync.loop import SyncLoop
+from .sync.store import StateStore
+
+log = logging.getLogger("kube-bpf-proxy")
+
+
+class Agent:
+    """Everything `run` starts, in start order; `stop` undoes it in reverse.
+
+    The dataplane's kernel state is left in place on stop (as kube-proxy does): the
+    next agent adopts it, and `cleanup` removes it on purpose.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.store = StateStore()
+        self.dataplane, reason = select_dataplane(settings.dataplane)
+        self.metrics.dataplane_info.labels(self.dataplane.name, reason).set(1)
+        log.info("dataplane: %s (%s)", self.dataplane.name, reason)
+        self.status = AgentStatus(dataplane=self.dataplane.name)
+        self._stoppers: list[Callable[[], None]] = []
+
+    def start(self) -> None:
+        s = self.settings
+        metrics_server = MetricsServer(s.metrics_bind_address, self.status, self.metrics)
+        self._stoppers.append(metrics_server.close)
+        health_server = HealthServer(s.healthz_bind_address, self.status, s.sync_period)
+        self._stoppers.append(health_server.close)
+        health_checks = HealthCheckServers(proxy_healthy=health_server.is_healthy)
+        self._stoppers.append(health_checks.close)
+        self.loop = SyncLoop(
+            self.store,
+            s.node,
+            s.compile_options(),
+            self.dataplane,
+            self.metrics,
+            min_sync_period=s.min_sync_period,
+            sync_period=s.sync_period,
+            status=self.status,
+            followers=[health_checks],
+        )
+        self.loop.start()
+        self._stoppers.append(self.loop.stop)
+        if s.manifests:
+            self._load_manifests()
+        else:
+            self._start_kubernetes_source()
+        log.info(
+            "serving metrics and /state on %s, health on %s",
+            metrics_server.url, health_server.url,
+        )  # fmt: skip
+
+    def _load_manifests(self) -> None:
+        """The file source: one full state, read once."""
+        self.store.register_source("manifests")
+        state, reports = load_manifests(self.settings.manifests)
+        for report in reports:
+            log.warning("%s", report)
+        self.store.replace("Node", list(state.nodes.values()))
+        self.store.replace("Service", list(state.services.values()))
+        self.store.replace("EndpointSlice", list(state.slices.values()))
+        self.store.mark_synced("manifests")
+
+    def _start_kubernetes_source(self) -> None:
+        from .k8s.source import KubernetesSource, load_config  # the only kubernetes user
+
+        source = KubernetesSource(
+            load_config(self.settings.kubeconfig),
+            self.store,
+            self.metrics,
+            self.settings.node,
+            self.settings.service_proxy_name,
+            status=self.status,
+        )
+        source.start()
+        self._stoppers.append(source.stop)
+
+    def stop(self) -> None:
+        for stop in reversed(self._stoppers):
+            try:
+                stop()
+            except Exception:
+                log.exception("stopping %s", getattr(stop, "__qualname__", stop))
+        self._stoppers.clear()
+
+
+def run(settings: Settings, stop: threading.Event | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or `stop` is set)."""
+    stop = stop or threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    agent = Agent(settings)
+    try:
+        agent.start()
+        stop.wait()
+    finally:
+        agent.stop()
+    return 0
