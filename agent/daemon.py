@@ -20,6 +20,10 @@ from .sync.store import StateStore
 log = logging.getLogger("kube-bpf-proxy")
 
 
+class StartupError(Exception):
+    """The agent cannot start as configured; the message says what to change."""
+
+
 class Agent:
     """Everything `run` starts, in start order; `stop` undoes it in reverse.
 
@@ -39,10 +43,16 @@ class Agent:
 
     def start(self) -> None:
         s = self.settings
-        metrics_server = MetricsServer(s.metrics_bind_address, self.status, self.metrics)
-        self._stoppers.append(metrics_server.close)
-        health_server = HealthServer(s.healthz_bind_address, self.status, s.sync_period)
-        self._stoppers.append(health_server.close)
+        try:
+            metrics_server = MetricsServer(s.metrics_bind_address, self.status, self.metrics)
+            self._stoppers.append(metrics_server.close)
+        except (OSError, ValueError) as err:
+            raise StartupError(f"--metrics-bind-address {s.metrics_bind_address}: {err}") from err
+        try:
+            health_server = HealthServer(s.healthz_bind_address, self.status, s.sync_period)
+            self._stoppers.append(health_server.close)
+        except (OSError, ValueError) as err:
+            raise StartupError(f"--healthz-bind-address {s.healthz_bind_address}: {err}") from err
         health_checks = HealthCheckServers(proxy_healthy=health_server.is_healthy)
         self._stoppers.append(health_checks.close)
         self.loop = SyncLoop(
@@ -79,15 +89,19 @@ class Agent:
         self.store.mark_synced("manifests")
 
     def _start_kubernetes_source(self) -> None:
-        from .k8s.source import KubernetesSource, load_config  # the only kubernetes user
+        from .k8s import ConfigError, KubernetesSource, load_config  # the only kubernetes user
 
+        try:
+            api_client = load_config(self.settings.kubeconfig)
+        except ConfigError as err:
+            raise StartupError(str(err)) from err
         source = KubernetesSource(
-            load_config(self.settings.kubeconfig),
+            api_client,
             self.store,
             self.metrics,
             self.settings.node,
             self.settings.service_proxy_name,
-            status=self.status,
+            on_reachability=self.status.set_api_reachable,
         )
         source.start()
         self._stoppers.append(source.stop)
@@ -116,6 +130,9 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
     try:
         agent.start()
         stop.wait()
+    except StartupError as err:
+        log.error("cannot start: %s", err)
+        return 1
     finally:
         agent.stop()
     return 0

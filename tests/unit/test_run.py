@@ -96,3 +96,28 @@ def test_an_unavailable_dataplane_is_a_usage_error() -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "--dataplane ebpf" in result.stderr
+
+
+def test_no_kubeconfig_is_a_clear_startup_error(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--node", "node-a", "--dataplane", "none",
+         "--kubeconfig", str(tmp_path / "missing"), "--metrics-bind-address", "127.0.0.1:0",
+         "--healthz-bind-address", "127.0.0.1:0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "cannot start" in result.stderr and "missing" in result.stderr
+
+
+def test_a_busy_port_is_a_clear_startup_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "agent", "run", "--manifests", "examples", "--dataplane",
+             "none", "--metrics-bind-address", f"127.0.0.1:{port}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert f"--metrics-bind-address 127.0.0.1:{port}" in result.stderr

@@ -1,0 +1,16 @@
+"""The Kubernetes API source: configuration and list/watch into the StateStore.
+
+This package is the only code that imports the `kubernetes` client.
+"""
+
+from .config import ConfigError, load_config
+from .source import RESOURCES, KubernetesSource, Resource, service_selector
+
+__all__ = [
+    "RESOURCES",
+    "ConfigError",
+    "KubernetesSource",
+    "Resource",
+    "load_config",
+    "service_selector",
+]

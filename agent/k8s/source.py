@@ -1,0 +1,624 @@
+"""The Kubernetes API source: list and watch Services, EndpointSlices and Nodes into the
+StateStore, one thread per resource, decoding each object once from raw JSON.
+
+Per resource the loop is a reflector's: list (paged) and `replace` the store's objects of
+that kind, mark the resource synced, then watch from the list's resourceVersion (tracked
+through events and BOOKMARKs). A watch that ends normally (its `timeoutSeconds`, or the
+client's read timeout, which is what ends watches on servers that ignore
+`timeoutSeconds`) is resumed from the last resourceVersion. `410 Gone` — as HTTP status
+or as an ERROR event — relists at once. Any other error (unreachable server, HTTP error,
+broken stream) sets `kbp_api_up{resource}` to 0, waits a capped exponential backoff with
+jitter (not reset by a list that works while the watch keeps failing) and relists:
+`replace` applies what was deleted meanwhile and reports no change when nothing
+changed, so the dataplane does not flap. The store is never cleared on errors: the last
+known state stays in force.
+
+Selection. Services: `!service.kubernetes.io/service-proxy-name`, or
+`service.kubernetes.io/service-proxy-name=NAME` with `--service-proxy-name NAME`.
+EndpointSlices: `!service.kubernetes.io/headless` only; slices are *not* filtered by the
+proxy-name label (third-party slices do not copy it; the compiler drops slices whose
+Service is not programmed). The selectors are sent to the server and applied again here
+(cheap; servers or emulators that ignore them are handled, and an object that leaves
+the selection is removed from the store).
+
+Nodes. The whole Node list is watched and only name and labels are kept for other
+nodes (topology keys need their labels), plus the addresses of this node. This is
+simpler than a metadata-only watch started when a Service uses topology keys, costs one
+small object per node, and other nodes' status churn (heartbeats, conditions) decodes to
+equal values, so it causes no change and no recompile.
+
+Malformed objects are logged once per distinct problem, naming `Kind namespace/name`,
+and skipped; the last good version stays in the store, also across relists.
+`kbp_api_events{resource,type}` counts ADDED/MODIFIED/DELETED/BOOKMARK/ERROR watch events
+and LIST for each object received in a list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+from kubernetes import client
+from kubernetes.client.exceptions import OpenApiException
+
+from ..metrics import Metrics
+from ..model import conventions as c
+from ..model.decode import decode_object
+from ..model.types import EndpointSlice, Node, Service
+from ..sync.store import StateStore, key_of
+
+log = logging.getLogger(__name__)
+
+Value = Service | EndpointSlice | Node
+Key = tuple[str, str]  # (namespace, name); Nodes have namespace ""
+ListFunction = Callable[..., Any]
+
+GONE = 410
+HEALTHY_WATCH = 10.0  # seconds a watch must last for its failure to restart the backoff
+
+
+@dataclass(frozen=True, slots=True)
+class Resource:
+    """One watched API resource."""
+
+    name: str  # plural: the metric label and thread name
+    kind: str  # the StateStore kind
+    api_version: str
+
+    @property
+    def source(self) -> str:
+        """The name registered with the StateStore."""
+        return f"kubernetes/{self.name}"
+
+
+SERVICES = Resource("services", "Service", "v1")
+ENDPOINT_SLICES = Resource("endpointslices", "EndpointSlice", "discovery.k8s.io/v1")
+NODES = Resource("nodes", "Node", "v1")
+RESOURCES = (SERVICES, ENDPOINT_SLICES, NODES)
+
+
+class Gone(Exception):
+    """The resourceVersion is too old (HTTP 410): relist."""
+
+
+class WatchError(Exception):
+    """The server reported an error in the watch stream, or sent something unreadable."""
+
+
+def service_selector(service_proxy_name: str | None) -> str:
+    """The label selector for the Services this proxy handles (conventions §5.4)."""
+    if service_proxy_name:
+        return f"{c.LABEL_SERVICE_PROXY_NAME}={service_proxy_name}"
+    return f"!{c.LABEL_SERVICE_PROXY_NAME}"
+
+
+SLICE_SELECTOR = f"!{c.LABEL_HEADLESS}"
+
+
+class KubernetesSource:
+    """Follows the API server into `store`; `start()` runs it, `stop()` ends it.
+
+    Every resource is registered with the store at construction, so the store reports
+    `synced` only once all three initial lists have completed.
+    """
+
+    def __init__(
+        self,
+        api_client: client.ApiClient,
+        store: StateStore,
+        metrics: Metrics,
+        node_name: str,
+        service_proxy_name: str | None,
+        *,
+        watch_timeout: float = 300,
+        read_timeout: float = 150,
+        connect_timeout: float = 10,
+        list_timeout: float = 60,
+        page_size: int = 500,
+        backoff_base: float = 0.5,
+        backoff_max: float = 30,
+        rng: random.Random | None = None,
+        on_reachability: Callable[[bool], None] | None = None,
+    ) -> None:
+        """`on_reachability(all_up)` is called whenever the API server becomes reachable
+        for every resource or stops being reachable for one (the local API reports it).
+        `watch_timeout` is the server-side watch duration (`timeoutSeconds`, spread over
+        1 to 2 times it, as client-go does). `read_timeout` is the longest silence accepted
+        on a watch (`list_timeout` on a list): API servers send a BOOKMARK about once a
+        minute, so a longer silence means a dead connection (or a server that ignores
+        `timeoutSeconds`) and the watch is resumed from its resourceVersion. Backoff after
+        an error starts at `backoff_base` seconds and doubles up to `backoff_max`, with
+        jitter (each wait is 50 to 100 % of the nominal one). `page_size` is the list
+        `limit` (0: unpaged)."""
+        self.store = store
+        self.metrics = metrics
+        self.node_name = node_name
+        self.service_proxy_name = service_proxy_name or None
+        self.watch_timeout = watch_timeout
+        self.read_timeout = read_timeout
+        self.connect_timeout = connect_timeout
+        self.list_timeout = list_timeout
+        self.page_size = page_size
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self._rng = rng or random.Random()
+        self._on_reachability = on_reachability
+        self._reachable = False  # reported from the first time every resource is up
+        self._reachability_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        core = client.CoreV1Api(api_client)
+        discovery = client.DiscoveryV1Api(api_client)
+        proxy_label = c.LABEL_SERVICE_PROXY_NAME
+        self._watchers = [
+            _Watcher(
+                self,
+                SERVICES,
+                core.list_service_for_all_namespaces,
+                service_selector(self.service_proxy_name),
+                lambda labels: labels.get(proxy_label) == self.service_proxy_name,
+            ),
+            _Watcher(
+                self,
+                ENDPOINT_SLICES,
+                discovery.list_endpoint_slice_for_all_namespaces,
+                SLICE_SELECTOR,
+                lambda labels: c.LABEL_HEADLESS not in labels,
+            ),
+            _Watcher(self, NODES, core.list_node, None, lambda labels: True),
+        ]
+        for watcher in self._watchers:
+            store.register_source(watcher.resource.source)
+            metrics.api_up.labels(watcher.resource.name).set(0)
+
+    def _report_reachability(self) -> None:
+        if self._on_reachability is None:
+            return
+        with self._reachability_lock:
+            reachable = all(w.up for w in self._watchers)
+            if reachable == self._reachable:
+                return
+            self._reachable = reachable
+        self._on_reachability(reachable)
+
+    # --- lifecycle ------------------------------------------------------------------
+    def start(self) -> None:
+        """Start one daemon thread per resource."""
+        if self._threads:
+            raise RuntimeError("KubernetesSource already started")
+        self._stopping.clear()
+        for watcher in self._watchers:
+            thread = threading.Thread(
+                target=watcher.run, name=f"kbp-k8s-{watcher.resource.name}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop promptly: wake the backoff waits, cut the open streams, join the threads."""
+        self._stopping.set()
+        for watcher in self._watchers:
+            watcher.interrupt()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("%s did not stop within %.1f s", thread.name, timeout)
+        self._threads = []
+
+    def __enter__(self) -> KubernetesSource:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- status ---------------------------------------------------------------------
+    @property
+    def up(self) -> dict[str, bool]:
+        """Per resource: listed and watching (False while retrying after an error)."""
+        return {w.resource.name: w.up for w in self._watchers}
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _wait(self, seconds: float) -> bool:
+        """Sleep unless stopped; True when stopping."""
+        return self._stopping.wait(seconds)
+
+    def _backoff(self, failures: int) -> float:
+        nominal = min(self.backoff_max, self.backoff_base * 2 ** max(0, failures - 1))
+        return nominal * self._rng.uniform(0.5, 1.0)
+
+
+class _Watcher:
+    """List + watch of one resource, run in its own thread."""
+
+    def __init__(
+        self,
+        source: KubernetesSource,
+        resource: Resource,
+        list_function: ListFunction,
+        label_selector: str | None,
+        selected: Callable[[Mapping[str, Any]], bool],
+    ) -> None:
+        self.source = source
+        self.resource = resource
+        self.list_function = list_function
+        self.label_selector = label_selector
+        self.selected = selected  # the label selector, applied to an object's labels
+        self.up = False
+        self._events = {
+            kind: source.metrics.api_events.labels(resource.name, kind)
+            for kind in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR", "LIST")
+        }
+        self._up_gauge = source.metrics.api_up.labels(resource.name)
+        self._reported: dict[Key, str] = {}  # last problem logged per object
+        self._response_lock = threading.Lock()
+        self._response: urllib3.BaseHTTPResponse | None = None
+        self._node_missing_reported = False
+
+    # --- main loop ------------------------------------------------------------------
+    def run(self) -> None:
+        source = self.source
+        name = self.resource.name
+        failures = 0  # consecutive errors (a list that works but a watch that fails is one)
+        quick = 0  # consecutive relists or resumes that brought nothing
+        relist = True
+        version = ""
+        while not source.stopping:
+            started: float | None = None
+            try:
+                if relist:
+                    version = self._list()
+                    relist = False
+                    if not self.up:
+                        if failures:
+                            log.info("%s: listed again after %d failures", name, failures)
+                        self._set_up(True)
+                started = time.monotonic()
+                version, received = self._watch(version)
+                failures = 0
+                # A watch that ends at once and empty, again and again, must not spin.
+                quick = quick + 1 if not received and time.monotonic() - started < 1 else 0
+                if quick > 1 and source._wait(source._backoff(quick - 1)):
+                    break
+            except Gone as err:
+                log.info("%s: %s; relisting", name, err)
+                relist = True
+                quick += 1
+                if quick > 1 and source._wait(source._backoff(quick - 1)):
+                    break
+            except Exception as err:
+                if source.stopping:
+                    break
+                if started is not None and time.monotonic() - started >= HEALTHY_WATCH:
+                    failures = 0  # a watch that worked for a while: a fresh failure
+                failures += 1
+                relist = True
+                self._set_up(False)
+                delay = source._backoff(failures)
+                if isinstance(err, OpenApiException | urllib3.exceptions.HTTPError | OSError):
+                    log.warning(
+                        "%s: %s; keeping the last known state, retrying in %.1f s (attempt %d)",
+                        name,
+                        _describe(err),
+                        delay,
+                        failures,
+                    )
+                elif isinstance(err, WatchError | ValueError):
+                    log.warning("%s: %s; relisting in %.1f s", name, err, delay)
+                else:  # a bug: say so loudly, but keep the agent following the cluster
+                    log.error(
+                        "%s: unexpected error; retrying in %.1f s", name, delay, exc_info=True
+                    )
+                if source._wait(delay):
+                    break
+        self._set_up(False)
+
+    def interrupt(self) -> None:
+        """Unblock a read in progress (called from `stop()` on another thread)."""
+        with self._response_lock:
+            response = self._response
+        if response is None:
+            return
+        connection = getattr(response, "connection", None)
+        sock = getattr(connection, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _set_up(self, up: bool) -> None:
+        self.up = up
+        self._up_gauge.set(1 if up else 0)
+        self.source._report_reachability()
+
+    # --- list -----------------------------------------------------------------------
+    def _list(self) -> str:
+        """List everything, make the store's objects of this kind exactly that; return
+        the list's resourceVersion."""
+        items, version = self._list_pages()
+        values: list[Value] = []
+        bad: set[Key] = set()
+        keys: set[Key] = set()
+        listed = self._events["LIST"]
+        for obj in items:
+            listed.inc()
+            outcome, key, value = self._convert(obj)
+            if key is not None:
+                keys.add(key)
+            if value is not None:
+                values.append(value)
+            elif outcome == "bad" and key is not None:
+                bad.add(key)
+        # Forget the problems of objects that are gone.
+        self._reported = {k: v for k, v in self._reported.items() if k in keys}
+        keep: Callable[[Value], bool] | None = None
+        if bad:
+
+            def keep(value: Value) -> bool:  # delete unlisted objects, not malformed ones
+                return key_of(value) not in bad
+
+        changed = self.source.store.replace(self.resource.kind, values, keep)
+        self.source.store.mark_synced(self.resource.source)
+        log.debug(
+            "%s: listed %d objects at resourceVersion %s (%s)",
+            self.resource.name,
+            len(items),
+            version,
+            "changed" if changed else "no change",
+        )
+        if self.resource is NODES:
+            self._check_own_node(values)
+        return version
+
+    def _list_pages(self) -> tuple[list[Any], str]:
+        items: list[Any] = []
+        token: str | None = None
+        limit: int | None = self.source.page_size or None
+        while True:
+            kwargs: dict[str, Any] = {}
+            if limit:
+                kwargs["limit"] = limit
+            if token:
+                kwargs["_continue"] = token
+            try:
+                body = self._request(self.source.list_timeout, **kwargs)
+            except OpenApiException as err:
+                if getattr(err, "status", None) == GONE and token:
+                    # The continue token expired mid-list: start again, in one piece.
+                    log.info("%s: list continuation expired; listing again", self.resource.name)
+                    items, token, limit = [], None, None
+                    continue
+                raise
+            if not isinstance(body, Mapping) or not isinstance(body.get("items", []), list):
+                raise WatchError(f"list response is not a {self.resource.kind}List")
+            items.extend(body.get("items") or ())
+            meta = body.get("metadata") if isinstance(body.get("metadata"), Mapping) else {}
+            token = meta.get("continue") or None
+            if not token:
+                return items, str(meta.get("resourceVersion") or "")
+
+    def _request(self, read_timeout: float, **kwargs: Any) -> Any:
+        response = self._call(read_timeout, **kwargs)
+        complete = False
+        try:
+            data = response.data
+            complete = True
+        finally:
+            self._finish(response, complete)
+        return json.loads(data)
+
+    def _call(self, read_timeout: float, **kwargs: Any) -> urllib3.BaseHTTPResponse:
+        response = self.list_function(
+            label_selector=self.label_selector,
+            _preload_content=False,
+            _request_timeout=(self.source.connect_timeout, read_timeout),
+            **kwargs,
+        )
+        with self._response_lock:
+            self._response = response
+        if self.source.stopping:  # stop() ran before the response was registered
+            self.interrupt()
+        return response
+
+    def _finish(self, response: urllib3.BaseHTTPResponse, complete: bool) -> None:
+        """Unregister a response; a connection with unread data is closed, not reused."""
+        with self._response_lock:
+            if self._response is response:
+                self._response = None
+        if not complete:
+            response.close()
+        response.release_conn()
+
+    def _check_own_node(self, values: Iterable[Value]) -> None:
+        if any(isinstance(v, Node) and v.name == self.source.node_name for v in values):
+            self._node_missing_reported = False
+        elif not self._node_missing_reported:
+            self._node_missing_reported = True
+            log.warning(
+                "Node %s is not in the API server's node list; this node has no addresses "
+                "for NodePorts (check --node, or set --node-ip)",
+                self.source.node_name,
+            )
+
+    # --- watch ----------------------------------------------------------------------
+    def _watch(self, version: str) -> tuple[str, int]:
+        """Watch from `version` until the stream ends; return the last resourceVersion
+        seen and how many events arrived. Raises Gone on 410."""
+        source = self.source
+        timeout_seconds = max(1, math.ceil(source.watch_timeout * source._rng.uniform(1.0, 2.0)))
+        kwargs: dict[str, Any] = {
+            "watch": True,
+            "allow_watch_bookmarks": True,
+            "timeout_seconds": timeout_seconds,
+        }
+        if version:
+            kwargs["resource_version"] = version
+        try:
+            response = self._call(source.read_timeout, **kwargs)
+        except OpenApiException as err:
+            if getattr(err, "status", None) == GONE:
+                raise Gone(f"watch from resourceVersion {version}: 410 Gone") from None
+            raise
+        received = 0
+        try:
+            for line in _lines(response):
+                if source.stopping:
+                    break
+                try:
+                    event = json.loads(line)
+                except ValueError as err:
+                    raise WatchError(f"unreadable watch event: {err}") from None
+                version = self._handle(event, version)
+                received += 1
+        except urllib3.exceptions.ReadTimeoutError:
+            # Silent for read_timeout: the server ignored timeoutSeconds, or the connection
+            # died quietly. Resume; if the server is gone, the next request fails.
+            log.debug("%s: watch read timeout; resuming", self.resource.name)
+        finally:
+            self._finish(response, complete=False)  # watches are long-lived: never reused
+        return version, received
+
+    def _handle(self, event: Any, version: str) -> str:
+        if not isinstance(event, Mapping):
+            raise WatchError(f"watch event is not an object: {event!r:.100}")
+        kind = event.get("type")
+        obj = event.get("object")
+        counter = self._events.get(kind) if isinstance(kind, str) else None
+        if counter is None or kind == "LIST":
+            log.warning("%s: ignoring a watch event of type %r", self.resource.name, kind)
+            return version
+        counter.inc()
+        if kind == "ERROR":
+            status = obj if isinstance(obj, Mapping) else {}
+            if status.get("code") == GONE:
+                raise Gone(f"watch: {status.get('reason') or 'Gone'}: {status.get('message')}")
+            raise WatchError(
+                f"watch error {status.get('code')} {status.get('reason')}: {status.get('message')}"
+            )
+        if not isinstance(obj, dict):
+            raise WatchError(f"{kind} event without an object")
+        meta = obj.get("metadata")
+        if isinstance(meta, Mapping) and meta.get("resourceVersion"):
+            version = str(meta["resourceVersion"])
+        if kind == "BOOKMARK":
+            return version
+        if kind == "DELETED":
+            key = _key(self.resource, meta)
+            if key is None:
+                log.warning("%s: DELETED event without metadata.name; ignored", self.resource.kind)
+            else:
+                self._reported.pop(key, None)
+                self.source.store.delete(self.resource.kind, *key)
+            return version
+        outcome, key, value = self._convert(obj)
+        if value is not None:
+            self.source.store.upsert(value)
+        elif outcome == "skip" and key is not None:
+            self.source.store.delete(self.resource.kind, *key)  # left our selection
+        return version
+
+    # --- decoding -------------------------------------------------------------------
+    def _convert(self, obj: Any) -> tuple[str, Key | None, Value | None]:
+        """Decode one object: ("ok", key, value), ("skip", key, None) for an object that
+        is not ours (selector, headless, FQDN), ("bad", key, None) for a malformed one."""
+        resource = self.resource
+        if not isinstance(obj, dict):
+            self._report(None, f"{resource.kind} <unknown>: expected an object")
+            return "bad", None, None
+        # List items carry no kind/apiVersion, and the endpoint tells us what they are.
+        obj["kind"] = resource.kind
+        obj["apiVersion"] = resource.api_version
+        meta = obj.get("metadata")
+        key = _key(resource, meta)
+        labels = meta.get("labels") if isinstance(meta, Mapping) else None
+        # (Labels of the wrong type are the decoder's to report.)
+        if (labels is None or isinstance(labels, Mapping)) and not self.selected(labels or {}):
+            if key is not None:
+                self._reported.pop(key, None)
+            return "skip", key, None
+        decoded = decode_object(obj)
+        if decoded.error is not None:
+            self._report(
+                key, f"{decoded.ref}: {decoded.error}; skipped, keeping its last good version"
+            )
+            return "bad", key, None
+        if decoded.warnings:
+            self._report(key, f"{decoded.ref}: " + "; ".join(decoded.warnings))
+        elif key is not None:
+            self._reported.pop(key, None)
+        if decoded.value is None:
+            log.debug("%s: %s", decoded.ref, decoded.skipped)
+            return "skip", key, None
+        value = decoded.value
+        if isinstance(value, Node) and value.name != self.source.node_name and value.addresses:
+            value = dataclasses.replace(value, addresses=())  # only labels matter
+        return "ok", key, value
+
+    def _report(self, key: Key | None, message: str) -> None:
+        """Log a problem with an object once, not at every relist or replayed event."""
+        if key is not None:
+            if self._reported.get(key) == message:
+                return
+            self._reported[key] = message
+        log.warning("%s", message)
+
+
+def _key(resource: Resource, meta: object) -> Key | None:
+    if not isinstance(meta, Mapping):
+        return None
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    if resource is NODES:
+        return ("", name)
+    namespace = meta.get("namespace")
+    return (namespace if isinstance(namespace, str) and namespace else "default", name)
+
+
+def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+    """The non-empty lines of a streamed (chunked) response, as they arrive."""
+    buffer = bytearray()
+    for chunk in response.stream(amt=None, decode_content=True):
+        buffer += chunk
+        start = 0
+        while (end := buffer.find(b"\n", start)) != -1:
+            line = bytes(buffer[start:end]).strip()
+            start = end + 1
+            if line:
+                yield line
+        del buffer[:start]
+    tail = bytes(buffer).strip()
+    if tail:
+        yield tail
+
+
+def _describe(err: Exception) -> str:
+    """A one-line reason for an API or connection error."""
+    status = getattr(err, "status", None)
+    if isinstance(err, OpenApiException) and status is not None:
+        reason = getattr(err, "reason", None) or ""
+        body = getattr(err, "body", None)
+        message = ""
+        if body:
+            try:
+                message = json.loads(body).get("message", "")
+            except (ValueError, AttributeError):
+                message = ""
+        return f"HTTP {status} {reason}".strip() + (f": {message}" if message else "")
+    reason = getattr(err, "reason", None)
+    text = str(reason if reason is not None else err) or type(err).__name__
+    return text.splitlines()[0]

@@ -1,0 +1,349 @@
+"""Fixtures for the Kubernetes source against kmock, a Kubernetes API emulator, over HTTP.
+
+kmock runs in a background thread with its own event loop (the source is threaded and
+synchronous); tests talk to it through `KmockApi`, which creates, patches and deletes
+objects over HTTP, injects failures with kmock's reaction DSL, and stops and restarts the
+server on the same port. The source under test uses the real `kubernetes` client.
+
+kmock facts the tests rely on (kmock 0.8): it ignores label and field selectors,
+`resourceVersion` and `timeoutSeconds`; every watch first replays all current objects as
+ADDED, then streams changes; lists carry `resourceVersion: "..."`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp.test_utils
+import aiohttp.web_runner
+import aiohttp.web_server
+import kmock
+import pytest
+from kubernetes import client
+
+from agent.k8s import KubernetesSource
+from agent.metrics import Metrics
+from agent.sync.store import StateStore, Value, key_of, kind_of
+
+NODE = "node-a"
+SERVICES = "v1/services"
+SLICES = "discovery.k8s.io/v1/endpointslices"
+NODES = "v1/nodes"
+RESOURCES = (SERVICES, SLICES, NODES)
+COLLECTIONS = {  # kind → (resource, path of the collection, namespaced)
+    "Service": (SERVICES, "/api/v1/namespaces/{ns}/services", True),
+    "EndpointSlice": (SLICES, "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", True),
+    "Node": (NODES, "/api/v1/nodes", False),
+}
+RESOURCE_NAMES = {SERVICES: "services", SLICES: "endpointslices", NODES: "nodes"}
+DEADLINE = 4.0  # seconds a test waits for something before failing
+
+
+def wait_for(predicate: Callable[[], object], what: str, timeout: float = DEADLINE) -> None:
+    """Poll until `predicate()` is true; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+class _QuickStopServer(aiohttp.test_utils.RawTestServer):
+    """aiohttp waits up to 60 s for open handlers (our watches) at shutdown; cut them."""
+
+    async def _make_runner(
+        self, debug: bool = True, **kwargs: Any
+    ) -> aiohttp.web_runner.ServerRunner:
+        server = aiohttp.web_server.Server(self._handler, loop=self._loop, debug=debug, **kwargs)
+        return aiohttp.web_runner.ServerRunner(server, debug=debug, shutdown_timeout=0.05, **kwargs)
+
+
+class KmockApi:
+    """A kmock KubernetesEmulator served over HTTP from its own event-loop thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="kmock", daemon=True)
+        self.thread.start()
+        self.emulator: kmock.KubernetesEmulator = self.call(self._make_emulator())
+        self.server: kmock.Server | None = None
+        self.port: int | None = None
+
+    def call(self, coro: Any, timeout: float = DEADLINE) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _make_emulator(self) -> kmock.KubernetesEmulator:
+        emulator = kmock.KubernetesEmulator()
+        for resource in RESOURCES:
+            emulator.resources[resource] = {}
+        await emulator.__aenter__()
+        return emulator
+
+    # --- server ---------------------------------------------------------------------
+    def start(self) -> None:
+        async def start() -> kmock.Server:
+            server = kmock.Server(self.emulator, port=self.port, server_cls=_QuickStopServer)
+            await server.__aenter__()
+            return server
+
+        self.server = self.call(start())
+        self.port = self.server.port
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.call(self.server.__aexit__(None, None, None))
+            self.server = None
+
+    def close(self) -> None:
+        self.stop()
+        self.call(self.emulator.__aexit__(None, None, None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(DEADLINE)
+        self.loop.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # --- objects over HTTP ----------------------------------------------------------
+    def _path(self, kind: str, namespace: str | None, name: str | None = None) -> str:
+        _, collection, namespaced = COLLECTIONS[kind]
+        path = collection.format(ns=namespace or "default") if namespaced else collection
+        return f"{path}/{name}" if name else path
+
+    def _http(self, method: str, path: str, body: Any = None) -> Any:
+        async def go() -> Any:
+            async with self.emulator.request(method, path, json=body) as response:
+                text = await response.text()
+                assert response.status < 300, f"{method} {path}: {response.status} {text}"
+                return await response.json(content_type=None)
+
+        return self.call(go())
+
+    def create(self, *objects: dict[str, Any]) -> None:
+        for obj in objects:
+            meta = obj["metadata"]
+            self._http("POST", self._path(obj["kind"], meta.get("namespace")), obj)
+
+    def patch(self, kind: str, namespace: str | None, name: str, patch: dict[str, Any]) -> None:
+        """A merge patch (kmock merges dicts recursively; None removes a key)."""
+        self._http("PATCH", self._path(kind, namespace, name), patch)
+
+    def delete(self, kind: str, namespace: str | None, name: str) -> None:
+        self._http("DELETE", self._path(kind, namespace, name))
+
+    def forget(self, kind: str, namespace: str | None, name: str) -> None:
+        """Delete an object without a watch event: what a client misses while it is
+        disconnected (kmock, unlike the API server, does not replay missed deletions)."""
+
+        async def go() -> None:
+            self.forget_now(kind, namespace, name)
+
+        self.call(go())
+
+    def forget_now(self, kind: str, namespace: str | None, name: str) -> None:
+        """`forget`, from code already running in kmock's loop (an `on_next` hook)."""
+        resource, _, namespaced = COLLECTIONS[kind]
+        self.emulator.objects[resource, namespace if namespaced else None, name].delete()
+
+    # --- observing and injecting ------------------------------------------------------
+    def requests(self, action: kmock.action, resource: str) -> list[kmock.Request]:
+        wanted = kmock.resource(resource)
+        return [r for r in list(self.emulator) if r.action == action and r.resource == wanted]
+
+    def watching(self, resource: str) -> bool:
+        """A watch of `resource` is streaming live changes (subscribed to kmock's bus)."""
+        buses = self.emulator._buses  # kmock internals: one bus per resource
+        bus = buses.get(kmock.resource(resource))
+        return bus is not None and bus.consumer_count > 0
+
+    def on_next(
+        self,
+        action: kmock.action,
+        resource: str,
+        *payload: Any,
+        before: Callable[[], None] | None = None,
+        skip: int = 0,
+    ) -> None:
+        """Answer the next `action` request on `resource` (one request only; the one
+        after `skip` others) with `payload` (kmock's DSL: a status code, a dict as JSON, a
+        tuple as a stream); `before` runs in kmock's loop first, e.g. to change objects
+        unseen."""
+
+        def effect() -> None:
+            if before is not None:
+                before()
+
+        async def arm() -> None:  # in kmock's loop, which reads the reactions
+            first = len(list(self.emulator))  # request ids count from 0
+            view = self.emulator[action, kmock.resource(resource)][lambda r: r.id >= first]
+            reaction = view[skip : skip + 1] >> effect
+            for item in payload:
+                reaction = reaction << item
+
+        self.call(arm())
+
+    def fail_while(
+        self, action: kmock.action, resource: str, condition: threading.Event, status: int
+    ) -> None:
+        """Answer `action` requests on `resource` with `status` while `condition` is set."""
+        body = status_event(status, "InjectedFailure")["object"]
+
+        async def arm() -> None:
+            self.emulator[action, kmock.resource(resource)][condition] << status << body
+
+        self.call(arm())
+
+
+def status_event(code: int, reason: str, message: str = "injected by the test") -> dict[str, Any]:
+    """A watch ERROR event carrying a Status, as the API server sends it."""
+    return {
+        "type": "ERROR",
+        "object": {
+            "apiVersion": "v1",
+            "kind": "Status",
+            "status": "Failure",
+            "code": code,
+            "reason": reason,
+            "message": message,
+        },
+    }
+
+
+@dataclass
+class Call:
+    method: str
+    args: tuple[Any, ...]
+    result: bool
+
+
+class RecordingStore(StateStore):
+    """A StateStore that remembers what each upsert/delete/replace returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Call] = []
+
+    def upsert(self, value: Value) -> bool:
+        result = super().upsert(value)
+        self.calls.append(Call("upsert", (value,), result))
+        return result
+
+    def delete(self, kind: str, namespace: str, name: str) -> bool:
+        result = super().delete(kind, namespace, name)
+        self.calls.append(Call("delete", (kind, namespace, name), result))
+        return result
+
+    def replace(self, kind: str, values: Any, keep: Any = None) -> bool:
+        values = list(values)
+        result = super().replace(kind, values, keep)
+        self.calls.append(Call("replace", (kind, values), result))
+        return result
+
+    def offered(self, kind: str) -> set[str]:
+        """`namespace/name` of every object of `kind` the source ever tried to store."""
+        values = [v for call in self.calls if call.method == "upsert" for v in call.args]
+        values += [v for call in self.calls if call.method == "replace" for v in call.args[1]]
+        return {f"{key_of(v)[0]}/{key_of(v)[1]}" for v in values if kind_of(v) == kind}
+
+    # Readers for tests (under the store's lock).
+    def services(self) -> set[str]:
+        with self.lock:
+            return {f"{ns}/{name}" for ns, name in self.state.services}
+
+    def slices(self) -> set[str]:
+        with self.lock:
+            return {f"{ns}/{name}" for ns, name in self.state.slices}
+
+    def nodes(self) -> set[str]:
+        with self.lock:
+            return set(self.state.nodes)
+
+
+@dataclass
+class Harness:
+    """One source under test, with its store, metrics and kmock server."""
+
+    api: KmockApi
+    store: RecordingStore
+    metrics: Metrics
+    source: KubernetesSource
+    started: bool = field(default=False)
+
+    def start(self, wait: bool = True) -> Harness:
+        """Start the source; by default wait until it is synced and every watch streams."""
+        self.source.start()
+        self.started = True
+        if wait:
+            wait_for(lambda: self.store.synced, "the initial lists")
+            for resource in RESOURCES:
+                wait_for(lambda r=resource: self.api.watching(r), f"a watch of {resource}")
+        return self
+
+    def api_up(self, resource: str) -> float | None:
+        return self.metrics.registry.get_sample_value(
+            "kbp_api_up", {"resource": RESOURCE_NAMES[resource]}
+        )
+
+    def events(self, resource: str, kind: str) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "kbp_api_events_total", {"resource": RESOURCE_NAMES[resource], "type": kind}
+        )
+        return value or 0.0
+
+
+@pytest.fixture
+def kmock_api() -> Iterator[KmockApi]:
+    api = KmockApi()
+    api.start()
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+@pytest.fixture
+def api_client(kmock_api: KmockApi) -> Iterator[client.ApiClient]:
+    configuration = client.Configuration()
+    configuration.host = kmock_api.url
+    api = client.ApiClient(configuration)
+    try:
+        yield api
+    finally:
+        api.close()
+
+
+@pytest.fixture
+def make_harness(
+    kmock_api: KmockApi, api_client: client.ApiClient
+) -> Iterator[Callable[..., Harness]]:
+    """Factory for a source with test timings: long watches (kmock never ends them, and
+    a resumed kmock watch would miss deletions), a fast backoff."""
+    made: list[Harness] = []
+
+    def make(service_proxy_name: str | None = None, **kwargs: Any) -> Harness:
+        store = RecordingStore()
+        metrics = Metrics()
+        options: dict[str, Any] = {
+            "watch_timeout": 60,
+            "read_timeout": 30,
+            "connect_timeout": 1,
+            "list_timeout": 2,
+            "backoff_base": 0.02,
+            "backoff_max": 0.1,
+        }
+        options.update(kwargs)
+        source = KubernetesSource(api_client, store, metrics, NODE, service_proxy_name, **options)
+        harness = Harness(kmock_api, store, metrics, source)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        if harness.started:
+            harness.source.stop()
