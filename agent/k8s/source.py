@@ -564,8 +564,9 @@ class _Watcher:
             log.debug("%s: %s", decoded.ref, decoded.skipped)
             return "skip", key, None
         value = decoded.value
-        if isinstance(value, Node) and value.name != self.source.node_name and value.addresses:
-            value = dataclasses.replace(value, addresses=())  # only labels matter
+        other_node = isinstance(value, Node) and value.name != self.source.node_name
+        if other_node and (value.addresses or not value.eligible):  # type: ignore[union-attr]
+            value = dataclasses.replace(value, addresses=(), eligible=True)  # only labels matter
         return "ok", key, value
 
     def _report(self, key: Key | None, message: str) -> None:

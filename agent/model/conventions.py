@@ -13,6 +13,8 @@ ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 LABEL_HEADLESS = "service.kubernetes.io/headless"
 # A Service with this label is implemented by another proxy (conventions §5.4).
 LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
+# Taint the cluster autoscaler puts on a node it is about to remove.
+TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 # Standard node topology label.
 LABEL_ZONE = "topology.kubernetes.io/zone"
 

@@ -538,7 +538,10 @@ def decode_node(obj: Mapping[str, Any], warnings: list[str]) -> Node:
         if address_type in by_type:
             by_type[address_type].append(_ip(item.get("address"), f"{path}.address")[1])
     addresses = tuple(dict.fromkeys(by_type["InternalIP"] + by_type["ExternalIP"]))
-    return Node(_intern(name), labels, addresses)
+    taints = _list(_map(obj, "spec", "spec"), "taints", "spec.taints")
+    draining = any(isinstance(t, Mapping) and t.get("key") == c.TAINT_TO_BE_DELETED for t in taints)
+    eligible = not meta.get("deletionTimestamp") and not draining
+    return Node(_intern(name), labels, addresses, eligible)
 
 
 _DECODERS = {

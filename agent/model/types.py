@@ -92,6 +92,9 @@ class Node:
     labels: Mapping[str, str] = field(default_factory=dict)
     # InternalIPs then ExternalIPs, canonical, without duplicates.
     addresses: tuple[str, ...] = ()
+    # False while the Node is being deleted or drained by the cluster autoscaler
+    # (kube-proxy's nodeEligible: /healthz turns 503 so load balancers move away).
+    eligible: bool = True
 
 
 class ClusterState:

@@ -31,6 +31,8 @@ class StatusSink(Protocol):
 
     def set_node_state(self, state: NodeState) -> None: ...
 
+    def set_node_eligible(self, eligible: bool) -> None: ...
+
     def record_sync(
         self, success: bool, when: float, held_revision: str | None, error: str | None = None
     ) -> None: ...
@@ -93,12 +95,14 @@ class SyncLoop:
             state = self.compiler.update(self.store.state)
             triggers, self.store.trigger_times = self.store.trigger_times, []
             counts = dict(self.store.counts.changes)
+            node = self.store.state.nodes.get(self.compiler.node_name)
         self._count_changes(counts)
         if self.state is None or state.revision != self.state.revision:
             self.metrics.revisions.inc()
         self.state = state
         if self.status is not None:
             self.status.set_node_state(state)
+            self.status.set_node_eligible(node.eligible if node is not None else True)
         full = periodic or self._needs_full
         if not full and state.revision == self.dataplane.held_revision:
             self._succeeded(state, started, 0, triggers)

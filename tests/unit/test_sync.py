@@ -42,9 +42,13 @@ class Status:
     def __init__(self) -> None:
         self.syncs: list[tuple[bool, str | None]] = []
         self.state: NodeState | None = None
+        self.eligible: bool | None = None
 
     def set_node_state(self, state: NodeState) -> None:
         self.state = state
+
+    def set_node_eligible(self, eligible: bool) -> None:
+        self.eligible = eligible
 
     def record_sync(
         self, success: bool, when: float, held_revision: str | None, error: str | None = None
@@ -250,3 +254,32 @@ def test_the_runner_survives_an_exception_and_retries() -> None:
         wait_for(lambda: len(calls) >= 2, timeout=5)
     finally:
         runner.stop()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "eligible"),
+    [
+        (lambda o: None, True),
+        (lambda o: o["metadata"].update(deletionTimestamp="2026-11-21T10:00:00Z"), False),
+        (
+            lambda o: o.update(
+                spec={"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}
+            ),
+            False,
+        ),
+    ],
+    ids=[
+        "a plain node is eligible",
+        "a node being deleted is not",
+        "a node the autoscaler drains is not",
+    ],
+)
+def test_node_eligibility_reaches_the_status(
+    loop: SyncLoop, mutate: Callable[[Obj], None], eligible: bool
+) -> None:
+    node = default_nodes()[0]
+    mutate(node)
+    loop.store.upsert(value(node))
+    loop.store.mark_synced("test")
+    loop.sync()
+    assert loop.status.eligible is eligible  # type: ignore[union-attr]
