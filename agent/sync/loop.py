@@ -9,6 +9,7 @@ reason, and is retried with capped exponential backoff as a full resync.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ class SyncLoop:
         self._clock = clock
         self._needs_full = True  # the first apply compares with the kernel
         self._failures = 0
+        self._frozen = False
         self._last_counts: dict[str, int] = {}  # counts reported so far (all since start)
         self.state: NodeState | None = None
         self.runner = BoundedFrequencyRunner(
@@ -116,6 +118,12 @@ class SyncLoop:
             log.exception("sync: dataplane %s raised", self.dataplane.name)
             self._failed("unexpected", f"{type(err).__name__}: {err}", triggers)
             return False
+        if self._needs_full and not self._frozen:
+            # The first full state is programmed: move the millions of long-lived model
+            # objects out of the cyclic GC's generations, so later collections do not
+            # rescan them (a 10k-Service heap made each full collection take ~0.2 s).
+            gc.freeze()
+            self._frozen = True
         self._needs_full = False
         self._succeeded(state, started, writes, triggers)
         return True
