@@ -21,6 +21,7 @@ class FakeDataplane:
         self.fail_next = 0  # the next N applies raise DataplaneError
         self.attempts = 0
         self._held: NodeState | None = None
+        self._held_digests: dict[tuple[str, ...], bytes] = {}
         self.applied_event = threading.Event()
 
     def apply(self, state: NodeState, full: bool = False) -> int:
@@ -28,11 +29,11 @@ class FakeDataplane:
         if self.fail_next > 0:
             self.fail_next -= 1
             raise DataplaneError("injected", "fake dataplane told to fail")
-        held = {e.sort_key: e.digest for e in self._held.services} if self._held else {}
+        held = self._held_digests
         wanted = {e.sort_key: e.digest for e in state.services}
         writes = sum(1 for k, d in wanted.items() if held.get(k) != d)
         writes += sum(1 for k in held if k not in wanted)
-        self._held = state
+        self._held, self._held_digests = state, wanted
         self.writes += writes
         self.applied.append((state, full))
         self.applied_event.set()
@@ -47,4 +48,4 @@ class FakeDataplane:
         return self._held
 
     def cleanup(self) -> None:
-        self._held = None
+        self._held, self._held_digests = None, {}

@@ -18,7 +18,7 @@ from typing import Protocol
 from ..dataplane.base import Dataplane, DataplaneError
 from ..metrics import Metrics
 from ..model.compile import CompileOptions, Compiler
-from ..model.nodestate import NodeState
+from ..model.nodestate import NodeState, ServiceEntry
 from .runner import BoundedFrequencyRunner
 from .store import StateStore
 
@@ -75,6 +75,8 @@ class SyncLoop:
         self._frozen = False
         self._last_counts: dict[str, int] = {}  # counts reported so far (all since start)
         self.state: NodeState | None = None
+        self.applied: NodeState | None = None  # the last state the dataplane took
+        self._register_state_gauges()
         self.runner = BoundedFrequencyRunner(
             "sync", self.sync, min_sync_period, sync_period, clock=clock
         )
@@ -123,10 +125,37 @@ class SyncLoop:
             # objects out of the cyclic GC's generations, so later collections do not
             # rescan them (a 10k-Service heap made each full collection take ~0.2 s).
             gc.freeze()
+            gc.enable()  # the daemon pauses it during the initial lists
             self._frozen = True
         self._needs_full = False
         self._succeeded(state, started, writes, triggers)
         return True
+
+    def _register_state_gauges(self) -> None:
+        """Gauges describing the applied state, computed when /metrics is read: walking
+        every entry on each sync cost more than compiling at 10k Services."""
+        m = self.metrics
+
+        def entries() -> tuple[ServiceEntry, ...]:
+            return self.applied.services if self.applied is not None else ()
+
+        m.programmed_services.set_function(lambda: len(entries()))
+        m.programmed_backends.set_function(
+            lambda: sum(
+                len(e.cluster_backends or ()) + len(e.local_backends or ()) for e in entries()
+            )
+        )
+        for policy, attribute in (
+            ("internal", "internal_traffic_policy"),
+            ("external", "external_traffic_policy"),
+        ):
+            m.no_local_endpoints.labels(policy).set_function(
+                lambda a=attribute: sum(
+                    1
+                    for e in entries()
+                    if getattr(e, a) == "Local" and e.has_endpoints and not e.local_backends
+                )
+            )
 
     def _count_changes(self, counts: dict[str, int]) -> None:
         last, self._last_counts = self._last_counts, counts
@@ -137,6 +166,7 @@ class SyncLoop:
         self, state: NodeState, started: float, writes: int, triggers: list[float]
     ) -> None:
         self._failures = 0
+        self.applied = state
         now = self._wall()
         m = self.metrics
         m.kernel_writes.labels(self.dataplane.name).inc(writes)
@@ -144,21 +174,6 @@ class SyncLoop:
         m.sync_last_timestamp.set(now)
         for trigger in triggers:
             m.network_programming.observe(max(0.0, now - trigger))
-        m.programmed_services.set(len(state.services))
-        m.programmed_backends.set(
-            sum(len(e.cluster_backends or ()) + len(e.local_backends or ()) for e in state.services)
-        )
-        for policy, field in (
-            ("internal", "internal_traffic_policy"),
-            ("external", "external_traffic_policy"),
-        ):
-            m.no_local_endpoints.labels(policy).set(
-                sum(
-                    1
-                    for e in state.services
-                    if getattr(e, field) == "Local" and e.has_endpoints and not e.local_backends
-                )
-            )
         if self.status is not None:
             self.status.record_sync(True, now, self.dataplane.held_revision)
         for follower in self.followers:
