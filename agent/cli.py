@@ -18,8 +18,8 @@ from .sources.manifests import load_manifests
 
 log = logging.getLogger("kube-bpf-proxy")
 
-COMPILE_SETTINGS = [
-    "manifests",
+# What the compiler needs to know about this node and cluster (both commands take them).
+NODE_SETTINGS = [
     "node",
     "node_ip",
     "node_label",
@@ -27,21 +27,12 @@ COMPILE_SETTINGS = [
     "cluster_cidr",
     "cluster_name",
     "service_proxy_name",
-    "output",
-    "strict",
-    "log_level",
 ]
-
+COMPILE_SETTINGS = ["manifests", *NODE_SETTINGS, "output", "strict", "log_level"]
 RUN_SETTINGS = [
     "manifests",
     "kubeconfig",
-    "node",
-    "node_ip",
-    "node_label",
-    "nodeport_addresses",
-    "cluster_cidr",
-    "cluster_name",
-    "service_proxy_name",
+    *NODE_SETTINGS,
     "dataplane",
     "min_sync_period",
     "sync_period",
