@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agent.cli import COMPILE_SETTINGS, build_parser, main
+from agent.cli import COMPILE_SETTINGS, RUN_SETTINGS, build_parser, main
 from agent.config import ENV_PREFIX, SETTINGS_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,10 +77,13 @@ def test_a_flag_beats_its_env_var(
     assert code == 0 and yaml.safe_load(out)["node"]["name"] == "node-c"
 
 
-def test_help_documents_every_flag_with_its_env_var() -> None:
-    compile_parser = build_parser()._subparsers._group_actions[0].choices["compile"]  # type: ignore[union-attr]
-    help_text = " ".join(compile_parser.format_help().split())
-    for name in COMPILE_SETTINGS:
+@pytest.mark.parametrize(
+    ("command", "names"), [("compile", COMPILE_SETTINGS), ("run", RUN_SETTINGS)]
+)
+def test_help_documents_every_flag_with_its_env_var(command: str, names: list[str]) -> None:
+    subparsers = build_parser()._subparsers._group_actions[0]  # type: ignore[union-attr]
+    help_text = " ".join(subparsers.choices[command].format_help().split())
+    for name in names:
         assert SETTINGS_FIELDS[name].metadata["flag"] in help_text
         assert f"env {ENV_PREFIX}{name.upper()}" in help_text
 
