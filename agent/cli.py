@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-
-import yaml
 
 from . import __version__
 from .config import add_arguments, settings_from
 from .logs import setup_logging
 from .model.compile import compile
-from .model.nodestate import NodeState
+from .render import render
 from .sources.manifests import load_manifests
 
 log = logging.getLogger("kube-bpf-proxy")
@@ -43,21 +40,6 @@ RUN_SETTINGS = [
     "verbosity",
     "config",
 ]
-
-try:
-    YamlDumper: type = yaml.CSafeDumper
-except AttributeError:  # pragma: no cover
-    YamlDumper = yaml.SafeDumper
-
-
-def render(state: NodeState, output: str) -> str:
-    """The NodeState document as YAML or JSON text (deterministic)."""
-    document = state.to_dict()
-    if output == "json":
-        return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
-    return yaml.dump(
-        document, Dumper=YamlDumper, sort_keys=False, default_flow_style=None, width=200
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -47,32 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-try:
-    from bench.compile import (
-        RESULTS,
-        THIS_NODE,
-        Generator,
-        Obj,
-        Stat,
-        Workload,
-        fmt_s,
-        machine,
-        mark,
-    )
-except ModuleNotFoundError:  # run as a script: bench/ is on sys.path, the checkout is not
+if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from bench.compile import (
-        RESULTS,
-        THIS_NODE,
-        Generator,
-        Obj,
-        Stat,
-        Workload,
-        fmt_s,
-        machine,
-        mark,
-    )
-
 import urllib3
 from kubernetes import client
 
@@ -84,6 +60,17 @@ from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState, ServiceEntry
 from agent.sync.loop import SyncLoop
 from agent.sync.store import KINDS, StateStore, Value, key_of, kind_of
+from bench.compile import (
+    RESULTS,
+    THIS_NODE,
+    Generator,
+    Obj,
+    Stat,
+    Workload,
+    fmt_s,
+    machine,
+    mark,
+)
 
 # Targets (issue 4 §6) and published anchors (../shared/BENCHMARKS.md PB-5, PB-7).
 TARGET_REVISIONS_PER_EVENT = 0.05  # ≤ 1-5 % of API events become NodeState revisions

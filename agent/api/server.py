@@ -33,7 +33,6 @@ state is programmed), 200 from then on.
 from __future__ import annotations
 
 import gzip
-import json
 import logging
 import threading
 import time
@@ -42,11 +41,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import yaml
 from prometheus_client.exposition import choose_encoder
 
 from ..metrics import Metrics
 from ..model.nodestate import API_VERSION, KIND, NodeState
+from ..render import dump_json, dump_yaml
 from .serving import (
     Handler,
     Request,
@@ -58,11 +57,6 @@ from .serving import (
 )
 
 log = logging.getLogger(__name__)
-
-try:
-    _YamlDumper: type = yaml.CSafeDumper
-except AttributeError:  # pragma: no cover
-    _YamlDumper = yaml.SafeDumper
 
 
 def timestamp(when: float | None) -> str | None:
@@ -406,9 +400,9 @@ class _StateDocuments:
         }
         services = self._services_text(state, output)
         if output == "yaml":
-            text = _yaml(head) + services
+            text = dump_yaml(head) + services
             return Response(200, text.encode(), "application/yaml; charset=utf-8")
-        head_text = json.dumps(head, indent=2, ensure_ascii=False)
+        head_text = dump_json(head)
         text = head_text[:-2] + ",\n" + services + "\n}\n"  # head without its closing "\n}"
         return Response(200, text.encode(), "application/json")
 
@@ -418,19 +412,11 @@ class _StateDocuments:
         if cached is not None and cached[0] == state.revision:  # the hash of `services`
             return cached[1]
         services = {"services": [entry.to_dict() for entry in state.services]}
-        if output == "yaml":
-            text = _yaml(services)
-        else:  # '  "services": [...]', indented as a member of the top-level object
-            text = json.dumps(services, indent=2, ensure_ascii=False)[2:-2]
+        # JSON: '  "services": [...]', indented as a member of the top-level object.
+        text = dump_yaml(services) if output == "yaml" else dump_json(services)[2:-2]
         with self._lock:
             self._services[output] = (state.revision, text)
         return text
-
-
-def _yaml(document: dict[str, Any]) -> str:
-    return yaml.dump(
-        document, Dumper=_YamlDumper, sort_keys=False, default_flow_style=None, width=200
-    )
 
 
 class HealthServer(_RoutedServer):

@@ -17,6 +17,7 @@ import bisect
 import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from ..gcpause import gc_paused
 from . import conventions as c
@@ -149,7 +150,7 @@ class Compiler:
         with gc_paused():  # bulk allocation of acyclic values (see agent/gcpause.py)
             for key, service in state.services.items():
                 entries.extend(compile_service(service, slices.get(key), ctx))
-        entries.sort(key=_entry_order)
+        entries.sort(key=attrgetter("sort_key"))
         self._entries = entries
         self._keys = [(e.namespace, e.name) for e in entries]
         self._digests = [e.digest for e in entries]
@@ -194,10 +195,6 @@ class Compiler:
             self._context.node, revision_of(self._digests), tuple(self._entries)
         )
         return self._state
-
-
-def _entry_order(entry: ServiceEntry) -> tuple[str, str, str, str, str]:
-    return entry.sort_key
 
 
 # --- one Service -------------------------------------------------------------------------
@@ -286,7 +283,7 @@ def compile_service(
                     local_backends=_local_backends(candidates) if uses_local else None,
                 ).sealed()
             )
-    entries.sort(key=lambda e: e.sort_key)
+    entries.sort(key=attrgetter("sort_key"))
     return tuple(entries)
 
 
