@@ -281,6 +281,7 @@ def compile_service(
                     has_endpoints=any(_usable(ep) for _, ep in candidates),
                     cluster_backends=cluster,
                     local_backends=_local_backends(candidates) if uses_local else None,
+                    lb_algorithm=service.lb_algorithm,
                 ).sealed()
             )
     entries.sort(key=attrgetter("sort_key"))

@@ -271,6 +271,7 @@ def decode_service(obj: Mapping[str, Any], warnings: list[str]) -> Service:
         proxy_name=proxy_name,
         topology_keys=_topology_keys(annotations, warnings),
         multi_cluster=_multi_cluster(annotations, warnings),
+        lb_algorithm=_lb_algorithm(annotations, warnings),
     )
 
 
@@ -380,6 +381,20 @@ def _topology_keys(annotations: Mapping[str, str], warnings: list[str]) -> tuple
         )
         return ()
     return tuple(_intern(k) for k in keys)
+
+
+def _lb_algorithm(annotations: Mapping[str, str], warnings: list[str]) -> str:
+    raw = annotations.get(c.ANNOTATION_LB_ALGORITHM)
+    if raw is None:
+        return c.LB_RANDOM
+    value = raw.strip().lower()
+    if value in c.LB_ALGORITHMS:
+        return value
+    warnings.append(
+        f"annotation {c.ANNOTATION_LB_ALGORITHM}={raw!r} is not one of "
+        f"{', '.join(c.LB_ALGORITHMS)}; using {c.LB_RANDOM}"
+    )
+    return c.LB_RANDOM
 
 
 def _multi_cluster(annotations: Mapping[str, str], warnings: list[str]) -> str:

@@ -83,6 +83,7 @@ class ServiceEntry:
     has_endpoints: bool
     cluster_backends: tuple[Backend, ...] | None
     local_backends: tuple[Backend, ...] | None
+    lb_algorithm: str = "random"  # random | maglev (kube-bpf-proxy.io/lb-algorithm)
     digest: bytes = field(default=b"", compare=False, repr=False)
 
     @property
@@ -108,6 +109,7 @@ class ServiceEntry:
             "hasEndpoints": self.has_endpoints,
             "clusterBackends": _backends(self.cluster_backends),
             "localBackends": _backends(self.local_backends),
+            "lbAlgorithm": self.lb_algorithm,
         }
 
     def sealed(self) -> ServiceEntry:

@@ -1,0 +1,152 @@
+"""The kernel ABI as Python sees it: cffi parses bpf/include/kbp_abi.h itself, so struct
+layouts and constants are derived from the one header the C programs include."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import cffi
+
+BPF_DIR = Path(__file__).resolve().parents[3] / "bpf"
+ABI_HEADER = BPF_DIR / "include" / "kbp_abi.h"
+
+# The kernel's fixed-width types as cffi knows them; byte order is the reader's business
+# (the header says __be* where it is network order).
+_KERNEL_TYPES = """
+typedef uint8_t __u8;
+typedef uint16_t __u16;
+typedef uint32_t __u32;
+typedef uint64_t __u64;
+typedef uint16_t __be16;
+typedef uint32_t __be32;
+"""
+
+_DEFINE = re.compile(r"^#define\s+(KBP_\w+)\s+(\d+)\b", re.MULTILINE)
+_GUARD = re.compile(r"^#(ifndef|define|endif)\b.*$", re.MULTILINE)
+
+
+def _header_text() -> str:
+    return ABI_HEADER.read_text(encoding="utf-8")
+
+
+def _constants(text: str) -> dict[str, int]:
+    return {name: int(value) for name, value in _DEFINE.findall(text)}
+
+
+def _cdef_text(text: str) -> str:
+    """The header without preprocessor lines; the integer #defines go in as constants."""
+    without_comments = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
+    body = _GUARD.sub("", without_comments)
+    if "#" in body:
+        raise ValueError(f"{ABI_HEADER}: only include guards and integer #defines allowed")
+    return body
+
+
+def _build() -> tuple[cffi.FFI, SimpleNamespace]:
+    text = _header_text()
+    ffi = cffi.FFI()
+    ffi.cdef(_KERNEL_TYPES + _cdef_text(text))
+    return ffi, SimpleNamespace(**_constants(text))
+
+
+ffi, const = _build()
+
+# Every struct of the header, in header order.
+STRUCTS: tuple[str, ...] = tuple(re.findall(r"^struct (kbp_\w+) \{", _header_text(), re.M))
+
+MAP_NAMES = (
+    "kbp_services",
+    "kbp_slots",
+    "kbp_backends",
+    "kbp_ct",
+    "kbp_affinity",
+    "kbp_counters",
+    "kbp_drops",
+)
+
+
+def versioned(name: str) -> str:
+    """`kbp_services` → `kbp_services_v1`: the map's name and pin file name."""
+    return f"{name}_v{const.KBP_ABI_VERSION}"
+
+
+def layout(struct: str) -> list[tuple[str, int, int]]:
+    """(field, offset, size) of a struct, in declaration order."""
+    ctype = ffi.typeof(f"struct {struct}")
+    return [(name, f.offset, ffi.sizeof(f.type)) for name, f in ctype.fields]
+
+
+def implicit_padding(struct: str) -> list[tuple[int, int]]:
+    """(offset, size) of every hole the compiler would add, tail included; must be empty."""
+    holes, end = [], 0
+    for _name, offset, size in layout(struct):
+        if offset > end:
+            holes.append((end, offset - end))
+        end = offset + size
+    total = ffi.sizeof(f"struct {struct}")
+    if total > end:
+        holes.append((end, total - end))
+    return holes
+
+
+# Addresses: four __be32 words; cffi sees them as uint32 in host order, so each word holds
+# the bytes of the address as they sit in memory (network order), read natively.
+
+
+def family_of(ip: str) -> int:
+    return const.KBP_FAMILY_IPV6 if ":" in ip else const.KBP_FAMILY_IPV4
+
+
+def addr_bytes(ip: str) -> bytes:
+    """16 bytes as the kernel stores them: IPv4 then 12 zero bytes, or IPv6."""
+    packed = ipaddress.ip_address(ip).packed
+    return packed + bytes(16 - len(packed))
+
+
+def addr_text(raw: bytes, family: int) -> str:
+    """The inverse of addr_bytes."""
+    if family == const.KBP_FAMILY_IPV4:
+        return str(ipaddress.IPv4Address(bytes(raw[:4])))
+    return str(ipaddress.IPv6Address(bytes(raw[:16])))
+
+
+def set_addr(field: Any, ip: str) -> None:
+    """Write an address into a cffi `__be32[4]` field."""
+    ffi.memmove(field, addr_bytes(ip), 16)
+
+
+def get_addr(field: Any, family: int) -> str:
+    return addr_text(bytes(ffi.buffer(field, 16)), family)
+
+
+def be16(value: int) -> int:
+    """A host-order port as a __be16 field holds it, read natively."""
+    return int.from_bytes(value.to_bytes(2, "big"), sys.byteorder)
+
+
+def from_be16(value: int) -> int:
+    """The host-order port in a __be16 field."""
+    return int.from_bytes(value.to_bytes(2, sys.byteorder), "big")
+
+
+def new(struct: str, **fields: Any) -> Any:
+    """A zeroed struct with the given fields set as cffi takes them (raw values)."""
+    obj = ffi.new(f"struct {struct} *")
+    for name, value in fields.items():
+        setattr(obj, name, value)
+    return obj
+
+
+def to_bytes(obj: Any) -> bytes:
+    return bytes(ffi.buffer(obj))
+
+
+def from_bytes(struct: str, raw: bytes) -> Any:
+    obj = ffi.new(f"struct {struct} *")
+    ffi.memmove(obj, raw, ffi.sizeof(obj[0]))
+    return obj

@@ -1,0 +1,124 @@
+"""Compile and load the datapath with bcc: the only module that imports bcc.
+
+bcc compiles bpf/tc_from_pod.c and bpf/tc_to_pod.c as one text (one set of map
+definitions) and creates or re-opens the pinned maps under the pin directory; the
+programs' fds are then attached by netlink.py. Everything after loading (map reads and
+writes, test runs) goes through libbpf.py with plain fds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .abi import BPF_DIR, MAP_NAMES, versioned
+from .libbpf import Map
+
+log = logging.getLogger(__name__)
+
+# Entry files compiled together, and the programs (tc classifiers) they define.
+ENTRY_FILES = ("tc_from_pod.c", "tc_to_pod.c")
+PROGRAMS = ("kbp_from_pod", "kbp_to_pod")
+
+# -D names of the map sizes (bpf/include/kbp_maps.h), by MapSizes field.
+SIZE_DEFINES = {
+    "services": "KBP_MAX_SERVICES",
+    "slots": "KBP_MAX_SLOTS",
+    "backends": "KBP_MAX_BACKENDS",
+    "ct": "KBP_MAX_CT",
+    "affinity": "KBP_MAX_AFFINITY",
+}
+
+
+class LoadError(Exception):
+    """The programs did not compile or load (bcc's message, verifier log included)."""
+
+
+def cflags_for(pin_dir: Path, sizes: Mapping[str, int] | None = None) -> list[str]:
+    flags = [
+        f"-I{BPF_DIR}",
+        f"-I{BPF_DIR / 'include'}",
+        f'-DKBP_PIN_DIR="{pin_dir}"',
+    ]
+    for name, value in (sizes or {}).items():
+        flags.append(f"-D{SIZE_DEFINES[name]}={int(value)}")
+    return flags
+
+
+class LoadedPrograms:
+    """The compiled module: program fds by name, the pinned maps by short name."""
+
+    def __init__(self, bpf: Any, pin_dir: Path, compile_seconds: float) -> None:
+        self._bpf = bpf
+        self.pin_dir = pin_dir
+        self.compile_seconds = compile_seconds
+        self._fds: dict[str, int] = {}
+        self.maps: dict[str, Map] = {}
+
+    def fd(self, program: str) -> int:
+        if program not in self._fds:
+            from bcc import BPF
+
+            self._fds[program] = self._bpf.load_func(program.encode(), BPF.SCHED_CLS).fd
+        return self._fds[program]
+
+    def map_fd(self, name: str) -> int:
+        return self.map(name).fd
+
+    def map(self, name: str) -> Map:
+        """A map by short name (`kbp_services`); the fd belongs to the bcc module."""
+        if name not in self.maps:
+            table = self._bpf[name.encode()]
+            self.maps[name] = Map(table.map_fd, versioned(name))
+        return self.maps[name]
+
+    def close(self) -> None:
+        """Release the module; attached programs stay attached, pinned maps stay."""
+        if self._bpf is not None:
+            with contextlib.suppress(Exception):
+                self._bpf.cleanup()
+            self._bpf = None
+
+
+def entry_text() -> str:
+    """The entry files as one text. bcc only turns functions of the main file into
+    programs (not those of included files), so the files are concatenated; `#line` keeps
+    compiler messages pointing at the real file and line."""
+    parts = []
+    for name in ENTRY_FILES:
+        path = BPF_DIR / name
+        parts.append(f'#line 1 "{path}"\n{path.read_text(encoding="utf-8")}\n')
+    return "".join(parts)
+
+
+def load_programs(
+    pin_dir: Path, sizes: Mapping[str, int] | None = None, cflags: Sequence[str] = ()
+) -> LoadedPrograms:
+    """Compile the datapath; create (or re-open) the pinned maps; load both programs."""
+    try:
+        from bcc import BPF
+    except ImportError as err:
+        raise LoadError(f"bcc is not importable ({err}); install python3-bpfcc") from err
+    os.makedirs(pin_dir, exist_ok=True)
+    text = entry_text()
+    started = time.perf_counter()
+    try:
+        bpf = BPF(text=text.encode(), cflags=[*cflags_for(pin_dir, sizes), *cflags])
+    except Exception as err:  # bcc raises bare Exception on compile/load failures
+        raise LoadError(f"compiling {', '.join(ENTRY_FILES)}: {err}") from err
+    loaded = LoadedPrograms(bpf, pin_dir, time.perf_counter() - started)
+    try:
+        for program in PROGRAMS:
+            loaded.fd(program)
+        for name in MAP_NAMES:
+            loaded.map(name)
+    except Exception as err:
+        loaded.close()
+        raise LoadError(f"loading the datapath: {err}") from err
+    log.debug("datapath compiled and loaded in %.2fs", loaded.compile_seconds)
+    return loaded

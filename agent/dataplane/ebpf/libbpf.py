@@ -1,0 +1,342 @@
+"""The bpf(2) calls bcc does not wrap well, through Debian's libbpf.so.1 and cffi: map
+operations by fd (batched where the kernel has them), pins, map info, and
+BPF_PROG_TEST_RUN. Errors come back as OSError with the errno and what was attempted."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import cffi
+
+_CDEF = """
+typedef uint32_t __u32;
+typedef uint64_t __u64;
+
+struct bpf_map_batch_opts {
+    size_t sz;
+    __u64 elem_flags;
+    __u64 flags;
+};
+
+struct bpf_test_run_opts {
+    size_t sz;
+    const void *data_in;
+    void *data_out;
+    __u32 data_size_in;
+    __u32 data_size_out;
+    const void *ctx_in;
+    void *ctx_out;
+    __u32 ctx_size_in;
+    __u32 ctx_size_out;
+    __u32 retval;
+    int repeat;
+    __u32 duration;
+    __u32 flags;
+    __u32 cpu;
+    __u32 batch_size;
+};
+
+int bpf_obj_pin(int fd, const char *pathname);
+int bpf_obj_get(const char *pathname);
+int bpf_map_update_elem(int fd, const void *key, const void *value, __u64 flags);
+int bpf_map_lookup_elem(int fd, const void *key, void *value);
+int bpf_map_delete_elem(int fd, const void *key);
+int bpf_map_get_next_key(int fd, const void *key, void *next_key);
+int bpf_map_update_batch(int fd, const void *keys, const void *values, __u32 *count,
+                         const struct bpf_map_batch_opts *opts);
+int bpf_map_delete_batch(int fd, const void *keys, __u32 *count,
+                         const struct bpf_map_batch_opts *opts);
+int bpf_map_lookup_batch(int fd, void *in_batch, void *out_batch, void *keys,
+                         void *values, __u32 *count, const struct bpf_map_batch_opts *opts);
+int bpf_obj_get_info_by_fd(int bpf_fd, void *info, __u32 *info_len);
+int bpf_prog_test_run_opts(int prog_fd, struct bpf_test_run_opts *opts);
+"""
+
+ffi = cffi.FFI()
+ffi.cdef(_CDEF)
+
+BPF_ANY = 0
+BPF_NOEXIST = 1
+
+# enum bpf_map_type values the agent cares about (include/uapi/linux/bpf.h).
+MAP_TYPE_NAMES = {
+    1: "hash",
+    2: "array",
+    5: "percpu_hash",
+    6: "percpu_array",
+    9: "lru_hash",
+    10: "lru_percpu_hash",
+}
+PERCPU_TYPES = {5, 6, 10}
+
+
+@functools.cache
+def lib() -> Any:
+    return ffi.dlopen("libbpf.so.1")
+
+
+def _check(rc: int, what: str) -> int:
+    """libbpf 1.x returns -errno (and sets errno); raise OSError naming the call."""
+    if rc < 0:
+        errno = -rc if rc != -1 else ffi.errno
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+    return rc
+
+
+@functools.cache
+def possible_cpus() -> int:
+    """Per-CPU map values hold one slot per *possible* CPU (e.g. "0-7")."""
+    with open("/sys/devices/system/cpu/possible", encoding="ascii") as stream:
+        text = stream.read().strip()
+    count = 0
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        count += int(high or low) - int(low) + 1
+    return count
+
+
+def obj_pin(fd: int, path: str) -> None:
+    _check(lib().bpf_obj_pin(fd, path.encode()), f"pin fd {fd} at {path}")
+
+
+def obj_get(path: str) -> int:
+    """An fd for a pinned object; the caller closes it."""
+    return _check(lib().bpf_obj_get(path.encode()), f"open pin {path}")
+
+
+@dataclass(frozen=True, slots=True)
+class MapInfo:
+    type: int
+    id: int
+    key_size: int
+    value_size: int
+    max_entries: int
+    flags: int
+    name: str
+
+    @property
+    def type_name(self) -> str:
+        return MAP_TYPE_NAMES.get(self.type, str(self.type))
+
+    @property
+    def percpu(self) -> bool:
+        return self.type in PERCPU_TYPES
+
+
+def map_info(fd: int) -> MapInfo:
+    # struct bpf_map_info starts with six __u32 and the 16-byte name; asking for a prefix
+    # is allowed (the kernel copies min(len, sizeof)).
+    buf = ffi.new("char[40]")
+    size = ffi.new("__u32 *", 40)
+    _check(lib().bpf_obj_get_info_by_fd(fd, buf, size), f"map info of fd {fd}")
+    raw = bytes(ffi.buffer(buf, 40))
+    words = [int.from_bytes(raw[i : i + 4], "little") for i in range(0, 24, 4)]
+    name = raw[24:40].split(b"\0", 1)[0].decode(errors="replace")
+    return MapInfo(*words, name=name)
+
+
+def _batch_opts() -> Any:
+    return ffi.new("struct bpf_map_batch_opts *", {"sz": ffi.sizeof("struct bpf_map_batch_opts")})
+
+
+class Map:
+    """A BPF map by fd, with its sizes; keys and values are bytes of the ABI structs.
+
+    Per-CPU maps: values are value_size rounded up to 8, once per possible CPU.
+    """
+
+    def __init__(self, fd: int, name: str = "", *, owned: bool = False) -> None:
+        self.fd = fd
+        self.info = map_info(fd)
+        self.name = name or self.info.name
+        self.key_size = self.info.key_size
+        if self.info.percpu:
+            self.value_size = ((self.info.value_size + 7) // 8 * 8) * possible_cpus()
+        else:
+            self.value_size = self.info.value_size
+        self._owned = owned
+        self._batch_ok = True
+
+    @classmethod
+    def pinned(cls, path: str) -> Map:
+        return cls(obj_get(path), os.path.basename(path), owned=True)
+
+    def close(self) -> None:
+        if self._owned and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Map:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # single elements
+
+    def update(self, key: bytes, value: bytes, flags: int = BPF_ANY) -> None:
+        self._sizes(key, value)
+        _check(lib().bpf_map_update_elem(self.fd, key, value, flags), f"update {self.name}")
+
+    def lookup(self, key: bytes) -> bytes | None:
+        self._sizes(key)
+        out = ffi.new("char[]", self.value_size)
+        rc = lib().bpf_map_lookup_elem(self.fd, key, out)
+        if rc < 0 and (-rc if rc != -1 else ffi.errno) == 2:  # ENOENT
+            return None
+        _check(rc, f"lookup {self.name}")
+        return bytes(ffi.buffer(out, self.value_size))
+
+    def delete(self, key: bytes) -> bool:
+        """False when the key was not there."""
+        self._sizes(key)
+        rc = lib().bpf_map_delete_elem(self.fd, key)
+        if rc < 0 and (-rc if rc != -1 else ffi.errno) == 2:
+            return False
+        _check(rc, f"delete from {self.name}")
+        return True
+
+    def keys(self) -> list[bytes]:
+        out, key = [], ffi.NULL
+        nxt = ffi.new("char[]", self.key_size)
+        while True:
+            rc = lib().bpf_map_get_next_key(self.fd, key, nxt)
+            if rc < 0:
+                if (-rc if rc != -1 else ffi.errno) == 2:
+                    return out
+                _check(rc, f"iterate {self.name}")
+            current = bytes(ffi.buffer(nxt, self.key_size))
+            out.append(current)
+            key = current
+
+    # batches: one syscall per chunk; the kernel has them for hash and array maps
+
+    def update_batch(self, keys: bytes, values: bytes, count: int) -> None:
+        """Write `count` elements; keys/values are the concatenated structs."""
+        if count == 0:
+            return
+        if len(keys) != count * self.key_size or len(values) != count * self.value_size:
+            raise ValueError(f"{self.name}: batch of {count} with wrong byte lengths")
+        if not self._batch_ok:
+            self._update_each(keys, values, count)
+            return
+        opts = _batch_opts()
+        done = 0
+        while done < count:
+            n = ffi.new("__u32 *", count - done)
+            rc = lib().bpf_map_update_batch(
+                self.fd,
+                ffi.from_buffer(keys[done * self.key_size :]),
+                ffi.from_buffer(values[done * self.value_size :]),
+                n,
+                opts,
+            )
+            if rc < 0:
+                errno = -rc if rc != -1 else ffi.errno
+                if errno in (22, 95) and done == 0 and n[0] == 0:  # EINVAL/EOPNOTSUPP
+                    self._batch_ok = False
+                    self._update_each(keys, values, count)
+                    return
+                _check(rc, f"batch update of {count} in {self.name} (written {done + n[0]})")
+            done += n[0]
+
+    def _update_each(self, keys: bytes, values: bytes, count: int) -> None:
+        ks, vs = self.key_size, self.value_size
+        for i in range(count):
+            self.update(keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs])
+
+    def delete_batch(self, keys: bytes, count: int) -> None:
+        """Delete `count` keys; a missing key is an error (ENOENT) as for single deletes."""
+        if count == 0:
+            return
+        if len(keys) != count * self.key_size:
+            raise ValueError(f"{self.name}: delete batch of {count} with wrong byte length")
+        opts = _batch_opts()
+        done = 0
+        while done < count:
+            n = ffi.new("__u32 *", count - done)
+            rc = lib().bpf_map_delete_batch(
+                self.fd, ffi.from_buffer(keys[done * self.key_size :]), n, opts
+            )
+            if rc < 0:
+                errno = -rc if rc != -1 else ffi.errno
+                if errno == 2:  # ENOENT: skip the missing key and go on
+                    done += n[0] + 1
+                    continue
+                _check(rc, f"batch delete of {count} from {self.name}")
+            done += n[0]
+
+    def items(self, chunk: int = 4096) -> list[tuple[bytes, bytes]]:
+        """Every (key, value), by lookup batches (falls back to iterating keys)."""
+        try:
+            return self._items_batched(chunk)
+        except OSError as err:
+            if err.errno not in (22, 95):  # EINVAL / EOPNOTSUPP: not batchable here
+                raise
+        out = []
+        for key in self.keys():
+            value = self.lookup(key)
+            if value is not None:
+                out.append((key, value))
+        return out
+
+    def _items_batched(self, chunk: int) -> list[tuple[bytes, bytes]]:
+        ks, vs = self.key_size, self.value_size
+        keys = ffi.new("char[]", ks * chunk)
+        values = ffi.new("char[]", vs * chunk)
+        token_size = max(ks, 8)
+        in_batch, out_batch = ffi.NULL, ffi.new("char[]", token_size)
+        opts = _batch_opts()
+        out: list[tuple[bytes, bytes]] = []
+        while True:
+            n = ffi.new("__u32 *", chunk)
+            rc = lib().bpf_map_lookup_batch(self.fd, in_batch, out_batch, keys, values, n, opts)
+            errno = (-rc if rc != -1 else ffi.errno) if rc < 0 else 0
+            if rc < 0 and errno != 2:
+                _check(rc, f"dump {self.name}")
+            kb, vb = ffi.buffer(keys, ks * n[0]), ffi.buffer(values, vs * n[0])
+            out.extend((kb[i * ks : (i + 1) * ks], vb[i * vs : (i + 1) * vs]) for i in range(n[0]))
+            if errno == 2:  # ENOENT: that was the last chunk
+                return out
+            if in_batch == ffi.NULL:
+                in_batch = ffi.new("char[]", token_size)
+            ffi.memmove(in_batch, out_batch, token_size)
+
+    def _sizes(self, key: bytes, value: bytes | None = None) -> None:
+        if len(key) != self.key_size or (value is not None and len(value) != self.value_size):
+            raise ValueError(
+                f"{self.name}: key/value of {len(key)}/{len(value or b'')} bytes, map has "
+                f"{self.key_size}/{self.value_size}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TestRun:
+    __test__ = False  # not a pytest class
+
+    retval: int
+    data_out: bytes
+    duration_ns: int
+
+
+def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, out_size: int = 0) -> TestRun:
+    """BPF_PROG_TEST_RUN: run the program on `data` (a whole frame) `repeat` times;
+    duration is the kernel's average per run."""
+    size = out_size or max(len(data) + 256, 2048)
+    data_out = ffi.new("char[]", size)
+    opts = ffi.new(
+        "struct bpf_test_run_opts *",
+        {
+            "sz": ffi.sizeof("struct bpf_test_run_opts"),
+            "data_in": ffi.from_buffer(data),
+            "data_out": data_out,
+            "data_size_in": len(data),
+            "data_size_out": size,
+            "repeat": repeat,
+        },
+    )
+    _check(lib().bpf_prog_test_run_opts(prog_fd, opts), f"test run of prog fd {prog_fd}")
+    return TestRun(opts.retval, bytes(ffi.buffer(data_out, opts.data_size_out)), opts.duration)

@@ -1,0 +1,155 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * kube-bpf-proxy ABI: every struct shared by the C programs and the Python agent.
+ *
+ * The agent derives its layouts from this very file with cffi (agent/dataplane/ebpf/abi.py),
+ * so there is no second list of fields to keep in sync. Rules, checked by
+ * tests/unit/test_abi.py against tests/golden/abi-layout.txt:
+ *   - explicit padding (`pad` fields), so no struct has implicit holes or tail padding;
+ *   - no bitfields; fixed-width types only;
+ *   - byte order is in the type: __be16/__be32 are network order, everything else host;
+ *   - changing any layout bumps KBP_ABI_VERSION, which is the `_vN` suffix of every map
+ *     name, so an agent never reads a pinned map written with another layout.
+ *
+ * Only `#define NAME <integer>` lines and plain structs may appear here: cffi parses the
+ * file after the agent strips the include guard.
+ *
+ * Addresses are four __be32 words: IPv4 in word 0 with words 1-3 zero, IPv6 in all four.
+ * `family` (KBP_FAMILY_*) tells them apart.
+ */
+#ifndef KBP_ABI_H
+#define KBP_ABI_H
+
+#define KBP_ABI_VERSION 1
+
+#define KBP_FAMILY_IPV4 4
+#define KBP_FAMILY_IPV6 6
+
+/* Frontend types (struct kbp_service.type), as NodeState's frontends[].type. */
+#define KBP_FE_CLUSTER_IP 1
+#define KBP_FE_NODE_PORT 2
+#define KBP_FE_EXTERNAL_IP 3
+#define KBP_FE_LOAD_BALANCER 4
+
+/* struct kbp_service.flags */
+#define KBP_SVC_F_HAS_ENDPOINTS 1 /* empty set: DROP when set, REJECT when clear (§3) */
+#define KBP_SVC_F_AFFINITY 2      /* sessionAffinity ClientIP for affinity_timeout s */
+#define KBP_SVC_F_MAGLEV 4        /* slots are a Maglev table: pick by flow hash */
+
+/* struct kbp_backend.flags */
+#define KBP_BE_F_LOCAL 1       /* the endpoint runs on this node */
+#define KBP_BE_F_TERMINATING 2 /* serving while terminating (fallback) */
+
+/* struct kbp_ct_key.dir */
+#define KBP_CT_FORWARD 0 /* client -> frontend, as the client sent it */
+#define KBP_CT_REPLY 1   /* backend -> client (or -> frontend for hairpin), as sent */
+
+/* struct kbp_ct_entry.flags */
+#define KBP_CT_F_HAIRPIN 1 /* client is its own backend: source NATed to the frontend */
+#define KBP_CT_F_SEEN_REPLY 2
+#define KBP_CT_F_CLOSING 4 /* FIN or RST seen */
+
+/* Indexes of the kbp_drops map: why the datapath dropped or rejected a packet. */
+#define KBP_DROP_NO_BACKEND 0    /* empty set, hasEndpoints true: dropped */
+#define KBP_DROP_REJECTED 1      /* empty set, hasEndpoints false: RST / ICMP sent */
+#define KBP_DROP_BACKEND_GONE 2  /* a slot named a backend id that is not in the map */
+#define KBP_DROP_MALFORMED 3     /* headers too short or inconsistent */
+#define KBP_DROP_FRAGMENT 4      /* non-first IPv4 fragment / IPv6 fragment to a frontend */
+#define KBP_DROP_NAT_FAILED 5    /* a helper refused to rewrite the packet */
+#define KBP_DROP_REJECT_FAILED 6 /* could not build the RST / ICMP reply */
+#define KBP_DROP_REASONS 7
+
+/* kbp_services: frontend address:port/protocol -> service. */
+struct kbp_frontend_key {
+	__be32 addr[4];  /* frontend IP (see the address rule above) */
+	__be16 port;     /* frontend port */
+	__u8 proto;      /* IPPROTO_TCP / IPPROTO_UDP / IPPROTO_SCTP */
+	__u8 family;     /* KBP_FAMILY_* */
+};
+
+struct kbp_service {
+	__u32 service_id;      /* stable per (Service, port, family): counters, affinity, CT */
+	__u32 flags;           /* KBP_SVC_F_* */
+	__u32 set_id;          /* backend slots for this frontend's traffic (DESIGN.md §3) */
+	__u32 count;           /* slots in set_id; Maglev: the table size */
+	__u32 internal_set_id; /* external frontends: slots for traffic from pods/node */
+	__u32 internal_count;  /* slots in internal_set_id */
+	__u32 affinity_timeout; /* seconds, when KBP_SVC_F_AFFINITY */
+	__u8 type;             /* KBP_FE_* */
+	__u8 pad[3];
+};
+
+/* kbp_slots: (set, index) -> backend. A set is written in full before a service points
+ * at it and deleted only after no service does, so readers never see a half set. */
+struct kbp_slot_key {
+	__u32 set_id;
+	__u32 index; /* 0 .. count-1 */
+};
+
+struct kbp_slot {
+	__u32 backend_id;
+};
+
+/* kbp_backends: backend id -> endpoint address. Ids are per (service, endpoint): a
+ * backend leaving a service deletes its id, which is how conntrack learns of it. */
+struct kbp_backend {
+	__be32 addr[4]; /* endpoint IP */
+	__be16 port;    /* endpoint port */
+	__u8 family;    /* KBP_FAMILY_* */
+	__u8 flags;     /* KBP_BE_F_* */
+	__u32 service_id;
+};
+
+/* kbp_conntrack (LRU): one entry per direction of a translated flow. The key is the
+ * packet's own tuple as it appears on the wire before translation. */
+struct kbp_ct_key {
+	__be32 saddr[4];
+	__be32 daddr[4];
+	__be16 sport;
+	__be16 dport;
+	__u8 proto;
+	__u8 family;
+	__u8 dir; /* KBP_CT_FORWARD / KBP_CT_REPLY */
+	__u8 pad;
+};
+
+struct kbp_ct_entry {
+	__be32 addr[4];  /* forward: backend IP (new dst); reply: frontend IP (new src) */
+	__be16 port;     /* forward: backend port; reply: frontend port */
+	__u8 flags;      /* KBP_CT_F_* */
+	__u8 pad;
+	__u32 backend_id;
+	__u32 service_id;
+	__u32 pad2;
+	__u64 last_seen; /* bpf_ktime_get_ns() of the last packet, ns since boot */
+};
+
+/* kbp_affinity (LRU): sessionAffinity ClientIP. */
+struct kbp_affinity_key {
+	__be32 client[4]; /* client IP */
+	__u32 service_id;
+	__u8 family;
+	__u8 pad[3];
+};
+
+struct kbp_affinity {
+	__u64 last_used; /* bpf_ktime_get_ns(), ns since boot */
+	__u32 backend_id;
+	__u32 pad;
+};
+
+/* kbp_counters (per-CPU array, index service_id) and kbp_drops (per-CPU array, index
+ * KBP_DROP_*): summed over CPUs by the agent. */
+struct kbp_counters {
+	__u64 packets; /* packets translated to a backend, both directions */
+	__u64 bytes;   /* their bytes, L2 included */
+	__u64 new_flows; /* backend selections (new connections, after CT misses) */
+	__u64 drops;     /* packets to the service dropped or rejected */
+};
+
+struct kbp_drop_counters {
+	__u64 packets;
+	__u64 bytes;
+};
+
+#endif /* KBP_ABI_H */

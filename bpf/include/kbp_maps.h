@@ -1,0 +1,76 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The maps, pinned under KBP_PIN_DIR with BTF so `bpftool map dump pinned` prints field
+ * names. Every program includes this header, so all programs of all agent generations
+ * share one set of maps: an agent restart re-opens the pins and keeps conntrack.
+ *
+ * Set by the loader (agent/dataplane/ebpf/kernel.py) with -D:
+ *   KBP_PIN_DIR        string literal, e.g. "/sys/fs/bpf/kube-bpf-proxy"
+ *   KBP_MAX_SERVICES   frontends (kbp_services entries) and service ids
+ *   KBP_MAX_SLOTS      backend slots over all sets, Maglev tables included
+ *   KBP_MAX_BACKENDS   (service, endpoint) pairs
+ *   KBP_MAX_CT         conntrack entries (two per flow)
+ *   KBP_MAX_AFFINITY   ClientIP affinity entries
+ * Pins carry the ABI version (`kbp_services_v1`); kernel map names are limited to
+ * 15 characters (BPF_OBJ_NAME_LEN), which is why conntrack is `kbp_ct`.
+ */
+#ifndef KBP_MAPS_H
+#define KBP_MAPS_H
+
+#include "kbp_abi.h"
+
+#ifndef KBP_PIN_DIR
+#error "KBP_PIN_DIR must be defined by the loader"
+#endif /* KBP_PIN_DIR */
+#ifndef KBP_MAX_SERVICES
+#define KBP_MAX_SERVICES 65536
+#endif /* KBP_MAX_SERVICES */
+#ifndef KBP_MAX_SLOTS
+#define KBP_MAX_SLOTS 262144
+#endif /* KBP_MAX_SLOTS */
+#ifndef KBP_MAX_BACKENDS
+#define KBP_MAX_BACKENDS 262144
+#endif /* KBP_MAX_BACKENDS */
+#ifndef KBP_MAX_CT
+#define KBP_MAX_CT 262144
+#endif /* KBP_MAX_CT */
+#ifndef KBP_MAX_AFFINITY
+#define KBP_MAX_AFFINITY 65536
+#endif /* KBP_MAX_AFFINITY */
+
+#define __KBP_STR(x) #x
+#define KBP_STR(x) __KBP_STR(x)
+/* The pin path of map `name`: KBP_PIN_DIR/name_v<KBP_ABI_VERSION>. The version lives in
+ * the pin (the map's identity for every agent, bpftool and `inspect`), not in the C name:
+ * bcc refuses map calls (`kbp_services.lookup`) whose map name comes from a macro. */
+#define KBP_PIN(name) KBP_PIN_DIR "/" #name "_v" KBP_STR(KBP_ABI_VERSION)
+
+/* Frontend (ClusterIP/NodePort/... address:port/proto) -> service entry. */
+BPF_TABLE_PINNED("hash", struct kbp_frontend_key, struct kbp_service, kbp_services,
+		 KBP_MAX_SERVICES, KBP_PIN(kbp_services));
+
+/* (set id, index) -> backend id: the backend sets services point at. */
+BPF_TABLE_PINNED("hash", struct kbp_slot_key, struct kbp_slot, kbp_slots, KBP_MAX_SLOTS,
+		 KBP_PIN(kbp_slots));
+
+/* Backend id -> endpoint address:port. */
+BPF_TABLE_PINNED("hash", __u32, struct kbp_backend, kbp_backends, KBP_MAX_BACKENDS,
+		 KBP_PIN(kbp_backends));
+
+/* Translated flows, both directions; LRU so the oldest idle flows make room. */
+BPF_TABLE_PINNED("lru_hash", struct kbp_ct_key, struct kbp_ct_entry, kbp_ct, KBP_MAX_CT,
+		 KBP_PIN(kbp_ct));
+
+/* sessionAffinity ClientIP: (client, service) -> backend, with its last use. */
+BPF_TABLE_PINNED("lru_hash", struct kbp_affinity_key, struct kbp_affinity, kbp_affinity,
+		 KBP_MAX_AFFINITY, KBP_PIN(kbp_affinity));
+
+/* Per service id: packets, bytes, new flows, drops; summed over CPUs by the agent. */
+BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_counters, kbp_counters, KBP_MAX_SERVICES,
+		 KBP_PIN(kbp_counters));
+
+/* Per KBP_DROP_* reason. */
+BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_drops, KBP_DROP_REASONS,
+		 KBP_PIN(kbp_drops));
+
+#endif /* KBP_MAPS_H */
