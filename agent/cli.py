@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 from . import __version__
 from .config import add_arguments, settings_from
@@ -31,6 +33,14 @@ RUN_SETTINGS = [
     "kubeconfig",
     *NODE_SETTINGS,
     "dataplane",
+    "bpffs",
+    "pod_interfaces",
+    "maglev_table_size",
+    "map_size_services",
+    "map_size_slots",
+    "map_size_backends",
+    "map_size_ct",
+    "map_size_affinity",
     "min_sync_period",
     "sync_period",
     "metrics_bind_address",
@@ -40,6 +50,10 @@ RUN_SETTINGS = [
     "verbosity",
     "config",
 ]
+
+INSPECT_SETTINGS = ["bpffs", "inspect_output", "log_level"]
+CLEANUP_SETTINGS = ["bpffs", "log_level"]
+INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +80,25 @@ def build_parser() -> argparse.ArgumentParser:
         "on --healthz-bind-address.",
     )
     add_arguments(run_parser, RUN_SETTINGS)
+    inspect_parser = commands.add_parser(
+        "inspect",
+        help="show the eBPF dataplane's maps: frontends, backends, conntrack, affinity, counters",
+        description="Decode the pinned maps under --bpffs into tables (or JSON): what the "
+        "kernel holds right now, whether or not an agent is running.",
+    )
+    inspect_parser.add_argument(
+        "view", nargs="?", default="frontends", choices=INSPECT_VIEWS,
+        help="which map to show (default: frontends, with their backends)",
+    )  # fmt: skip
+    add_arguments(inspect_parser, INSPECT_SETTINGS)
+    cleanup_parser = commands.add_parser(
+        "cleanup",
+        help="remove the programs, tc filters and pins the eBPF dataplane installed",
+        description="Detach kube-bpf-proxy's tc programs from every interface of this network "
+        "namespace (clsact qdiscs too when nothing else uses them) and remove its pins under "
+        "--bpffs. Established connections through Services lose their translation.",
+    )
+    add_arguments(cleanup_parser, CLEANUP_SETTINGS)
     return parser
 
 
@@ -95,14 +128,46 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(settings)
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    settings = settings_from(args, INSPECT_SETTINGS)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    from .dataplane.ebpf import inspect  # cffi and libbpf only: no compiler needed
+
+    try:
+        rows = inspect.VIEWS[args.view](Path(settings.bpffs))
+    except inspect.InspectError as err:
+        print(f"kube-bpf-proxy inspect: {err}", file=sys.stderr)
+        return 1
+    if settings.inspect_output == "json":
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+    else:
+        sys.stdout.write(inspect.render_table(args.view, rows))
+    return 0
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    settings = settings_from(args, CLEANUP_SETTINGS)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    from .dataplane.ebpf.dataplane import cleanup
+
+    interfaces, pins = cleanup(Path(settings.bpffs))
+    print(
+        f"detached from {len(interfaces)} interface(s)"
+        + (f" ({', '.join(interfaces)})" if interfaces else "")
+        + f"; removed {len(pins)} pin(s) under {settings.bpffs}"
+    )
+    return 0
+
+
+COMMANDS = {"compile": cmd_compile, "run": cmd_run, "inspect": cmd_inspect, "cleanup": cmd_cleanup}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "compile":
-            return cmd_compile(args)
-        if args.command == "run":
-            return cmd_run(args)
+        if args.command in COMMANDS:
+            return COMMANDS[args.command](args)
     except ValueError as err:  # settings validation: a usage error
         parser.exit(2, f"kube-bpf-proxy {args.command}: error: {err}\n")
     except BrokenPipeError:  # e.g. `| head`

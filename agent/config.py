@@ -20,6 +20,15 @@ from .model.ip import parse_cidr, parse_ip
 
 ENV_PREFIX = "KBP_"
 
+# Host-side names the common CNI plugins give the pod-facing end of a pod's veth pair:
+DEFAULT_POD_INTERFACES: tuple[str, ...] = (
+    "veth*",  # generic veth CNIs: bridge/ptp plugins, flannel, kindnet, Docker, Weave
+    "cali*",  # Calico
+    "lxc*",  # Cilium (lxc<hash>)
+    "eni*",  # AWS VPC CNI
+    "gke*",  # GKE's own dataplane
+)
+
 
 def _opt(flag: str, help: str, *, short: str | None = None, **kwargs: Any) -> dict[str, Any]:
     return {"flag": flag, "short": short, "help": help, **kwargs}
@@ -113,6 +122,73 @@ class Settings:
             choices=("auto", "ebpf", "iptables", "none"),
         ),
     )
+    bpffs: str = field(
+        default="/sys/fs/bpf/kube-bpf-proxy",
+        metadata=_opt(
+            "--bpffs",
+            "directory on a bpffs where the eBPF dataplane pins its maps (kbp_*_v<N>)",
+            metavar="DIR",
+        ),
+    )
+    pod_interfaces: list[str] = field(
+        default_factory=lambda: list(DEFAULT_POD_INTERFACES),
+        metadata=_opt(
+            "--pod-interfaces",
+            "globs of the host-side pod interfaces the eBPF dataplane attaches to "
+            f"(default: {','.join(DEFAULT_POD_INTERFACES)}, the common CNI prefixes)",
+            metavar="GLOB,...",
+            comma=True,
+        ),
+    )
+    maglev_table_size: int = field(
+        default=16381,
+        metadata=_opt(
+            "--maglev-table-size",
+            "slots of each Maglev table (a prime larger than a Service's backend count; "
+            "more slots spread load more evenly and cost more map entries)",
+            type=int,
+            metavar="PRIME",
+        ),
+    )
+    map_size_services: int = field(
+        default=65536,
+        metadata=_opt(
+            "--map-size-services", "frontend entries (and service ids)", type=int, metavar="N"
+        ),
+    )
+    map_size_slots: int = field(
+        default=262144,
+        metadata=_opt(
+            "--map-size-slots",
+            "backend slots over all Services, Maglev tables included",
+            type=int,
+            metavar="N",
+        ),
+    )
+    map_size_backends: int = field(
+        default=262144,
+        metadata=_opt(
+            "--map-size-backends", "(Service port, endpoint) pairs", type=int, metavar="N"
+        ),
+    )
+    map_size_ct: int = field(
+        default=262144,
+        metadata=_opt(
+            "--map-size-ct",
+            "conntrack entries (two per connection; LRU)",
+            type=int,
+            metavar="N",
+        ),
+    )
+    map_size_affinity: int = field(
+        default=65536,
+        metadata=_opt(
+            "--map-size-affinity",
+            "sessionAffinity ClientIP entries (LRU)",
+            type=int,
+            metavar="N",
+        ),
+    )
     min_sync_period: float = field(
         default=0.0,
         metadata=_opt(
@@ -173,6 +249,12 @@ class Settings:
         default="yaml",
         metadata=_opt("--output", "output format", short="-o", choices=("yaml", "json")),
     )
+    inspect_output: str = field(
+        default="table",
+        metadata=_opt(
+            "--output", "output format", short="-o", choices=("table", "json")
+        ),
+    )
     strict: bool = field(
         default=False,
         metadata=_opt(
@@ -185,6 +267,13 @@ class Settings:
             "--log-level", "log verbosity", choices=("debug", "info", "warning", "error")
         ),
     )
+
+    def map_sizes(self) -> dict[str, int]:
+        """Sizes of the eBPF maps, by map (services, slots, backends, ct, affinity)."""
+        return {
+            name: getattr(self, f"map_size_{name}")
+            for name in ("services", "slots", "backends", "ct", "affinity")
+        }
 
     def compile_options(self) -> CompileOptions:
         labels = {}
@@ -217,6 +306,22 @@ class Settings:
         for item in self.node_label:
             if "=" not in item or not item.partition("=")[0]:
                 raise ValueError(f"--node-label: {item!r} is not KEY=VALUE")
+        for name in (
+            "map_size_services",
+            "map_size_slots",
+            "map_size_backends",
+            "map_size_ct",
+            "map_size_affinity",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
+        if self.maglev_table_size < 3 or any(
+            self.maglev_table_size % d == 0
+            for d in range(2, int(self.maglev_table_size**0.5) + 1)
+        ):
+            raise ValueError(f"--maglev-table-size: {self.maglev_table_size} is not a prime")
+        if not self.pod_interfaces:
+            raise ValueError("--pod-interfaces: at least one glob is required")
         if PRIMARY in self.nodeport_addresses and self.nodeport_addresses != [PRIMARY]:
             raise ValueError("--nodeport-addresses: 'primary' cannot be combined with CIDRs")
         for name in ("nodeport_addresses", "cluster_cidr"):

@@ -12,9 +12,9 @@ from types import FrameType
 from .api.healthcheck import HealthCheckServers
 from .api.server import AgentStatus, HealthServer, MetricsServer
 from .config import Settings
-from .dataplane.select import select_dataplane
+from .dataplane.select import DataplaneStartError, select_dataplane
 from .metrics import Metrics
-from .sources.manifests import load_manifests
+from .sources.watch import ManifestSource
 from .sync.loop import SyncLoop
 from .sync.store import StateStore
 
@@ -38,11 +38,17 @@ class Agent:
         self.settings = settings
         self.metrics = Metrics()
         self.store = StateStore()
-        self.dataplane, reason = select_dataplane(settings.dataplane)
+        try:
+            self.dataplane, reason = select_dataplane(settings)
+        except DataplaneStartError as err:
+            raise StartupError(str(err)) from err
         self.metrics.dataplane_info.labels(self.dataplane.name, reason).set(1)
         log.info("dataplane: %s (%s)", self.dataplane.name, reason)
         self.status = AgentStatus(dataplane=self.dataplane.name)
         self._stoppers: list[Callable[[], None]] = []
+        close = getattr(self.dataplane, "close", None)
+        if close is not None:  # stops watching interfaces; the kernel state stays
+            self._stoppers.append(close)
 
     def start(self) -> None:
         s = self.settings
@@ -91,15 +97,10 @@ class Agent:
         )  # fmt: skip
 
     def _load_manifests(self) -> None:
-        """The file source: one full state, read once."""
-        self.store.register_source("manifests")
-        state, reports = load_manifests(self.settings.manifests)
-        for report in reports:
-            log.warning("%s", report)
-        self.store.replace("Node", list(state.nodes.values()))
-        self.store.replace("Service", list(state.services.values()))
-        self.store.replace("EndpointSlice", list(state.slices.values()))
-        self.store.mark_synced("manifests")
+        """The file source: the files' full state now, and again when they change."""
+        source = ManifestSource(self.settings.manifests, self.store)
+        source.start()
+        self._stoppers.append(source.stop)
 
     def _start_kubernetes_source(self) -> None:
         from .k8s import ConfigError, KubernetesSource, load_config  # the only kubernetes user
@@ -139,7 +140,11 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-    agent = Agent(settings)
+    try:
+        agent = Agent(settings)
+    except StartupError as err:
+        log.error("cannot start: %s", err)
+        return 1
     try:
         agent.start()
         stop.wait()

@@ -183,8 +183,13 @@ class SyncLoop:
                 log.exception("sync: %s failed to follow the new state", type(follower).__name__)
         if writes:
             log.info(
-                "sync: applied revision %s (%d entries, %d writes)",
-                state.revision[:19], len(state.services), writes,
+                "sync: applied revision %s: %d services, %d backends, %d writes in %.1f ms",
+                state.revision[:19],
+                len(state.services),
+                sum(len(e.cluster_backends or ()) + len(e.local_backends or ())
+                    for e in state.services),
+                writes,
+                (self._clock() - started) * 1000,
             )  # fmt: skip
 
     def _failed(self, reason: str, message: str, triggers: list[float]) -> None:

@@ -121,7 +121,7 @@ struct kbp_ct_entry {
 	__u32 backend_id;
 	__u32 service_id;
 	__u32 pad2;
-	__u64 last_seen; /* bpf_ktime_get_ns() of the last packet, ns since boot */
+	__u64 last_seen; /* CLOCK_MONOTONIC ns of the last packet (coarse: tick resolution) */
 };
 
 /* kbp_affinity (LRU): sessionAffinity ClientIP. */
@@ -133,7 +133,7 @@ struct kbp_affinity_key {
 };
 
 struct kbp_affinity {
-	__u64 last_used; /* bpf_ktime_get_ns(), ns since boot */
+	__u64 last_used; /* CLOCK_MONOTONIC ns (coarse: tick resolution) */
 	__u32 backend_id;
 	__u32 pad;
 };

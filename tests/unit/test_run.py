@@ -91,11 +91,12 @@ def test_run_serves_the_compiled_state_and_stops_on_sigterm(
 
 def test_an_unavailable_dataplane_is_a_usage_error() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "agent", "run", "--manifests", "examples", "--dataplane", "ebpf"],
+        [sys.executable, "-m", "agent", "run", "--manifests", "examples", "--dataplane",
+         "iptables"],
         cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert result.returncode == 2
-    assert "--dataplane ebpf" in result.stderr
+    assert "--dataplane iptables" in result.stderr
 
 
 def test_no_kubeconfig_is_a_clear_startup_error(tmp_path: Path) -> None:

@@ -1,0 +1,105 @@
+"""Map contents as bytes and back: the plan's values (plan.py) packed with the layouts
+abi.py derives from bpf/include/kbp_abi.h, and the kernel's maps decoded into a
+KernelContent."""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+from .abi import addr_bytes, addr_text, packer
+from .libbpf import Map
+from .plan import BackendValue, FrontendKey, KernelContent, ServiceValue
+
+_FRONTEND_KEY = packer("kbp_frontend_key")
+_SERVICE = packer("kbp_service")
+_SLOT_KEY = packer("kbp_slot_key")
+_SLOT = packer("kbp_slot")
+_BACKEND_KEY_SIZE = 4  # __u32 backend id (the map's key is a plain integer)
+_BACKEND = packer("kbp_backend")
+_U32 = packer("kbp_slot")  # one __u32: the backend id key has the same layout
+_BROKEN = 0  # backend id 0 is never allocated: marks a set no wanted set can equal
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _addr(ip: str) -> bytes:
+    return addr_bytes(ip)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _port(port: int) -> bytes:
+    return port.to_bytes(2, "big")
+
+
+def frontend_key(key: FrontendKey) -> bytes:
+    return _FRONTEND_KEY.pack(_addr(key.addr), _port(key.port), key.proto, key.family)
+
+
+def service_value(v: ServiceValue) -> bytes:
+    return _SERVICE.pack(
+        v.service_id,
+        v.flags,
+        v.set_id,
+        v.count,
+        v.internal_set_id,
+        v.internal_count,
+        v.affinity_timeout,
+        v.type,
+    )
+
+
+def slot_key(set_id: int, index: int) -> bytes:
+    return _SLOT_KEY.pack(set_id, index)
+
+
+def slot_value(backend_id: int) -> bytes:
+    return _SLOT.pack(backend_id)
+
+
+def backend_key(backend_id: int) -> bytes:
+    return _U32.pack(backend_id)
+
+
+def backend_value(v: BackendValue) -> bytes:
+    return _BACKEND.pack(_addr(v.addr), _port(v.port), v.family, v.flags, v.service_id)
+
+
+def decode_frontend_key(raw: bytes) -> FrontendKey:
+    addr, port, proto, family = _FRONTEND_KEY.unpack(raw)
+    return FrontendKey(addr_text(addr, family), int.from_bytes(port, "big"), proto, family)
+
+
+def decode_service(raw: bytes) -> ServiceValue:
+    return ServiceValue(*_SERVICE.unpack(raw))
+
+
+def decode_backend(raw: bytes) -> BackendValue:
+    addr, port, family, flags, service_id = _BACKEND.unpack(raw)
+    return BackendValue(addr_text(addr, family), int.from_bytes(port, "big"), family, flags,
+                        service_id)  # fmt: skip
+
+
+def read_content(services: Map, slots: Map, backends: Map) -> KernelContent:
+    """What the kernel holds now. A set with a missing index (a writer interrupted
+    between slots) is left out, so the next diff writes a complete new set."""
+    frontends = {decode_frontend_key(k): decode_service(v) for k, v in services.items()}
+    by_set: dict[int, dict[int, int]] = defaultdict(dict)
+    for k, v in slots.items():
+        set_id, index = _SLOT_KEY.unpack(k)
+        by_set[set_id][index] = _SLOT.unpack(v)[0]
+    # An interrupted writer can leave a set with holes or a count that disagrees with the
+    # set: such a set is kept (so the diff deletes it) but never equals a wanted set, so
+    # services get a freshly written one.
+    sets = {
+        set_id: tuple(members[i] for i in sorted(members))
+        if len(members) == max(members) + 1
+        else (_BROKEN, *members.values())
+        for set_id, members in by_set.items()
+    }
+    for value in frontends.values():
+        for set_id, count in ((value.set_id, value.count),
+                              (value.internal_set_id, value.internal_count)):  # fmt: skip
+            if set_id in sets and len(sets[set_id]) != count:
+                sets[set_id] = (_BROKEN, *sets[set_id])
+    ends = {_U32.unpack(k)[0]: decode_backend(v) for k, v in backends.items()}
+    return KernelContent(services=frontends, slots=sets, backends=ends)

@@ -1,0 +1,275 @@
+"""`kube-bpf-proxy inspect`: the pinned maps decoded into readable rows (frontends with
+their backends, backends, conntrack, affinity, counters), read straight from bpffs so it
+works beside a running agent, after it stopped, and without compiling anything."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import codec
+from .abi import addr_text, const, packer, versioned
+from .libbpf import Map, possible_cpus
+
+Row = dict[str, Any]
+
+PROTOCOLS = {6: "TCP", 17: "UDP", 132: "SCTP"}
+FRONTEND_TYPES = {
+    const.KBP_FE_CLUSTER_IP: "ClusterIP",
+    const.KBP_FE_NODE_PORT: "NodePort",
+    const.KBP_FE_EXTERNAL_IP: "ExternalIP",
+    const.KBP_FE_LOAD_BALANCER: "LoadBalancer",
+}
+DROP_REASONS = {
+    value: name.removeprefix("KBP_DROP_").lower().replace("_", "-")
+    for name, value in vars(const).items()
+    if name.startswith("KBP_DROP_") and name != "KBP_DROP_REASONS"
+}
+
+
+class InspectError(Exception):
+    """A map is not there or not readable; the message names it."""
+
+
+def _open(pin_dir: Path, name: str) -> Map:
+    path = pin_dir / versioned(name)
+    try:
+        return Map.pinned(str(path))
+    except OSError as err:
+        raise InspectError(
+            f"{path}: {err.strerror}; is the eBPF dataplane running with --bpffs {pin_dir}?"
+        ) from err
+
+
+def _flags(value: int, names: dict[int, str]) -> str:
+    return ",".join(name for bit, name in names.items() if value & bit) or "-"
+
+
+def _endpoint(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+SERVICE_FLAGS = {
+    const.KBP_SVC_F_HAS_ENDPOINTS: "has-endpoints",
+    const.KBP_SVC_F_AFFINITY: "affinity",
+    const.KBP_SVC_F_MAGLEV: "maglev",
+}
+BACKEND_FLAGS = {const.KBP_BE_F_LOCAL: "local", const.KBP_BE_F_TERMINATING: "terminating"}
+CT_FLAGS = {
+    const.KBP_CT_F_HAIRPIN: "hairpin",
+    const.KBP_CT_F_SEEN_REPLY: "seen-reply",
+    const.KBP_CT_F_CLOSING: "closing",
+}
+
+
+def frontends(pin_dir: Path) -> list[Row]:
+    with (
+        _open(pin_dir, "kbp_services") as services,
+        _open(pin_dir, "kbp_slots") as slots,
+        _open(pin_dir, "kbp_backends") as backends,
+    ):
+        content = codec.read_content(services, slots, backends)
+    rows = []
+    for key, value in sorted(content.services.items(), key=lambda kv: _frontend_order(kv[0])):
+        members = content.slots.get(value.set_id, ()) if value.count else ()
+        # Maglev tables repeat each backend many times: list each once, with its share.
+        shares: dict[int, int] = {}
+        for backend_id in members:
+            shares[backend_id] = shares.get(backend_id, 0) + 1
+        listed = []
+        for backend_id, slots_held in shares.items():
+            b = content.backends.get(backend_id)
+            listed.append(
+                {
+                    "id": backend_id,
+                    "address": _endpoint(b.addr, b.port) if b else "?",
+                    "slots": slots_held,
+                    "flags": _flags(b.flags, BACKEND_FLAGS) if b else "missing",
+                }
+            )
+        rows.append(
+            {
+                "frontend": _endpoint(key.addr, key.port),
+                "protocol": PROTOCOLS.get(key.proto, str(key.proto)),
+                "type": FRONTEND_TYPES.get(value.type, str(value.type)),
+                "serviceId": value.service_id,
+                "flags": _flags(value.flags, SERVICE_FLAGS),
+                "affinitySeconds": value.affinity_timeout or None,
+                "set": value.set_id,
+                "slots": value.count,
+                "internalSet": value.internal_set_id,
+                "internalSlots": value.internal_count,
+                "backends": listed,
+            }
+        )
+    return rows
+
+
+def _frontend_order(key: codec.FrontendKey) -> tuple[int, bytes, int, int]:
+    return (key.family, codec.addr_bytes(key.addr), key.port, key.proto)
+
+
+def backends(pin_dir: Path) -> list[Row]:
+    with _open(pin_dir, "kbp_backends") as table:
+        items = [
+            (packer("kbp_slot").unpack(k)[0], codec.decode_backend(v)) for k, v in table.items()
+        ]
+    return [
+        {
+            "id": backend_id,
+            "address": _endpoint(b.addr, b.port),
+            "serviceId": b.service_id,
+            "flags": _flags(b.flags, BACKEND_FLAGS),
+        }
+        for backend_id, b in sorted(items)
+    ]
+
+
+def conntrack(pin_dir: Path) -> list[Row]:
+    key_format, entry_format = packer("kbp_ct_key"), packer("kbp_ct_entry")
+    now = time.monotonic_ns()  # bpf_ktime_get_ns() is CLOCK_MONOTONIC
+    rows = []
+    with _open(pin_dir, "kbp_ct") as table:
+        for k, v in table.items():
+            saddr, daddr, sport, dport, proto, family, direction = key_format.unpack(k)
+            addr, port, flags, backend_id, service_id, last_seen = entry_format.unpack(v)
+            forward = direction == const.KBP_CT_FORWARD
+            rows.append(
+                {
+                    "direction": "forward" if forward else "reply",
+                    "protocol": PROTOCOLS.get(proto, str(proto)),
+                    "source": _endpoint(addr_text(saddr, family), int.from_bytes(sport, "big")),
+                    "destination": _endpoint(
+                        addr_text(daddr, family), int.from_bytes(dport, "big")
+                    ),
+                    # forward: the destination becomes the backend; reply: the source
+                    # becomes the frontend again
+                    "translation": ("destination → " if forward else "source → ")
+                    + _endpoint(addr_text(addr, family), int.from_bytes(port, "big")),
+                    "backendId": backend_id,
+                    "serviceId": service_id,
+                    "flags": _flags(flags, CT_FLAGS),
+                    "idleSeconds": round(max(0, now - last_seen) / 1e9, 1),
+                }
+            )
+    rows.sort(key=lambda r: (r["serviceId"], r["direction"], r["source"], r["destination"]))
+    return rows
+
+
+def affinity(pin_dir: Path) -> list[Row]:
+    key_format, value_format = packer("kbp_affinity_key"), packer("kbp_affinity")
+    now = time.monotonic_ns()
+    rows = []
+    with _open(pin_dir, "kbp_affinity") as table:
+        for k, v in table.items():
+            client, service_id, family = key_format.unpack(k)
+            last_used, backend_id = value_format.unpack(v)
+            rows.append(
+                {
+                    "client": addr_text(client, family),
+                    "serviceId": service_id,
+                    "backendId": backend_id,
+                    "idleSeconds": round(max(0, now - last_used) / 1e9, 1),
+                }
+            )
+    rows.sort(key=lambda r: (r["serviceId"], r["client"]))
+    return rows
+
+
+def _percpu_sums(table: Map, struct: str) -> list[tuple[int, tuple[int, ...]]]:
+    """(index, field sums over CPUs) for every index with a non-zero sum."""
+    fmt = packer(struct)
+    stride = (fmt.size + 7) // 8 * 8
+    out = []
+    for k, v in table.items():
+        sums = [0] * len(fmt.unpack(bytes(fmt.size)))
+        for cpu in range(possible_cpus()):
+            for i, value in enumerate(fmt.unpack_from(v, cpu * stride)):
+                sums[i] += value
+        if any(sums):
+            out.append((int.from_bytes(k, "little"), tuple(sums)))
+    return sorted(out)
+
+
+def counters(pin_dir: Path) -> list[Row]:
+    rows: list[Row] = []
+    with _open(pin_dir, "kbp_counters") as table:
+        for service_id, (packets, size, new_flows, drops) in _percpu_sums(table, "kbp_counters"):
+            rows.append(
+                {
+                    "serviceId": service_id,
+                    "packets": packets,
+                    "bytes": size,
+                    "newFlows": new_flows,
+                    "drops": drops,
+                }
+            )
+    with _open(pin_dir, "kbp_drops") as table:
+        for reason, (packets, size) in _percpu_sums(table, "kbp_drop_counters"):
+            rows.append(
+                {
+                    "dropReason": DROP_REASONS.get(reason, str(reason)),
+                    "packets": packets,
+                    "bytes": size,
+                }
+            )
+    return rows
+
+
+VIEWS: dict[str, Callable[[Path], list[Row]]] = {
+    "frontends": frontends,
+    "backends": backends,
+    "conntrack": conntrack,
+    "affinity": affinity,
+    "counters": counters,
+}
+
+
+def render_table(view: str, rows: list[Row]) -> str:
+    """Aligned columns; a frontend's backends are listed under it, one per line."""
+    if not rows:
+        return f"no {view} entries\n"
+    if view == "frontends":
+        flat = []
+        for row in rows:
+            backends_of = row.pop("backends")
+            head = {
+                "FRONTEND": f"{row['frontend']}/{row['protocol']}",
+                "TYPE": row["type"],
+                "SERVICE": row["serviceId"],
+                "FLAGS": row["flags"],
+                "SLOTS": row["slots"],
+                "BACKEND": "",
+            }
+            if not backends_of:
+                head["BACKEND"] = "(none)"
+                flat.append(head)
+            for n, b in enumerate(backends_of):
+                line = dict.fromkeys(head, "") if n else head
+                slots = f"{b['slots']} slot{'s' if b['slots'] != 1 else ''}"
+                line["BACKEND"] = f"{b['address']} (id {b['id']}, {slots}, {b['flags']})"
+                flat.append(line)
+        return _columns(flat)
+    header_rows = [{_title(k): v for k, v in row.items()} for row in rows]
+    return _columns(header_rows)
+
+
+def _title(key: str) -> str:
+    out = "".join(f"-{c}" if c.isupper() else c for c in key)
+    return out.upper()
+
+
+def _columns(rows: list[Row]) -> str:
+    headers: list[str] = []
+    for row in rows:
+        for key in row:
+            if key not in headers:
+                headers.append(key)
+    cells = [[str("" if row.get(h) is None else row.get(h)) for h in headers] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for c in cells:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)).rstrip())
+    return "\n".join(lines) + "\n"

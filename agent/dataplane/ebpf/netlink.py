@@ -1,0 +1,675 @@
+"""Netlink for the eBPF dataplane: attach tc programs (clsact, direct-action) to pod
+interfaces and watch for new ones; the only module in agent/ that imports pyroute2."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import errno
+import fnmatch
+import logging
+import os
+import queue
+import select
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+from pyroute2 import IPRoute
+from pyroute2.netlink import (
+    NLM_F_DUMP,
+    NLM_F_DUMP_INTR,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    nla,
+    nlmsg,
+)
+from pyroute2.netlink.exceptions import NetlinkError as KernelNetlinkError
+from pyroute2.netlink.rtnl import (
+    RTM_DELLINK,
+    RTM_GETLINK,
+    RTM_NEWLINK,
+    RTM_NEWTFILTER,
+    RTMGRP_LINK,
+)
+from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+from pyroute2.netlink.rtnl.marshal import MarshalRtnl
+from pyroute2.netlink.rtnl.tcmsg import tcmsg
+
+from ...config import DEFAULT_POD_INTERFACES
+from ..base import DataplaneError
+
+log = logging.getLogger(__name__)
+
+Direction = Literal["ingress", "egress"]
+
+# clsact's two hook points, as tc parents: ffff:fff2 (packets the interface receives,
+# i.e. leaving the pod) and ffff:fff3 (packets it transmits, i.e. towards the pod).
+TC_PARENTS: dict[str, int] = {"ingress": 0xFFFF_FFF2, "egress": 0xFFFF_FFF3}
+# Our filters' fixed place in each hook. Priority 1 runs first, so services are
+# translated before any other classifier (a CNI's policy program) looks at the packet.
+# The handle spells "kbp" so it is unlikely to be anyone else's, and attach refuses to
+# replace a filter there that is not ours.
+FILTER_PRIORITY = 1
+FILTER_HANDLE = 0x6B6270
+# Every filter we install carries a bpf name with this prefix; detach removes only those.
+FILTER_NAME_PREFIX = "kbp_"
+
+_CLSACT_HANDLE = 0xFFFF_0000
+_ETH_P_ALL = 0x0003
+_CLONE_NEWNET = 0x4000_0000
+_NETNS_RUN_DIR = "/run/netns"
+_START_TIMEOUT_S = 10.0
+
+_T = TypeVar("_T")
+_Call = tuple[Callable[[], Any], concurrent.futures.Future]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A network interface in the attacher's namespace."""
+
+    index: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """One of our filters as the kernel reports it."""
+
+    index: int
+    ifname: str
+    direction: Direction
+    name: str
+    prog_id: int
+
+
+class NetlinkError(DataplaneError):
+    """A netlink request failed; the message names the interface (or namespace) and errno."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__("netlink", message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class PodInterfaces:
+    """Which interface names are pod-facing, as fnmatch globs (case-sensitive)."""
+
+    globs: tuple[str, ...] = DEFAULT_POD_INTERFACES
+
+    def __init__(self, globs: Sequence[str] = DEFAULT_POD_INTERFACES) -> None:
+        if isinstance(globs, str):
+            raise TypeError("PodInterfaces takes a sequence of globs, not one string")
+        cleaned = tuple(glob.strip() for glob in globs)
+        if not cleaned or any(not glob for glob in cleaned):
+            raise ValueError(f"pod interface globs must be non-empty strings, got {globs!r}")
+        object.__setattr__(self, "globs", cleaned)
+
+    @classmethod
+    def from_text(cls, text: str) -> PodInterfaces:
+        """Parse a comma-separated list, as given to --pod-interfaces."""
+        return cls([part for part in text.split(",") if part.strip()])
+
+    def matches(self, ifname: str) -> bool:
+        return any(fnmatch.fnmatchcase(ifname, glob) for glob in self.globs)
+
+
+def _netns_path(netns: str) -> str:
+    """A namespace name means /run/netns/NAME (as `ip netns`); a path is used as given."""
+    return netns if "/" in netns else os.path.join(_NETNS_RUN_DIR, netns)
+
+
+def _enter_netns(netns: str) -> None:
+    """Move the calling thread (only) into a network namespace."""
+    path = _netns_path(netns)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        message = f"cannot open network namespace {path}: {exc.strerror}"
+        raise NetlinkError(message, exc.errno) from exc
+    try:
+        # Python 3.11 has no os.setns; libc's setns(2) changes only this thread's netns.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            code = ctypes.get_errno()
+            raise NetlinkError(f"cannot enter network namespace {path}: {os.strerror(code)}", code)
+    finally:
+        os.close(fd)
+
+
+class _NamespaceThread:
+    """One thread that lives in a network namespace and runs the calls given to it.
+
+    Netlink sockets belong to the namespace they were created in; creating ours on a
+    thread that setns()'d keeps the rest of the process where it is, and since threads
+    share the fd table, BPF program fds of this process can go into the messages.
+    pyroute2 0.9's synchronous IPRoute also wants to be used from the thread that made
+    it, so every call for one attacher runs here, serialised.
+    """
+
+    def __init__(self, netns: str | None, name: str, setup: Callable[[], Any]) -> None:
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders put() against stop(): nothing after the end
+        self._stopped = False
+        self._state: Any = None
+        self._netns = netns
+        self._setup = setup
+        self._started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        try:
+            self._started.result(timeout=_START_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            self.stop(lambda: None)
+            raise NetlinkError(f"netlink thread {name} did not start") from None
+
+    @property
+    def state(self) -> Any:
+        return self._state
+
+    def _main(self) -> None:
+        try:
+            if self._netns is not None:
+                _enter_netns(self._netns)
+            self._state = self._setup()
+        except BaseException as exc:
+            self._started.set_exception(exc)
+            return
+        self._started.set_result(None)
+        while (item := self._calls.get()) is not None:
+            call, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    def call(self, function: Callable[[], _T]) -> _T:
+        if threading.current_thread() is self._thread:
+            return function()
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopped or not self._thread.is_alive():
+                raise NetlinkError("the netlink thread has stopped (attacher closed)")
+            self._calls.put((function, future))
+        return future.result()
+
+    def stop(self, finish: Callable[[], None]) -> None:
+        """Run `finish` after every call already queued, then end the thread."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._calls.put((finish, concurrent.futures.Future()))
+            self._calls.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+class _BpfFilterOptions(nla):
+    """cls_bpf's TCA_OPTIONS with the attributes pyroute2 0.9.7 does not decode
+    (TCA_BPF_ID and friends); values follow include/uapi/linux/pkt_cls.h."""
+
+    nla_map = (
+        ("TCA_BPF_UNSPEC", "none"),
+        ("TCA_BPF_ACT", "hex"),
+        ("TCA_BPF_POLICE", "hex"),
+        ("TCA_BPF_CLASSID", "uint32"),
+        ("TCA_BPF_OPS_LEN", "uint32"),
+        ("TCA_BPF_OPS", "hex"),
+        ("TCA_BPF_FD", "uint32"),
+        ("TCA_BPF_NAME", "asciiz"),
+        ("TCA_BPF_FLAGS", "uint32"),
+        ("TCA_BPF_FLAGS_GEN", "uint32"),
+        ("TCA_BPF_TAG", "hex"),
+        ("TCA_BPF_ID", "uint32"),
+    )
+
+
+class _OpaqueOptions(nla):
+    """Options of other classifiers: kept undecoded, we only need their kind."""
+
+    nla_map = (("TCA_OPAQUE_UNSPEC", "none"),)
+
+
+class _FilterMessage(nlmsg):
+    """RTM_NEWTFILTER as dumped, decoding cls_bpf's program id.
+
+    Deliberately not a tcmsg subclass: pyroute2 caches a compiled attribute table per
+    class hierarchy, so a subclass would silently keep tcmsg's decoders.
+    """
+
+    prefix = "TCA_"
+    fields = tcmsg.fields
+    nla_map = (
+        ("TCA_UNSPEC", "none"),
+        ("TCA_KIND", "asciiz"),
+        ("TCA_OPTIONS", "get_options"),
+    )
+
+    @staticmethod
+    def get_options(self: nlmsg, *argv: Any, **kwarg: Any) -> type[nla]:
+        return _BpfFilterOptions if self.get_attr("TCA_KIND") == "bpf" else _OpaqueOptions
+
+
+@dataclass(frozen=True, slots=True)
+class _Filter:
+    """A tc filter on one clsact hook, reduced to what attach/detach decide on."""
+
+    priority: int
+    handle: int
+    kind: str
+    name: str | None
+    prog_id: int | None
+
+    @property
+    def ours(self) -> bool:
+        return self.kind == "bpf" and (self.name or "").startswith(FILTER_NAME_PREFIX)
+
+
+class TcAttacher:
+    """Attaches our tc programs to interfaces of one network namespace.
+
+    `netns` None means the namespace this process is in; otherwise a name under
+    /run/netns (or a path such as /proc/PID/ns/net). Safe to use from several threads.
+    """
+
+    def __init__(self, netns: str | None = None) -> None:
+        self.netns = netns
+        where = "the current namespace" if netns is None else f"netns {netns}"
+        self._where = where
+        self._worker = _NamespaceThread(netns, f"kbp-netlink-{netns or 'self'}", self._open)
+
+    @staticmethod
+    def _open() -> IPRoute:
+        # groups=0: this socket only asks; events are the LinkWatcher's job.
+        ipr = IPRoute(groups=0)
+        # The marshal is per socket: decode filter dumps with the program id.
+        ipr.asyncore.marshal.msg_map[RTM_NEWTFILTER] = _FilterMessage
+        return ipr
+
+    @property
+    def _ipr(self) -> IPRoute:
+        return self._worker.state
+
+    def close(self) -> None:
+        """Close the netlink socket; what is attached stays attached."""
+        self._worker.stop(lambda: self._ipr.close())
+
+    def __enter__(self) -> TcAttacher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- public API: every call runs on the namespace thread --
+
+    def links(self) -> list[Link]:
+        """Every interface in the namespace."""
+        return self._worker.call(self._links)
+
+    def attach(self, index: int, direction: Direction, prog_fd: int, name: str) -> bool:
+        """Install (or atomically replace) our program on one clsact hook of an interface.
+
+        Adds the clsact qdisc when missing, then replaces the bpf filter at our fixed
+        priority and handle, so a second attach swaps the program in place: the hook is
+        never without a program. Returns False when the interface vanished meanwhile.
+        """
+        if direction not in TC_PARENTS:
+            raise ValueError(f"direction must be 'ingress' or 'egress', not {direction!r}")
+        if not name.startswith(FILTER_NAME_PREFIX):
+            raise ValueError(f"filter name {name!r} must start with {FILTER_NAME_PREFIX!r}")
+        return self._worker.call(lambda: self._attach(index, direction, prog_fd, name))
+
+    def detach(self, index: int) -> int:
+        """Remove our filters (bpf name starting with kbp_) from an interface, and its
+        clsact qdisc when no other filter remains. Returns how many filters went."""
+        return self._worker.call(lambda: self._detach(index))
+
+    def attached(self) -> list[Attachment]:
+        """Our filters on every interface of the namespace."""
+        return self._worker.call(self._attached)
+
+    # -- implementation, on the namespace thread --
+
+    def _links(self) -> list[Link]:
+        return [
+            Link(msg["index"], msg.get_attr("IFLA_IFNAME"))
+            for msg in self._ipr.link("dump")
+            if msg.get_attr("IFLA_IFNAME") is not None
+        ]
+
+    def _ifname(self, index: int) -> str | None:
+        try:
+            (msg,) = self._ipr.link("get", index=index)
+        except KernelNetlinkError:
+            return None
+        return msg.get_attr("IFLA_IFNAME")
+
+    def _describe(self, index: int) -> str:
+        ifname = self._ifname(index)
+        who = f"interface {ifname} (index {index})" if ifname else f"interface index {index}"
+        return f"{who} in {self._where}"
+
+    def _filters(self, index: int, direction: Direction) -> list[_Filter]:
+        """Filters on one hook; empty when the interface has no clsact qdisc."""
+        try:
+            messages = self._ipr.get_filters(index=index, parent=TC_PARENTS[direction])
+        except KernelNetlinkError as exc:
+            # No clsact (no ingress/egress block) answers EINVAL or ENOENT: no filters.
+            if exc.code in (errno.EINVAL, errno.ENOENT):
+                return []
+            raise
+        found = []
+        for msg in messages:
+            options = msg.get_attr("TCA_OPTIONS")
+            if options is None:
+                continue  # the per-priority header entry, not a filter
+            found.append(
+                _Filter(
+                    priority=msg["info"] >> 16,
+                    handle=msg["handle"],
+                    kind=msg.get_attr("TCA_KIND"),
+                    name=options.get_attr("TCA_BPF_NAME"),
+                    prog_id=options.get_attr("TCA_BPF_ID"),
+                )
+            )
+        return found
+
+    def _vanished(self, index: int, action: str, exc: KernelNetlinkError) -> bool:
+        """True (logged at debug) when a failure is explained by the interface being gone."""
+        if self._ifname(index) is not None:
+            return False
+        log.debug("%s: interface index %d in %s vanished (%s)", action, index, self._where, exc)
+        return True
+
+    def _attach(self, index: int, direction: Direction, prog_fd: int, name: str) -> bool:
+        parent = TC_PARENTS[direction]
+        try:
+            try:
+                self._ipr.tc("add", "clsact", index)
+            except KernelNetlinkError as exc:
+                if exc.code != errno.EEXIST:
+                    raise
+            self._refuse_foreign_filters(index, direction)
+            self._ipr.tc(
+                "replace-filter",
+                "bpf",
+                index,
+                FILTER_HANDLE,
+                parent=parent,
+                prio=FILTER_PRIORITY,
+                protocol=_ETH_P_ALL,
+                fd=prog_fd,
+                name=name,
+                direct_action=True,
+            )
+        except KernelNetlinkError as exc:
+            if self._vanished(index, f"attach {name}", exc):
+                return False
+            hint = ""
+            if exc.code == errno.EINVAL:
+                hint = " (not a tc program fd, or another qdisc in clsact's place?)"
+            raise NetlinkError(
+                f"cannot attach {name} to {direction} of {self._describe(index)}: "
+                f"{os.strerror(exc.code)}{hint}",
+                exc.code,
+            ) from exc
+        return True
+
+    def _refuse_foreign_filters(self, index: int, direction: Direction) -> None:
+        """Our priority must hold only our kind of filter, and our handle only ours."""
+        for existing in self._filters(index, direction):
+            if existing.priority != FILTER_PRIORITY:
+                continue
+            if existing.kind != "bpf" or (existing.handle == FILTER_HANDLE and not existing.ours):
+                what = f"a {existing.kind} filter"
+                if existing.name:
+                    what += f" named {existing.name!r}"
+                raise NetlinkError(
+                    f"cannot attach to {direction} of {self._describe(index)}: {what} "
+                    f"not installed by kube-bpf-proxy holds priority {FILTER_PRIORITY} "
+                    f"handle {existing.handle:#x}; left it alone"
+                )
+
+    def _detach(self, index: int) -> int:
+        removed = 0
+        try:
+            remaining = 0
+            for direction, parent in TC_PARENTS.items():
+                for existing in self._filters(index, direction):  # type: ignore[arg-type]
+                    if not existing.ours:
+                        remaining += 1
+                        continue
+                    self._ipr.tc(
+                        "del-filter",
+                        "bpf",
+                        index,
+                        existing.handle,
+                        parent=parent,
+                        prio=existing.priority,
+                        protocol=_ETH_P_ALL,
+                    )
+                    removed += 1
+            if removed and not remaining:
+                try:
+                    self._ipr.tc("del", "clsact", index)
+                except KernelNetlinkError as exc:
+                    if exc.code not in (errno.EINVAL, errno.ENOENT):
+                        raise
+        except KernelNetlinkError as exc:
+            if self._vanished(index, "detach", exc):
+                return removed
+            raise NetlinkError(
+                f"cannot detach from {self._describe(index)}: {os.strerror(exc.code)}",
+                exc.code,
+            ) from exc
+        return removed
+
+    def _attached(self) -> list[Attachment]:
+        names = {link.index: link.name for link in self._links()}
+        with_clsact = sorted(
+            {
+                msg["index"]
+                for msg in self._ipr.get_qdiscs()
+                if msg.get_attr("TCA_KIND") == "clsact" and msg["handle"] == _CLSACT_HANDLE
+            }
+        )
+        found = []
+        for index in with_clsact:
+            for direction in TC_PARENTS:
+                try:
+                    filters = self._filters(index, direction)  # type: ignore[arg-type]
+                except KernelNetlinkError as exc:
+                    if self._vanished(index, "list filters", exc):
+                        break
+                    raise NetlinkError(
+                        f"cannot list filters of {self._describe(index)}: {os.strerror(exc.code)}",
+                        exc.code,
+                    ) from exc
+                found.extend(
+                    Attachment(
+                        index=index,
+                        ifname=names.get(index, f"if{index}"),
+                        direction=direction,  # type: ignore[arg-type]
+                        name=existing.name or "",
+                        prog_id=existing.prog_id or 0,
+                    )
+                    for existing in filters
+                    if existing.ours
+                )
+        return found
+
+
+class LinkWatcher:
+    """Calls `on_link` for every interface matching the globs: once per existing one at
+    start, then for each new one (and each rename into a match) as the kernel announces
+    it on RTNLGRP_LINK. No polling; callbacks run on the watcher's own thread."""
+
+    def __init__(
+        self,
+        attacher_or_netns: TcAttacher | str | None,
+        globs: Sequence[str] | PodInterfaces,
+        on_link: Callable[[Link], None],
+    ) -> None:
+        if isinstance(attacher_or_netns, TcAttacher):
+            self.netns = attacher_or_netns.netns
+        else:
+            self.netns = attacher_or_netns
+        self.interfaces = globs if isinstance(globs, PodInterfaces) else PodInterfaces(globs)
+        self._on_link = on_link
+        self._known: dict[int, str] = {}  # every interface seen: index -> name
+        self._wake_read = self._wake_write = -1  # stop() writes to wake the thread up
+        self._stopping = threading.Event()
+        self._scanned = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._dump_sequence = 0
+
+    def start(self, timeout: float = _START_TIMEOUT_S) -> None:
+        """Subscribe, scan existing interfaces and return once their callbacks ran."""
+        if self._thread is not None:
+            raise RuntimeError("a LinkWatcher starts once")
+        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._thread = threading.Thread(
+            target=self._main, name=f"kbp-linkwatch-{self.netns or 'self'}", daemon=True
+        )
+        self._thread.start()
+        if not self._scanned.wait(timeout):
+            self.stop()
+            raise NetlinkError(f"link watcher: no initial interface list within {timeout}s")
+        if self._failure is not None:
+            failure = self._failure
+            self.stop()
+            raise failure
+
+    def stop(self, timeout: float = _START_TIMEOUT_S) -> None:
+        """Stop watching and join the thread; idempotent."""
+        self._stopping.set()
+        if self._thread is threading.current_thread():
+            return  # called from a callback: the loop ends when the callback returns
+        if self._thread is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_write, b"x")
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("link watcher thread did not stop within %.1fs", timeout)
+                return
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the watcher thread ended on its own; None while all is well."""
+        return self._failure
+
+    def __enter__(self) -> LinkWatcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- the watcher thread --
+
+    def _main(self) -> None:
+        try:
+            if self.netns is not None:
+                _enter_netns(self.netns)
+            sock = socket.socket(
+                socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
+            )
+        except BaseException as exc:
+            self._failure = exc
+            self._scanned.set()
+            return
+        try:
+            # Bursts (a node starting dozens of pods) must not overflow the queue;
+            # FORCE ignores rmem_max, which only root may do, else fall back.
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, 33, 4 << 20)  # SO_RCVBUFFORCE
+            except OSError:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            # Subscribe before listing, so a link appearing in between is not missed.
+            sock.bind((0, RTMGRP_LINK))
+            self._loop(sock)
+        except BaseException as exc:
+            log.exception("link watcher for %s failed", self.netns or "this namespace")
+            self._failure = exc
+            self._scanned.set()
+        finally:
+            sock.close()
+
+    def _request_dump(self, sock: socket.socket) -> None:
+        self._dump_sequence += 1
+        msg = ifinfmsg()
+        msg["family"] = socket.AF_UNSPEC
+        msg["header"]["type"] = RTM_GETLINK
+        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_DUMP
+        msg["header"]["sequence_number"] = self._dump_sequence
+        msg.encode()
+        sock.send(msg.data)
+
+    def _loop(self, sock: socket.socket) -> None:
+        marshal = MarshalRtnl()
+        self._request_dump(sock)
+        dumping = True
+        dump_again = False
+        seen_in_dump: set[int] = set()
+        while not self._stopping.is_set():
+            readable, _, _ = select.select([sock, self._wake_read], [], [])
+            if self._wake_read in readable:
+                return
+            try:
+                data = sock.recv(1 << 20)
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                # Events were lost: list everything again once the current dump ends.
+                log.warning("link watcher: netlink queue overflowed, rescanning interfaces")
+                dump_again = True
+                if not dumping:
+                    self._request_dump(sock)
+                    dumping, dump_again, seen_in_dump = True, False, set()
+                continue
+            for msg in marshal.parse(data):
+                header = msg["header"]
+                kind = header["type"]
+                from_dump = dumping and header["sequence_number"] == self._dump_sequence
+                if kind == RTM_NEWLINK and msg["family"] == socket.AF_UNSPEC:
+                    if from_dump:
+                        seen_in_dump.add(msg["index"])
+                        if header["flags"] & NLM_F_DUMP_INTR:
+                            dump_again = True
+                    self._saw_link(msg["index"], msg.get_attr("IFLA_IFNAME"))
+                elif kind == RTM_DELLINK and msg["family"] == socket.AF_UNSPEC:
+                    self._known.pop(msg["index"], None)
+                elif from_dump and header.get("error") is not None:
+                    raise header["error"]
+                elif from_dump and kind == NLMSG_DONE:
+                    # Interfaces gone while events were lost are forgotten now.
+                    for index in set(self._known) - seen_in_dump:
+                        self._known.pop(index, None)
+                    dumping = False
+                    self._scanned.set()
+                    if dump_again:
+                        self._request_dump(sock)
+                        dumping, dump_again, seen_in_dump = True, False, set()
+
+    def _saw_link(self, index: int, name: str | None) -> None:
+        if name is None:
+            return
+        previous = self._known.get(index)
+        self._known[index] = name
+        if previous == name or not self.interfaces.matches(name):
+            return
+        try:
+            self._on_link(Link(index, name))
+        except Exception:
+            log.exception("link watcher: callback for %s (index %d) failed", name, index)

@@ -1,0 +1,45 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * What every datapath library needs: the kernel's protocol headers, the pinned maps, and
+ * a few constants. Compiled by bcc, which provides the helper declarations (bpf_redirect,
+ * bpf_l4_csum_replace, bpf_htons, ...) and turns `map.lookup(&key)` into map calls (in
+ * the main text only: see lib/maps.h).
+ */
+#ifndef KBP_LIB_COMMON_H
+#define KBP_LIB_COMMON_H
+
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/in6.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/ipv6.h>
+#include <uapi/linux/tcp.h>
+#include <uapi/linux/udp.h>
+#include <uapi/linux/icmp.h>
+#include <uapi/linux/icmpv6.h>
+#include <uapi/linux/pkt_cls.h>
+
+#include "kbp_maps.h"
+
+#ifndef __always_inline
+#define __always_inline inline __attribute__((always_inline))
+#endif /* __always_inline */
+
+#define KBP_NS_PER_SEC 1000000000ULL
+
+/* Conntrack and affinity times: CLOCK_MONOTONIC (what bpf_ktime_get_ns() reads, and
+ * Python's time.monotonic_ns()) at tick resolution, for about half the cost of the fine
+ * clock (13 vs 30 ns measured here); seconds-long timeouts need no better. Kernel 5.11+. */
+static __u64 (*kbp_now)(void) = (void *)BPF_FUNC_ktime_get_coarse_ns;
+
+/* TCP flag bits as they sit in byte 13 of the TCP header. */
+#define KBP_TCP_FIN 0x01
+#define KBP_TCP_SYN 0x02
+#define KBP_TCP_RST 0x04
+#define KBP_TCP_ACK 0x10
+
+/* Hop limit of the RST / ICMP replies we originate: Linux's net.ipv4.ip_default_ttl. */
+#define KBP_REPLY_TTL 64
+
+#endif /* KBP_LIB_COMMON_H */

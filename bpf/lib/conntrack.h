@@ -1,0 +1,143 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Conntrack: a forward entry (client -> frontend, as the client sent it) remembers the
+ * backend; a reply entry (backend -> client, as the backend sends it) remembers the
+ * frontend to restore. Both are keyed by the packet's own tuple on the wire, so each hook
+ * needs one lookup per packet and no state about which side it is on.
+ */
+#ifndef KBP_LIB_CONNTRACK_H
+#define KBP_LIB_CONNTRACK_H
+
+#include "lib/common.h"
+#include "lib/maps.h"
+#include "lib/parse.h"
+#include "lib/lb.h"
+
+/* last_seen is written at most this often per entry: entries are shared by all CPUs,
+ * and rewriting the same cache line on every packet costs more than the precision. */
+#define KBP_CT_TOUCH_NS (1ULL * KBP_NS_PER_SEC)
+
+/* The key of the packet's own tuple in direction `dir`. */
+static __always_inline void ct_key_of_packet(const struct kbp_tuple *t, __u8 dir,
+					     struct kbp_ct_key *key)
+{
+	__builtin_memcpy(key->saddr, t->saddr, sizeof(key->saddr));
+	__builtin_memcpy(key->daddr, t->daddr, sizeof(key->daddr));
+	key->sport = t->sport;
+	key->dport = t->dport;
+	key->proto = t->proto;
+	key->family = t->family;
+	key->dir = dir;
+}
+
+/* Is this packet a backend's reply of a translated flow? Both hooks ask first. */
+static __always_inline struct kbp_ct_entry *ct_lookup_reply(const struct kbp_tuple *t)
+{
+	struct kbp_ct_key key = {};
+
+	ct_key_of_packet(t, KBP_CT_REPLY, &key);
+	return map_lookup_ct(&key);
+}
+
+static __always_inline struct kbp_ct_entry *ct_lookup_forward(const struct kbp_tuple *t)
+{
+	struct kbp_ct_key key = {};
+
+	ct_key_of_packet(t, KBP_CT_FORWARD, &key);
+	return map_lookup_ct(&key);
+}
+
+/* Does the entry's backend still serve the service at the address it recorded? Ids are
+ * reused after deletion, hence the address and port comparison. */
+static __always_inline int ct_backend_is_current(const struct kbp_ct_entry *entry,
+						 const struct kbp_service *svc)
+{
+	struct kbp_backend *backend;
+
+	if (entry->service_id != svc->service_id)
+		return 0;
+	backend = lb_backend_of_service(entry->backend_id, svc->service_id);
+	return backend && backend->port == entry->port && lb_addr_equal(backend->addr, entry->addr);
+}
+
+/* Keep a forward entry for this packet? TCP segments other than a SYN always do, even
+ * when the backend is gone, so a terminating pod drains its open connections (as
+ * kube-proxy's conntrack does); a SYN (port reuse) or UDP only with a current backend.
+ * Asking in this order spares established TCP the backend lookup. */
+static __always_inline int ct_forward_is_usable(const struct kbp_ct_entry *entry,
+						const struct kbp_service *svc,
+						const struct kbp_tuple *t)
+{
+	if (t->proto == IPPROTO_TCP && !tuple_is_tcp_syn(t))
+		return 1;
+	return ct_backend_is_current(entry, svc);
+}
+
+/* Note a packet of the flow: time (coarsely, see KBP_CT_TOUCH_NS) and FIN/RST. */
+static __always_inline void ct_touch(struct kbp_ct_entry *entry, const struct kbp_tuple *t,
+				     __u64 now, __u8 flags)
+{
+	if (t->tcp_flags & (KBP_TCP_FIN | KBP_TCP_RST))
+		flags |= KBP_CT_F_CLOSING;
+	if ((entry->flags & flags) != flags)
+		entry->flags |= flags;
+	if (now - entry->last_seen > KBP_CT_TOUCH_NS)
+		entry->last_seen = now;
+}
+
+/* The reply key of a forward flow to backend addr:port: the backend answers the client,
+ * or, for hairpin, the frontend address the client's source was rewritten to. */
+static __always_inline void __ct_reply_key(const struct kbp_tuple *t, const __be32 *backend_addr,
+					   __be16 backend_port, int hairpin,
+					   struct kbp_ct_key *key)
+{
+	__builtin_memcpy(key->saddr, backend_addr, sizeof(key->saddr));
+	if (hairpin)
+		__builtin_memcpy(key->daddr, t->daddr, sizeof(key->daddr));
+	else
+		__builtin_memcpy(key->daddr, t->saddr, sizeof(key->daddr));
+	key->sport = backend_port;
+	key->dport = t->sport;
+	key->proto = t->proto;
+	key->family = t->family;
+	key->dir = KBP_CT_REPLY;
+}
+
+/* Forget the reply entry of a forward entry about to be replaced by a new selection,
+ * so the old backend's late packets are no longer disguised as the frontend. */
+static __always_inline void ct_forget_reply_of(const struct kbp_tuple *t,
+					       const struct kbp_ct_entry *old)
+{
+	struct kbp_ct_key key = {};
+
+	__ct_reply_key(t, old->addr, old->port, old->flags & KBP_CT_F_HAIRPIN, &key);
+	map_delete_ct(&key);
+}
+
+/* Record a new flow to `backend`: forward entry (backend to use) and reply entry
+ * (frontend to restore). Returns 0, or -1 when the map refused an entry. */
+static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp_service *svc,
+				     __u32 backend_id, const struct kbp_backend *backend,
+				     int hairpin, __u64 now)
+{
+	struct kbp_ct_key key = {};
+	struct kbp_ct_entry entry = {};
+
+	entry.backend_id = backend_id;
+	entry.service_id = svc->service_id;
+	entry.flags = hairpin ? KBP_CT_F_HAIRPIN : 0;
+	entry.last_seen = now;
+
+	__ct_reply_key(t, backend->addr, backend->port, hairpin, &key);
+	__builtin_memcpy(entry.addr, t->daddr, sizeof(entry.addr));
+	entry.port = t->dport;
+	if (map_update_ct(&key, &entry))
+		return -1;
+
+	ct_key_of_packet(t, KBP_CT_FORWARD, &key);
+	__builtin_memcpy(entry.addr, backend->addr, sizeof(entry.addr));
+	entry.port = backend->port;
+	return map_update_ct(&key, &entry) ? -1 : 0;
+}
+
+#endif /* KBP_LIB_CONNTRACK_H */

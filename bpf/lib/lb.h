@@ -1,0 +1,178 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Frontend lookup and backend selection: ClientIP affinity first, then a Maglev table
+ * indexed by the flow hash, or a random slot. The agent decided which backends are in a
+ * set (DESIGN.md §3); this file only picks among them.
+ */
+#ifndef KBP_LIB_LB_H
+#define KBP_LIB_LB_H
+
+#include "lib/common.h"
+#include "lib/maps.h"
+#include "lib/parse.h"
+
+/* The service entry of the packet's destination address:port/protocol, or NULL. */
+static __always_inline struct kbp_service *lb_lookup_service(const struct kbp_tuple *t)
+{
+	struct kbp_frontend_key key = {};
+
+	__builtin_memcpy(key.addr, t->daddr, sizeof(key.addr));
+	key.port = t->dport;
+	key.proto = t->proto;
+	key.family = t->family;
+	return map_lookup_service(&key);
+}
+
+/* The backend set for traffic from pods: always the internal one, since the agent
+ * writes internal_* == set_id/count for ClusterIPs and clusterBackends (the internal
+ * set) for external frontends reached from inside (DESIGN.md §3). */
+static __always_inline void lb_set_for_pods(const struct kbp_service *svc, __u32 *set_id,
+					    __u32 *count)
+{
+	*set_id = svc->internal_set_id;
+	*count = svc->internal_count;
+	if (*set_id == 0)
+		*count = 0;
+}
+
+static __always_inline int lb_addr_equal(const __be32 *a, const __be32 *b)
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
+static __always_inline __u32 __lb_rotl(__u32 x, __u32 r)
+{
+	return (x << r) | (x >> (32 - r));
+}
+
+/* MurmurHash3 (x86_32) block mixing and finalizer, applied to a sequence of 32-bit
+ * integers; chosen because it is well distributed and easy to mirror in Python. */
+static __always_inline __u32 __lb_mix(__u32 h, __u32 k)
+{
+	k *= 0xcc9e2d51;
+	k = __lb_rotl(k, 15);
+	k *= 0x1b873593;
+	h ^= k;
+	h = __lb_rotl(h, 13);
+	return h * 5 + 0xe6546b64;
+}
+
+/* Flow hash of the 5-tuple as the client sent it: the ten integers saddr[0..3],
+ * daddr[0..3] (each word read in network order), sport << 16 | dport, proto; then
+ * h ^= 40 and the Murmur3 finalizer. Seed 0. Same result on every node and boot. */
+static __always_inline __u32 lb_flow_hash(const struct kbp_tuple *t)
+{
+	__u32 h = 0;
+
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		h = __lb_mix(h, bpf_ntohl(t->saddr[i]));
+#pragma unroll
+	for (int i = 0; i < 4; i++)
+		h = __lb_mix(h, bpf_ntohl(t->daddr[i]));
+	h = __lb_mix(h, ((__u32)bpf_ntohs(t->sport) << 16) | bpf_ntohs(t->dport));
+	h = __lb_mix(h, t->proto);
+	h ^= 40;
+	h ^= h >> 16;
+	h *= 0x85ebca6b;
+	h ^= h >> 13;
+	h *= 0xc2b2ae35;
+	h ^= h >> 16;
+	return h;
+}
+
+/* The backend a backend id names, if it is still one of this service's backends. Ids
+ * are per (service, endpoint) and deleted when the endpoint leaves, so existence plus
+ * the service id is the test. */
+static __always_inline struct kbp_backend *lb_backend_of_service(__u32 backend_id,
+								 __u32 service_id)
+{
+	struct kbp_backend *backend = map_lookup_backend(&backend_id);
+
+	if (!backend || backend->service_id != service_id)
+		return NULL;
+	return backend;
+}
+
+/* Raw slot read: the backend id at `index` of a set; -1 when the slot is missing. */
+static __always_inline int __lb_slot_backend(__u32 set_id, __u32 index, __u32 *backend_id)
+{
+	struct kbp_slot_key key = {.set_id = set_id, .index = index};
+	struct kbp_slot *slot = map_lookup_slot(&key);
+
+	if (!slot)
+		return -1;
+	*backend_id = slot->backend_id;
+	return 0;
+}
+
+static __always_inline void __lb_affinity_key(const struct kbp_tuple *t, __u32 service_id,
+					      struct kbp_affinity_key *key)
+{
+	__builtin_memcpy(key->client, t->saddr, sizeof(key->client));
+	key->service_id = service_id;
+	key->family = t->family;
+}
+
+/* The client's remembered backend, when affinity is on, not expired, and the backend
+ * still serves the service; NULL otherwise. */
+static __always_inline struct kbp_backend *lb_affinity_backend(const struct kbp_tuple *t,
+							       const struct kbp_service *svc,
+							       __u64 now, __u32 *backend_id)
+{
+	struct kbp_affinity_key key = {};
+	struct kbp_affinity *aff;
+
+	if (!(svc->flags & KBP_SVC_F_AFFINITY))
+		return NULL;
+	__lb_affinity_key(t, svc->service_id, &key);
+	aff = map_lookup_affinity(&key);
+	if (!aff)
+		return NULL;
+	/* `now` is the coarse clock, which may trail a fine-clock last_used by a tick. */
+	if (now > aff->last_used &&
+	    now - aff->last_used > (__u64)svc->affinity_timeout * KBP_NS_PER_SEC)
+		return NULL;
+	*backend_id = aff->backend_id;
+	return lb_backend_of_service(aff->backend_id, svc->service_id);
+}
+
+/* Remember (or refresh) the client's backend: kube-proxy's `recent --set` runs for each
+ * new connection, so the timeout counts from the client's last new flow. */
+static __always_inline void lb_remember_affinity(const struct kbp_tuple *t,
+						 const struct kbp_service *svc, __u64 now,
+						 __u32 backend_id)
+{
+	struct kbp_affinity_key key = {};
+	struct kbp_affinity value = {.last_used = now, .backend_id = backend_id};
+
+	if (!(svc->flags & KBP_SVC_F_AFFINITY))
+		return;
+	__lb_affinity_key(t, svc->service_id, &key);
+	map_update_affinity(&key, &value);
+}
+
+/* Pick a backend for a new flow from a non-empty set (count > 0): affinity, else the
+ * Maglev table slot of the flow hash, else a random slot. NULL when the slot or backend
+ * is missing, which ordered agent writes rule out (counted KBP_DROP_BACKEND_GONE). */
+static __always_inline struct kbp_backend *lb_select_backend(const struct kbp_tuple *t,
+							     const struct kbp_service *svc,
+							     __u32 set_id, __u32 count, __u64 now,
+							     __u32 *backend_id)
+{
+	struct kbp_backend *backend;
+	__u32 index;
+
+	backend = lb_affinity_backend(t, svc, now, backend_id);
+	if (backend)
+		return backend;
+	if (svc->flags & KBP_SVC_F_MAGLEV)
+		index = lb_flow_hash(t) % count;
+	else
+		index = bpf_get_prandom_u32() % count;
+	if (__lb_slot_backend(set_id, index, backend_id) < 0)
+		return NULL;
+	return lb_backend_of_service(*backend_id, svc->service_id);
+}
+
+#endif /* KBP_LIB_LB_H */

@@ -1,0 +1,26 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Map access for the libraries. bcc 0.26 turns `map.lookup(&key)` into a map helper call
+ * only in the main source text: in an included header the call silently compiles to an
+ * indirect call through the table struct, which the verifier rejects ("unknown opcode
+ * 8d"). So the libraries call these accessors, declared here and defined once in the
+ * main text (tc_from_pod.c, first in the text the loader compiles).
+ */
+#ifndef KBP_LIB_MAPS_H
+#define KBP_LIB_MAPS_H
+
+#include "lib/common.h"
+
+static __always_inline struct kbp_service *map_lookup_service(struct kbp_frontend_key *key);
+static __always_inline struct kbp_slot *map_lookup_slot(struct kbp_slot_key *key);
+static __always_inline struct kbp_backend *map_lookup_backend(__u32 *backend_id);
+static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key);
+static __always_inline int map_update_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry);
+static __always_inline int map_delete_ct(struct kbp_ct_key *key);
+static __always_inline struct kbp_affinity *map_lookup_affinity(struct kbp_affinity_key *key);
+static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
+					       struct kbp_affinity *value);
+static __always_inline struct kbp_counters *map_lookup_counters(__u32 *service_id);
+static __always_inline struct kbp_drop_counters *map_lookup_drops(__u32 *reason);
+
+#endif /* KBP_LIB_MAPS_H */

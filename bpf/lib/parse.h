@@ -1,0 +1,135 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Packet parsing with bounds checks: Ethernet, then IPv4 (options, fragments) or IPv6,
+ * then the TCP/UDP ports, into a small tuple the rest of the datapath works on.
+ */
+#ifndef KBP_LIB_PARSE_H
+#define KBP_LIB_PARSE_H
+
+#include "lib/common.h"
+
+/* What parse_packet found. */
+#define KBP_PARSE_L4 0        /* TCP or UDP with both ports: the tuple is complete */
+#define KBP_PARSE_OTHER 1     /* not IP, another protocol, or IPv6 extension headers */
+#define KBP_PARSE_FRAGMENT 2  /* an IPv4 fragment after the first: no ports to read */
+#define KBP_PARSE_MALFORMED 3 /* IP or TCP/UDP header too short or inconsistent */
+
+/* The IP header follows an untagged Ethernet header: pod veths carry no VLAN tags. */
+#define KBP_L3_OFF ETH_HLEN
+
+/* Headers we read at most: Ethernet + IPv4 with 40 bytes of options + TCP without
+ * options (IPv6: 14 + 40 + 20 is less). Pulled into the linear area before parsing. */
+#define KBP_PARSE_PULL_LEN (ETH_HLEN + 60 + 20)
+
+/* IPv4 frag_off bits (host order): fragment offset, don't fragment. */
+#define KBP_IP_OFFSET 0x1fff
+#define KBP_IP_DF 0x4000
+
+struct kbp_tuple {
+	__be32 saddr[4]; /* source IP, ABI address rule (IPv4 in word 0) */
+	__be32 daddr[4]; /* destination IP */
+	__be16 sport;    /* network order */
+	__be16 dport;
+	__u8 proto;      /* IPPROTO_TCP / IPPROTO_UDP (others stop at KBP_PARSE_OTHER) */
+	__u8 family;     /* KBP_FAMILY_* */
+	__u8 tcp_flags;  /* byte 13 of the TCP header (KBP_TCP_*), 0 for UDP */
+	__u8 pad;
+	__u16 l4_off;    /* offset of the TCP/UDP header in the frame */
+	__u16 pad2;
+};
+
+static __always_inline int tuple_is_tcp_syn(const struct kbp_tuple *t)
+{
+	return t->proto == IPPROTO_TCP &&
+	       (t->tcp_flags & (KBP_TCP_SYN | KBP_TCP_ACK)) == KBP_TCP_SYN;
+}
+
+static __always_inline int __parse_ports(void *l4, void *data_end, struct kbp_tuple *t)
+{
+	if (t->proto == IPPROTO_TCP) {
+		struct tcphdr *tcp = l4;
+
+		if ((void *)(tcp + 1) > data_end || tcp->doff < 5)
+			return KBP_PARSE_MALFORMED;
+		t->sport = tcp->source;
+		t->dport = tcp->dest;
+		t->tcp_flags = ((__u8 *)tcp)[13];
+		return KBP_PARSE_L4;
+	}
+	if (t->proto == IPPROTO_UDP) {
+		struct udphdr *udp = l4;
+
+		if ((void *)(udp + 1) > data_end)
+			return KBP_PARSE_MALFORMED;
+		t->sport = udp->source;
+		t->dport = udp->dest;
+		return KBP_PARSE_L4;
+	}
+	return KBP_PARSE_OTHER;
+}
+
+static __always_inline int __parse_ipv4(void *data, void *data_end, struct kbp_tuple *t)
+{
+	struct iphdr *ip = data + KBP_L3_OFF;
+	__u32 hlen;
+
+	if ((void *)(ip + 1) > data_end || ip->version != 4 || ip->ihl < 5)
+		return KBP_PARSE_MALFORMED;
+	hlen = ip->ihl * 4;
+	t->family = KBP_FAMILY_IPV4;
+	t->proto = ip->protocol;
+	t->saddr[0] = ip->saddr;
+	t->daddr[0] = ip->daddr;
+	t->l4_off = KBP_L3_OFF + hlen;
+	if (t->proto != IPPROTO_TCP && t->proto != IPPROTO_UDP)
+		return KBP_PARSE_OTHER;
+	/* Later fragments carry no ports; the first one (offset 0) is parsed as usual. */
+	if (ip->frag_off & bpf_htons(KBP_IP_OFFSET))
+		return KBP_PARSE_FRAGMENT;
+	return __parse_ports((void *)ip + hlen, data_end, t);
+}
+
+static __always_inline int __parse_ipv6(void *data, void *data_end, struct kbp_tuple *t)
+{
+	struct ipv6hdr *ip6 = data + KBP_L3_OFF;
+
+	if ((void *)(ip6 + 1) > data_end || ip6->version != 6)
+		return KBP_PARSE_MALFORMED;
+	t->family = KBP_FAMILY_IPV6;
+	t->proto = ip6->nexthdr;
+	__builtin_memcpy(t->saddr, &ip6->saddr, 16);
+	__builtin_memcpy(t->daddr, &ip6->daddr, 16);
+	t->l4_off = KBP_L3_OFF + sizeof(*ip6);
+	/* Only TCP/UDP directly after the fixed header; extension headers (fragments
+	 * included) are not walked and pass unchanged (documented limitation). */
+	return __parse_ports(ip6 + 1, data_end, t);
+}
+
+/* Fill `t` from the frame; returns KBP_PARSE_*. May pull headers into the linear area,
+ * which invalidates packet pointers the caller held (it holds none before parsing). */
+static __always_inline int parse_packet(struct __sk_buff *skb, struct kbp_tuple *t)
+{
+	void *data = (void *)(long)skb->data;
+	void *data_end = (void *)(long)skb->data_end;
+	__u32 want = skb->len < KBP_PARSE_PULL_LEN ? skb->len : KBP_PARSE_PULL_LEN;
+	struct ethhdr *eth;
+
+	/* Headers can sit in paged data (GRO, some drivers); direct access only sees the
+	 * linear part, so pull once instead of mistaking them for truncated headers. */
+	if (data + want > data_end) {
+		if (bpf_skb_pull_data(skb, want) < 0)
+			return KBP_PARSE_OTHER;
+		data = (void *)(long)skb->data;
+		data_end = (void *)(long)skb->data_end;
+	}
+	eth = data;
+	if ((void *)(eth + 1) > data_end)
+		return KBP_PARSE_OTHER;
+	if (eth->h_proto == bpf_htons(ETH_P_IP))
+		return __parse_ipv4(data, data_end, t);
+	if (eth->h_proto == bpf_htons(ETH_P_IPV6))
+		return __parse_ipv6(data, data_end, t);
+	return KBP_PARSE_OTHER;
+}
+
+#endif /* KBP_LIB_PARSE_H */

@@ -1,0 +1,399 @@
+"""The namespace lab for kernel tests: a node network namespace with pods on veth pairs,
+wired like a Calico node, and helpers to serve and connect from inside the pods.
+
+Address plan (everything lives in namespaces the lab made; the machine's own interfaces,
+addresses and routes are never touched):
+
+    node ns   kbp-lab-<pid>-<k>            ip_forward and IPv6 forwarding on, rp_filter off
+              lo: 169.254.1.1/32           the pods' IPv4 gateway (see below)
+              vethkbp<n>: fe80::1/64       the pods' IPv6 gateway (nodad), proxy_arp=1
+              routes 10.244.<node>.<n>/32 and fd00:244:<node>::<n>/128 dev vethkbp<n>
+              blackhole routes for the ClusterIP ranges
+    pod n     kbp-lab-<pid>-<k>-<name>     eth0 (peer of vethkbp<n>)
+              10.244.<node>.<n>/32, fd00:244:<node>::<n>/128 (nodad)
+              default via 169.254.1.1 dev eth0 onlink; default via fe80::1 dev eth0
+    ClusterIPs 10.96.0.0/16, fd00:96::/112 reach the node through the pods' default
+              routes. What no program translated is blackholed there: a client always
+              sees "timeout", never a reply, and nothing leaves the lab. (Without the
+              blackhole the node's ICMP unreachable would race with the client: IPv4
+              route errors are rate-limited host-wide, and TCP drops ICMP arriving
+              while connect() still holds the socket lock: "timeout" or "unreachable"
+              at random.) Other unrouted addresses get ICMP unreachable.
+
+A Calico host answers ARP for 169.254.1.1 by proxy_arp because it has a default route
+to proxy for; this node deliberately has none, so 169.254.1.1 sits on its loopback
+instead, which also gives the node an IPv4 source for ARP and ICMP errors.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import json
+import logging
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+PODSERVER = HERE / "podserver.py"
+PODCLIENT = HERE / "podclient.py"
+
+NAMESPACE_PREFIX = "kbp-lab-"
+HOST_VETH_PREFIX = "vethkbp"
+POD_IFNAME = "eth0"
+GATEWAY_IPV4 = "169.254.1.1"
+GATEWAY_IPV6 = "fe80::1"
+CLUSTER_IPV4_CIDR = "10.96.0.0/16"
+CLUSTER_IPV6_CIDR = "fd00:96::/112"
+MAX_PODS = 254
+
+_labs = itertools.count()
+_POD_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
+
+
+class LabError(Exception):
+    """Building or using the lab failed; the message has the command and its stderr."""
+
+
+def _run(argv: Sequence[str], *, input: str | None = None, timeout: float = 30) -> str:
+    proc = subprocess.run(
+        list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        raise LabError(
+            f"`{' '.join(argv)}` exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}"
+        )
+    return proc.stdout
+
+
+def _ip_batch(ns: str, commands: Iterable[str]) -> None:
+    """Several `ip` commands in one process, inside namespace ns."""
+    _run(["ip", "-n", ns, "-batch", "-"], input="\n".join(commands) + "\n")
+
+
+def in_netns(ns: str, argv: Sequence[str]) -> list[str]:
+    """argv run in ns's network namespace only: unlike `ip netns exec`, nsenter keeps this
+    mount namespace, so /sys/fs/bpf stays visible."""
+    return ["nsenter", f"--net=/run/netns/{ns}", *argv]
+
+
+def _sysctl(ns: str, settings: dict[str, str | int]) -> None:
+    _run(in_netns(ns, ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in settings.items())]))
+
+
+def _stop_process(proc: subprocess.Popen, grace: float = 2.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pipe in (proc.stdout, proc.stderr, proc.stdin):
+        if pipe is not None:
+            pipe.close()
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """One line of proc's stdout, waiting at most timeout seconds ("" on EOF)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise LabError(f"`{' '.join(proc.args)}` printed nothing within {timeout}s")
+    return proc.stdout.readline()
+
+
+@dataclass
+class Result:
+    """What connect_many saw: answers per serving pod name, failures per class."""
+
+    counts: Counter[str]
+    errors: Counter[str]
+    details: list[str] = field(default_factory=list)  # a few failure messages, for asserts
+
+    @property
+    def answered(self) -> int:
+        return sum(self.counts.values())
+
+
+class Stream:
+    """A long-lived TCP connection from a pod that sends a line every 50 ms and checks
+    each echo (podclient.py stream). Tests ask `check()` whether it is still intact."""
+
+    def __init__(self, proc: subprocess.Popen, target: str) -> None:
+        self._proc = proc
+        self.target = target
+        self.backend: str | None = None
+        self._ok = 0
+        self._error: str | None = None
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name=f"stream {target}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            word, _, rest = line.strip().partition(" ")
+            with self._changed:
+                if word == "backend":
+                    self.backend = rest
+                elif word == "ok":
+                    self._ok = int(rest)
+                elif word == "error":
+                    self._error = rest
+                self._changed.notify_all()
+        with self._changed:
+            if self._error is None and self._proc.wait() != 0:
+                self._error = f"other client exited {self._proc.returncode}"
+            self._changed.notify_all()
+
+    def check(self) -> tuple[int, str | None]:
+        """(messages echoed correctly so far, the first error or None)."""
+        with self._changed:
+            return self._ok, self._error
+
+    def wait_for(self, messages: int, timeout: float = 5.0) -> tuple[int, str | None]:
+        """Wait until `messages` were echoed (or an error); returns check()."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._ok < messages and self._error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._changed.wait(remaining)
+            return self._ok, self._error
+
+    def close(self) -> tuple[int, str | None]:
+        """Close the connection cleanly; returns the final check()."""
+        _stop_process(self._proc)
+        self._reader.join(5)
+        return self.check()
+
+
+@dataclass
+class Pod:
+    """One pod: a namespace whose eth0 is the peer of the node's host veth."""
+
+    lab: Lab = field(repr=False)
+    name: str
+    number: int
+    ns: str
+    host_ifname: str
+    host_ifindex: int
+    ipv4: str
+    ipv6: str
+    processes: list[subprocess.Popen] = field(default_factory=list, repr=False)
+
+    def run(self, *argv: str, timeout: float = 30) -> str:
+        """Run an ordinary command in the pod's network namespace; its stdout."""
+        return _run(in_netns(self.ns, argv), timeout=timeout)
+
+    def serve(self, ports: Iterable[int], protos: Sequence[str] = ("tcp", "udp")) -> None:
+        """Start podserver.py here on these ports (IPv4 and IPv6); returns once bound."""
+        ports = list(ports)
+        argv = in_netns(
+            self.ns,
+            [sys.executable, str(PODSERVER), "--name", self.name,
+             "--ports", ",".join(map(str, ports)), "--protos", ",".join(protos)],
+        )  # fmt: skip
+        log_path = self.lab.workdir / f"{self.name}-server-{len(self.processes)}.log"
+        with open(log_path, "w") as log_file:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, text=True)
+        self.processes.append(proc)
+        line = _read_line(proc, timeout=10).strip()
+        if line != "ready":
+            _stop_process(proc)
+            raise LabError(
+                f"podserver in {self.name} did not start ({line!r}): {log_path.read_text()}"
+            )
+
+    def connect_many(
+        self,
+        ip: str,
+        port: int,
+        proto: str,
+        n: int,
+        timeout: float = 2.0,
+        *,
+        source_port: int | None = None,
+        same_socket: bool = False,
+    ) -> Result:
+        """n exchanges with ip:port, each on a new socket (a new flow) unless same_socket
+        (UDP: one socket, one flow); source_port pins the client port (same 5-tuple)."""
+        argv = [sys.executable, str(PODCLIENT), "many", ip, str(port),
+                "--proto", proto, "-n", str(n), "--timeout", str(timeout)]  # fmt: skip
+        if source_port is not None:
+            argv += ["--source-port", str(source_port)]
+        if same_socket:
+            argv.append("--same-socket")
+        out = self.run(*argv, timeout=n * (timeout + 1) + 30)
+        report = json.loads(out.strip().splitlines()[-1])
+        return Result(Counter(report["counts"]), Counter(report["errors"]), report["details"])
+
+    def stream(self, ip: str, port: int) -> Stream:
+        """A long-lived TCP connection to ip:port, checked line by line; returns once the
+        first answer (the serving pod's name) arrived."""
+        argv = in_netns(self.ns, [sys.executable, str(PODCLIENT), "stream", ip, str(port)])
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.processes.append(proc)
+        handle = Stream(proc, f"{ip}:{port}")
+        handle.wait_for(1, timeout=10)
+        return handle
+
+    def stop_processes(self) -> None:
+        for proc in reversed(self.processes):
+            _stop_process(proc)
+        self.processes.clear()
+
+
+class Lab:
+    """A node namespace and its pods; a context manager that removes all of it on exit,
+    also when building it failed half-way."""
+
+    def __init__(self, node: int = 1) -> None:
+        if not 1 <= node <= 254:
+            raise ValueError(f"node number must be 1..254, not {node}")
+        self.node = node
+        self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_labs)}"
+        self.node_ns = self.name
+        self.pods: dict[str, Pod] = {}
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        self._namespaces: list[str] = []
+        self._numbers = itertools.count(1)
+
+    # -- lifecycle --
+
+    def __enter__(self) -> Lab:
+        try:
+            self._make_node()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _add_namespace(self, ns: str) -> None:
+        _run(["ip", "netns", "add", ns])
+        self._namespaces.append(ns)
+
+    def _make_node(self) -> None:
+        self._add_namespace(self.node_ns)
+        # Defaults before any link exists, so host veths inherit them.
+        _sysctl(self.node_ns, {
+            "net.ipv4.ip_forward": 1,
+            "net.ipv6.conf.all.forwarding": 1,
+            "net.ipv4.conf.all.rp_filter": 0,
+            "net.ipv4.conf.default.rp_filter": 0,
+            "net.ipv6.conf.all.accept_dad": 0,
+            "net.ipv6.conf.default.accept_dad": 0,
+        })  # fmt: skip
+        _ip_batch(self.node_ns, [
+            "link set lo up",
+            f"addr add {GATEWAY_IPV4}/32 dev lo",
+            f"route add blackhole {CLUSTER_IPV4_CIDR}",
+            f"route add blackhole {CLUSTER_IPV6_CIDR}",
+        ])  # fmt: skip
+
+    def close(self) -> None:
+        """Stop pod processes, delete every namespace (links and routes go with them)."""
+        for pod in self.pods.values():
+            try:
+                pod.stop_processes()
+            except Exception:
+                log.exception("lab %s: stopping processes of pod %s failed", self.name, pod.name)
+        for ns in reversed(self._namespaces):
+            proc = subprocess.run(
+                ["ip", "netns", "delete", ns], capture_output=True, text=True, check=False
+            )
+            if proc.returncode != 0 and os.path.exists(f"/run/netns/{ns}"):
+                log.warning("lab %s: deleting netns %s failed: %s", self.name, ns, proc.stderr)
+        self._namespaces.clear()
+        self.pods.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # -- pods --
+
+    def add_pod(self, name: str) -> Pod:
+        """A pod namespace on a new veth pair, addressed and routed per the plan above."""
+        if not _POD_NAME.match(name):
+            raise ValueError(f"pod name {name!r}: lowercase letters, digits and '-', <= 32")
+        if name in self.pods:
+            raise ValueError(f"pod {name!r} already exists in lab {self.name}")
+        number = next(self._numbers)
+        if number > MAX_PODS:
+            raise LabError(f"lab {self.name} has no addresses left ({MAX_PODS} pods)")
+        ns = f"{self.name}-{name}"
+        host = f"{HOST_VETH_PREFIX}{number}"
+        ipv4 = f"10.244.{self.node}.{number}"
+        # The IPv6 groups repeat the IPv4 digits (pod 10 on node 1: fd00:244:1::10).
+        ipv6 = str(ipaddress.IPv6Address(f"fd00:244:{self.node}::{number}"))
+
+        self._add_namespace(ns)
+        _sysctl(ns, {
+            "net.ipv4.conf.all.rp_filter": 0,
+            "net.ipv4.conf.default.rp_filter": 0,
+            "net.ipv6.conf.all.accept_dad": 0,
+            "net.ipv6.conf.default.accept_dad": 0,
+        })  # fmt: skip
+        # The pod end is born inside the pod namespace: no `eth0` ever exists in the node.
+        _run(["ip", "-n", self.node_ns, "link", "add", host, "type", "veth",
+              "peer", "name", POD_IFNAME, "netns", ns])  # fmt: skip
+        _sysctl(self.node_ns, {f"net.ipv4.conf.{host}.proxy_arp": 1})
+        _ip_batch(self.node_ns, [
+            f"addr add {GATEWAY_IPV6}/64 dev {host} nodad",
+            f"link set {host} up",
+            f"route add {ipv4}/32 dev {host}",
+            f"route add {ipv6}/128 dev {host}",
+        ])  # fmt: skip
+        _ip_batch(ns, [
+            "link set lo up",
+            f"addr add {ipv4}/32 dev {POD_IFNAME}",
+            f"addr add {ipv6}/128 dev {POD_IFNAME} nodad",
+            f"link set {POD_IFNAME} up",
+            f"route add default via {GATEWAY_IPV4} dev {POD_IFNAME} onlink",
+            f"route add default via {GATEWAY_IPV6} dev {POD_IFNAME}",
+        ])  # fmt: skip
+        (link,) = json.loads(_run(["ip", "-n", self.node_ns, "-j", "link", "show", host]))
+        pod = Pod(self, name, number, ns, host, link["ifindex"], ipv4, ipv6)
+        self.pods[name] = pod
+        return pod
+
+    def remove_pod(self, name: str) -> None:
+        """Stop the pod's processes, delete its veth pair and its namespace."""
+        pod = self.pods.pop(name)
+        pod.stop_processes()
+        # Deleting the link is synchronous; a namespace is torn down later by a kernel
+        # worker, so its veth would linger for a moment after `ip netns delete`.
+        _run(["ip", "-n", self.node_ns, "link", "delete", pod.host_ifname])
+        _run(["ip", "netns", "delete", pod.ns])
+        self._namespaces.remove(pod.ns)
+
+    def run_in_node(self, *argv: str, timeout: float = 30) -> str:
+        """Run a command in the node namespace (bpffs stays visible); its stdout."""
+        return _run(in_netns(self.node_ns, argv), timeout=timeout)
+
+
+def lab_namespaces(pid: int | None = None) -> list[str]:
+    """Lab namespaces that exist now (of this process by default): for leak checks."""
+    prefix = f"{NAMESPACE_PREFIX}{os.getpid() if pid is None else pid}-"
+    try:
+        names = os.listdir("/run/netns")
+    except FileNotFoundError:
+        return []
+    return sorted(name for name in names if name.startswith(prefix))

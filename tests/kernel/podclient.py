@@ -1,0 +1,172 @@
+"""A lab pod's client, run inside the pod's network namespace.
+
+many IP PORT --proto tcp|udp -n N: N exchanges, each on a new socket (so a new flow and,
+  unless --source-port fixes it, a new source port); every answer is the serving pod's
+  name. Prints one JSON line: {"counts": {name: n}, "errors": {class: n}, "details": [..]}.
+  --same-socket (UDP) sends all N datagrams from one socket: one flow.
+stream IP PORT: one TCP connection; prints `backend NAME`, then every --interval sends a
+  numbered line, checks its echo and prints `ok SEQ`; on the first failure prints
+  `error CLASS DETAIL` and exits 1. SIGTERM closes the connection cleanly and exits 0.
+
+Error classes: refused, timeout, reset, unreachable, other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import json
+import signal
+import socket
+import struct
+import sys
+import time
+from collections import Counter
+
+
+def classify(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "refused"
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "timeout"
+    if isinstance(exc, ConnectionResetError | BrokenPipeError | ConnectionAbortedError):
+        return "reset"
+    if isinstance(exc, OSError) and exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        return "unreachable"
+    return "other"
+
+
+def describe(exc: BaseException) -> str:
+    code = getattr(exc, "errno", None)
+    name = errno.errorcode.get(code, "") if code else ""
+    return f"{type(exc).__name__}{'(' + name + ')' if name else ''}: {exc}"
+
+
+def family_of(ip: str) -> int:
+    return socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+
+
+def new_socket(ip: str, kind: int, timeout: float, source_port: int | None) -> socket.socket:
+    sock = socket.socket(family_of(ip), kind)
+    sock.settimeout(timeout)
+    if source_port is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("::" if family_of(ip) == socket.AF_INET6 else "0.0.0.0", source_port))
+        if kind == socket.SOCK_STREAM:
+            # Close with a RST, leaving no TIME_WAIT, so the next connection can reuse
+            # the same source port (the same 5-tuple) at once.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return sock
+
+
+def read_line(sock: socket.socket) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise EOFError(f"connection closed after {line!r}")
+        line += chunk
+    return line
+
+
+def tcp_exchange(ip: str, port: int, timeout: float, source_port: int | None) -> str:
+    with new_socket(ip, socket.SOCK_STREAM, timeout, source_port) as sock:
+        sock.connect((ip, port))
+        return read_line(sock).decode().strip()
+
+
+def udp_exchange(sock: socket.socket) -> str:
+    sock.send(b"ping")
+    return sock.recv(4096).decode().strip()
+
+
+def run_many(args: argparse.Namespace) -> int:
+    counts: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    details: list[str] = []
+    shared: socket.socket | None = None
+    for _ in range(args.n):
+        try:
+            if args.proto == "tcp":
+                counts[tcp_exchange(args.ip, args.port, args.timeout, args.source_port)] += 1
+            elif args.same_socket:
+                if shared is None:
+                    shared = new_socket(args.ip, socket.SOCK_DGRAM, args.timeout, args.source_port)
+                    # connect(): replies must come from IP:PORT (the reverse NAT's job),
+                    # and ICMP port unreachable surfaces as ECONNREFUSED.
+                    shared.connect((args.ip, args.port))
+                counts[udp_exchange(shared)] += 1
+            else:
+                with new_socket(args.ip, socket.SOCK_DGRAM, args.timeout, args.source_port) as s:
+                    s.connect((args.ip, args.port))
+                    counts[udp_exchange(s)] += 1
+        except (OSError, EOFError) as exc:
+            errors[classify(exc)] += 1
+            if len(details) < 5 and describe(exc) not in details:
+                details.append(describe(exc))
+    if shared is not None:
+        shared.close()
+    print(json.dumps({"counts": counts, "errors": errors, "details": details}), flush=True)
+    return 0
+
+
+def run_stream(args: argparse.Namespace) -> int:
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    sequence = 0
+    try:
+        with socket.socket(family_of(args.ip), socket.SOCK_STREAM) as sock:
+            sock.settimeout(args.timeout)
+            sock.connect((args.ip, args.port))
+            print(f"backend {read_line(sock).decode().strip()}", flush=True)
+            while not stopping:
+                sequence += 1
+                message = f"{sequence}\n".encode()
+                sock.sendall(message)
+                echoed = read_line(sock)
+                if echoed != message:
+                    print(f"error other echo {echoed!r} for {message!r}", flush=True)
+                    return 1
+                print(f"ok {sequence}", flush=True)
+                time.sleep(args.interval)
+            sock.shutdown(socket.SHUT_WR)
+    except (OSError, EOFError) as exc:
+        if stopping:
+            return 0
+        print(f"error {classify(exc)} {describe(exc)}", flush=True)
+        return 1
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    modes = parser.add_subparsers(dest="mode", required=True)
+    many = modes.add_parser("many")
+    many.add_argument("ip")
+    many.add_argument("port", type=int)
+    many.add_argument("--proto", choices=("tcp", "udp"), default="tcp")
+    many.add_argument("-n", type=int, default=1)
+    many.add_argument("--timeout", type=float, default=2.0)
+    many.add_argument("--source-port", type=int)
+    many.add_argument("--same-socket", action="store_true")
+    stream = modes.add_parser("stream")
+    stream.add_argument("ip")
+    stream.add_argument("port", type=int)
+    stream.add_argument("--interval", type=float, default=0.05)
+    stream.add_argument("--timeout", type=float, default=2.0)
+    args = parser.parse_args()
+    if args.mode == "many":
+        if args.same_socket and args.proto != "udp":
+            parser.error("--same-socket is for UDP")
+        return run_many(args)
+    return run_stream(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""`kube-bpf-proxy run --dataplane ebpf` as a user runs it: inside a lab's node namespace,
+on manifest files, then `inspect`, `bpftool`, a restart under a live connection, a file
+change, SIGTERM leaving the dataplane in place, and `cleanup` removing it.
+
+Address plan (tests/kernel/lab.py): node namespace = node-a; pods client 10.244.1.1,
+be1 10.244.1.2, be2 10.244.1.3 serving TCP/UDP 8080; Service web 10.96.0.80:80.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ..conftest import BPFFS
+from .lab import Lab
+
+ROOT = Path(__file__).parents[2]
+CLUSTER_IP = "10.96.0.80"
+
+MANIFEST = """\
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: default}}
+spec:
+  type: ClusterIP
+  clusterIP: {ip}
+  clusterIPs: [{ip}]
+  ports:
+  - {{name: http, port: 80, protocol: TCP, targetPort: 8080}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: web}}
+addressType: IPv4
+ports:
+- {{name: http, port: 8080, protocol: TCP}}
+endpoints:
+{endpoints}
+"""
+
+
+def write_manifest(path: Path, *ips: str) -> None:
+    endpoints = "".join(
+        f"- addresses: [{ip}]\n  conditions: {{ready: true}}\n  nodeName: node-a\n" for ip in ips
+    )
+    path.write_text(MANIFEST.format(ip=CLUSTER_IP, endpoints=endpoints or "[]\n"))
+
+
+class Agent:
+    """`kube-bpf-proxy run` in the node namespace; its log lines collected as they come."""
+
+    def __init__(self, lab: Lab, manifests: Path, pin_dir: Path) -> None:
+        argv = [
+            "nsenter", f"--net=/run/netns/{lab.node_ns}",
+            sys.executable, "-m", "agent", "run", "--manifests", str(manifests),
+            "--node", "node-a", "--dataplane", "ebpf", "--pod-interfaces", "vethkbp*",
+            "--bpffs", str(pin_dir), "--metrics-bind-address", "127.0.0.1:0",
+            "--healthz-bind-address", "127.0.0.1:0",
+            "--map-size-services", "1024", "--map-size-slots", "4096",
+            "--map-size-backends", "1024", "--map-size-ct", "4096",
+            "--map-size-affinity", "1024",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line.rstrip())
+                self._cond.notify_all()
+
+    def wait_for_line(self, text: str, after: int = 0, timeout: float = 60) -> int:
+        """Index of the first log line from `after` on containing `text`."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for n in range(after, len(self.lines)):
+                    if text in self.lines[n]:
+                        return n
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"agent never logged {text!r}:\n" + "\n".join(self.lines))
+                self._cond.wait(0.2)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=30)
+
+
+def cli(lab: Lab, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["nsenter", f"--net=/run/netns/{lab.node_ns}", sys.executable, "-m", "agent", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path]]:
+    pin_dir = BPFFS / f"kbp-test-cli-{os.getpid()}-{time.monotonic_ns()}"
+    with Lab() as lab:
+        lab.add_pod("client")
+        for name in ("be1", "be2"):
+            lab.add_pod(name).serve([8080])
+        manifests = tmp_path / "web.yaml"
+        write_manifest(manifests, lab.pods["be1"].ipv4, lab.pods["be2"].ipv4)
+        try:
+            yield lab, manifests, pin_dir
+        finally:
+            cli(lab, "cleanup", "--bpffs", str(pin_dir))
+    assert not pin_dir.exists()
+
+
+def test_run_balances_and_inspect_and_bpftool_show_the_maps(setup) -> None:
+    lab, manifests, pin_dir = setup
+    agent = Agent(lab, manifests, pin_dir)
+    try:
+        agent.wait_for_line("sync: applied revision")
+        result = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 30)
+        assert result.errors == {} and set(result.counts) == {"be1", "be2"}, result
+
+        table = cli(lab, "inspect", "--bpffs", str(pin_dir))
+        assert table.returncode == 0, table.stderr
+        assert f"{CLUSTER_IP}:80/TCP" in table.stdout and "ClusterIP" in table.stdout
+        for pod in ("be1", "be2"):
+            assert f"{lab.pods[pod].ipv4}:8080" in table.stdout, table.stdout
+
+        rows = json.loads(cli(lab, "inspect", "conntrack", "-o", "json", "--bpffs",
+                              str(pin_dir)).stdout)  # fmt: skip
+        assert any(r["destination"] == f"{CLUSTER_IP}:80" for r in rows), rows
+        counters = json.loads(cli(lab, "inspect", "counters", "-o", "json", "--bpffs",
+                                  str(pin_dir)).stdout)  # fmt: skip
+        assert any(r.get("newFlows", 0) >= 30 for r in counters), counters
+
+        dump = subprocess.run(
+            ["bpftool", "--json", "map", "dump", "pinned", str(pin_dir / "kbp_services_v1")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        [entry] = json.loads(dump.stdout)
+        assert {"service_id", "set_id", "count", "flags"} <= set(entry["formatted"]["value"])
+    finally:
+        assert agent.stop() == 0
+
+
+def test_connection_survives_an_agent_restart(setup) -> None:
+    lab, manifests, pin_dir = setup
+    first = Agent(lab, manifests, pin_dir)
+    first.wait_for_line("sync: applied revision")
+    stream = lab.pods["client"].stream(CLUSTER_IP, 80)
+    try:
+        assert stream.backend in ("be1", "be2")
+        ok, _ = stream.check()
+        first.stop(signal.SIGKILL)  # no goodbye: the kernel keeps everything
+        ok_dead, error = stream.wait_for(ok + 10)
+        assert error is None and ok_dead >= ok + 10, "the connection needs no agent"
+
+        second = Agent(lab, manifests, pin_dir)
+        try:
+            second.wait_for_line("serving metrics")
+            time.sleep(1.0)  # the restarted agent has synced and replaced the programs
+            _, error = stream.wait_for(ok_dead + 10)
+            assert error is None, f"the connection broke across the restart: {error}"
+            assert not any("applied revision" in line for line in second.lines), (
+                "the restarted agent rewrote maps that already matched:\n"
+                + "\n".join(second.lines)
+            )
+            new = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 20)
+            assert new.errors == {} and set(new.counts) == {"be1", "be2"}, new
+        finally:
+            assert second.stop() == 0
+    finally:
+        _, error = stream.close()
+    assert error is None
+
+
+def test_file_changes_are_applied_and_sigterm_leaves_the_dataplane(setup) -> None:
+    lab, manifests, pin_dir = setup
+    agent = Agent(lab, manifests, pin_dir)
+    try:
+        first = agent.wait_for_line("sync: applied revision")
+        write_manifest(manifests, lab.pods["be2"].ipv4)
+        agent.wait_for_line("sync: applied revision", after=first + 1)
+        result = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 20)
+        assert result.counts == {"be2": 20}, result
+    finally:
+        assert agent.stop() == 0
+    # Stopped: Services keep working, as with kube-proxy's rules.
+    after = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 5)
+    assert after.counts == {"be2": 5}, after
+    filters = lab.run_in_node("tc", "filter", "show", "dev", lab.pods["client"].host_ifname,
+                              "ingress")  # fmt: skip
+    assert "kbp_from_pod" in filters
+
+    done = cli(lab, "cleanup", "--bpffs", str(pin_dir))
+    assert done.returncode == 0, done.stderr
+    assert "removed 7 pin(s)" in done.stdout, done.stdout
+    assert not pin_dir.exists()
+    filters = lab.run_in_node("tc", "filter", "show", "dev", lab.pods["client"].host_ifname,
+                              "ingress")  # fmt: skip
+    assert "kbp_" not in filters
+    gone = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 1, timeout=0.5)
+    assert gone.errors == {"timeout": 1}, gone  # untranslated: the lab blackholes it
+
+
+def test_ebpf_dataplane_that_cannot_start_is_a_clear_error(setup, tmp_path: Path) -> None:
+    lab, manifests, _ = setup
+    not_bpffs = tmp_path / "plain-dir"  # tmpfs, not bpffs: pinning fails
+    agent = Agent(lab, manifests, not_bpffs)
+    assert agent.proc.wait(timeout=60) == 1
+    time.sleep(0.2)  # the reader thread has the last lines
+    text = "\n".join(agent.lines)
+    assert "cannot start" in text and "--dataplane ebpf" in text, text

@@ -1,0 +1,78 @@
+"""The ABI as cffi derives it from bpf/include/kbp_abi.h: no implicit padding anywhere,
+layouts equal to the golden file (a layout change must bump KBP_ABI_VERSION and the
+golden together), and the fast packers agree with cffi field for field.
+
+Regenerate the golden with KBP_UPDATE_GOLDEN=1 (and bump KBP_ABI_VERSION).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.dataplane.ebpf import abi
+
+GOLDEN = Path(__file__).parents[1] / "golden" / "abi-layout.txt"
+
+
+def render_layouts() -> str:
+    lines = [f"KBP_ABI_VERSION {abi.const.KBP_ABI_VERSION}"]
+    for struct in abi.STRUCTS:
+        lines.append(f"struct {struct} size {abi.ffi.sizeof('struct ' + struct)}")
+        lines.extend(f"  {offset:3d} {size:3d} {name}" for name, offset, size in abi.layout(struct))
+    return "\n".join(lines) + "\n"
+
+
+def test_layouts_match_the_golden_file() -> None:
+    text = render_layouts()
+    if os.environ.get("KBP_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), (
+        f"{GOLDEN} differs: a layout changed; bump KBP_ABI_VERSION and regenerate"
+    )
+
+
+@pytest.mark.parametrize("struct", abi.STRUCTS)
+def test_struct_has_no_implicit_padding(struct: str) -> None:
+    assert abi.implicit_padding(struct) == [], f"struct {struct} needs explicit pad fields"
+
+
+@pytest.mark.parametrize("struct", abi.STRUCTS)
+def test_packer_puts_every_field_at_cffi_offset(struct: str) -> None:
+    packer = abi.packer(struct)
+    assert packer.size == abi.ffi.sizeof(f"struct {struct}")
+    # Pack a value where each field holds a distinct byte pattern, read back with cffi.
+    fields = [(name, offset, size) for name, offset, size in abi.layout(struct)
+              if not name.startswith("pad")]  # fmt: skip
+    values = [bytes([n]) * size for n, (_name, _offset, size) in enumerate(fields, start=1)]
+    raw = bytearray(packer.size)
+    for (_name, offset, size), value in zip(fields, values, strict=True):
+        raw[offset : offset + size] = value
+    unpacked = packer.unpack(bytes(raw))
+    for (name, _offset, _size), value, got in zip(fields, values, unpacked, strict=True):
+        expected = value if isinstance(got, bytes) else int.from_bytes(value, sys.byteorder)
+        assert got == expected, f"struct {struct}.{name}"
+
+
+def test_every_define_is_a_constant() -> None:
+    assert abi.const.KBP_ABI_VERSION >= 1
+    assert 1 + max(
+        value for name, value in vars(abi.const).items()
+        if name.startswith("KBP_DROP_") and name != "KBP_DROP_REASONS"
+    ) == abi.const.KBP_DROP_REASONS  # fmt: skip
+
+
+def test_map_names_fit_the_kernel_name_limit() -> None:
+    # BPF_OBJ_NAME_LEN is 16 including the NUL: longer names are cut by the kernel.
+    assert all(len(name) <= 15 for name in abi.MAP_NAMES)
+    assert abi.versioned("kbp_ct") == f"kbp_ct_v{abi.const.KBP_ABI_VERSION}"
+
+
+@pytest.mark.parametrize("ip", ["10.96.0.1", "0.0.0.0", "fd00:96::1", "2001:db8::10", "::"])
+def test_addresses_round_trip(ip: str) -> None:
+    raw = abi.addr_bytes(ip)
+    assert len(raw) == 16
+    assert abi.addr_text(raw, abi.family_of(ip)) == ip

@@ -1,0 +1,942 @@
+"""NodeState → kernel map contents, ids, ordered writes and capacity (ebpf/plan.py).
+
+Address plan (tests/builders.py): this node node-a 192.0.2.10 / 2001:db8::10; pods of
+node-a 10.244.1.<n>, node-b 10.244.2.<n>, node-c 10.244.3.<n> (IPv6 fd00:244:<node>::<n>),
+all on target port 8080. Service "svc" (and "other") in "default": ClusterIP 10.96.0.1:80
+(and 10.96.0.2:80), NodePort 30080, ExternalIP / LoadBalancer VIP 203.0.113.7 / .9.
+Maglev cases use a 13-slot table so expectations stay readable.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.dataplane.ebpf import plan
+from agent.dataplane.ebpf.abi import const
+from agent.dataplane.ebpf.maglev import maglev_table
+from agent.dataplane.ebpf.plan import (
+    BackendValue,
+    CapacityError,
+    FrontendKey,
+    KernelContent,
+    MapSizes,
+    ServiceValue,
+    Writes,
+    check_capacity,
+    desired_content,
+    diff,
+    required_capacity,
+)
+from agent.model.compile import compile
+from agent.model.conventions import ANNOTATION_LB_ALGORITHM
+from agent.model.decode import decode_object
+from agent.model.nodestate import Backend, Frontend, NodeInfo, NodeState, ServiceEntry
+from agent.model.types import ClusterState
+
+from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
+from .strategies import THIS_NODE, clusters, endpoint_slices, histories, object_key, services
+
+NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
+EMPTY = KernelContent()
+MAGLEV_SIZE = 13
+
+SETTINGS = settings(
+    max_examples=int(os.environ.get("KBP_PROPERTY_EXAMPLES", "100")),
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+# --- building NodeStates ---------------------------------------------------------------
+
+
+def ep(n: int, node: str = "node-b", **conditions: bool) -> Obj:
+    """Pod n of `node`, ready unless conditions say otherwise."""
+    return make_endpoint(f"10.244.{NODE_INDEX[node]}.{n}", node, **conditions)
+
+
+def ep6(n: int, node: str = "node-b") -> Obj:
+    return make_endpoint(f"fd00:244:{NODE_INDEX[node]}::{n}", node)
+
+
+def spec(**fields: object) -> Callable[[Obj], None]:
+    def mutate(obj: Obj) -> None:
+        obj["spec"].update(fields)
+
+    return mutate
+
+
+def node_port(etp: str = "Cluster", itp: str = "Cluster") -> Callable[[Obj], None]:
+    def mutate(obj: Obj) -> None:
+        obj["spec"].update(type="NodePort", externalTrafficPolicy=etp, internalTrafficPolicy=itp)
+        obj["spec"]["ports"][0]["nodePort"] = 30080
+
+    return mutate
+
+
+def maglev(obj: Obj) -> None:
+    obj["metadata"].setdefault("annotations", {})[ANNOTATION_LB_ALGORITHM] = "maglev"
+
+
+def both(*mutators: Callable[[Obj], None]) -> Callable[[Obj], None]:
+    def mutate(obj: Obj) -> None:
+        for m in mutators:
+            m(obj)
+
+    return mutate
+
+
+def svc(
+    endpoints: list[Obj],
+    mutate: Callable[[Obj], None] | None = None,
+    name: str = "svc",
+    cluster_ip: str = "10.96.0.1",
+) -> list[Obj]:
+    """A Service and one slice of its IPv4 endpoints."""
+
+    def with_ip(obj: Obj) -> None:
+        obj["spec"].update(clusterIP=cluster_ip, clusterIPs=[cluster_ip])
+        if mutate:
+            mutate(obj)
+
+    return [
+        make_service(name=name, mutate=with_ip),
+        make_slice(name=f"{name}-1", service=name, endpoints=endpoints),
+    ]
+
+
+def node_state(*objects: Obj) -> NodeState:
+    return compile(state_of(*default_nodes(), *objects), "node-a")
+
+
+def web(endpoints: list[Obj], mutate: Callable[[Obj], None] | None = None) -> NodeState:
+    return node_state(*svc(endpoints, mutate))
+
+
+def bare(content: KernelContent) -> KernelContent:
+    """The same content as the agent decodes it from the kernel after a restart."""
+    return KernelContent(dict(content.services), dict(content.slots), dict(content.backends))
+
+
+# --- reading contents back as text ----------------------------------------------------
+
+SERVICE_FLAGS = [
+    (const.KBP_SVC_F_HAS_ENDPOINTS, "HAS_ENDPOINTS"),
+    (const.KBP_SVC_F_AFFINITY, "AFFINITY"),
+    (const.KBP_SVC_F_MAGLEV, "MAGLEV"),
+]
+BACKEND_FLAGS = [(const.KBP_BE_F_LOCAL, "LOCAL"), (const.KBP_BE_F_TERMINATING, "TERMINATING")]
+TYPES = {
+    const.KBP_FE_CLUSTER_IP: "ClusterIP",
+    const.KBP_FE_NODE_PORT: "NodePort",
+    const.KBP_FE_EXTERNAL_IP: "ExternalIP",
+    const.KBP_FE_LOAD_BALANCER: "LoadBalancer",
+}
+PROTOCOLS = {6: "TCP", 17: "UDP", 132: "SCTP"}
+
+
+def flag_names(value: int, names: list[tuple[int, str]]) -> str:
+    return "|".join(name for bit, name in names if value & bit)
+
+
+def address(addr: str, port: int) -> str:
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
+def members(content: KernelContent, set_id: int, count: int) -> list[str]:
+    if count == 0:
+        assert set_id == 0, "an empty set has id 0"
+        return []
+    ids = content.slots[set_id]
+    assert len(ids) == count
+    return [address(content.backends[i].addr, content.backends[i].port) for i in ids]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One frontend as a packet sees it."""
+
+    type: str
+    flags: str
+    outside: list[str]  # the set (for a ClusterIP: the one set)
+    pods: list[str]  # the internal set
+    affinity: int = 0
+
+
+def view(content: KernelContent) -> dict[str, Seen]:
+    out = {}
+    for key, v in content.services.items():
+        name = f"{address(key.addr, key.port)}/{PROTOCOLS[key.proto]}"
+        out[name] = Seen(
+            TYPES[v.type],
+            flag_names(v.flags, SERVICE_FLAGS),
+            members(content, v.set_id, v.count),
+            members(content, v.internal_set_id, v.internal_count),
+            v.affinity_timeout,
+        )
+    return out
+
+
+def backend_view(content: KernelContent) -> dict[str, str]:
+    return {
+        address(b.addr, b.port): flag_names(b.flags, BACKEND_FLAGS)
+        for b in content.backends.values()
+    }
+
+
+def counts(w: Writes) -> tuple[int, ...]:
+    """(counters reset, backends upserted, slots written, services upserted, frontends
+    deleted, slots deleted, backends deleted)."""
+    return (
+        len(w.counters_reset),
+        len(w.backends_to_upsert),
+        sum(map(len, w.sets_to_write.values())),
+        len(w.services_to_upsert),
+        len(w.frontends_to_delete),
+        sum(w.sets_to_delete.values()),
+        len(w.backends_to_delete),
+    )
+
+
+A5, A6 = "10.244.1.5:8080", "10.244.1.6:8080"
+B5, C5 = "10.244.2.5:8080", "10.244.3.5:8080"
+CIP = "10.96.0.1:80/TCP"
+NP = "192.0.2.10:30080/TCP"
+HAS = "HAS_ENDPOINTS"
+
+
+# --- translation -----------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    name: str
+    objects: list[Obj]
+    frontends: dict[str, Seen]
+    backends: dict[str, str] = field(default_factory=dict)  # checked when given
+
+
+CASES = [
+    Case(
+        "a ClusterIP uses its cluster backends, from pods and from the node alike",
+        svc([ep(5, "node-a"), ep(5, "node-b")]),
+        {CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5])},
+        {A5: "LOCAL", B5: ""},
+    ),
+    Case(
+        "internalTrafficPolicy Local: the ClusterIP uses only this node's backends",
+        svc([ep(5, "node-a"), ep(5, "node-b")], spec(internalTrafficPolicy="Local")),
+        {CIP: Seen("ClusterIP", HAS, [A5], [A5])},
+        {A5: "LOCAL"},
+    ),
+    Case(
+        "internalTrafficPolicy Local without a local backend: an empty set that drops",
+        svc([ep(5, "node-b")], spec(internalTrafficPolicy="Local")),
+        {CIP: Seen("ClusterIP", HAS, [], [])},
+        {},
+    ),
+    Case(
+        "no endpoints anywhere: an empty set that rejects",
+        svc([]),
+        {CIP: Seen("ClusterIP", "", [], [])},
+        {},
+    ),
+    Case(
+        "only unready endpoints: an empty set that rejects",
+        svc([ep(5, ready=False)]),
+        {CIP: Seen("ClusterIP", "", [], [])},
+    ),
+    Case(
+        "externalTrafficPolicy Cluster: the NodePort uses the cluster backends both ways",
+        svc([ep(5, "node-a"), ep(5, "node-b")], node_port()),
+        {
+            CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5]),
+            NP: Seen("NodePort", HAS, [A5, B5], [A5, B5]),
+        },
+    ),
+    Case(
+        "externalTrafficPolicy Local: the NodePort uses local backends from outside and "
+        "cluster backends from pods",
+        svc([ep(5, "node-a"), ep(5, "node-b")], node_port(etp="Local")),
+        {
+            CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5]),
+            NP: Seen("NodePort", HAS, [A5], [A5, B5]),
+        },
+    ),
+    Case(
+        "externalTrafficPolicy Local without a local backend: outside traffic is dropped, "
+        "pods still reach the cluster backends",
+        svc([ep(5, "node-b")], node_port(etp="Local")),
+        {
+            CIP: Seen("ClusterIP", HAS, [B5], [B5]),
+            NP: Seen("NodePort", HAS, [], [B5]),
+        },
+    ),
+    Case(
+        "both policies Local: the ClusterIP and outside NodePort traffic stay local, pods "
+        "reaching the NodePort use the cluster backends",
+        svc([ep(5, "node-a"), ep(5, "node-b")], node_port(etp="Local", itp="Local")),
+        {
+            CIP: Seen("ClusterIP", HAS, [A5], [A5]),
+            NP: Seen("NodePort", HAS, [A5], [A5, B5]),
+        },
+    ),
+    Case(
+        "internalTrafficPolicy Local with a Cluster NodePort: only the ClusterIP is local",
+        svc([ep(5, "node-a"), ep(5, "node-b")], node_port(itp="Local")),
+        {
+            CIP: Seen("ClusterIP", HAS, [A5], [A5]),
+            NP: Seen("NodePort", HAS, [A5, B5], [A5, B5]),
+        },
+    ),
+    Case(
+        "an ExternalIP and a LoadBalancer VIP follow externalTrafficPolicy like a NodePort",
+        svc(
+            [ep(5, "node-a"), ep(5, "node-c")],
+            both(
+                node_port(etp="Local"),
+                spec(type="LoadBalancer", externalIPs=["203.0.113.7"]),
+                lambda o: o.update(status={"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}),
+            ),
+        ),
+        {
+            CIP: Seen("ClusterIP", HAS, [A5, C5], [A5, C5]),
+            NP: Seen("NodePort", HAS, [A5], [A5, C5]),
+            "203.0.113.7:80/TCP": Seen("ExternalIP", HAS, [A5], [A5, C5]),
+            "203.0.113.9:80/TCP": Seen("LoadBalancer", HAS, [A5], [A5, C5]),
+        },
+    ),
+    Case(
+        "sessionAffinity ClientIP sets AFFINITY and the timeout",
+        svc(
+            [ep(5)],
+            spec(
+                sessionAffinity="ClientIP",
+                sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}},
+            ),
+        ),
+        {CIP: Seen("ClusterIP", "HAS_ENDPOINTS|AFFINITY", [B5], [B5], 600)},
+    ),
+    Case(
+        "serving terminating backends stand in when none is ready, flagged TERMINATING",
+        svc([ep(5, ready=False, serving=True, terminating=True), ep(6, "node-a", ready=False)]),
+        {CIP: Seen("ClusterIP", HAS, [B5], [B5])},
+        {B5: "TERMINATING"},
+    ),
+    Case(
+        "a UDP port is keyed with protocol 17",
+        [
+            make_service(mutate=lambda o: o["spec"]["ports"][0].update(protocol="UDP")),
+            make_slice(
+                endpoints=[ep(5)],
+                mutate=lambda o: o["ports"][0].update(protocol="UDP"),
+            ),
+        ],
+        {"10.96.0.1:80/UDP": Seen("ClusterIP", HAS, [B5], [B5])},
+    ),
+    Case(
+        "a dual-stack Service has an IPv6 frontend over IPv6 backends",
+        [
+            make_service(
+                mutate=spec(clusterIP="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"])
+            ),
+            make_slice(endpoints=[ep(5)]),
+            make_slice(name="svc-6", endpoints=[ep6(5)], family="IPv6"),
+        ],
+        {
+            CIP: Seen("ClusterIP", HAS, [B5], [B5]),
+            "[fd00:96::1]:80/TCP": Seen(
+                "ClusterIP", HAS, ["[fd00:244:2::5]:8080"], ["[fd00:244:2::5]:8080"]
+            ),
+        },
+        {B5: "", "[fd00:244:2::5]:8080": ""},
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_translation(case: Case) -> None:
+    content = desired_content(node_state(*case.objects), EMPTY)
+    assert view(content) == case.frontends
+    if case.backends or not any(s.outside or s.pods for s in case.frontends.values()):
+        assert backend_view(content) == case.backends
+
+
+def test_frontends_of_one_entry_share_its_service_id_and_entries_get_their_own() -> None:
+    content = desired_content(
+        node_state(*svc([ep(5)], node_port()), *svc([ep(6)], name="other", cluster_ip="10.96.0.2")),
+        EMPTY,
+    )  # fmt: skip
+    ids = {f"{k.addr}:{k.port}": v.service_id for k, v in content.services.items()}
+    assert ids["10.96.0.1:80"] == ids["192.0.2.10:30080"] != ids["10.96.0.2:80"]
+    assert 0 not in ids.values()
+    backend_services = {address(b.addr, b.port): b.service_id for b in content.backends.values()}
+    assert backend_services == {B5: ids["10.96.0.1:80"], "10.244.2.6:8080": ids["10.96.0.2:80"]}
+
+
+def test_the_same_endpoint_in_two_services_has_one_backend_id_per_service() -> None:
+    content = desired_content(
+        node_state(*svc([ep(5)]), *svc([ep(5)], name="other", cluster_ip="10.96.0.2")), EMPTY
+    )
+    assert len(content.backends) == 2
+    assert len({b.service_id for b in content.backends.values()}) == 2
+
+
+def test_one_set_serves_every_frontend_that_uses_the_same_backends() -> None:
+    content = desired_content(web([ep(5, "node-a"), ep(5)], node_port(etp="Local")), EMPTY)
+    cluster_ip = content.services[FrontendKey("10.96.0.1", 80, 6, 4)]
+    nodeport = content.services[FrontendKey("192.0.2.10", 30080, 6, 4)]
+    assert nodeport.internal_set_id == cluster_ip.set_id == cluster_ip.internal_set_id
+    assert nodeport.set_id != cluster_ip.set_id
+    assert len(content.slots) == 2
+    assert len(content.backends) == 2, "the local backend is in both sets under one id"
+
+
+def test_an_ipv6_address_with_an_ipv4_tail_is_keyed_in_ipaddress_form() -> None:
+    backend = Backend("::10.244.2.5", 8080, "node-b", None, None, False, True, True, False)
+    entry = ServiceEntry(
+        "default", "svc", "http", "TCP", "IPv6", (Frontend("ClusterIP", "::10.96.0.1", 80),),
+        None, "Cluster", "Cluster", None, "None", True, (backend,), None,
+    ).sealed()  # fmt: skip
+    content = desired_content(NodeState(NodeInfo("node-a", None, {}, ()), "r", (entry,)), EMPTY)
+    (key,) = content.services
+    assert key == FrontendKey("::a60:1", 80, 6, 6)
+    assert [b.addr for b in content.backends.values()] == ["::af4:205"]
+
+
+# --- Maglev ----------------------------------------------------------------------------
+
+
+def test_a_maglev_service_gets_a_full_table_over_its_backends() -> None:
+    state = web([ep(5, "node-a"), ep(5), ep(5, "node-c")], maglev)
+    content = desired_content(state, EMPTY, maglev_table_size=MAGLEV_SIZE)
+    seen = view(content)[CIP]
+    assert seen.flags == "HAS_ENDPOINTS|MAGLEV"
+    names = [A5, B5, C5]  # NodeState order: by ip, then port
+    expected = [names[i] for i in maglev_table(names, MAGLEV_SIZE)]
+    assert seen.outside == seen.pods == expected
+    assert len(expected) == MAGLEV_SIZE
+
+
+def test_removing_a_maglev_backend_writes_a_whole_new_table_then_flips() -> None:
+    before = desired_content(
+        web([ep(5, "node-a"), ep(5), ep(5, "node-c")], maglev), EMPTY, maglev_table_size=13
+    )
+    after = desired_content(web([ep(5, "node-a"), ep(5)], maglev), before, maglev_table_size=13)
+    assert counts(diff(before, after)) == (0, 0, 13, 1, 0, 13, 1)
+
+
+def test_a_maglev_table_size_that_is_not_prime_is_refused() -> None:
+    with pytest.raises(ValueError, match="16384 is not a prime"):
+        desired_content(web([ep(5)], maglev), EMPTY, maglev_table_size=16384)
+
+
+def test_a_maglev_table_smaller_than_the_backends_names_the_service() -> None:
+    with pytest.raises(ValueError, match=r"default/svc port 'http'.*too small for 3"):
+        desired_content(web([ep(5), ep(6), ep(7)], maglev), EMPTY, maglev_table_size=3)
+
+
+def test_changing_the_maglev_table_size_rewrites_only_maglev_sets() -> None:
+    state = node_state(
+        *svc([ep(5), ep(6)], maglev), *svc([ep(7)], name="other", cluster_ip="10.96.0.2")
+    )
+    small = desired_content(state, EMPTY, maglev_table_size=13)
+    large = desired_content(state, small, maglev_table_size=17)
+    assert counts(diff(small, large)) == (0, 0, 17, 1, 0, 13, 0)
+
+
+# --- stable ids and minimal writes -----------------------------------------------------
+
+
+def test_the_same_state_again_writes_nothing() -> None:
+    endpoints = [ep(5, "node-a"), ep(5), ep(6)]
+    first = desired_content(web(endpoints, node_port(etp="Local")), EMPTY)
+    again = desired_content(web(endpoints, node_port(etp="Local")), first)  # a new compile
+    assert again == first
+    assert diff(first, again).empty
+    assert diff(first, again).count == 0
+
+
+def test_a_restart_adopts_every_id_from_the_kernel_and_writes_nothing() -> None:
+    objects = [
+        *svc([ep(5, "node-a"), ep(5)], both(node_port(etp="Local"), maglev)),
+        *svc([ep(6), ep(7)], name="other", cluster_ip="10.96.0.2"),
+    ]
+    before = desired_content(node_state(*objects), EMPTY, maglev_table_size=13)
+    kernel = bare(before)
+    after = desired_content(node_state(*objects), kernel, maglev_table_size=13)
+    assert after == before  # same ids everywhere
+    assert diff(kernel, after).empty
+
+
+@dataclass
+class Change:
+    name: str
+    before: list[Obj]
+    after: list[Obj]
+    # (counters reset, backends upserted, slots written, services upserted,
+    #  frontends deleted, slots deleted, backends deleted)
+    counts: tuple[int, int, int, int, int, int, int]
+
+
+CHANGES = [
+    Change("nothing changed: nothing is written", [ep(1), ep(2)], [ep(1), ep(2)], (0,) * 7),
+    Change(
+        "an endpoint added: its backend, the new set, the flip, then the old set is deleted",
+        [ep(1), ep(2), ep(3)], [ep(1), ep(2), ep(3), ep(4)], (0, 1, 4, 1, 0, 3, 0),
+    ),
+    Change(
+        "an endpoint removed: the new set, the flip, then the old set and the backend go",
+        [ep(1), ep(2), ep(3)], [ep(1), ep(3)], (0, 0, 2, 1, 0, 3, 1),
+    ),
+    Change(
+        "an endpoint replaced by another: one backend each way and one set each way",
+        [ep(1), ep(2)], [ep(1), ep(3)], (0, 1, 2, 1, 0, 2, 1),
+    ),
+    Change(
+        "the last endpoint removed: the flip to the empty set that rejects",
+        [ep(1)], [], (0, 0, 0, 1, 0, 1, 1),
+    ),
+    Change(
+        "the first endpoint added: its backend, its set and the flip",
+        [], [ep(1)], (0, 1, 1, 1, 0, 0, 0),
+    ),
+    Change(
+        "an endpoint turning unready: the same as removing it",
+        [ep(1), ep(2)], [ep(1), ep(2, ready=False)], (0, 0, 1, 1, 0, 2, 1),
+    ),
+    Change(
+        "an endpoint moving to this node only updates its backend's flags",
+        [ep(1), make_endpoint("10.244.2.9", "node-b")],
+        [ep(1), make_endpoint("10.244.2.9", "node-a")],
+        (0, 1, 0, 0, 0, 0, 0),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["same agent", "after a restart"])
+@pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.name)
+def test_one_change_writes_only_what_it_needs(change: Change, restart: bool) -> None:
+    before = desired_content(web(change.before), EMPTY)
+    current = bare(before) if restart else before
+    after = desired_content(web(change.after), current)
+    writes = diff(current, after)
+    assert counts(writes) == change.counts
+    assert writes.count == sum(change.counts)
+    assert writes.empty == (writes.count == 0)
+
+
+def test_a_removed_backend_frees_its_id_and_a_new_one_does_not_take_it_at_once() -> None:
+    first = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY)
+    ids = {address(b.addr, b.port): i for i, b in first.backends.items()}
+    second = desired_content(web([ep(1), ep(3)]), first)
+    assert diff(first, second).backends_to_delete == [ids["10.244.2.2:8080"]]
+    assert ids["10.244.2.2:8080"] not in second.backends
+    third = desired_content(web([ep(1), ep(3), ep(4)]), second)
+    (new_id,) = diff(second, third).backends_to_upsert
+    assert new_id not in ids.values()
+
+
+def test_new_ids_wrap_within_the_map_size_and_skip_live_ones() -> None:
+    sizes = MapSizes(services=4, slots=4, backends=5)  # backend ids 1..4
+    content = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY, sizes=sizes)
+    seen_ids = set(content.backends)
+    for n in range(4, 12):  # replace the oldest endpoint, one at a time
+        endpoints = [ep(n - 2), ep(n - 1), ep(n)]
+        content = desired_content(web(endpoints), content, sizes=sizes)
+        assert all(0 < i < 5 for i in content.backends)
+        assert all(0 < s < 4 for s in content.slots)
+        seen_ids |= set(content.backends)
+    assert seen_ids == {1, 2, 3, 4}
+
+
+def test_a_new_service_gets_a_fresh_id_whose_counters_are_reset() -> None:
+    first = desired_content(web([ep(1)]), EMPTY)
+    (old_id,) = {v.service_id for v in first.services.values()}
+    second = desired_content(
+        node_state(*svc([ep(1)]), *svc([ep(2)], name="other", cluster_ip="10.96.0.2")), first
+    )
+    writes = diff(first, second)
+    new_id = second.services[FrontendKey("10.96.0.2", 80, 6, 4)].service_id
+    assert new_id != old_id
+    assert writes.counters_reset == [new_id]
+    assert counts(writes) == (1, 1, 1, 1, 0, 0, 0)
+
+
+def test_a_deleted_service_loses_its_frontends_sets_and_backends() -> None:
+    first = desired_content(
+        node_state(*svc([ep(1)], node_port()), *svc([ep(2)], name="other", cluster_ip="10.96.0.2")),
+        EMPTY,
+    )  # fmt: skip
+    second = desired_content(node_state(*svc([ep(2)], name="other", cluster_ip="10.96.0.2")), first)
+    assert counts(diff(first, second)) == (0, 0, 0, 0, 2, 1, 1)
+
+
+def test_a_service_flipping_policy_reuses_its_backends_and_points_at_a_new_set() -> None:
+    first = desired_content(web([ep(5, "node-a"), ep(5)]), EMPTY)
+    second = desired_content(
+        web([ep(5, "node-a"), ep(5)], spec(internalTrafficPolicy="Local")), first
+    )
+    # The one-backend local set is new; the cluster set and the remote backend go.
+    assert counts(diff(first, second)) == (0, 0, 1, 1, 0, 2, 1)
+    assert set(second.backends) < set(first.backends)
+
+
+def test_a_frontend_two_services_claim_goes_to_the_first_and_passes_on() -> None:
+    """ExternalIPs are not unique across Services: the first in NodeState order (by
+    namespace/name) answers; when it goes, the next one takes the frontend over."""
+    shared = spec(externalIPs=["203.0.113.7"])
+    a = svc([ep(1)], shared, name="a", cluster_ip="10.96.0.1")
+    b = svc([ep(2)], shared, name="b", cluster_ip="10.96.0.2")
+    key = FrontendKey("203.0.113.7", 80, 6, 4)
+    first = desired_content(node_state(*a, *b), EMPTY)
+    a_id = first.services[FrontendKey("10.96.0.1", 80, 6, 4)].service_id
+    b_id = first.services[FrontendKey("10.96.0.2", 80, 6, 4)].service_id
+    assert first.services[key].service_id == a_id
+    second = desired_content(node_state(*b), first)
+    assert second.services[key].service_id == b_id
+    assert second == plan._Full(node_state(*b), first, 16381, MapSizes()).run()
+    third = desired_content(node_state(*a, *b), second)
+    assert third.services[key].service_id != b_id  # "a" is back (with a new id)
+
+
+# --- diff ------------------------------------------------------------------------------
+
+
+def test_diff_refuses_to_rewrite_a_live_set_in_place() -> None:
+    current = desired_content(web([ep(1), ep(2)]), EMPTY)
+    (set_id,) = current.slots
+    tampered = KernelContent(
+        dict(current.services), {set_id: current.slots[set_id][:1]}, dict(current.backends)
+    )
+    with pytest.raises(ValueError, match=f"set {set_id} would be rewritten in place"):
+        diff(current, tampered)
+
+
+def test_diff_between_contents_from_elsewhere_compares_everything() -> None:
+    """A content not derived from `current` (e.g. decoded twice) is compared in full."""
+    current = desired_content(web([ep(1), ep(2)]), EMPTY)
+    changed = desired_content(web([ep(1)]), current)
+    assert counts(diff(bare(current), bare(changed))) == counts(diff(current, changed))
+
+
+def test_writes_list_every_element_in_phase_order() -> None:
+    current = desired_content(web([ep(1), ep(2)]), EMPTY)
+    desired = desired_content(web([ep(2), ep(3)]), current)
+    writes = diff(current, desired)
+    phases = [(m, op) for m, op, _, _ in writes.elements()]
+    assert phases == [
+        ("backends", "update"),
+        ("slots", "update"), ("slots", "update"),
+        ("services", "update"),
+        ("slots", "delete"), ("slots", "delete"),
+        ("backends", "delete"),
+    ]  # fmt: skip
+    assert len(phases) == writes.count
+
+
+# --- capacity --------------------------------------------------------------------------
+
+
+def test_required_capacity_counts_old_and_new_sets_at_the_peak() -> None:
+    current = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY)
+    desired = desired_content(web([ep(1), ep(2), ep(4), ep(5)]), current)
+    need = required_capacity(current, desired, diff(current, desired))
+    assert need == {"services": (1, 1), "slots": (4, 7), "backends": (4, 5)}
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        pytest.param(
+            MapSizes(slots=6),
+            "map kbp_slots needs 7 entries but holds 6 (1 short); raise it with --map-size-slots",
+            id="slots one short of the peak",
+        ),
+        pytest.param(
+            MapSizes(backends=3),
+            "map kbp_backends needs 5 entries but holds 3 (2 short); "
+            "raise it with --map-size-backends",
+            id="backends two short of the peak",
+        ),
+    ],
+)
+def test_check_capacity_says_which_map_how_many_and_which_setting(
+    sizes: MapSizes, message: str
+) -> None:
+    current = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY)
+    desired = desired_content(web([ep(1), ep(2), ep(4), ep(5)]), current)
+    with pytest.raises(CapacityError) as raised:
+        check_capacity(current, desired, diff(current, desired), sizes)
+    assert str(raised.value) == message
+    assert raised.value.reason == "capacity"
+
+
+def test_more_services_than_the_counters_array_holds_is_a_capacity_error() -> None:
+    sizes = MapSizes(services=3)  # service ids 1 and 2
+    objects = [
+        *svc([ep(1)], name="a", cluster_ip="10.96.0.1"),
+        *svc([ep(2)], name="b", cluster_ip="10.96.0.2"),
+        *svc([ep(3)], name="c", cluster_ip="10.96.0.3"),
+    ]
+    desired = desired_content(node_state(*objects), EMPTY, sizes=sizes)
+    with pytest.raises(CapacityError) as raised:
+        check_capacity(EMPTY, desired, diff(EMPTY, desired), sizes)
+    assert (raised.value.map, raised.value.needed, raised.value.size) == ("services", 4, 3)
+
+
+def test_a_content_that_fits_passes_the_check() -> None:
+    current = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY)
+    desired = desired_content(web([ep(1), ep(2), ep(4), ep(5)]), current)
+    check_capacity(
+        current, desired, diff(current, desired), MapSizes(services=2, slots=7, backends=5)
+    )
+
+
+# --- properties over generated clusters ------------------------------------------------
+
+
+class Kernel:
+    """The three maps as a dict model, written one element at a time. `apply` checks,
+    after every single write, that the write kept the datapath's invariants: every
+    service's (set, count) names complete slots and every slot names an existing backend.
+    Only the written element can break them, so checking what it touches after each write
+    (and everything at each phase boundary) checks the whole state after every write."""
+
+    def __init__(self, content: KernelContent) -> None:
+        self.services = dict(content.services)
+        self.slots = {(s, i): b for s, ids in content.slots.items() for i, b in enumerate(ids)}
+        self.backends = dict(content.backends)
+        self.check_all()
+
+    def sets_in_use(self, value: ServiceValue) -> list[tuple[int, int]]:
+        return [(value.set_id, value.count), (value.internal_set_id, value.internal_count)]
+
+    def check_service(self, value: ServiceValue) -> None:
+        for set_id, count in self.sets_in_use(value):
+            assert (set_id == 0) == (count == 0), value
+            for index in range(count):
+                assert (set_id, index) in self.slots, f"{value} names a missing slot {index}"
+
+    def check_all(self) -> None:
+        for value in self.services.values():
+            self.check_service(value)
+        for key, backend_id in self.slots.items():
+            assert backend_id in self.backends, f"slot {key} names a missing backend"
+
+    def apply(self, writes: Writes) -> None:
+        phase = None
+        for map_name, op, key, value in writes.elements():
+            if (map_name, op) != phase:
+                self.check_all()
+                phase = (map_name, op)
+            if map_name == "counters":
+                continue
+            table = getattr(self, map_name)
+            if op == "delete":
+                del table[key]
+            else:
+                table[key] = value
+            # What this write could have broken:
+            if (map_name, op) == ("services", "update"):
+                self.check_service(value)
+            elif (map_name, op) == ("slots", "update"):
+                assert value in self.backends, f"slot {key} written before backend {value}"
+            elif (map_name, op) == ("slots", "delete"):
+                set_id, index = key
+                for v in self.services.values():
+                    for s, count in self.sets_in_use(v):
+                        assert s != set_id or index >= count, f"deleted slot {key} of live {v}"
+            elif (map_name, op) == ("backends", "delete"):
+                assert key not in self.slots.values(), f"deleted backend {key} still in a slot"
+        self.check_all()
+
+    def content(self) -> KernelContent:
+        sets: dict[int, dict[int, int]] = {}
+        for (set_id, index), backend_id in self.slots.items():
+            sets.setdefault(set_id, {})[index] = backend_id
+        slots = {s: tuple(ids[i] for i in range(len(ids))) for s, ids in sets.items()}
+        return KernelContent(dict(self.services), slots, dict(self.backends))
+
+
+def cluster_state(objects: dict[tuple[str, str, str], Obj]) -> ClusterState:
+    state = ClusterState()
+    for obj in objects.values():
+        decoded = decode_object(obj)
+        assert decoded.error is None
+        if decoded.value is not None:
+            {"Service": state.set_service, "EndpointSlice": state.set_slice,
+             "Node": state.set_node}[decoded.kind](decoded.value)  # fmt: skip
+    return state
+
+
+def with_maglev_for_dns(obj: Obj) -> Obj:
+    """Services named "dns" ask for Maglev, so generated clusters mix both algorithms."""
+    if obj["kind"] == "Service" and obj["metadata"]["name"] == "dns":
+        obj = {**obj, "metadata": {**obj["metadata"]}}
+        obj["metadata"]["annotations"] = {
+            **obj["metadata"].get("annotations", {}),
+            ANNOTATION_LB_ALGORITHM: "maglev",
+        }
+    return obj
+
+
+def owners(state: NodeState) -> dict[FrontendKey, tuple[str, ...]]:
+    """Frontend key → the entry that answers it (the first in NodeState order)."""
+    out: dict[FrontendKey, tuple[str, ...]] = {}
+    for entry in state.services:
+        content = desired_content(NodeState(state.node, "", (entry,)), EMPTY, maglev_table_size=31)
+        for key in content.services:
+            out.setdefault(key, entry.sort_key)
+    return out
+
+
+def check_ids(content: KernelContent, sizes: MapSizes) -> None:
+    for value in content.services.values():
+        assert 0 < value.service_id < sizes.services
+    assert all(0 < s < sizes.slots for s in content.slots)
+    assert all(0 < b < sizes.backends for b in content.backends)
+    for backend in content.backends.values():
+        assert backend.service_id in {v.service_id for v in content.services.values()}
+
+
+def check_stable(
+    before: KernelContent,
+    old: NodeState,
+    after: KernelContent,
+    new: NodeState,
+    restarted: bool = False,
+) -> None:
+    """A frontend answered by the same entry keeps its service id; a (service, endpoint)
+    present before and after keeps its backend id. A restarted agent only knows entries
+    by their frontends: there an entry answering the very same frontends keeps its id."""
+    old_owners, new_owners = owners(old), owners(new)
+    if restarted:
+        for entry in {*old_owners.values()} & {*new_owners.values()}:
+            keys = {k for k, owner in old_owners.items() if owner == entry}
+            if keys == {k for k, owner in new_owners.items() if owner == entry}:
+                assert {after.services[k].service_id for k in keys} == {
+                    before.services[k].service_id for k in keys
+                }, entry
+    else:
+        for key, value in after.services.items():
+            if key in before.services and old_owners.get(key) == new_owners.get(key):
+                assert before.services[key].service_id == value.service_id, key
+    old_ids = {(b.service_id, b.addr, b.port): i for i, b in before.backends.items()}
+    for backend_id, b in after.backends.items():
+        old_id = old_ids.get((b.service_id, b.addr, b.port))
+        assert old_id is None or old_id == backend_id
+
+
+def sync(
+    kernel: Kernel, current: KernelContent, old: NodeState | None, state: NodeState
+) -> KernelContent:
+    """One sync from `current` (what `kernel` holds) to `state`, checked on the way."""
+    sizes = MapSizes()
+    desired = desired_content(state, current, maglev_table_size=31)
+    check_ids(desired, sizes)
+    # The incremental path equals a full translation that knows the same ids.
+    assert desired == plan._Full(state, current, 31, sizes).run()
+    # A restarted agent, adopting from the decoded maps, gets there consistently too...
+    restarted = Kernel(current)
+    decoded = bare(current)
+    adopted = desired_content(state, decoded, maglev_table_size=31)
+    restarted.apply(diff(decoded, adopted))
+    assert restarted.content() == adopted
+    check_ids(adopted, sizes)
+    if old is not None:
+        # ... and writes nothing when nothing changed.
+        assert diff(decoded, desired_content(old, decoded, maglev_table_size=31)).empty
+        check_stable(current, old, adopted, state, restarted=True)
+    writes = diff(current, desired)
+    check_capacity(current, desired, writes, sizes)
+    kernel.apply(writes)
+    assert kernel.content() == desired
+    if old is not None:
+        check_stable(current, old, desired, state)
+    # Applied: the same state again is a no-op.
+    assert diff(desired, desired_content(state, desired, maglev_table_size=31)).empty
+    return desired
+
+
+@SETTINGS
+@given(history=histories())
+def test_every_sync_keeps_every_intermediate_kernel_state_consistent(history) -> None:
+    """Over generated clusters and change sequences: applying each sync's writes one by
+    one never leaves a service pointing at missing slots nor a slot at a missing backend;
+    the result is the desired content; a restarted agent (adopting from the decoded maps)
+    gets there too; and ids stay put for what did not change."""
+    cluster, steps = history
+    objects = {object_key(o): with_maglev_for_dns(o) for o in cluster.objects}
+    kernel, current, old = Kernel(EMPTY), EMPTY, None
+    for change, synced in [(None, True), *steps]:
+        if change is not None:
+            action, payload = change
+            if action == "upsert":
+                objects[object_key(payload)] = with_maglev_for_dns(payload)
+            else:
+                objects.pop(payload, None)
+        if synced:
+            state = compile(cluster_state(objects), THIS_NODE, cluster.options)
+            current, old = sync(kernel, current, old, state), state
+
+
+@st.composite
+def state_pairs(draw: st.DrawFn) -> tuple[NodeState, NodeState]:
+    """Two NodeStates of one node: a generated cluster, and the same cluster with some
+    Services and slices gone, some slices replaced and some added."""
+    cluster = draw(clusters())
+    first = {object_key(o): with_maglev_for_dns(o) for o in cluster.objects}
+    second = dict(first)
+    for key in list(second):
+        if key[0] != "Node" and draw(st.integers(0, 3)) == 0:
+            del second[key]
+    for service in cluster.services:
+        for i in range(draw(st.integers(0, 2))):
+            name = f"{service['metadata']['name']}-{i}"
+            replacement = draw(endpoint_slices(service, name))
+            second[object_key(replacement)] = replacement
+    for service in draw(st.lists(services(), max_size=2)):
+        second[object_key(service)] = with_maglev_for_dns(service)
+    return (
+        compile(cluster_state(first), THIS_NODE, cluster.options),
+        compile(cluster_state(second), THIS_NODE, cluster.options),
+    )
+
+
+@SETTINGS
+@given(pair=state_pairs())
+def test_any_change_between_two_states_keeps_every_kernel_state_consistent(pair) -> None:
+    """As above, for two states further apart than one change: there and back again."""
+    first, second = pair
+    kernel = Kernel(EMPTY)
+    current = sync(kernel, EMPTY, None, first)
+    current = sync(kernel, current, first, second)
+    sync(kernel, current, second, first)
+
+
+def test_a_content_does_not_keep_its_predecessors_alive() -> None:
+    first = desired_content(web([ep(1)]), EMPTY)
+    second = desired_content(web([ep(2)]), first)
+    ref = weakref.ref(first)
+    del first
+    assert ref() is None
+    assert second.backends
+
+
+def test_values_are_hashable_and_frozen() -> None:
+    key = FrontendKey("10.96.0.1", 80, 6, 4)
+    value = ServiceValue(1, 0, 0, 0, 0, 0, 0, 1)
+    backend = BackendValue("10.244.2.1", 8080, 4, 0, 1)
+    assert len({key, value, backend, MapSizes()}) == 4
+    with pytest.raises(AttributeError):
+        key.port = 81  # type: ignore[misc]
