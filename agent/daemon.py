@@ -46,6 +46,9 @@ class Agent:
         log.info("dataplane: %s (%s)", self.dataplane.name, reason)
         self.status = AgentStatus(dataplane=self.dataplane.name)
         self._stoppers: list[Callable[[], None]] = []
+        register_metrics = getattr(self.dataplane, "register_metrics", None)
+        if register_metrics is not None:  # the kernel dataplanes' own gauges and counters
+            register_metrics(self.metrics)
         close = getattr(self.dataplane, "close", None)
         if close is not None:  # stops watching interfaces; the kernel state stays
             self._stoppers.append(close)

@@ -316,3 +316,22 @@ def _ip(ip: str) -> object:
         obj["spec"]["clusterIPs"] = [ip]
 
     return mutate
+
+
+def test_metrics_show_map_fill_and_datapath_drops(env: Env) -> None:
+    from prometheus_client import generate_latest
+
+    from agent.metrics import Metrics
+
+    metrics = Metrics()
+    env.dataplane.register_metrics(metrics)
+    objects, ip4, _ = service(env, "metered", [])
+    env.program(*objects)
+    env.pod("client1").connect_many(ip4, 80, "tcp", 2, timeout=1.0)
+    text = generate_latest(metrics.registry).decode()
+    rejected = [
+        line for line in text.splitlines()
+        if line.startswith('kbp_datapath_drops_total{reason="rejected"}')
+    ]  # fmt: skip
+    assert rejected and float(rejected[0].split()[-1]) >= 2, text
+    assert 'kbp_map_fill_ratio{map="kbp_services_v1"} 0.0002' in text, text

@@ -61,6 +61,13 @@ ffi, const = _build()
 # Every struct of the header, in header order.
 STRUCTS: tuple[str, ...] = tuple(re.findall(r"^struct (kbp_\w+) \{", _header_text(), re.M))
 
+# kbp_drops index → the reason label of /metrics' kbp_datapath_drops_total and `inspect`.
+DROP_REASONS = {
+    value: name.removeprefix("KBP_DROP_").lower().replace("_", "-")
+    for name, value in vars(const).items()
+    if name.startswith("KBP_DROP_") and name != "KBP_DROP_REASONS"
+}
+
 MAP_NAMES = (
     "kbp_services",
     "kbp_slots",

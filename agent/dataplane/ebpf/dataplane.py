@@ -12,27 +12,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from prometheus_client.core import CounterMetricFamily
+
+from ...metrics import Metrics
 from ...model.nodestate import NodeState
 from ..base import DataplaneError
 from . import codec
-from .abi import versioned
+from .abi import DROP_REASONS, packer, versioned
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map
 from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher
-from .plan import (
-    CapacityError,
-    KernelContent,
-    MapSizes,
-    Writes,
-    check_capacity,
-    desired_content,
-    diff,
-)
+from .plan import CapacityError, KernelContent, MapSizes, Writes, plan_change
 
 log = logging.getLogger(__name__)
 
@@ -96,24 +92,27 @@ class EbpfDataplane:
         with self._lock:
             if full:
                 self.current = self._read_kernel()
-            desired = desired_content(
+            # Changes self.current in place (cost: what changed): every way out below
+            # commits or rolls back.
+            change = plan_change(
                 state, self.current, maglev_table_size=self.maglev_table_size, sizes=self.sizes
             )
-            writes = diff(self.current, desired)
             try:
-                check_capacity(self.current, desired, writes, self.sizes)
-            except CapacityError as err:
+                change.check_capacity(self.sizes)
+                self._write(change.writes)
+            except CapacityError as err:  # nothing was written
+                self.current = change.rollback()
                 raise DataplaneError("capacity", str(err)) from err
-            try:
-                self._write(writes)
-            except OSError as err:
-                # The kernel holds something between current and desired: read it back
-                # at the next (full) apply rather than trusting either.
-                self.current = self._read_kernel_or(self.current)
-                raise DataplaneError("map_write", str(err)) from err
-            self.current = desired
+            except BaseException as err:
+                # The kernel may hold something between the old and the new content: read
+                # it back (the next apply then compares in full) rather than trust either.
+                self.current = self._read_kernel_or(change.rollback())
+                if isinstance(err, OSError):
+                    raise DataplaneError("map_write", str(err)) from err
+                raise
+            self.current = change.commit()
             self._held = state.revision
-            return writes.count
+            return change.writes.count
 
     def cleanup(self) -> None:
         """Detach every kbp_ filter from every interface and remove the pins."""
@@ -132,6 +131,22 @@ class EbpfDataplane:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+
+    # --- metrics -------------------------------------------------------------------------
+
+    def register_metrics(self, metrics: Metrics) -> None:
+        """Map fill ratios (from what the agent wrote) and the datapath's drop counters
+        (read from the kernel at each scrape)."""
+        for name, used in (
+            ("kbp_services", lambda: len(self.current.services)),
+            ("kbp_slots", lambda: self.current.slot_count()),
+            ("kbp_backends", lambda: len(self.current.backends)),
+        ):
+            size = self.programs.map(name).info.max_entries
+            metrics.map_fill.labels(versioned(name)).set_function(
+                lambda used=used, size=size: used() / size
+            )
+        metrics.registry.register(_DropCollector(self.programs.map("kbp_drops")))
 
     # --- writes --------------------------------------------------------------------------
 
@@ -197,6 +212,41 @@ class EbpfDataplane:
                 return
         self._attached.add(link.index)
         log.debug("ebpf: attached to %s (ifindex %d)", link.name, link.index)
+
+
+class _DropCollector:
+    """kbp_datapath_drops_total{reason}: the per-CPU kbp_drops map, summed at scrape."""
+
+    def __init__(self, drops: Map) -> None:
+        self._drops = drops
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = self._family()
+        fmt = packer("kbp_drop_counters")
+        stride = (fmt.size + 7) // 8 * 8
+        try:
+            items = self._drops.items()
+        except OSError:
+            log.exception("ebpf: reading kbp_drops for /metrics")
+            return [family]
+        for key, value in items:
+            reason = int.from_bytes(key, sys.byteorder)
+            packets = sum(
+                fmt.unpack_from(value, cpu * stride)[0] for cpu in range(len(value) // stride)
+            )
+            family.add_metric([DROP_REASONS.get(reason, str(reason))], packets)
+        return [family]
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "kbp_datapath_drops",
+            "Packets the eBPF datapath dropped or rejected, by reason.",
+            labels=["reason"],
+        )
 
 
 def _size_defines(sizes: MapSizes) -> dict[str, int]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from . import codec
-from .abi import addr_text, const, packer, versioned
+from .abi import DROP_REASONS, addr_text, const, packer, versioned
 from .libbpf import Map, possible_cpus
 
 Row = dict[str, Any]
@@ -21,11 +21,6 @@ FRONTEND_TYPES = {
     const.KBP_FE_NODE_PORT: "NodePort",
     const.KBP_FE_EXTERNAL_IP: "ExternalIP",
     const.KBP_FE_LOAD_BALANCER: "LoadBalancer",
-}
-DROP_REASONS = {
-    value: name.removeprefix("KBP_DROP_").lower().replace("_", "-")
-    for name, value in vars(const).items()
-    if name.startswith("KBP_DROP_") and name != "KBP_DROP_REASONS"
 }
 
 

@@ -5,6 +5,10 @@ Ids are stable: a ServiceEntry keeps its service id, a (service, endpoint) its b
 and an unchanged backend set its set id across syncs and agent restarts (adopted from
 what the kernel holds). A set is never rewritten in place: changed content gets a new set
 id, written in full before the services flip to it (DESIGN.md §5).
+
+Two ways in: `desired_content` + `diff` + `check_capacity` leave `current` untouched (and
+copy it, O(N)); `plan_change` changes `current` in place and keeps an undo log, so one
+changed Service costs about the same at 1k as at 30k Services (the agent's path).
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from itertools import chain
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from itertools import chain, compress
+from operator import attrgetter, not_
 from typing import Any
 
 from ...gcpause import gc_paused
@@ -107,11 +112,12 @@ class MapSizes:
 class KernelContent:
     """What the services, slots and backends maps hold (or should hold).
 
-    Treat the dicts as immutable once built: `desired_content` shares them between
-    generations and remembers, beside the content it returns, how it built it (`_index`)
-    and what changed since `current` (`_delta`), so that the next sync and `diff` only
-    look at the entries that changed. Content decoded from the kernel has neither and
-    takes the full path. Not hashable (it holds dicts).
+    Only this module changes the dicts, and only through `plan_change` (which bumps
+    `_version`); `desired_content` shares the values between generations and remembers,
+    beside the content it returns, how it built it (`_index`) and what changed since
+    `current` (`_delta`), so that the next sync and `diff` only look at the entries that
+    changed. Content decoded from the kernel has neither and takes the full path. Not
+    hashable (it holds dicts).
     """
 
     services: dict[FrontendKey, ServiceValue] = field(default_factory=dict)
@@ -119,6 +125,7 @@ class KernelContent:
     backends: dict[int, BackendValue] = field(default_factory=dict)
     _index: _Index | None = field(default=None, init=False, compare=False, repr=False)
     _delta: _Delta | None = field(default=None, init=False, compare=False, repr=False)
+    _version: int = field(default=0, init=False, compare=False, repr=False)
 
     def slot_count(self) -> int:
         """Slots over all sets (entries of the slots map)."""
@@ -169,13 +176,20 @@ class _Index:
     cursors: tuple[int, int, int]  # next service, set and backend id to try
     slot_total: int
     service_id_overflow: int  # highest service id handed out past the map size, else 0
+    # The NodeState entries these plans are for, when each has a plan of its own under
+    # its sort key and under its plan's digest (sealed, no repeats): the next sync then
+    # skips the entries both states share (the same objects, mostly) and looks only at
+    # the stretch between. Else None: the next sync scans every entry.
+    entries: tuple[ServiceEntry, ...] | None
 
 
 @dataclass(frozen=True, slots=True)
 class _Delta:
-    """The keys `desired_content` may have changed relative to `base`."""
+    """The keys `desired_content` may have changed relative to `base` (as it was at
+    `version`: a base changed in place since is compared in full)."""
 
     base: weakref.ref[KernelContent]
+    version: int
     frontends: dict[FrontendKey, None]
     sets: dict[int, None]
     backends: dict[int, None]
@@ -274,14 +288,70 @@ def desired_content(
     unless the maps are too small: `check_capacity` then reports it.
     """
     sizes = sizes or MapSizes()
-    check_table_size(maglev_table_size)
-    index = current._index
-    if index is not None and index.maglev_table_size == maglev_table_size and index.sizes == sizes:
-        result = _Incremental(state, current, index).run()
-        if result is not None:
-            return result
+    update = _update(state, current, maglev_table_size, sizes)
+    if update is not None:
+        if update.empty:
+            return current
+        out = _copy(current)
+        journals = _Journals(out)
+        update.apply(journals)
+        object.__setattr__(out, "_delta", journals.delta(current))
+        return out
     with gc_paused():  # ~10^5 acyclic values: generation-2 passes would double the time
         return _Full(state, current, maglev_table_size, sizes).run()
+
+
+def plan_change(
+    state: NodeState,
+    current: KernelContent,
+    *,
+    maglev_table_size: int = DEFAULT_TABLE_SIZE,
+    sizes: MapSizes | None = None,
+) -> Change:
+    """`desired_content`, `diff` and `required_capacity` in one step that changes `current`
+    in place when it came from this module (desired_content or plan_change): the cost
+    follows the entries that changed, not the size of `current`.
+
+    Until the returned Change is committed or rolled back, `current` may already hold the
+    new content: use it for nothing else. Content decoded from the kernel (or a change of
+    table or map sizes) is translated in full into a new content, leaving `current` as it
+    is. Raises like desired_content, with `current` unchanged.
+    """
+    sizes = sizes or MapSizes()
+    update = _update(state, current, maglev_table_size, sizes)
+    if update is not None:
+        return Change._in_place(current, update)
+    with gc_paused():
+        desired = _Full(state, current, maglev_table_size, sizes).run()
+    writes = diff(current, desired)
+    return Change(current, desired, writes, required_capacity(current, desired, writes), None)
+
+
+def _update(
+    state: NodeState, current: KernelContent, maglev_table_size: int, sizes: MapSizes
+) -> _Update | None:
+    """How to change `current` into the content for `state` by translating only what
+    changed, or None: translate everything."""
+    check_table_size(maglev_table_size)
+    index = current._index
+    if index is None or index.maglev_table_size != maglev_table_size or index.sizes != sizes:
+        return None
+    return _Incremental(state, current, index).run()
+
+
+def _copy(content: KernelContent) -> KernelContent:
+    """The same content with dicts of its own (and of its index), to change in place."""
+    out = KernelContent(dict(content.services), dict(content.slots), dict(content.backends))
+    index = content._index
+    if index is not None:
+        index = replace(
+            index,
+            by_key=dict(index.by_key),
+            by_digest=dict(index.by_digest),
+            service_ids=dict(index.service_ids),
+        )
+    object.__setattr__(out, "_index", index)
+    return out
 
 
 def _canonical(ip: str) -> str:
@@ -640,6 +710,7 @@ class _Full:
             ),
             builder.slot_total,
             builder.service_id_alloc.overflow,
+            _entries_if_keyed(entries, by_key, by_digest),
         )
         object.__setattr__(out, "_index", index)
         return out
@@ -683,18 +754,160 @@ class _Full:
         return found
 
 
+_DIGEST = attrgetter("digest")
+
+
+def _entries_if_keyed(
+    entries: tuple[ServiceEntry, ...],
+    by_key: Mapping[SortKey, _EntryPlan],
+    by_digest: Mapping[bytes, _EntryPlan],
+) -> tuple[ServiceEntry, ...] | None:
+    """`entries` if each has a plan of its own (see `_Index.entries`); the caller knows
+    that every entry is sealed and `by_digest` holds only the digests of their plans."""
+    n = len(entries)
+    return entries if len(by_key) == n and len(by_digest) == n else None
+
+
+def _differing(
+    old: tuple[ServiceEntry, ...], new: tuple[ServiceEntry, ...]
+) -> tuple[int, int, int]:
+    """(head, old_end, new_end): outside old[head:old_end] and new[head:new_end] the two
+    hold equal entries in the same order. Cheap when they share the entry objects (the
+    compiler reuses those it did not recompile): tuple comparison checks identity first."""
+    shortest = min(len(old), len(new))
+    head = _shared_run(old, new, shortest, from_end=False)
+    tail = _shared_run(old, new, shortest - head, from_end=True)
+    return head, len(old) - tail, len(new) - tail
+
+
+def _shared_run(
+    old: tuple[ServiceEntry, ...], new: tuple[ServiceEntry, ...], limit: int, from_end: bool
+) -> int:
+    """How many entries (at most `limit`) old and new share from the start (or the end):
+    compares slices of doubling length, then halves the one that differs, so the work
+    is a few C-level passes over the shared run rather than a Python loop."""
+    old_len, new_len = len(old), len(new)
+
+    def same(a: int, b: int) -> bool:  # positions [a, b) counted from the start or the end
+        if from_end:
+            return old[old_len - b : old_len - a] == new[new_len - b : new_len - a]
+        return old[a:b] == new[a:b]
+
+    low, step = 0, 64
+    while low < limit:
+        high = min(limit, low + step)
+        if not same(low, high):
+            break
+        low, step = high, step * 2
+    else:
+        return limit
+    while high - low > 1:  # the first difference is in [low, high)
+        middle = (low + high) // 2
+        if same(low, middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 class _Incremental:
-    """Translate only the entries whose digest changed, starting from copies of `current`.
-    Returns None (take the full path) when a changed entry touches a frontend that more
-    than one entry wants, as the winner then depends on the order of all entries."""
+    """Translate only the entries whose digest changed, into dicts of their own beside
+    `current` (which is only read): an `_Update`. Returns None (take the full path) when
+    a changed entry touches a frontend that more than one entry wants, as the winner then
+    depends on the order of all entries."""
 
     def __init__(self, state: NodeState, current: KernelContent, index: _Index) -> None:
         self.state = state
         self.current = current
         self.index = index
 
-    def run(self) -> KernelContent | None:
+    def run(self) -> _Update | None:
         state, current, index = self.state, self.current, self.index
+        changed, old_plans, sealed = self.changes()
+        contested = index.contested
+        if contested and any(k in contested for p in old_plans for k in p.frontends):
+            return None
+
+        sizes = index.sizes
+        builder = _Builder(current, index.maglev_table_size, sizes, {}, {}, {})
+        builder.service_id_alloc = _Ids(
+            sizes.services, index.cursors[0], (index.service_ids, builder.service_ids)
+        )
+        builder.set_id_alloc = _Ids(sizes.slots, index.cursors[1], (current.slots, builder.slots))
+        builder.backend_id_alloc = _Ids(
+            sizes.backends, index.cursors[2], (current.backends, builder.backends)
+        )
+        # Frontends stay taken by the entries that keep their plans.
+        services = current.services
+        freed = {key for plan in old_plans for key in plan.frontends}
+        by_key = index.by_key
+        new_plans = []
+        for entry in changed:
+            keys = builder.frontend_keys(entry)
+            if any(
+                k in builder.services or k in contested or (k in services and k not in freed)
+                for k in keys
+            ):
+                return None
+            old = by_key.get(entry.sort_key)
+            if not keys:
+                plan = _EntryPlan(entry, 0, (), (), ())
+            elif old is not None and old.service_id:
+                known_backends, known_sets = builder.known_from_plan(old)
+                plan = builder.translate(entry, keys, old.service_id, known_backends, known_sets)
+            else:
+                service_id = builder.service_id_alloc.take()
+                plan = builder.translate(entry, keys, service_id, {}, {})
+            new_plans.append(plan)
+
+        if not new_plans and not old_plans:
+            cursors, overflow = index.cursors, index.service_id_overflow
+        else:
+            cursors = (
+                builder.service_id_alloc.cursor,
+                builder.set_id_alloc.cursor,
+                builder.backend_id_alloc.cursor,
+            )
+            overflow = builder.service_id_alloc.overflow
+        return _Update(
+            state.services,
+            sealed,
+            old_plans,
+            new_plans,
+            builder.services,
+            builder.slots,
+            builder.backends,
+            builder.service_ids,
+            cursors,
+            overflow,
+        )
+
+    def changes(self) -> tuple[list[ServiceEntry], list[_EntryPlan], bool]:
+        """The entries to translate (new or changed, in NodeState order), the plans that go
+        (of changed entries and of entries gone), and whether every entry that came (all
+        when scanning) is sealed."""
+        entries, index = self.state.services, self.index
+        previous = index.entries
+        if previous is None:
+            return self.changes_by_scan()
+        if previous is entries:
+            return [], [], True
+        head, old_end, new_end = _differing(previous, entries)
+        came, went = entries[head:new_end], previous[head:old_end]
+        by_digest, by_key = index.by_digest, index.by_key
+        came_digests = list(map(_DIGEST, came))
+        changed = list(compress(came, map(not_, map(by_digest.__contains__, came_digests))))
+        staying = set(came_digests)
+        old_plans = []
+        for entry in went:  # by sort key: an entry equal to a planned one may lack a digest
+            plan = by_key[entry.sort_key]
+            if plan.entry.digest not in staying:
+                old_plans.append(plan)
+        return changed, old_plans, all(came_digests)
+
+    def changes_by_scan(self) -> tuple[list[ServiceEntry], list[_EntryPlan], bool]:
+        """`changes` looking at every entry (and every plan when some went)."""
+        state, index = self.state, self.index
         by_digest, by_key = index.by_digest, index.by_key
         changed: list[ServiceEntry] = []
         hits = 0
@@ -710,10 +923,10 @@ class _Incremental:
                     hits += 1
                     continue
             changed.append(entry)
+        sealed = all(map(_DIGEST, state.services))
         if not changed and hits == len(by_key):
-            return current
+            return [], [], sealed
 
-        # Plans that go: those of changed entries and of entries no longer in the state.
         changed_keys = {e.sort_key: e for e in changed}
         old_plans = [p for p in map(by_key.get, changed_keys) if p is not None]
         if hits + len(old_plans) < len(by_key):
@@ -731,85 +944,257 @@ class _Incremental:
                     if key in live_keys:
                         continue
                 old_plans.append(plan)
-        contested = index.contested
-        if contested and any(k in contested for p in old_plans for k in p.frontends):
-            return None
+        return changed, old_plans, sealed
 
-        services = dict(current.services)
-        slots = dict(current.slots)
-        backends = dict(current.backends)
-        new_by_key = dict(by_key)
-        new_by_digest = dict(by_digest)
-        service_ids = dict(index.service_ids)
-        touched_frontends: dict[FrontendKey, None] = {}
-        touched_sets: dict[int, None] = {}
-        touched_backends: dict[int, None] = {}
+
+@dataclass(frozen=True, slots=True)
+class _Update:
+    """What `_Incremental` found: the plans that go, the plans that come with the entries
+    they write, and the index figures after. `apply` makes it so on a content."""
+
+    entries: tuple[ServiceEntry, ...]
+    sealed: bool  # every entry that came has a digest
+    old_plans: list[_EntryPlan]
+    new_plans: list[_EntryPlan]
+    services: dict[FrontendKey, ServiceValue]
+    slots: dict[int, SetContent]
+    backends: dict[int, BackendValue]
+    service_ids: dict[int, SortKey]
+    cursors: tuple[int, int, int]
+    service_id_overflow: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.old_plans and not self.new_plans
+
+    def apply(self, journals: _Journals) -> None:
+        """Change the journals' content (and its index) in place into the new content."""
+        index = journals.index
+        services, slots, backends = journals.services, journals.slots, journals.backends
+        by_key, by_digest, service_ids = journals.by_key, journals.by_digest, journals.service_ids
         slot_total = index.slot_total
-        for plan in old_plans:
+        for plan in self.old_plans:
             for key in plan.frontends:
-                del services[key]
-                touched_frontends[key] = None
+                services.delete(key)
             for set_id in plan.set_ids:
-                slot_total -= len(slots.pop(set_id))
-                touched_sets[set_id] = None
+                slot_total -= len(slots.delete(set_id))
             for backend_id in plan.backend_ids:
-                del backends[backend_id]
-                touched_backends[backend_id] = None
-            del new_by_key[plan.entry.sort_key]
-            if plan.entry.digest and new_by_digest.get(plan.entry.digest) is plan:
-                del new_by_digest[plan.entry.digest]
-            service_ids.pop(plan.service_id, None)
+                backends.delete(backend_id)
+            entry = plan.entry
+            by_key.delete(entry.sort_key)
+            if entry.digest and by_digest.target.get(entry.digest) is plan:
+                by_digest.delete(entry.digest)
+            if plan.service_id in service_ids.target:
+                service_ids.delete(plan.service_id)
+        for key, value in self.services.items():
+            services.set(key, value)
+        for set_id, content in self.slots.items():
+            slots.set(set_id, content)
+            slot_total += len(content)
+        for backend_id, backend in self.backends.items():
+            backends.set(backend_id, backend)
+        for plan in self.new_plans:
+            by_key.set(plan.entry.sort_key, plan)
+            if plan.entry.digest:
+                by_digest.set(plan.entry.digest, plan)
+        for service_id, sort_key in self.service_ids.items():
+            service_ids.set(service_id, sort_key)
+        entries = None
+        if self.sealed:  # then by_digest holds the digests of the plans of `self.entries`
+            entries = _entries_if_keyed(self.entries, by_key.target, by_digest.target)
+        new_index = replace(
+            index,
+            cursors=self.cursors,
+            slot_total=slot_total,
+            service_id_overflow=self.service_id_overflow,
+            entries=entries,
+        )
+        content = journals.content
+        object.__setattr__(content, "_index", new_index)
+        object.__setattr__(content, "_delta", None)
+        object.__setattr__(content, "_version", journals.old_version + 1)
 
-        builder = _Builder(current, index.maglev_table_size, index.sizes, services, slots, backends)
-        builder.service_ids = service_ids
-        sizes = index.sizes
-        builder.service_id_alloc = _Ids(
-            sizes.services, index.cursors[0], (index.service_ids, service_ids)
-        )
-        builder.set_id_alloc = _Ids(sizes.slots, index.cursors[1], (current.slots, slots))
-        builder.backend_id_alloc = _Ids(
-            sizes.backends, index.cursors[2], (current.backends, backends)
-        )
-        for entry in changed:
-            keys = builder.frontend_keys(entry)
-            if any(k in services or k in contested for k in keys):
-                return None
-            old = by_key.get(entry.sort_key)
-            if not keys:
-                plan = _EntryPlan(entry, 0, (), (), ())
-            elif old is not None and old.service_id:
-                known_backends, known_sets = builder.known_from_plan(old)
-                plan = builder.translate(entry, keys, old.service_id, known_backends, known_sets)
+
+# --- changing a content in place -------------------------------------------------------
+
+_ABSENT: Any = object()  # in a journal: the key had no value before
+
+
+class _Journal:
+    """Changes made in place to one dict, with each changed key's value from before the
+    first change (`_ABSENT`: none): the keys that changed, and how to undo them."""
+
+    __slots__ = ("before", "target")
+
+    def __init__(self, target: dict[Any, Any]) -> None:
+        self.target = target
+        self.before: dict[Any, Any] = {}
+
+    def set(self, key: Any, value: Any) -> None:
+        if key not in self.before:
+            self.before[key] = self.target.get(key, _ABSENT)
+        self.target[key] = value
+
+    def delete(self, key: Any) -> Any:
+        value = self.target.pop(key)
+        if key not in self.before:
+            self.before[key] = value
+        return value
+
+    def had(self, key: Any) -> bool:
+        """Whether `key` had a value before the changes."""
+        if key in self.before:
+            return self.before[key] is not _ABSENT
+        return key in self.target
+
+    def old_values(self) -> dict[Any, Any]:
+        """The changed keys that had a value before, with that value."""
+        return {k: v for k, v in self.before.items() if v is not _ABSENT}
+
+    def undo(self) -> None:
+        target = self.target
+        for key, value in self.before.items():
+            if value is _ABSENT:
+                target.pop(key, None)
             else:
-                service_id = builder.service_id_alloc.take()
-                plan = builder.translate(entry, keys, service_id, {}, {})
-            touched_frontends.update(dict.fromkeys(plan.frontends))
-            touched_sets.update(dict.fromkeys(plan.set_ids))
-            touched_backends.update(dict.fromkeys(plan.backend_ids))
-            new_by_key[entry.sort_key] = plan
-            if entry.digest:
-                new_by_digest[entry.digest] = plan
+                target[key] = value
+        self.before = {}
 
-        out = KernelContent(services, slots, backends)
-        new_index = _Index(
-            index.maglev_table_size,
-            sizes,
-            new_by_key,
-            new_by_digest,
-            service_ids,
-            contested,
-            (
-                builder.service_id_alloc.cursor,
-                builder.set_id_alloc.cursor,
-                builder.backend_id_alloc.cursor,
-            ),
-            slot_total + builder.slot_total,
-            builder.service_id_alloc.overflow,
+
+class _Journals:
+    """One in-place change of a content and of its index, and what it replaced."""
+
+    __slots__ = (
+        "backends",
+        "by_digest",
+        "by_key",
+        "content",
+        "index",
+        "old_delta",
+        "old_version",
+        "service_ids",
+        "services",
+        "slots",
+    )
+
+    def __init__(self, content: KernelContent) -> None:
+        index = content._index
+        assert index is not None, "only a content built here is changed in place"
+        self.content = content
+        self.index = index
+        self.old_delta = content._delta
+        self.old_version = content._version
+        self.services = _Journal(content.services)
+        self.slots = _Journal(content.slots)
+        self.backends = _Journal(content.backends)
+        self.by_key = _Journal(index.by_key)
+        self.by_digest = _Journal(index.by_digest)
+        self.service_ids = _Journal(index.service_ids)
+
+    def writes(self) -> Writes:
+        """`diff` from the content before to the content now, over the changed keys."""
+        content = self.content
+        services, slots, backends = self.services, self.slots, self.backends
+        writes = _writes(
+            (services.old_values(), content.services, services.before),
+            (slots.old_values(), content.slots, slots.before),
+            (backends.old_values(), content.backends, backends.before),
         )
-        object.__setattr__(out, "_index", new_index)
-        delta = _Delta(weakref.ref(current), touched_frontends, touched_sets, touched_backends)
-        object.__setattr__(out, "_delta", delta)
-        return out
+        if writes.services_to_upsert:
+            _reset_counters_of_new_ids(writes, self.service_ids.had)
+        return writes
+
+    def delta(self, base: KernelContent) -> _Delta:
+        """The keys changed, for `diff(base, content)` (content a copy of base)."""
+        return _Delta(
+            weakref.ref(base),
+            base._version,
+            dict.fromkeys(self.services.before),
+            dict.fromkeys(self.slots.before),
+            dict.fromkeys(self.backends.before),
+        )
+
+    def undo(self) -> None:
+        for journal in (
+            self.services,
+            self.slots,
+            self.backends,
+            self.by_key,
+            self.by_digest,
+            self.service_ids,
+        ):
+            journal.undo()
+        content = self.content
+        object.__setattr__(content, "_index", self.index)
+        object.__setattr__(content, "_delta", self.old_delta)
+        object.__setattr__(content, "_version", self.old_version)
+
+
+class Change:
+    """One sync made by `plan_change`: the writes, the capacity they need and `content`,
+    what the maps hold once the writes are in. Exactly one of `commit()` (written) or
+    `rollback()` (refused, or a write failed) ends it; until then the `current` given to
+    plan_change may already be the new content."""
+
+    __slots__ = ("_journals", "_need", "_open", "_previous", "content", "writes")
+
+    def __init__(
+        self,
+        previous: KernelContent,
+        content: KernelContent,
+        writes: Writes,
+        need: dict[str, tuple[int, int]],
+        journals: _Journals | None,
+    ) -> None:
+        self._previous = previous
+        self.content = content
+        self.writes = writes
+        self._need = need
+        self._journals = journals
+        self._open = True
+
+    @classmethod
+    def _in_place(cls, current: KernelContent, update: _Update) -> Change:
+        sizes_before = (len(current.services), current.slot_count(), len(current.backends))
+        journals = _Journals(current)
+        try:
+            update.apply(journals)
+            writes = journals.writes()
+            need = _required(
+                sizes_before, journals.services.had, journals.backends.had, current, writes
+            )
+        except BaseException:
+            journals.undo()
+            raise
+        return cls(current, current, writes, need, journals)
+
+    def required_capacity(self) -> dict[str, tuple[int, int]]:
+        """As `required_capacity` of the content before, `content` and `writes`."""
+        return dict(self._need)
+
+    def check_capacity(self, sizes: MapSizes) -> None:
+        """As `check_capacity`: raises CapacityError; call before writing anything."""
+        _check(self._need, sizes)
+
+    def commit(self) -> KernelContent:
+        """The writes are in the kernel: returns `content`, the new current."""
+        self._end()
+        self._journals = None
+        return self.content
+
+    def rollback(self) -> KernelContent:
+        """The writes were not made: returns the current given to plan_change, exactly as
+        it was (when a write failed half-way, the kernel holds something in between)."""
+        self._end()
+        if self._journals is not None:
+            self._journals.undo()
+            self._journals = None
+        return self._previous
+
+    def _end(self) -> None:
+        if not self._open:
+            raise RuntimeError("this change was already committed or rolled back")
+        self._open = False
 
 
 # --- diff ------------------------------------------------------------------------------
@@ -822,7 +1207,7 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
     if desired is current:  # desired_content found nothing to change
         return Writes()
     delta = desired._delta
-    if delta is not None and delta.base() is current:
+    if delta is not None and delta.base() is current and delta.version == current._version:
         frontends: Iterable[FrontendKey] = delta.frontends
         set_ids: Iterable[int] = delta.sets
         backend_ids: Iterable[int] = delta.backends
@@ -834,9 +1219,29 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
         backend_ids = chain(
             desired.backends, (b for b in current.backends if b not in desired.backends)
         )
+    writes = _writes(
+        (current.services, desired.services, frontends),
+        (current.slots, desired.slots, set_ids),
+        (current.backends, desired.backends, backend_ids),
+    )
+    if writes.services_to_upsert:
+        if current._index is not None:
+            live: Mapping[int, Any] | set[int] = current._index.service_ids
+        else:
+            live = {v.service_id for v in current.services.values()}
+        _reset_counters_of_new_ids(writes, live.__contains__)
+    return writes
 
+
+# One map before and after, and the keys that may differ.
+_MapChange = tuple[Mapping[Any, Any], Mapping[Any, Any], Iterable[Any]]
+
+
+def _writes(services: _MapChange, slots: _MapChange, backends: _MapChange) -> Writes:
+    """The writes for the keys given (counters_reset aside): shared by `diff` and the
+    in-place changes, whose `before` maps hold only the keys that changed."""
     writes = Writes()
-    cur, new = current.backends, desired.backends
+    cur, new, backend_ids = backends
     for backend_id in backend_ids:
         before, after = cur.get(backend_id), new.get(backend_id)
         if after is None:
@@ -845,7 +1250,7 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
         elif before is not after and before != after:
             writes.backends_to_upsert[backend_id] = after
 
-    cur_slots, new_slots = current.slots, desired.slots
+    cur_slots, new_slots, set_ids = slots
     for set_id in set_ids:
         before_set, after_set = cur_slots.get(set_id), new_slots.get(set_id)
         if after_set is None:
@@ -856,7 +1261,7 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
         elif before_set is not after_set and before_set != after_set:
             raise ValueError(f"set {set_id} would be rewritten in place")
 
-    cur_services, new_services = current.services, desired.services
+    cur_services, new_services, frontends = services
     for key in frontends:
         old_value, new_value = cur_services.get(key), new_services.get(key)
         if new_value is None:
@@ -864,15 +1269,12 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
                 writes.frontends_to_delete.append(key)
         elif old_value is not new_value and old_value != new_value:
             writes.services_to_upsert[key] = new_value
-
-    if writes.services_to_upsert:
-        if current._index is not None:
-            live: Mapping[int, Any] | set[int] = current._index.service_ids
-        else:
-            live = {v.service_id for v in cur_services.values()}
-        fresh = {v.service_id for v in writes.services_to_upsert.values()}
-        writes.counters_reset.extend(sorted(s for s in fresh if s not in live))
     return writes
+
+
+def _reset_counters_of_new_ids(writes: Writes, was_live: Callable[[int], bool]) -> None:
+    fresh = {v.service_id for v in writes.services_to_upsert.values()}
+    writes.counters_reset.extend(sorted(s for s in fresh if not was_live(s)))
 
 
 # --- capacity --------------------------------------------------------------------------
@@ -884,18 +1286,31 @@ def required_capacity(
     """Entries each map needs: (steady, peak). The peak is during the apply, when the new
     sets, backends and frontends are written before the old ones are deleted. For
     `services` it is also at least the highest service id + 1 (ids index the counters)."""
-    new_frontends = sum(1 for k in writes.services_to_upsert if k not in current.services)
-    new_backends = sum(1 for b in writes.backends_to_upsert if b not in current.backends)
+    sizes_before = (len(current.services), current.slot_count(), len(current.backends))
+    return _required(
+        sizes_before, current.services.__contains__, current.backends.__contains__, desired, writes
+    )
+
+
+def _required(
+    sizes_before: tuple[int, int, int],
+    had_frontend: Callable[[FrontendKey], bool],
+    had_backend: Callable[[int], bool],
+    desired: KernelContent,
+    writes: Writes,
+) -> dict[str, tuple[int, int]]:
+    services_before, slots_before, backends_before = sizes_before
+    new_frontends = sum(1 for k in writes.services_to_upsert if not had_frontend(k))
+    new_backends = sum(1 for b in writes.backends_to_upsert if not had_backend(b))
     new_slots = sum(map(len, writes.sets_to_write.values()))
-    services_peak = len(current.services) + new_frontends
+    services_peak = services_before + new_frontends
     index = desired._index
     if index is not None and index.service_id_overflow:
         services_peak = max(services_peak, index.service_id_overflow + 1)
-    steady_slots = desired.slot_count()
     return {
         "services": (len(desired.services), services_peak),
-        "slots": (steady_slots, current.slot_count() + new_slots),
-        "backends": (len(desired.backends), len(current.backends) + new_backends),
+        "slots": (desired.slot_count(), slots_before + new_slots),
+        "backends": (len(desired.backends), backends_before + new_backends),
     }
 
 
@@ -904,7 +1319,10 @@ def check_capacity(
 ) -> None:
     """Raise CapacityError for the first map (services, slots, backends) whose peak need
     exceeds its size; call before writing anything."""
-    need = required_capacity(current, desired, writes)
+    _check(required_capacity(current, desired, writes), sizes)
+
+
+def _check(need: dict[str, tuple[int, int]], sizes: MapSizes) -> None:
     for name in MAPS:
         peak = need[name][1]
         size = getattr(sizes, name)
