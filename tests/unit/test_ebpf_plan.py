@@ -9,7 +9,9 @@ Maglev cases use a 13-slot table so expectations stay readable.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,8 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.dataplane.base import DataplaneError
 from agent.dataplane.ebpf import plan
 from agent.dataplane.ebpf.abi import const
+from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.maglev import maglev_table
 from agent.dataplane.ebpf.plan import (
     BackendValue,
@@ -32,9 +36,10 @@ from agent.dataplane.ebpf.plan import (
     check_capacity,
     desired_content,
     diff,
+    plan_change,
     required_capacity,
 )
-from agent.model.compile import compile
+from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.conventions import ANNOTATION_LB_ALGORITHM
 from agent.model.decode import decode_object
 from agent.model.nodestate import Backend, Frontend, NodeInfo, NodeState, ServiceEntry
@@ -710,12 +715,14 @@ class Kernel:
     after every single write, that the write kept the datapath's invariants: every
     service's (set, count) names complete slots and every slot names an existing backend.
     Only the written element can break them, so checking what it touches after each write
-    (and everything at each phase boundary) checks the whole state after every write."""
+    (and everything at each phase boundary) checks the whole state after every write.
+    With `fail_after` set, the write after that many raises OSError, as a map write can."""
 
     def __init__(self, content: KernelContent) -> None:
         self.services = dict(content.services)
         self.slots = {(s, i): b for s, ids in content.slots.items() for i, b in enumerate(ids)}
         self.backends = dict(content.backends)
+        self.fail_after: int | None = None
         self.check_all()
 
     def sets_in_use(self, value: ServiceValue) -> list[tuple[int, int]]:
@@ -735,7 +742,9 @@ class Kernel:
 
     def apply(self, writes: Writes) -> None:
         phase = None
-        for map_name, op, key, value in writes.elements():
+        for written, (map_name, op, key, value) in enumerate(writes.elements()):
+            if written == self.fail_after:
+                raise OSError(28, "No space left on device")
             if (map_name, op) != phase:
                 self.check_all()
                 phase = (map_name, op)
@@ -859,13 +868,68 @@ def sync(
         check_stable(current, old, adopted, state, restarted=True)
     writes = diff(current, desired)
     check_capacity(current, desired, writes, sizes)
+    need = required_capacity(current, desired, writes)
     kernel.apply(writes)
     assert kernel.content() == desired
     if old is not None:
         check_stable(current, old, desired, state)
     # Applied: the same state again is a no-op.
     assert diff(desired, desired_content(state, desired, maglev_table_size=31)).empty
-    return desired
+    return in_place(current, state, desired, writes, need)
+
+
+def in_place(
+    current: KernelContent,
+    state: NodeState,
+    desired: KernelContent,
+    writes: Writes,
+    need: dict[str, tuple[int, int]],
+) -> KernelContent:
+    """plan_change on `current` plans what the copying path did; rolled back, `current`
+    is exactly as before (contents, ids to come, how it was built); committed, it is the
+    next current (so a history goes on from contents changed in place)."""
+    before = Snapshot(current)
+    change = plan_change(state, current, maglev_table_size=31)
+    assert change.content == desired
+    assert change.writes == writes
+    assert change.required_capacity() == need
+    assert change.rollback() is current
+    before.check(current)
+    change = plan_change(state, current, maglev_table_size=31)
+    result = change.commit()
+    assert result == desired
+    with pytest.raises(RuntimeError):
+        change.rollback()
+    again = plan_change(state, result, maglev_table_size=31)
+    assert again.writes.empty
+    assert again.commit() is result
+    return result
+
+
+class Snapshot:
+    """Everything about a content that a rollback must restore."""
+
+    def __init__(self, content: KernelContent) -> None:
+        self.content = bare(content)
+        self.index = content._index
+        self.delta = content._delta
+        self.version = content._version
+        self.index_maps = None
+        if self.index is not None:
+            self.index_maps = (
+                dict(self.index.by_key),
+                dict(self.index.by_digest),
+                dict(self.index.service_ids),
+            )
+
+    def check(self, content: KernelContent) -> None:
+        assert content == self.content
+        assert content._index is self.index
+        assert content._delta is self.delta
+        assert content._version == self.version
+        if self.index is not None:
+            maps = (self.index.by_key, self.index.by_digest, self.index.service_ids)
+            assert maps == self.index_maps
 
 
 @SETTINGS
@@ -878,16 +942,44 @@ def test_every_sync_keeps_every_intermediate_kernel_state_consistent(history) ->
     cluster, steps = history
     objects = {object_key(o): with_maglev_for_dns(o) for o in cluster.objects}
     kernel, current, old = Kernel(EMPTY), EMPTY, None
+    # Beside the full compile, the agent's incremental one: its NodeStates share the
+    # entries of unchanged Services, which the in-place path skips by identity.
+    agent_state = cluster_state(objects)
+    compiler = Compiler(THIS_NODE, cluster.options)
     for change, synced in [(None, True), *steps]:
         if change is not None:
             action, payload = change
             if action == "upsert":
                 objects[object_key(payload)] = with_maglev_for_dns(payload)
+                feed(agent_state, objects[object_key(payload)])
             else:
                 objects.pop(payload, None)
+                forget(agent_state, payload)
         if synced:
             state = compile(cluster_state(objects), THIS_NODE, cluster.options)
-            current, old = sync(kernel, current, old, state), state
+            incremental = compiler.update(agent_state)
+            assert incremental == state
+            current, old = sync(kernel, current, old, incremental), incremental
+
+
+def feed(state: ClusterState, obj: Obj) -> None:
+    decoded = decode_object(obj)
+    assert decoded.error is None
+    if decoded.value is None:
+        forget(state, object_key(obj))
+    else:
+        {"Service": state.set_service, "EndpointSlice": state.set_slice,
+         "Node": state.set_node}[decoded.kind](decoded.value)  # fmt: skip
+
+
+def forget(state: ClusterState, key: tuple[str, str, str]) -> None:
+    kind, namespace, name = key
+    if kind == "Node":
+        state.delete_node(name)
+    else:
+        {"Service": state.delete_service, "EndpointSlice": state.delete_slice}[kind](
+            namespace, name
+        )
 
 
 @st.composite
@@ -922,6 +1014,248 @@ def test_any_change_between_two_states_keeps_every_kernel_state_consistent(pair)
     current = sync(kernel, EMPTY, None, first)
     current = sync(kernel, current, first, second)
     sync(kernel, current, second, first)
+
+
+# --- changes in place: refused, failed, committed ---------------------------------------
+
+FIRST = web([ep(1), ep(2)])
+# Four Services: one more than service ids 1..3 of MapSizes(services=4) allow.
+TOO_BIG = node_state(
+    *svc([ep(1), ep(2)]),
+    *svc([ep(3)], name="b", cluster_ip="10.96.0.2"),
+    *svc([ep(4)], name="c", cluster_ip="10.96.0.3"),
+    *svc([ep(5)], name="d", cluster_ip="10.96.0.4"),
+)
+# From FIRST: ep 2 replaced by ep 3 and a second Service; 11 writes.
+FITS = node_state(*svc([ep(1), ep(3)]), *svc([ep(4)], name="b", cluster_ip="10.96.0.2"))
+
+
+def test_a_change_refused_for_capacity_rolls_back_and_the_next_is_as_if_it_never_was() -> None:
+    sizes = MapSizes(services=4)
+    current = plan_change(FIRST, EMPTY, sizes=sizes).commit()
+    never_refused = plan_change(FIRST, EMPTY, sizes=sizes).commit()
+    before = Snapshot(current)
+    change = plan_change(TOO_BIG, current, sizes=sizes)
+    assert change.content is current and len(current.services) == 4  # changed in place
+    with pytest.raises(CapacityError) as raised:
+        change.check_capacity(sizes)
+    assert (raised.value.map, raised.value.needed) == ("services", 5)
+    assert change.rollback() is current
+    before.check(current)  # contents, the ids to hand out next, how it was built
+    expected = plan_change(FITS, never_refused, sizes=sizes)
+    change = plan_change(FITS, current, sizes=sizes)
+    change.check_capacity(sizes)
+    assert change.writes == expected.writes
+    assert change.commit() == expected.commit()
+
+
+@pytest.mark.parametrize("fail_after", [0, 1, 3, 5, 8, 10])
+def test_a_write_failing_half_way_rolls_back_and_a_sync_from_the_kernel_completes(
+    fail_after: int,
+) -> None:
+    current = plan_change(FIRST, EMPTY).commit()
+    kernel = Kernel(current)
+    before = Snapshot(current)
+    change = plan_change(FITS, current)
+    assert change.writes.count == 11
+    kernel.fail_after = fail_after
+    with pytest.raises(OSError):
+        kernel.apply(change.writes)
+    assert change.rollback() is current
+    before.check(current)
+    # The kernel holds something in between: the dataplane reads it back and goes on.
+    decoded = kernel.content()
+    kernel.fail_after = None
+    change = plan_change(FITS, decoded)
+    kernel.apply(change.writes)
+    result = change.commit()
+    assert kernel.content() == result
+    assert view(result) == view(desired_content(FITS, EMPTY))
+    assert plan_change(FITS, result).writes.empty
+
+
+class ModelDataplane(EbpfDataplane):
+    """EbpfDataplane.apply over the Kernel model: no programs, pinned maps or links."""
+
+    def __init__(self, sizes: MapSizes) -> None:
+        self.sizes = sizes
+        self.maglev_table_size = 31
+        self._lock = threading.Lock()
+        self._held = None
+        self.kernel = Kernel(EMPTY)
+        self.current = self._read_kernel()
+
+    def _write(self, w: Writes) -> None:
+        self.kernel.apply(w)
+
+    def _read_kernel(self) -> KernelContent:
+        return self.kernel.content()
+
+
+def test_the_dataplane_holds_what_the_kernel_holds_after_a_refused_and_a_failed_apply() -> None:
+    dataplane = ModelDataplane(MapSizes(services=4))
+    assert dataplane.apply(FIRST) == 6  # counters, 2 backends, 2 slots, 1 frontend
+    held = dataplane.kernel.content()
+    assert dataplane.current == held
+    with pytest.raises(DataplaneError) as raised:
+        dataplane.apply(TOO_BIG)
+    assert raised.value.reason == "capacity"
+    assert dataplane.current == dataplane.kernel.content() == held
+    dataplane.kernel.fail_after = 3  # the counters reset and both new backends
+    with pytest.raises(DataplaneError) as raised:
+        dataplane.apply(FITS)
+    assert raised.value.reason == "map_write"
+    assert dataplane.current == dataplane.kernel.content() != held  # read back
+    assert dataplane.held_revision == FIRST.revision
+    dataplane.kernel.fail_after = None
+    assert dataplane.apply(FITS) > 0
+    assert dataplane.current == dataplane.kernel.content()
+    assert view(dataplane.current) == view(desired_content(FITS, EMPTY))
+    assert dataplane.held_revision == FITS.revision
+    assert dataplane.apply(FITS) == 0
+    assert dataplane.apply(FITS, full=True) == 0
+
+
+def test_a_change_that_cannot_be_translated_leaves_current_as_it_was() -> None:
+    current = plan_change(web([ep(5)], maglev), EMPTY, maglev_table_size=3).commit()
+    before = Snapshot(current)
+    with pytest.raises(ValueError, match="too small for 3"):
+        plan_change(web([ep(5), ep(6), ep(7)], maglev), current, maglev_table_size=3)
+    before.check(current)
+    change = plan_change(web([ep(6)], maglev), current, maglev_table_size=3)
+    assert counts(change.writes) == (0, 1, 3, 1, 0, 3, 1)
+
+
+def test_content_decoded_from_the_kernel_is_not_changed_in_place() -> None:
+    decoded = bare(desired_content(FIRST, EMPTY))
+    before = Snapshot(decoded)
+    change = plan_change(FITS, decoded)
+    assert change.content is not decoded
+    before.check(decoded)
+    assert change.writes == diff(decoded, change.content)
+    assert change.rollback() is decoded
+
+
+def test_a_change_ends_once() -> None:
+    change = plan_change(FIRST, EMPTY)
+    change.commit()
+    with pytest.raises(RuntimeError, match="already committed or rolled back"):
+        change.commit()
+
+
+def test_diff_against_a_content_changed_in_place_since_compares_in_full() -> None:
+    """A content desired_content derived from `first` remembers what it changed; once
+    `first` itself changed in place, that memory no longer holds."""
+
+    def outcome(current: KernelContent, desired: KernelContent) -> Writes | str:
+        try:
+            return diff(current, desired)
+        except ValueError as e:
+            return str(e)
+
+    first = desired_content(FIRST, EMPTY)
+    second = desired_content(FITS, first)
+    plan_change(web([ep(1), ep(2), ep(9)]), first).commit()
+    assert outcome(first, second) == outcome(bare(first), bare(second))
+
+
+def in_any_order(w: Writes) -> tuple[object, ...]:
+    """The writes with each phase as a set: the order within a phase carries no meaning."""
+    return (
+        set(w.counters_reset),
+        w.backends_to_upsert,
+        w.sets_to_write,
+        w.services_to_upsert,
+        set(w.frontends_to_delete),
+        w.sets_to_delete,
+        set(w.backends_to_delete),
+    )
+
+
+def unsealed(state: NodeState) -> NodeState:
+    """The same entries without their digests (hand-built ones may lack them)."""
+    entries = tuple(dataclasses.replace(e, digest=b"") for e in state.services)
+    return NodeState(state.node, state.revision, entries)
+
+
+def test_entries_without_digests_are_compared_by_value_and_change_in_place_alike() -> None:
+    sealed = plan_change(FIRST, EMPTY).commit()
+    current = plan_change(unsealed(FIRST), EMPTY).commit()
+    assert plan_change(unsealed(FIRST), current).writes.empty
+    for state in (FITS, FIRST, web([ep(7)])):
+        expected = plan_change(state, sealed)
+        change = plan_change(unsealed(state), current)
+        assert in_any_order(change.writes) == in_any_order(expected.writes)
+        assert change.commit() == expected.commit()
+    # Sealed again: back on the path that skips the entries both states share.
+    change = plan_change(FITS, current)
+    assert change.commit() == plan_change(FITS, sealed).commit()
+    assert current._index is not None and current._index.entries is FITS.services
+
+
+def test_an_entry_swapped_for_an_equal_one_without_a_digest_still_goes_when_it_changes() -> None:
+    """Shared head and tail, and between them an equal entry lacking a digest: nothing to
+    write, and when that entry later changes its frontend the old one still goes."""
+    a = svc([ep(1)], name="a", cluster_ip="10.96.0.1")
+    c = svc([ep(3)], name="c", cluster_ip="10.96.0.3")
+    first = node_state(*a, *svc([ep(2)], name="b", cluster_ip="10.96.0.2"), *c)
+    head, b, tail = first.services
+    current = plan_change(first, EMPTY).commit()
+    twin = NodeState(first.node, first.revision, (head, dataclasses.replace(b, digest=b""), tail))
+    assert plan_change(twin, current).commit() is current
+    moved = node_state(*a, *svc([ep(2)], name="b", cluster_ip="10.96.0.12"), *c)
+    moved_b = dataclasses.replace(moved.services[1], digest=b"")  # lacks one too
+    change = plan_change(NodeState(moved.node, moved.revision, (head, moved_b, tail)), current)
+    assert FrontendKey("10.96.0.2", 80, 6, 4) in change.writes.frontends_to_delete
+    assert change.commit() == plan_change(moved, plan_change(first, EMPTY).commit()).commit()
+
+
+def test_a_state_compiled_afresh_with_equal_entries_writes_nothing() -> None:
+    current = plan_change(FITS, EMPTY).commit()
+    again = node_state(*svc([ep(1), ep(3)]), *svc([ep(4)], name="b", cluster_ip="10.96.0.2"))
+    assert again.services[0] is not FITS.services[0]
+    change = plan_change(again, current)
+    assert change.writes.empty
+    assert change.commit()._index.entries is again.services
+
+
+def test_one_changed_service_among_many_is_the_only_one_translated(monkeypatch) -> None:
+    objects = {}
+    for n in range(40):
+        for obj in svc([ep(n + 1)], name=f"s{n:02d}", cluster_ip=f"10.96.1.{n + 1}"):
+            objects[object_key(obj)] = obj
+    cluster, compiler = cluster_state(objects), Compiler("node-a", CompileOptions())
+    first = compiler.update(cluster)
+    changed = make_slice(name="s07-1", service="s07", endpoints=[ep(8), ep(99)])
+    feed(cluster, changed)
+    second = compiler.update(cluster)
+    current = plan_change(first, EMPTY).commit()
+
+    translated = []
+    original = plan._Builder.translate
+
+    def translate(self, entry, *args):
+        translated.append(entry.name)
+        return original(self, entry, *args)
+
+    monkeypatch.setattr(plan._Builder, "translate", translate)
+    change = plan_change(second, current)
+    assert translated == ["s07"]
+    assert counts(change.writes) == (0, 1, 2, 1, 0, 1, 0)
+
+
+@SETTINGS
+@given(
+    old=st.lists(st.integers(0, 3), max_size=40),
+    new=st.lists(st.integers(0, 3), max_size=40),
+)
+def test_differing_finds_the_longest_shared_head_and_tail(old, new) -> None:
+    a, b = tuple(old), tuple(new)
+    head, old_end, new_end = plan._differing(a, b)
+    assert a[:head] == b[:head] and a[old_end:] == b[new_end:]
+    assert head <= old_end and head <= new_end
+    if old_end > head and new_end > head:  # neither could go further
+        assert a[head] != b[head] and a[old_end - 1] != b[new_end - 1]
 
 
 def test_a_content_does_not_keep_its_predecessors_alive() -> None:

@@ -15,7 +15,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
@@ -137,15 +137,20 @@ class EbpfDataplane:
     def register_metrics(self, metrics: Metrics) -> None:
         """Map fill ratios (from what the agent wrote) and the datapath's drop counters
         (read from the kernel at each scrape)."""
-        for name, used in (
-            ("kbp_services", lambda: len(self.current.services)),
-            ("kbp_slots", lambda: self.current.slot_count()),
-            ("kbp_backends", lambda: len(self.current.backends)),
+        def filled(count: Callable[[KernelContent], int], size: int) -> Callable[[], float]:
+            def ratio() -> float:
+                with self._lock:  # an apply in progress may hold a change it will roll back
+                    return count(self.current) / size
+
+            return ratio
+
+        for name, count in (
+            ("kbp_services", lambda c: len(c.services)),
+            ("kbp_slots", lambda c: c.slot_count()),
+            ("kbp_backends", lambda c: len(c.backends)),
         ):
             size = self.programs.map(name).info.max_entries
-            metrics.map_fill.labels(versioned(name)).set_function(
-                lambda used=used, size=size: used() / size
-            )
+            metrics.map_fill.labels(versioned(name)).set_function(filled(count, size))
         metrics.registry.register(_DropCollector(self.programs.map("kbp_drops")))
 
     # --- writes --------------------------------------------------------------------------

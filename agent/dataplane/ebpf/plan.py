@@ -892,14 +892,28 @@ class _Incremental:
             return self.changes_by_scan()
         if previous is entries:
             return [], [], True
-        head, old_end, new_end = _differing(previous, entries)
+        both_ends_differ = (
+            bool(previous and entries)
+            and previous[0] is not entries[0]
+            and previous[-1] is not entries[-1]
+        )
+        if both_ends_differ:
+            # Likely not a splice of a few entries into the same objects (fresh ones after a full
+            # compile, say): comparing equal entries field by field would cost more than
+            # comparing all digests.
+            head, old_end, new_end = 0, len(previous), len(entries)
+        else:
+            head, old_end, new_end = _differing(previous, entries)
         came, went = entries[head:new_end], previous[head:old_end]
         by_digest, by_key = index.by_digest, index.by_key
         came_digests = list(map(_DIGEST, came))
         changed = list(compress(came, map(not_, map(by_digest.__contains__, came_digests))))
         staying = set(came_digests)
+        staying.discard(b"")
         old_plans = []
-        for entry in went:  # by sort key: an entry equal to a planned one may lack a digest
+        # Usually only the went entries whose digest is not staying; an entry equal to the
+        # one it was planned for may lack a digest, so the plan's own digest decides.
+        for entry in compress(went, map(not_, map(staying.__contains__, map(_DIGEST, went)))):
             plan = by_key[entry.sort_key]
             if plan.entry.digest not in staying:
                 old_plans.append(plan)
