@@ -84,7 +84,10 @@ int kbp_from_pod(struct __sk_buff *skb)
 	if (reply)
 		return translate_reply(skb, &t, reply, 1);
 	svc = lb_lookup_service(&t);
-	if (!svc)
+	if (!svc) {
+		if (tuple_is_tcp_syn(&t))
+			ct_forget_reply_to(&t);
 		return TC_ACT_OK;
+	}
 	return translate_to_service(skb, &t, svc);
 }

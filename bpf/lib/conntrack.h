@@ -103,6 +103,24 @@ static __always_inline void __ct_reply_key(const struct kbp_tuple *t, const __be
 	key->dir = KBP_CT_REPLY;
 }
 
+/* A pod opens a connection straight to addr:port (no service). A reply entry left by an
+ * earlier translated flow with the same ports would disguise this connection's answers
+ * as the frontend's (found by bench/connect.py: reused client ports then never
+ * connected), so the SYN removes the reply entry its answers would match. */
+static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
+{
+	struct kbp_ct_key key = {};
+
+	__builtin_memcpy(key.saddr, t->daddr, sizeof(key.saddr));
+	__builtin_memcpy(key.daddr, t->saddr, sizeof(key.daddr));
+	key.sport = t->dport;
+	key.dport = t->sport;
+	key.proto = t->proto;
+	key.family = t->family;
+	key.dir = KBP_CT_REPLY;
+	map_delete_ct(&key);
+}
+
 /* Forget the reply entry of a forward entry about to be replaced by a new selection,
  * so the old backend's late packets are no longer disguised as the frontend. */
 static __always_inline void ct_forget_reply_of(const struct kbp_tuple *t,

@@ -317,6 +317,24 @@ def test_a_translated_reply_is_not_translated_again_at_the_clients_egress(datapa
     assert run.data_out == translated
 
 
+def test_a_direct_connection_reusing_a_closed_flows_ports_is_not_translated(datapath):
+    # A ClusterIP flow client:CLIENT_PORT -> backend ends; later the client connects to
+    # the same backend directly from the same port. Its SYN must clear the old reply
+    # entry, or the backend's SYN-ACK would come back disguised as the ClusterIP.
+    datapath.service(4, TCP, backends=1)
+    backend = BACKENDS[4][0]
+    datapath.from_pod(client_frame(4, TCP))
+    datapath.from_pod(client_frame(4, TCP, flags="R"))
+
+    direct = datapath.from_pod(client_frame(4, TCP, dst=backend, dport=BACKEND_PORT))
+    run = datapath.to_pod(backend_reply(4, TCP, backend))
+
+    assert direct.retval == TC_ACT_OK
+    assert P.parse(direct.data_out).dst == backend
+    out = P.parse(run.data_out)
+    assert (out.src, out.sport) == (backend, BACKEND_PORT)
+
+
 def test_a_udp_datagram_without_checksum_keeps_a_zero_checksum_both_ways(datapath):
     datapath.service(4, UDP)
 

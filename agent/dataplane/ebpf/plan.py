@@ -371,24 +371,27 @@ class _Ids:
     any of `taken`: ids freed by this sync are still in `current`, so they are not reused
     at once. Past a full space it goes on above `bound` (check_capacity reports that)."""
 
-    __slots__ = ("bound", "cursor", "overflow", "taken")
+    __slots__ = ("bound", "cursor", "exhausted", "overflow", "taken")
 
     def __init__(self, bound: int, cursor: int, taken: tuple[Any, ...]) -> None:
         self.bound = bound
         self.cursor = cursor if 0 < cursor < bound else 1
         self.taken = taken
         self.overflow = 0
+        self.exhausted = False  # a whole scan found no free id: go straight to overflow
 
     def take(self) -> int:
         i = self.cursor
-        if i < self.bound:  # usually the cursor itself is free
+        if self.exhausted:
+            i = self.bound
+        elif i < self.bound:  # usually the cursor itself is free
             for used in self.taken:
                 if i in used:
                     break
             else:
                 self.cursor = i + 1
                 return i
-        for _ in range(self.bound):
+        for _ in range(self.bound if not self.exhausted else 0):
             if i >= self.bound:
                 i = 1
             for used in self.taken:
@@ -398,6 +401,9 @@ class _Ids:
                 self.cursor = i + 1
                 return i
             i += 1
+        # Without this, every further id would rescan the full space: planning a state
+        # far too big for its maps took minutes before check_capacity could say so.
+        self.exhausted = True
         i = max(self.bound, self.overflow + 1)
         while any(i in used for used in self.taken):
             i += 1
