@@ -33,6 +33,7 @@ from .nodestate import (
     NodeInfo,
     NodeState,
     ServiceEntry,
+    backends_of,
     revision_of,
 )
 from .types import ClusterState, Endpoint, EndpointSlice, Node, Service, ServiceKey
@@ -138,6 +139,7 @@ class Compiler:
         self._entries: list[ServiceEntry] = []  # sorted by ServiceEntry.sort_key
         self._keys: list[ServiceKey] = []  # the Service key of each entry
         self._digests: list[bytes] = []  # the digest of each entry
+        self._backends = 0  # backends over all entries (NodeState.backend_count)
         self._topology_keyed: set[ServiceKey] = set()  # Services using node labels
         self._context: _Context | None = None
         self._state: NodeState | None = None
@@ -154,6 +156,7 @@ class Compiler:
         self._entries = entries
         self._keys = [(e.namespace, e.name) for e in entries]
         self._digests = [e.digest for e in entries]
+        self._backends = sum(map(backends_of, entries))
         self._topology_keyed = {k for k, s in state.services.items() if s.topology_keys}
         return self._publish()
 
@@ -184,6 +187,9 @@ class Compiler:
                 self._topology_keyed.discard(key)
             low = bisect.bisect_left(self._keys, key)
             high = bisect.bisect_right(self._keys, key, low)
+            self._backends += sum(map(backends_of, entries)) - sum(
+                map(backends_of, self._entries[low:high])
+            )
             self._entries[low:high] = entries
             self._keys[low:high] = [key] * len(entries)
             self._digests[low:high] = [e.digest for e in entries]
@@ -192,7 +198,7 @@ class Compiler:
     def _publish(self) -> NodeState:
         assert self._context is not None
         self._state = NodeState(
-            self._context.node, revision_of(self._digests), tuple(self._entries)
+            self._context.node, revision_of(self._digests), tuple(self._entries), self._backends
         )
         return self._state
 

@@ -47,9 +47,14 @@ class Decoded:
     @property
     def ref(self) -> str:
         """`Kind namespace/name`, as far as the object told us."""
-        if self.namespace is None:
-            return f"{self.kind} {self.name or '<unnamed>'}"
-        return f"{self.kind} {self.namespace}/{self.name or '<unnamed>'}"
+        return object_ref(self.kind, self.namespace, self.name)
+
+
+def object_ref(kind: str, namespace: str | None, name: str | None) -> str:
+    """How reports name an object: `Kind namespace/name`, `Kind name` without namespace."""
+    if namespace is None:
+        return f"{kind} {name or '<unnamed>'}"
+    return f"{kind} {namespace}/{name or '<unnamed>'}"
 
 
 def decode_object(obj: object) -> Decoded:

@@ -143,6 +143,11 @@ class NodeInfo:
         }
 
 
+def backends_of(entry: ServiceEntry) -> int:
+    """How many backends the entry's sets list (clusterBackends + localBackends)."""
+    return len(entry.cluster_backends or ()) + len(entry.local_backends or ())
+
+
 def revision_of(digests: Iterable[bytes]) -> str:
     """Hash of the `services` list: SHA-256 over the entries' digests, in order."""
     return "sha256:" + hashlib.sha256(b"".join(digests)).hexdigest()
@@ -153,6 +158,14 @@ class NodeState:
     node: NodeInfo
     revision: str
     services: tuple[ServiceEntry, ...]
+    # Backends over every entry's sets, when the producer kept count (the Compiler does,
+    # per change): logging and gauges then need not walk every entry per sync.
+    counted_backends: int | None = field(default=None, compare=False)
+
+    def backend_count(self) -> int:
+        if self.counted_backends is not None:
+            return self.counted_backends
+        return sum(backends_of(e) for e in self.services)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Sequence
 
+from ..model.decode import object_ref
 from ..model.types import Node
 from ..sync.store import StateStore, Value, key_of, kind_of
 from .manifests import load_manifests, manifest_files
@@ -21,16 +22,12 @@ from .manifests import load_manifests, manifest_files
 log = logging.getLogger(__name__)
 
 SOURCE = "manifests"
-KINDS = ("Node", "Service", "EndpointSlice")
 
 
 def _ref(value: Value) -> str:
+    """The name load_manifests' reports give this object (decode.object_ref)."""
     namespace, name = key_of(value)
-    return (
-        f"{kind_of(value)} {name}"
-        if isinstance(value, Node)
-        else (f"{kind_of(value)} {namespace}/{name}")
-    )
+    return object_ref(kind_of(value), None if isinstance(value, Node) else namespace, name)
 
 
 def snapshot(paths: Sequence[str]) -> tuple[tuple[str, int, int], ...]:

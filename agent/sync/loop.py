@@ -141,9 +141,7 @@ class SyncLoop:
 
         m.programmed_services.set_function(lambda: len(entries()))
         m.programmed_backends.set_function(
-            lambda: sum(
-                len(e.cluster_backends or ()) + len(e.local_backends or ()) for e in entries()
-            )
+            lambda: self.applied.backend_count() if self.applied is not None else 0
         )
         for policy, attribute in (
             ("internal", "internal_traffic_policy"),
@@ -186,8 +184,7 @@ class SyncLoop:
                 "sync: applied revision %s: %d services, %d backends, %d writes in %.1f ms",
                 state.revision[:19],
                 len(state.services),
-                sum(len(e.cluster_backends or ()) + len(e.local_backends or ())
-                    for e in state.services),
+                state.backend_count(),
                 writes,
                 (self._clock() - started) * 1000,
             )  # fmt: skip

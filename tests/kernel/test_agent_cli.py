@@ -59,7 +59,10 @@ def write_manifest(path: Path, *ips: str) -> None:
 
 
 class Agent:
-    """`kube-bpf-proxy run` in the node namespace; its log lines collected as they come."""
+    """`kube-bpf-proxy run` in the node namespace; its log lines collected as they come.
+    Every agent started is remembered, so the fixture kills those a failing test left."""
+
+    started: list[Agent] = []
 
     def __init__(self, lab: Lab, manifests: Path, pin_dir: Path) -> None:
         argv = [
@@ -75,6 +78,7 @@ class Agent:
         self.proc = subprocess.Popen(
             argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
+        Agent.started.append(self)
         self.lines: list[str] = []
         self._cond = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -123,6 +127,8 @@ def setup(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path]]:
         try:
             yield lab, manifests, pin_dir
         finally:
+            while Agent.started:
+                Agent.started.pop().stop(signal.SIGKILL)
             cli(lab, "cleanup", "--bpffs", str(pin_dir))
     assert not pin_dir.exists()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from agent.dataplane.base import DataplaneError
-from agent.dataplane.ebpf.dataplane import EbpfDataplane
+from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.plan import MapSizes
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState
@@ -67,9 +67,13 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             pod = lab.add_pod(name)
             if name in BACKENDS:
                 pod.serve([PORT])
-        dataplane = EbpfDataplane(
-            pin_dir, ["vethkbp*"], MapSizes(4096, 65536, 4096, 4096, 1024), netns=lab.node_ns
-        )
+        try:
+            dataplane = EbpfDataplane(
+                pin_dir, ["vethkbp*"], MapSizes(4096, 65536, 4096, 4096, 1024), netns=lab.node_ns
+            )
+        except BaseException:
+            remove_pins(pin_dir)  # the maps may be pinned before attaching failed
+            raise
         try:
             yield Env(lab, dataplane, pin_dir)
         finally:

@@ -17,6 +17,9 @@ NAMES = [
     "dataplane",
     "verbosity",
     "strict",
+    "maglev_table_size",
+    "map_size_ct",
+    "pod_interfaces",
     "config",
 ]
 
@@ -70,6 +73,9 @@ def test_the_config_file_can_come_from_the_environment(tmp_path: Path) -> None:
         ("sync-period: soon\n", "sync-period: 'soon' is not a duration"),
         ("dataplane: quantum\n", "--dataplane: 'quantum' is not one of"),
         ("a: [\n", "while parsing"),
+        ("maglev-table-size: 1000\n", "--maglev-table-size: 1000 is not a prime"),
+        ("map-size-ct: 0\n", "--map-size-ct: must be at least 1"),
+        ("pod-interfaces: []\n", "--pod-interfaces: at least one glob is required"),
     ],
     ids=[
         "an unknown key is an error",
@@ -77,6 +83,9 @@ def test_the_config_file_can_come_from_the_environment(tmp_path: Path) -> None:
         "a bad duration names the key",
         "a value outside the choices names the flag",
         "invalid YAML is an error",
+        "a Maglev table size that is not a prime names the flag",
+        "an empty map names the flag",
+        "no pod interface globs is an error",
     ],
 )
 def test_bad_config_files(tmp_path: Path, content: str, message: str) -> None:

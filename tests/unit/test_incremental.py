@@ -156,3 +156,24 @@ def test_compile_does_not_consume_the_change_log() -> None:
     compile(state, "node-a")
     services, _ = state.take_changes()
     assert services == {("default", "a"), ("default", "b")}
+
+
+def test_the_compilers_backend_count_follows_every_change() -> None:
+    """NodeState.counted_backends (kept per change for logs and gauges) equals a recount."""
+    from agent.model.compile import CompileOptions, Compiler
+
+    from ..builders import make_endpoint, make_service, make_slice, state_of
+
+    state = state_of(make_slice(endpoints=[make_endpoint("10.244.1.5", "node-a")]), make_service())
+    compiler = Compiler("node-a", CompileOptions())
+    first = compiler.full(state)
+    assert first.counted_backends == 1
+    state.set_slice(state_of(make_slice(endpoints=[
+        make_endpoint("10.244.1.5", "node-a"), make_endpoint("10.244.2.5", "node-b"),
+    ])).slices[("default", "svc-1")])  # fmt: skip
+    second = compiler.update(state)
+    recount = sum(len(e.cluster_backends or ()) + len(e.local_backends or ())
+                  for e in second.services)  # fmt: skip
+    assert second.counted_backends == recount == 2
+    state.delete_service("default", "svc")
+    assert compiler.update(state).counted_backends == 0

@@ -643,6 +643,9 @@ def test_incremental_updates_equal_a_full_compile(
         full = compile(state, THIS_NODE, cluster.options)
         assert incremental.to_dict() == full.to_dict(), f"after step {i}: {action} {what}"
         assert incremental.revision == full.revision
+        assert incremental.counted_backends == full.counted_backends == sum(
+            len(e.cluster_backends or ()) + len(e.local_backends or ()) for e in full.services
+        )
 
 
 # --- 7. kube-proxy invariants --------------------------------------------------------------

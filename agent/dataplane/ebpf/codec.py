@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 
-from .abi import addr_bytes, addr_text, packer
+from .abi import addr_bytes, addr_text, packer, port_bytes
 from .libbpf import Map
 from .plan import BackendValue, FrontendKey, KernelContent, ServiceValue
 
@@ -15,7 +15,6 @@ _FRONTEND_KEY = packer("kbp_frontend_key")
 _SERVICE = packer("kbp_service")
 _SLOT_KEY = packer("kbp_slot_key")
 _SLOT = packer("kbp_slot")
-_BACKEND_KEY_SIZE = 4  # __u32 backend id (the map's key is a plain integer)
 _BACKEND = packer("kbp_backend")
 _U32 = packer("kbp_slot")  # one __u32: the backend id key has the same layout
 _BROKEN = 0  # backend id 0 is never allocated: marks a set no wanted set can equal
@@ -24,9 +23,7 @@ _BROKEN = 0  # backend id 0 is never allocated: marks a set no wanted set can eq
 _addr = addr_bytes  # inet_pton: cheaper than a cache that 100k backend addresses thrash
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _port(port: int) -> bytes:
-    return port.to_bytes(2, "big")
+_port = functools.lru_cache(maxsize=1 << 16)(port_bytes)  # 65536 ports: never thrashes
 
 
 def frontend_key(key: FrontendKey) -> bytes:
@@ -75,6 +72,18 @@ def decode_backend(raw: bytes) -> BackendValue:
     addr, port, family, flags, service_id = _BACKEND.unpack(raw)
     return BackendValue(addr_text(addr, family), int.from_bytes(port, "big"), family, flags,
                         service_id)  # fmt: skip
+
+
+def percpu_sums(table: Map, struct: str) -> dict[int, tuple[int, ...]]:
+    """A per-CPU array of `struct kbp_<...>` (e.g. kbp_counters): index → each field summed
+    over the CPUs (one value per possible CPU, each padded to 8 bytes)."""
+    fmt = packer(struct)
+    stride = (fmt.size + 7) // 8 * 8
+    out = {}
+    for key, value in table.items():
+        per_cpu = [fmt.unpack_from(value, cpu * stride) for cpu in range(len(value) // stride)]
+        out[_U32.unpack(key)[0]] = tuple(sum(column) for column in zip(*per_cpu, strict=True))
+    return out
 
 
 def read_content(services: Map, slots: Map, backends: Map) -> KernelContent:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
@@ -24,7 +24,7 @@ from ...metrics import Metrics
 from ...model.nodestate import NodeState
 from ..base import DataplaneError
 from . import codec
-from .abi import DROP_REASONS, packer, versioned
+from .abi import DROP_REASONS, versioned
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map
 from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher
@@ -59,7 +59,7 @@ class EbpfDataplane:
         self._watcher: LinkWatcher | None = None
         started = time.perf_counter()
         try:
-            self.programs: LoadedPrograms = load_programs(self.pin_dir, _size_defines(self.sizes))
+            self.programs: LoadedPrograms = load_programs(self.pin_dir, asdict(self.sizes))
         except LoadError as err:
             raise DataplaneError("load", str(err)) from err
         self._check_pinned_sizes()
@@ -194,7 +194,7 @@ class EbpfDataplane:
     def _check_pinned_sizes(self) -> None:
         """Pinned maps keep the size they were created with: say so when the settings
         ask for another, and plan with what the kernel really has."""
-        wanted = _size_defines(self.sizes)
+        wanted = asdict(self.sizes)
         actual = {}
         for field, name in (("services", "kbp_services"), ("slots", "kbp_slots"),
                             ("backends", "kbp_backends"), ("ct", "kbp_ct"),
@@ -230,18 +230,12 @@ class _DropCollector:
 
     def collect(self) -> list[CounterMetricFamily]:
         family = self._family()
-        fmt = packer("kbp_drop_counters")
-        stride = (fmt.size + 7) // 8 * 8
         try:
-            items = self._drops.items()
+            sums = codec.percpu_sums(self._drops, "kbp_drop_counters")
         except OSError:
             log.exception("ebpf: reading kbp_drops for /metrics")
             return [family]
-        for key, value in items:
-            reason = int.from_bytes(key, sys.byteorder)
-            packets = sum(
-                fmt.unpack_from(value, cpu * stride)[0] for cpu in range(len(value) // stride)
-            )
+        for reason, (packets, _bytes) in sorted(sums.items()):
             family.add_metric([DROP_REASONS.get(reason, str(reason))], packets)
         return [family]
 
@@ -252,16 +246,6 @@ class _DropCollector:
             "Packets the eBPF datapath dropped or rejected, by reason.",
             labels=["reason"],
         )
-
-
-def _size_defines(sizes: MapSizes) -> dict[str, int]:
-    return {
-        "services": sizes.services,
-        "slots": sizes.slots,
-        "backends": sizes.backends,
-        "ct": sizes.ct,
-        "affinity": sizes.affinity,
-    }
 
 
 def _update(target: Map, items: list[tuple[bytes, bytes]]) -> None:

@@ -4,14 +4,16 @@ works beside a running agent, after it stopped, and without compiling anything."
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from . import codec
-from .abi import DROP_REASONS, addr_text, const, packer, versioned
-from .libbpf import Map, possible_cpus
+from .abi import DROP_REASONS, addr_bytes, addr_text, const, packer, versioned
+from .libbpf import Map
+from .plan import FrontendKey
 
 Row = dict[str, Any]
 
@@ -34,7 +36,8 @@ def _open(pin_dir: Path, name: str) -> Map:
         return Map.pinned(str(path))
     except OSError as err:
         raise InspectError(
-            f"{path}: {err.strerror}; is the eBPF dataplane running with --bpffs {pin_dir}?"
+            f"{path}: {os.strerror(err.errno or 0)}; is the eBPF dataplane running with "
+            f"--bpffs {pin_dir}?"
         ) from err
 
 
@@ -102,8 +105,8 @@ def frontends(pin_dir: Path) -> list[Row]:
     return rows
 
 
-def _frontend_order(key: codec.FrontendKey) -> tuple[int, bytes, int, int]:
-    return (key.family, codec.addr_bytes(key.addr), key.port, key.proto)
+def _frontend_order(key: FrontendKey) -> tuple[int, bytes, int, int]:
+    return (key.family, addr_bytes(key.addr), key.port, key.proto)
 
 
 def backends(pin_dir: Path) -> list[Row]:
@@ -175,17 +178,7 @@ def affinity(pin_dir: Path) -> list[Row]:
 
 def _percpu_sums(table: Map, struct: str) -> list[tuple[int, tuple[int, ...]]]:
     """(index, field sums over CPUs) for every index with a non-zero sum."""
-    fmt = packer(struct)
-    stride = (fmt.size + 7) // 8 * 8
-    out = []
-    for k, v in table.items():
-        sums = [0] * len(fmt.unpack(bytes(fmt.size)))
-        for cpu in range(possible_cpus()):
-            for i, value in enumerate(fmt.unpack_from(v, cpu * stride)):
-                sums[i] += value
-        if any(sums):
-            out.append((int.from_bytes(k, "little"), tuple(sums)))
-    return sorted(out)
+    return sorted((i, sums) for i, sums in codec.percpu_sums(table, struct).items() if any(sums))
 
 
 def counters(pin_dir: Path) -> list[Row]:
