@@ -1,0 +1,343 @@
+"""`--dataplane iptables`: the NodeState applied with `iptables-restore --noflush`, per family.
+
+The first apply, and a full resync after an error, rewrite every KBP- chain and delete
+the KBP- chains the kernel holds that the state no longer names. After that a sync writes
+only the dispatch chains and the chains of the Service entries whose digest changed
+(kube-proxy's partial sync, KEP-3453). Each family's document is one restore: the kernel
+switches from the old rules to the new ones in one commit. Rules of other programs are
+never flushed: only our chains are declared, and our jump rules are inserted once.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ...config import DEFAULT_POD_INTERFACES
+from ...model.ip import ip_family
+from ...model.nodestate import NodeState, ServiceEntry
+from ..base import DataplaneError
+from .render import (
+    FAMILIES,
+    FORWARD,
+    IPV4,
+    IPV6,
+    POSTROUTING,
+    PREFIX,
+    SERVICES,
+    EntryRules,
+    RenderOptions,
+    assemble,
+    entry_rules,
+    interface_patterns,
+)
+
+log = logging.getLogger(__name__)
+
+RESTORE = {IPV4: "iptables-restore", IPV6: "ip6tables-restore"}
+SAVE = {IPV4: "iptables-save", IPV6: "ip6tables-save"}
+IPTABLES = {IPV4: "iptables", IPV6: "ip6tables"}
+LOCK_WAIT = "5"  # seconds to wait for the xtables lock (`-w`)
+COMMAND_TIMEOUT = 300.0
+# A periodic full resync rewrites everything at most this often (kube-proxy: hourly); in
+# between it checks the jump rules and writes what changed.
+FULL_REWRITE_INTERVAL = 3600.0
+
+# (table, builtin chain, our chain, position, extra matches, comment): inserted first, so
+# other programs' rules cannot pre-empt Service translation, except KBP-FORWARD, which is
+# appended: it only rescues Service traffic that nothing else decided.
+JUMPS: tuple[tuple[str, str, str, str, str, str], ...] = (
+    ("nat", "PREROUTING", SERVICES, "insert", "", "kube-bpf-proxy service portals"),
+    ("nat", "OUTPUT", SERVICES, "insert", "", "kube-bpf-proxy service portals"),
+    ("nat", "POSTROUTING", POSTROUTING, "insert", "", "kube-bpf-proxy postrouting rules"),
+    ("filter", "INPUT", SERVICES, "insert", "-m conntrack --ctstate NEW",
+     "kube-bpf-proxy service rejects and drops"),
+    ("filter", "FORWARD", SERVICES, "insert", "-m conntrack --ctstate NEW",
+     "kube-bpf-proxy service rejects and drops"),
+    ("filter", "OUTPUT", SERVICES, "insert", "-m conntrack --ctstate NEW",
+     "kube-bpf-proxy service rejects and drops"),
+    ("filter", "FORWARD", FORWARD, "append", "", "kube-bpf-proxy forwarding rules"),
+)  # fmt: skip
+
+
+def _command(netns: str | None, argv: Sequence[str]) -> list[str]:
+    if netns is None:
+        return list(argv)
+    return ["nsenter", f"--net=/run/netns/{netns}", "--", *argv]
+
+
+def _run(
+    netns: str | None, argv: Sequence[str], stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _command(netns, argv),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+        check=False,
+    )
+
+
+def _jump_spec(extra: str, comment: str, chain: str) -> list[str]:
+    return [*extra.split(), "-m", "comment", "--comment", comment, "-j", chain]
+
+
+def unavailable_reason(netns: str | None = None) -> str | None:
+    """Why this dataplane cannot work here (None: it can): the tools are missing, or
+    the kernel refuses the nat table for a family."""
+    for family in FAMILIES:
+        for tool in (RESTORE[family], SAVE[family], IPTABLES[family]):
+            if shutil.which(tool) is None:
+                return f"{tool} not found (install the iptables package)"
+        try:
+            proc = _run(netns, [SAVE[family], "-t", "nat"])
+        except (OSError, subprocess.SubprocessError) as err:
+            return f"{SAVE[family]}: {err}"
+        if proc.returncode != 0:
+            return f"{SAVE[family]} -t nat: {(proc.stderr or proc.stdout).strip()}"
+    return None
+
+
+def kernel_chains(family: str, netns: str | None = None) -> dict[str, set[str]]:
+    """The KBP- chains the kernel holds, per table."""
+    out: dict[str, set[str]] = {}
+    for table in ("nat", "filter"):
+        proc = _run(netns, [SAVE[family], "-t", table])
+        if proc.returncode != 0:
+            raise DataplaneError(
+                "iptables-save", f"{SAVE[family]} -t {table}: {proc.stderr.strip()}"
+            )
+        out[table] = {
+            line[1:].split(" ", 1)[0]
+            for line in proc.stdout.splitlines()
+            if line.startswith(":" + PREFIX)
+        }
+    return out
+
+
+def cleanup(netns: str | None = None) -> list[str]:
+    """Remove our jump rules and every KBP- chain, both families; return what went
+    ("IPv4 nat KBP-SERVICES", ...). Safe to run when nothing is installed."""
+    removed: list[str] = []
+    for family in FAMILIES:
+        if shutil.which(RESTORE[family]) is None:
+            continue
+        for table, builtin, chain, _, extra, comment in JUMPS:
+            spec = _jump_spec(extra, comment, chain)
+            while _run(netns, [IPTABLES[family], "-w", LOCK_WAIT, "-t", table,
+                               "-D", builtin, *spec]).returncode == 0:  # fmt: skip
+                removed.append(f"{family} {table} {builtin} -j {chain}")
+        chains = kernel_chains(family, netns)
+        lines: list[str] = []
+        for table in ("nat", "filter"):
+            if not chains[table]:
+                continue
+            lines.append(f"*{table}")
+            lines.extend(f":{chain} - [0:0]" for chain in sorted(chains[table]))
+            lines.extend(f"-X {chain}" for chain in sorted(chains[table]))
+            lines.append("COMMIT")
+            removed.extend(f"{family} {table} {chain}" for chain in sorted(chains[table]))
+        if lines:
+            proc = _run(netns, [RESTORE[family], "-w", LOCK_WAIT, "--noflush"],
+                        "\n".join(lines) + "\n")  # fmt: skip
+            if proc.returncode != 0:
+                raise DataplaneError(
+                    "iptables-restore", f"{RESTORE[family]}: {proc.stderr.strip()}"
+                )
+    return removed
+
+
+@dataclass
+class _Held:
+    """What one family's tables hold, as far as this process wrote them."""
+
+    options: RenderOptions
+    entries: dict[tuple[str, ...], ServiceEntry]
+    rules: dict[tuple[str, ...], EntryRules]
+
+
+class IptablesDataplane:
+    name = "iptables"
+
+    def __init__(
+        self,
+        pod_interfaces: Sequence[str] = DEFAULT_POD_INTERFACES,
+        *,
+        netns: str | None = None,
+        clock: object = time.monotonic,
+    ) -> None:
+        self.netns = netns
+        self._patterns = interface_patterns(pod_interfaces)
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
+        self._revision: str | None = None
+        self._needs_full = True  # the first apply reads the kernel and rewrites it all
+        self._last_full = 0.0
+        self._conntrack = shutil.which("conntrack")
+        self.last_writes: dict[str, int] = {}  # per family, of the last apply (benchmarks)
+
+    @property
+    def held_revision(self) -> str | None:
+        return self._revision
+
+    def close(self) -> None:
+        """Nothing runs in the background; the rules stay for the next agent."""
+
+    def cleanup(self) -> None:
+        cleanup(self.netns)
+        self._held.clear()
+        self._revision = None
+        self._needs_full = True
+
+    def apply(self, state: NodeState, full: bool = False) -> int:
+        now = self._clock()  # type: ignore[operator]
+        rewrite_all = self._needs_full or (full and now - self._last_full >= FULL_REWRITE_INTERVAL)
+        by_family: dict[str, list[ServiceEntry]] = {family: [] for family in FAMILIES}
+        for entry in state.services:
+            by_family[entry.ip_family].append(entry)
+        writes = 0
+        removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
+        try:
+            for family in FAMILIES:
+                options = self._options(state, family)
+                writes += self._apply_family(
+                    family, options, by_family[family], rewrite_all, removed_udp
+                )
+            if rewrite_all or full:
+                writes += self._ensure_jumps()
+        except DataplaneError:
+            self._needs_full = True
+            raise
+        if rewrite_all:
+            self._last_full = now
+        self._needs_full = False
+        self._revision = state.revision
+        self._clear_udp_conntrack(removed_udp)
+        return writes
+
+    def _options(self, state: NodeState, family: str) -> RenderOptions:
+        cidrs = tuple(c for c in state.node.cluster_cidrs if ip_family(c.split("/")[0]) == family)
+        return RenderOptions(family, cidrs, self._patterns)
+
+    def _apply_family(
+        self,
+        family: str,
+        options: RenderOptions,
+        entries: list[ServiceEntry],
+        rewrite_all: bool,
+        removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]],
+    ) -> int:
+        held = self._held.get(family)
+        if held is not None and held.options != options:
+            rewrite_all = True  # the pod CIDRs changed: every EXT chain may differ
+        new_entries = {e.sort_key: e for e in entries}
+        old_entries = held.entries if held is not None else {}
+        old_rules = held.rules if held is not None else {}
+        rules: dict[tuple[str, ...], EntryRules] = {}
+        rewritten: list[EntryRules] = []
+        for key, entry in new_entries.items():
+            old = old_entries.get(key)
+            if not rewrite_all and old is not None and old.digest == entry.digest:
+                rules[key] = old_rules[key]
+                continue
+            rules[key] = entry_rules(entry, options)
+            rewritten.append(rules[key])
+            if old is not None and old.protocol == "UDP":
+                removed_udp.append((old, entry))
+        gone = [key for key in old_entries if key not in new_entries]
+        for key in gone:
+            if old_entries[key].protocol == "UDP":
+                removed_udp.append((old_entries[key], None))
+        if not rewrite_all and not rewritten and not gone:
+            self.last_writes[family] = 0
+            return 0
+        desired = {chain for r in rules.values() for chain in r.chains}
+        if rewrite_all:
+            existing = kernel_chains(family, self.netns)["nat"]
+            stale = {c for c in existing if c not in desired and c.startswith(PREFIX)}
+            stale -= {"KBP-SERVICES", "KBP-MARK-MASQ", "KBP-POSTROUTING"}
+        else:
+            previous: set[str] = set()
+            for key in old_entries:
+                if key in new_entries and rules[key] is old_rules.get(key):
+                    continue
+                previous.update(old_rules[key].chains)
+            stale = previous - desired
+        document = assemble(family, rules.values(), rewritten, stale)
+        proc = _run(self.netns, [RESTORE[family], "-w", LOCK_WAIT, "--noflush"], document.text)
+        if proc.returncode != 0:
+            raise DataplaneError("iptables-restore", _restore_error(family, proc, document.text))
+        self._held[family] = _Held(options, new_entries, rules)
+        self.last_writes[family] = document.rules + document.chains_deleted
+        log.debug(
+            "iptables %s: %d rules in %d chains written, %d chains deleted%s",
+            family, document.rules, document.chains_written, document.chains_deleted,
+            " (full)" if rewrite_all else "",
+        )  # fmt: skip
+        return document.rules + document.chains_deleted
+
+    def _ensure_jumps(self) -> int:
+        """Insert our jump rules where they are missing (checked with `-C`)."""
+        added = 0
+        for family in FAMILIES:
+            for table, builtin, chain, position, extra, comment in JUMPS:
+                spec = _jump_spec(extra, comment, chain)
+                base = [IPTABLES[family], "-w", LOCK_WAIT, "-t", table]
+                if _run(self.netns, [*base, "-C", builtin, *spec]).returncode == 0:
+                    continue
+                verb = ["-I", builtin, "1"] if position == "insert" else ["-A", builtin]
+                proc = _run(self.netns, [*base, *verb, *spec])
+                if proc.returncode != 0:
+                    raise DataplaneError(
+                        "iptables", f"{IPTABLES[family]} -t {table} {' '.join(verb)} "
+                        f"-j {chain}: {proc.stderr.strip()}"
+                    )  # fmt: skip
+                added += 1
+        return added
+
+    def _clear_udp_conntrack(
+        self, changes: Iterable[tuple[ServiceEntry, ServiceEntry | None]]
+    ) -> None:
+        """UDP has no end: conntrack keeps sending a flow to an endpoint that left until
+        the entry times out. Delete the entries of endpoints that left (kube-proxy does
+        the same with conntrack -D)."""
+        for old, new in changes:
+            kept = set()
+            if new is not None:
+                kept = {(b.ip, b.port) for b in (new.cluster_backends or ())}
+                kept |= {(b.ip, b.port) for b in (new.local_backends or ())}
+            left = {(b.ip, b.port) for b in (old.cluster_backends or ())}
+            left |= {(b.ip, b.port) for b in (old.local_backends or ())}
+            left -= kept
+            if not left:
+                continue
+            if self._conntrack is None:
+                log.warning(
+                    "conntrack not found: UDP flows to endpoints that left %s/%s "
+                    "keep going there until they time out",
+                    old.namespace,
+                    old.name,
+                )
+                return
+            family = "ipv6" if old.ip_family == IPV6 else "ipv4"
+            for frontend in old.frontends:
+                for ip, port in sorted(left):
+                    _run(self.netns, ["conntrack", "-D", "-f", family, "-p", "udp",
+                                      "--orig-dst", frontend.ip, "--orig-port-dst",
+                                      str(frontend.port), "--reply-src", ip,
+                                      "--reply-port-src", str(port)])  # fmt: skip
+
+
+def _restore_error(family: str, proc: subprocess.CompletedProcess[str], text: str) -> str:
+    """The tool's message, with the offending input line when it names one."""
+    message = (proc.stderr or proc.stdout).strip()
+    lines = text.splitlines()
+    for word in message.replace(":", " ").split():
+        if word.isdigit() and "line" in message and 0 < int(word) <= len(lines):
+            return f"{RESTORE[family]}: {message} (line {word}: {lines[int(word) - 1]})"
+    return f"{RESTORE[family]}: {message}"
