@@ -93,10 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(inspect_parser, INSPECT_SETTINGS)
     cleanup_parser = commands.add_parser(
         "cleanup",
-        help="remove the programs, tc filters and pins the eBPF dataplane installed",
+        help="remove what either dataplane installed: tc filters and pins, iptables chains",
         description="Detach kube-bpf-proxy's tc programs from every interface of this network "
-        "namespace (clsact qdiscs too when nothing else uses them) and remove its pins under "
-        "--bpffs. Established connections through Services lose their translation.",
+        "namespace (clsact qdiscs too when nothing else uses them), remove its pins under "
+        "--bpffs, and remove its iptables/ip6tables jump rules and KBP- chains. Both are "
+        "attempted even when one fails (exit status 1 then). Established connections through "
+        "Services lose their translation.",
     )
     add_arguments(cleanup_parser, CLEANUP_SETTINGS)
     return parser
@@ -148,15 +150,34 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     settings = settings_from(args, CLEANUP_SETTINGS)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
-    from .dataplane.ebpf.dataplane import cleanup
+    # Each dataplane's part runs even when the other's failed: remove all that can go.
+    ok = True
+    try:
+        from .dataplane.ebpf.dataplane import cleanup as cleanup_ebpf
 
-    interfaces, pins = cleanup(Path(settings.bpffs))
-    print(
-        f"detached from {len(interfaces)} interface(s)"
-        + (f" ({', '.join(interfaces)})" if interfaces else "")
-        + f"; removed {len(pins)} pin(s) under {settings.bpffs}"
-    )
-    return 0
+        interfaces, pins = cleanup_ebpf(Path(settings.bpffs))
+    except Exception as err:
+        print(f"kube-bpf-proxy cleanup: ebpf: {err}", file=sys.stderr)
+        ok = False
+    else:
+        print(
+            f"ebpf: detached from {len(interfaces)} interface(s)"
+            + (f" ({', '.join(interfaces)})" if interfaces else "")
+            + f"; removed {len(pins)} pin(s) under {settings.bpffs}"
+        )
+    try:
+        from .dataplane.iptables.dataplane import cleanup as cleanup_iptables
+
+        removed = cleanup_iptables()
+    except Exception as err:
+        print(f"kube-bpf-proxy cleanup: iptables: {err}", file=sys.stderr)
+        ok = False
+    else:
+        print(
+            f"iptables: removed {len(removed)} rule(s)/chain(s)"
+            + (f" ({', '.join(removed)})" if removed else "")
+        )
+    return 0 if ok else 1
 
 
 COMMANDS = {"compile": cmd_compile, "run": cmd_run, "inspect": cmd_inspect, "cleanup": cmd_cleanup}

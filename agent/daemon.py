@@ -44,7 +44,7 @@ class Agent:
             raise StartupError(str(err)) from err
         self.metrics.dataplane_info.labels(self.dataplane.name, reason).set(1)
         log.info("dataplane: %s (%s)", self.dataplane.name, reason)
-        self.status = AgentStatus(dataplane=self.dataplane.name)
+        self.status = AgentStatus(dataplane=self.dataplane.name, dataplane_reason=reason)
         self._stoppers: list[Callable[[], None]] = []
         register_metrics = getattr(self.dataplane, "register_metrics", None)
         if register_metrics is not None:  # the kernel dataplanes' own gauges and counters

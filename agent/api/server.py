@@ -72,6 +72,7 @@ class StatusSnapshot:
     """A consistent copy of AgentStatus at one moment (all times are Unix seconds)."""
 
     dataplane: str | None
+    dataplane_reason: str | None  # why it was chosen (`--dataplane auto`'s probes)
     state: NodeState | None  # the latest NodeState the sync loop computed
     revision_since: float | None  # when state.revision was first reported
     held_revision: str | None  # what the dataplane held after the last sync
@@ -97,6 +98,7 @@ class StatusSnapshot:
         """The `status` field of `/state` (camelCase, RFC 3339 times)."""
         return {
             "dataplane": self.dataplane,
+            "dataplaneReason": self.dataplane_reason,
             "ready": self.ready,
             "inSync": self.state is not None and self.held_revision == self.state.revision,
             "pendingSince": timestamp(self.pending_since),
@@ -138,13 +140,17 @@ class AgentStatus:
     """
 
     def __init__(
-        self, dataplane: str | None = None, clock: Callable[[], float] = time.time
+        self,
+        dataplane: str | None = None,
+        clock: Callable[[], float] = time.time,
+        dataplane_reason: str | None = None,
     ) -> None:
         """`clock` gives Unix time (injectable for tests); `record_sync`'s `when` must
         use the same clock."""
         self._clock = clock
         self._lock = threading.Lock()
         self._dataplane = dataplane
+        self._dataplane_reason = dataplane_reason
         self._state: NodeState | None = None
         self._revision_since: float | None = None
         self._held: str | None = None
@@ -227,6 +233,7 @@ class AgentStatus:
         with self._lock:
             return StatusSnapshot(
                 dataplane=self._dataplane,
+                dataplane_reason=self._dataplane_reason,
                 state=self._state,
                 revision_since=self._revision_since,
                 held_revision=self._held,

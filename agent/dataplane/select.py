@@ -1,22 +1,22 @@
-"""`--dataplane auto|ebpf|iptables|none`: build the dataplane and say why it was chosen."""
+"""`--dataplane auto|ebpf|iptables|none`: probe the kernel, build the dataplane, say why it
+was chosen, and remove what the other kernel dataplane left on this node."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 from ..config import Settings
+from . import probe
 from .base import Dataplane, DataplaneError
 from .none import NoneDataplane
 
 log = logging.getLogger(__name__)
 
-# The iptables fallback arrives with issue #5; until then `auto` falls back to the dry run
-# when eBPF cannot work here, and says why.
-NOT_BUILT = "not part of this build yet"
-
-
-class DataplaneUnavailable(ValueError):
-    """An explicitly requested dataplane cannot be used as asked (a usage error)."""
+# `auto` chose eBPF: every probe passed.
+EBPF_PROBES_PASSED = "eBPF probes passed"
 
 
 class DataplaneStartError(Exception):
@@ -38,19 +38,92 @@ def build_ebpf(settings: Settings) -> Dataplane:
     )
 
 
+def iptables_module() -> ModuleType:
+    """agent.dataplane.iptables.dataplane, imported only when iptables is considered."""
+    from .iptables import dataplane
+
+    return dataplane
+
+
+def build_iptables(settings: Settings) -> Dataplane:
+    """The iptables dataplane in this network namespace; DataplaneError saying why not."""
+    try:
+        module = iptables_module()
+    except ImportError as err:
+        raise DataplaneError("import", f"cannot import the iptables dataplane: {err}") from err
+    reason = module.unavailable_reason()
+    if reason is not None:
+        raise DataplaneError("unavailable", reason)
+    try:
+        return module.IptablesDataplane(settings.pod_interfaces)
+    except OSError as err:
+        raise DataplaneError("start", str(err)) from err
+
+
 def select_dataplane(settings: Settings) -> tuple[Dataplane, str]:
-    """(dataplane, reason). Raises DataplaneUnavailable for a choice that cannot be built,
-    DataplaneStartError when the requested dataplane failed to start."""
+    """(dataplane, reason). `auto`: eBPF when every probe passes, else iptables, else the
+    dry run, the reason naming the probe that failed and why. Raises DataplaneStartError
+    when an explicitly requested dataplane cannot start here."""
     requested = settings.dataplane
     if requested == "none":
         return NoneDataplane(), "requested"
     if requested == "iptables":
-        raise DataplaneUnavailable(f"--dataplane iptables: {NOT_BUILT}; use ebpf or none")
+        try:
+            dataplane = build_iptables(settings)
+        except DataplaneError as err:
+            raise DataplaneStartError(f"--dataplane iptables: {err}") from err
+        remove_leftovers("ebpf", lambda: remove_ebpf_leftovers(settings))
+        return dataplane, "requested"
+
+    ebpf, results = probe.probe_ebpf(lambda: build_ebpf(settings))
+    if ebpf is not None:
+        remove_leftovers("iptables", remove_iptables_leftovers)
+        return ebpf, "requested" if requested == "ebpf" else EBPF_PROBES_PASSED
+    failure = results[-1]
+    if requested == "ebpf":
+        raise DataplaneStartError(f"--dataplane ebpf: {failure.name}: {failure.detail}")
+
+    ebpf_reason = f"eBPF unavailable: {failure}"
     try:
-        return build_ebpf(settings), "requested" if requested == "ebpf" else "eBPF works here"
+        dataplane = build_iptables(settings)
     except DataplaneError as err:
-        if requested == "ebpf":
-            raise DataplaneStartError(f"--dataplane ebpf: {err}") from err
-        reason = f"eBPF unavailable ({err.reason}: {err}); iptables is {NOT_BUILT}"
-    log.warning("--dataplane auto: %s; running as a dry run (none): nothing is programmed", reason)
-    return NoneDataplane(), reason
+        reason = f"{ebpf_reason}; iptables unavailable: {err}"
+        log.warning("--dataplane auto: %s; running as a dry run (none): nothing is programmed",
+                    reason)  # fmt: skip
+        return NoneDataplane(), reason
+    log.warning("--dataplane auto: %s; falling back to iptables", ebpf_reason)
+    remove_leftovers("ebpf", lambda: remove_ebpf_leftovers(settings))
+    return dataplane, ebpf_reason
+
+
+# Switching dataplanes leaves nothing of the other behind (as kube-proxy removes other
+# modes' rules when it starts): left in place, stale eBPF filters would translate pod
+# traffic before iptables saw it, and stale KBP- chains would keep answering for Services.
+
+
+def remove_ebpf_leftovers(settings: Settings) -> list[str]:
+    """Our tc filters in this namespace and our pins under --bpffs; what was removed."""
+    from .ebpf.dataplane import cleanup
+
+    interfaces, pins = cleanup(Path(settings.bpffs))
+    return [*(f"tc filters on {name}" for name in interfaces), *(f"pin {pin}" for pin in pins)]
+
+
+def remove_iptables_leftovers() -> list[str]:
+    """Our jump rules and KBP- chains in this namespace; nothing when iptables is absent
+    (nothing of ours can be there then)."""
+    module = iptables_module()
+    if module.unavailable_reason() is not None:
+        return []
+    return list(module.cleanup())
+
+
+def remove_leftovers(dataplane: str, remove: Callable[[], list[str]]) -> None:
+    """Best effort: a failure is logged, the chosen dataplane starts anyway."""
+    try:
+        removed = remove()
+    except Exception as err:
+        log.warning("could not remove what the %s dataplane left behind: %s", dataplane, err)
+        return
+    if removed:
+        log.info("removed what the %s dataplane left behind: %s", dataplane, ", ".join(removed))

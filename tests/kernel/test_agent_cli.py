@@ -64,11 +64,13 @@ class Agent:
 
     started: list[Agent] = []
 
-    def __init__(self, lab: Lab, manifests: Path, pin_dir: Path) -> None:
+    def __init__(
+        self, lab: Lab, manifests: Path, pin_dir: Path, dataplane: str = "ebpf"
+    ) -> None:
         argv = [
             "nsenter", f"--net=/run/netns/{lab.node_ns}",
             sys.executable, "-m", "agent", "run", "--manifests", str(manifests),
-            "--node", "node-a", "--dataplane", "ebpf", "--pod-interfaces", "vethkbp*",
+            "--node", "node-a", "--dataplane", dataplane, "--pod-interfaces", "vethkbp*",
             "--bpffs", str(pin_dir), "--metrics-bind-address", "127.0.0.1:0",
             "--healthz-bind-address", "127.0.0.1:0",
             "--map-size-services", "1024", "--map-size-slots", "4096",
@@ -89,6 +91,11 @@ class Agent:
             with self._cond:
                 self.lines.append(line.rstrip())
                 self._cond.notify_all()
+
+    def url(self, path: str) -> str:
+        """http://ADDRESS/path on the agent's metrics server (it logs where it listens)."""
+        line = self.lines[self.wait_for_line("metrics server listening on")]
+        return f"http://{line.rsplit(' ', 1)[-1]}{path}"
 
     def wait_for_line(self, text: str, after: int = 0, timeout: float = 60) -> int:
         """Index of the first log line from `after` on containing `text`."""

@@ -1,9 +1,14 @@
-"""`kube-bpf-proxy run` end to end in a subprocess: the file source, the dry-run
-dataplane, the local API over real HTTP, and a clean stop on SIGTERM."""
+"""`kube-bpf-proxy run` end to end in a subprocess (the file source, the dry-run
+dataplane, the local API over real HTTP, a clean stop on SIGTERM); how `--dataplane`
+picks a dataplane and says why; `cleanup` running both dataplanes' parts.
+
+Selection and cleanup run in-process against fakes: no test here touches the kernel
+(the real probes and cleanup run in tests/kernel/test_probe.py)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -12,9 +17,19 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+
+from agent.cli import main
+from agent.config import Settings
+from agent.daemon import Agent
+from agent.dataplane import probe, select
+from agent.dataplane.base import DataplaneError
+from agent.dataplane.fake import FakeDataplane
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,18 +100,10 @@ def test_run_serves_the_compiled_state_and_stops_on_sigterm(
     assert status == 200
     assert b"kubeproxy_sync_proxy_rules_last_timestamp_seconds" in body
     assert b'kbp_dataplane_info{dataplane="none",reason="requested"} 1.0' in body
+    assert document["status"]["dataplane"] == "none"
+    assert document["status"]["dataplaneReason"] == "requested"
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=10) == 0
-
-
-def test_an_unavailable_dataplane_is_a_usage_error() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "agent", "run", "--manifests", "examples", "--dataplane",
-         "iptables"],
-        cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "--dataplane iptables" in result.stderr
 
 
 def test_no_kubeconfig_is_a_clear_startup_error(tmp_path: Path) -> None:
@@ -122,3 +129,265 @@ def test_a_busy_port_is_a_clear_startup_error() -> None:
         )  # fmt: skip
     assert result.returncode == 1
     assert f"--metrics-bind-address 127.0.0.1:{port}" in result.stderr
+
+
+# --- `--dataplane`: which dataplane, and why ------------------------------------------------
+#
+# The fakes stand in for the kernel: each probe passes or fails with a given reason, the
+# eBPF build (the bcc-compile probe) succeeds or raises, the iptables module is available
+# or not. `calls` records, in order, what selection asked of them.
+
+EPERM = "EPERM: Operation not permitted (no CAP_BPF?)"
+
+
+@dataclass
+class FakeKernel:
+    bpf_syscall: str | None = None  # a probe's failure, or None: it passes
+    clsact: str | None = None
+    bcc_compile: str | None = None  # the eBPF build raises DataplaneError("load", this)
+    iptables: str | None = None  # unavailable_reason()
+    iptables_importable: bool = True
+    leftovers_fail: bool = False  # removing the other dataplane's leftovers raises
+    calls: list[str] = field(default_factory=list)
+
+
+class FakeKernelDataplane(FakeDataplane):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
+    fake = FakeKernel()
+
+    def probe_result(name: str, failure: str | None) -> probe.ProbeResult:
+        fake.calls.append(f"probe {name}")
+        return probe.ProbeResult(name) if failure is None else probe.failed(name, failure)
+
+    def build_ebpf(settings: Settings) -> FakeKernelDataplane:
+        fake.calls.append("build ebpf")
+        if fake.bcc_compile is not None:
+            raise DataplaneError("load", fake.bcc_compile)
+        return FakeKernelDataplane("ebpf")
+
+    def iptables_dataplane(pod_interfaces: list[str]) -> FakeKernelDataplane:
+        fake.calls.append("build iptables")
+        return FakeKernelDataplane("iptables")
+
+    def iptables_cleanup(netns: str | None = None) -> list[str]:
+        fake.calls.append("remove iptables leftovers")
+        if fake.leftovers_fail:
+            raise DataplaneError("iptables-restore", "iptables-restore: broken")
+        return ["IPv4 nat KBP-SERVICES"]
+
+    def iptables_module() -> SimpleNamespace:
+        if not fake.iptables_importable:
+            raise ImportError("No module named 'agent.dataplane.iptables'")
+        return SimpleNamespace(
+            IptablesDataplane=iptables_dataplane,
+            unavailable_reason=lambda netns=None: fake.iptables,
+            cleanup=iptables_cleanup,
+        )
+
+    def remove_ebpf_leftovers(settings: Settings) -> list[str]:
+        fake.calls.append(f"remove ebpf leftovers under {settings.bpffs}")
+        if fake.leftovers_fail:
+            raise OSError(13, "Permission denied")
+        return ["pin kbp_services_v1"]
+
+    monkeypatch.setattr(probe, "probe_bpf_syscall",
+                        lambda: probe_result(probe.BPF_SYSCALL, fake.bpf_syscall))  # fmt: skip
+    monkeypatch.setattr(probe, "probe_clsact", lambda: probe_result(probe.CLSACT, fake.clsact))
+    monkeypatch.setattr(select, "build_ebpf", build_ebpf)
+    monkeypatch.setattr(select, "iptables_module", iptables_module)
+    monkeypatch.setattr(select, "remove_ebpf_leftovers", remove_ebpf_leftovers)
+    return fake
+
+
+EBPF_PROBES = ["probe bpf-syscall", "probe clsact", "build ebpf"]
+PIN_DIR = "/sys/fs/bpf/kbp-unit-test"  # never touched: the leftover removal is faked
+
+
+@dataclass(frozen=True)
+class SelectionCase:
+    requested: str
+    kernel: dict[str, Any]
+    chosen: str
+    reason: str
+    calls: list[str]
+
+
+SELECTION_CASES = {
+    "auto uses eBPF when every probe passes and removes iptables leftovers": SelectionCase(
+        "auto", {}, "ebpf", "eBPF probes passed",
+        [*EBPF_PROBES, "remove iptables leftovers"],
+    ),
+    "auto falls back to iptables when the bpf syscall is refused, naming the probe": (
+        SelectionCase(
+            "auto", {"bpf_syscall": EPERM}, "iptables", f"eBPF unavailable: bpf-syscall: {EPERM}",
+            ["probe bpf-syscall", "build iptables", f"remove ebpf leftovers under {PIN_DIR}"],
+        )
+    ),
+    "auto falls back to iptables when clsact cannot be created": SelectionCase(
+        "auto", {"clsact": "cannot attach kbp_probe to ingress of interface lo: EOPNOTSUPP"},
+        "iptables",
+        "eBPF unavailable: clsact: cannot attach kbp_probe to ingress of interface lo: EOPNOTSUPP",
+        ["probe bpf-syscall", "probe clsact", "build iptables",
+         f"remove ebpf leftovers under {PIN_DIR}"],
+    ),
+    "auto falls back to iptables when bcc cannot compile, with the first line of why": (
+        SelectionCase(
+            "auto", {"bcc_compile": "compiling tc_from_pod.c: error: no kernel headers\n"
+                                    "  #include <linux/bpf.h>\n  ^"},
+            "iptables", "eBPF unavailable: bcc-compile: load: compiling tc_from_pod.c: error: "
+                        "no kernel headers",
+            [*EBPF_PROBES, "build iptables", f"remove ebpf leftovers under {PIN_DIR}"],
+        )
+    ),
+    "auto runs as a dry run with both reasons when iptables is unavailable too": SelectionCase(
+        "auto", {"bpf_syscall": EPERM, "iptables": "iptables-restore not found"}, "none",
+        f"eBPF unavailable: bpf-syscall: {EPERM}; iptables unavailable: "
+        "iptables-restore not found",
+        ["probe bpf-syscall"],
+    ),
+    "auto runs as a dry run when the iptables dataplane cannot be imported": SelectionCase(
+        "auto", {"clsact": "no clsact", "iptables_importable": False}, "none",
+        "eBPF unavailable: clsact: no clsact; iptables unavailable: cannot import the iptables "
+        "dataplane: No module named 'agent.dataplane.iptables'",
+        ["probe bpf-syscall", "probe clsact"],
+    ),
+    "ebpf when requested and the probes pass": SelectionCase(
+        "ebpf", {}, "ebpf", "requested", [*EBPF_PROBES, "remove iptables leftovers"],
+    ),
+    "iptables when requested and available, without probing eBPF": SelectionCase(
+        "iptables", {}, "iptables", "requested",
+        ["build iptables", f"remove ebpf leftovers under {PIN_DIR}"],
+    ),
+    "none when requested: nothing probed, nothing removed": SelectionCase(
+        "none", {"bpf_syscall": EPERM}, "none", "requested", [],
+    ),
+    "a leftover that cannot be removed does not stop the chosen dataplane": SelectionCase(
+        "auto", {"leftovers_fail": True}, "ebpf", "eBPF probes passed",
+        [*EBPF_PROBES, "remove iptables leftovers"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", SELECTION_CASES.values(), ids=SELECTION_CASES.keys())
+def test_dataplane_selection(kernel: FakeKernel, case: SelectionCase) -> None:
+    for name, value in case.kernel.items():
+        setattr(kernel, name, value)
+    dataplane, reason = select.select_dataplane(Settings(dataplane=case.requested,
+                                                         bpffs=PIN_DIR))  # fmt: skip
+    assert (dataplane.name, reason) == (case.chosen, case.reason)
+    assert kernel.calls == case.calls
+
+
+def test_a_fallback_is_a_logged_warning_naming_the_failed_probe(
+    kernel: FakeKernel, caplog: pytest.LogCaptureFixture
+) -> None:
+    kernel.clsact = "cannot add clsact: EPERM"
+    with caplog.at_level(logging.WARNING, logger="agent.dataplane.select"):
+        select.select_dataplane(Settings(dataplane="auto", bpffs=PIN_DIR))
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        "--dataplane auto: eBPF unavailable: clsact: cannot add clsact: EPERM; "
+        "falling back to iptables"
+    )
+
+
+START_ERRORS = {
+    "ebpf requested but the bpf syscall is refused": (
+        "ebpf", {"bpf_syscall": EPERM}, f"--dataplane ebpf: bpf-syscall: {EPERM}",
+        ["probe bpf-syscall"],
+    ),
+    "ebpf requested but bcc fails: the whole compiler message": (
+        "ebpf", {"bcc_compile": "compiling: error\n  line 2"},
+        "--dataplane ebpf: bcc-compile: load: compiling: error\n  line 2", EBPF_PROBES,
+    ),
+    "iptables requested but unavailable": (
+        "iptables", {"iptables": "iptables-restore not found (install the iptables package)"},
+        "--dataplane iptables: iptables-restore not found (install the iptables package)", [],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("requested", "overrides", "message", "calls"), START_ERRORS.values(), ids=START_ERRORS.keys()
+)
+def test_an_explicit_dataplane_that_cannot_start_is_a_start_error(
+    kernel: FakeKernel, requested: str, overrides: dict[str, Any], message: str, calls: list[str]
+) -> None:
+    for name, value in overrides.items():
+        setattr(kernel, name, value)
+    with pytest.raises(select.DataplaneStartError) as raised:
+        select.select_dataplane(Settings(dataplane=requested, bpffs=PIN_DIR))
+    assert str(raised.value) == message
+    assert kernel.calls == calls  # no other dataplane tried, nothing removed
+
+
+def test_the_agent_publishes_the_reason_in_the_metric_and_state(kernel: FakeKernel) -> None:
+    kernel.bpf_syscall = EPERM
+    agent = Agent(Settings(dataplane="auto", bpffs=PIN_DIR))
+    try:
+        reason = f"eBPF unavailable: bpf-syscall: {EPERM}"
+        assert agent.status.snapshot().to_dict()["dataplaneReason"] == reason
+        labels = {"dataplane": "iptables", "reason": reason}
+        assert agent.metrics.registry.get_sample_value("kbp_dataplane_info", labels) == 1.0
+    finally:
+        agent.stop()
+
+
+# --- `cleanup`: both dataplanes' parts, even when one fails ----------------------------------
+
+
+@pytest.fixture
+def cleanups(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Both dataplanes' cleanup functions faked; set "ebpf"/"iptables" to an exception to
+    make that part fail."""
+    outcome: dict[str, Any] = {"ebpf": None, "iptables": None, "calls": []}
+
+    def ebpf_cleanup(pin_dir: Path) -> tuple[list[str], list[str]]:
+        outcome["calls"].append(f"ebpf {pin_dir}")
+        if outcome["ebpf"] is not None:
+            raise outcome["ebpf"]
+        return ["vethkbp1"], ["kbp_services_v1", "kbp_backends_v1"]
+
+    def iptables_cleanup(netns: str | None = None) -> list[str]:
+        outcome["calls"].append("iptables")
+        if outcome["iptables"] is not None:
+            raise outcome["iptables"]
+        return ["IPv4 nat PREROUTING -j KBP-SERVICES", "IPv4 nat KBP-SERVICES"]
+
+    import agent.dataplane.ebpf.dataplane as ebpf_dataplane
+
+    monkeypatch.setattr(ebpf_dataplane, "cleanup", ebpf_cleanup)
+    monkeypatch.setitem(sys.modules, "agent.dataplane.iptables.dataplane",
+                        SimpleNamespace(cleanup=iptables_cleanup))  # fmt: skip
+    return outcome
+
+
+def test_cleanup_removes_what_either_dataplane_installed(
+    cleanups: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["cleanup", "--bpffs", PIN_DIR]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"ebpf: detached from 1 interface(s) (vethkbp1); removed 2 pin(s) under {PIN_DIR}",
+        "iptables: removed 2 rule(s)/chain(s) (IPv4 nat PREROUTING -j KBP-SERVICES, "
+        "IPv4 nat KBP-SERVICES)",
+    ]
+
+
+@pytest.mark.parametrize("failing", ["ebpf", "iptables"])
+def test_cleanup_does_the_other_part_when_one_fails_and_exits_1(
+    cleanups: dict[str, Any], capsys: pytest.CaptureFixture[str], failing: str
+) -> None:
+    cleanups[failing] = DataplaneError("broken", f"{failing} is broken")
+    assert main(["cleanup", "--bpffs", PIN_DIR]) == 1
+    assert cleanups["calls"] == [f"ebpf {PIN_DIR}", "iptables"]
+    captured = capsys.readouterr()
+    assert captured.err == f"kube-bpf-proxy cleanup: {failing}: {failing} is broken\n"
+    other = "iptables" if failing == "ebpf" else "ebpf"
+    assert [line.split(":")[0] for line in captured.out.splitlines()] == [other]

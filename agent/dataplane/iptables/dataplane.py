@@ -103,45 +103,53 @@ def unavailable_reason(netns: str | None = None) -> str | None:
     return None
 
 
-def kernel_chains(family: str, netns: str | None = None) -> dict[str, set[str]]:
-    """The KBP- chains the kernel holds, per table."""
-    out: dict[str, set[str]] = {}
+def _saved(family: str, netns: str | None) -> dict[str, list[str]]:
+    """`iptables-save` of the tables we use, as lines per table."""
+    out: dict[str, list[str]] = {}
     for table in ("nat", "filter"):
         proc = _run(netns, [SAVE[family], "-t", table])
         if proc.returncode != 0:
             raise DataplaneError(
                 "iptables-save", f"{SAVE[family]} -t {table}: {proc.stderr.strip()}"
             )
-        out[table] = {
-            line[1:].split(" ", 1)[0]
-            for line in proc.stdout.splitlines()
-            if line.startswith(":" + PREFIX)
-        }
+        out[table] = proc.stdout.splitlines()
     return out
 
 
+def kernel_chains(family: str, netns: str | None = None) -> dict[str, set[str]]:
+    """The KBP- chains the kernel holds, per table."""
+    return {
+        table: {line[1:].split(" ", 1)[0] for line in lines if line.startswith(":" + PREFIX)}
+        for table, lines in _saved(family, netns).items()
+    }
+
+
 def cleanup(netns: str | None = None) -> list[str]:
-    """Remove our jump rules and every KBP- chain, both families; return what went
-    ("IPv4 nat KBP-SERVICES", ...). Safe to run when nothing is installed."""
+    """Remove every KBP- chain and every rule of other chains that jumps to one (ours,
+    or any left by hand or by an older version), both families, one restore per family;
+    return what went ("IPv4 nat KBP-SERVICES", ...). Safe when nothing is installed."""
     removed: list[str] = []
     for family in FAMILIES:
         if shutil.which(RESTORE[family]) is None:
             continue
-        for table, builtin, chain, _, extra, comment in JUMPS:
-            spec = _jump_spec(extra, comment, chain)
-            while _run(netns, [IPTABLES[family], "-w", LOCK_WAIT, "-t", table,
-                               "-D", builtin, *spec]).returncode == 0:  # fmt: skip
-                removed.append(f"{family} {table} {builtin} -j {chain}")
-        chains = kernel_chains(family, netns)
         lines: list[str] = []
-        for table in ("nat", "filter"):
-            if not chains[table]:
+        for table, saved in _saved(family, netns).items():
+            chains = sorted(line[1:].split(" ", 1)[0] for line in saved
+                            if line.startswith(":" + PREFIX))  # fmt: skip
+            jumps = [
+                line for line in saved
+                if line.startswith("-A ") and not line.startswith("-A " + PREFIX)
+                and (f"-j {PREFIX}" in line or f"-g {PREFIX}" in line)
+            ]  # fmt: skip
+            if not chains and not jumps:
                 continue
             lines.append(f"*{table}")
-            lines.extend(f":{chain} - [0:0]" for chain in sorted(chains[table]))
-            lines.extend(f"-X {chain}" for chain in sorted(chains[table]))
+            lines.extend("-D" + line[2:] for line in jumps)
+            lines.extend(f":{chain} - [0:0]" for chain in chains)
+            lines.extend(f"-X {chain}" for chain in chains)
             lines.append("COMMIT")
-            removed.extend(f"{family} {table} {chain}" for chain in sorted(chains[table]))
+            removed.extend(f"{family} {table} {line[3:]}" for line in jumps)
+            removed.extend(f"{family} {table} {chain}" for chain in chains)
         if lines:
             proc = _run(netns, [RESTORE[family], "-w", LOCK_WAIT, "--noflush"],
                         "\n".join(lines) + "\n")  # fmt: skip
