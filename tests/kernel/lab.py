@@ -8,17 +8,22 @@ addresses and routes are never touched):
               lo: 169.254.1.1/32           the pods' IPv4 gateway (see below)
               vethkbp<n>: fe80::1/64       the pods' IPv6 gateway (nodad), proxy_arp=1
               routes 10.244.<node>.<n>/32 and fd00:244:<node>::<n>/128 dev vethkbp<n>
-              blackhole routes for the ClusterIP ranges
+              ClusterIP ranges routed into kbpsink (see below)
     pod n     kbp-lab-<pid>-<k>-<name>     eth0 (peer of vethkbp<n>)
               10.244.<node>.<n>/32, fd00:244:<node>::<n>/128 (nodad)
               default via 169.254.1.1 dev eth0 onlink; default via fe80::1 dev eth0
     ClusterIPs 10.96.0.0/16, fd00:96::/112 reach the node through the pods' default
-              routes. What no program translated is blackholed there: a client always
-              sees "timeout", never a reply, and nothing leaves the lab. (Without the
-              blackhole the node's ICMP unreachable would race with the client: IPv4
-              route errors are rate-limited host-wide, and TCP drops ICMP arriving
-              while connect() still holds the socket lock: "timeout" or "unreachable"
-              at random.) Other unrouted addresses get ICMP unreachable.
+              routes. The node routes them into `kbpsink`, a veth whose peer stays
+              down and which resolves no neighbours (arp off): what no program or rule
+              translated vanishes there, so a client always sees "timeout", never a
+              reply, and nothing leaves the lab. Like a real node's default route, and
+              unlike a blackhole route, this lets untranslated Service traffic reach
+              the FORWARD hook, where the iptables dataplane REJECTs or DROPs it (a
+              blackhole drops it in the route lookup first). Without any route the
+              node's ICMP unreachable would race with the client: IPv4 route errors
+              are rate-limited host-wide, and TCP drops ICMP arriving while connect()
+              still holds the socket lock ("timeout" or "unreachable" at random).
+              Other unrouted addresses get ICMP unreachable.
 
 A Calico host answers ARP for 169.254.1.1 by proxy_arp because it has a default route
 to proxy for; this node deliberately has none, so 169.254.1.1 sits on its loopback
@@ -59,6 +64,7 @@ GATEWAY_IPV4 = "169.254.1.1"
 GATEWAY_IPV6 = "fe80::1"
 CLUSTER_IPV4_CIDR = "10.96.0.0/16"
 CLUSTER_IPV6_CIDR = "fd00:96::/112"
+SINK = "kbpsink"  # where Service traffic that nothing translated goes (see above)
 MAX_PODS = 254
 
 _labs = itertools.count()
@@ -306,8 +312,10 @@ class Lab:
         _ip_batch(self.node_ns, [
             "link set lo up",
             f"addr add {GATEWAY_IPV4}/32 dev lo",
-            f"route add blackhole {CLUSTER_IPV4_CIDR}",
-            f"route add blackhole {CLUSTER_IPV6_CIDR}",
+            f"link add {SINK} type veth peer name {SINK}-peer",
+            f"link set {SINK} arp off up",
+            f"route add {CLUSTER_IPV4_CIDR} dev {SINK}",
+            f"route add {CLUSTER_IPV6_CIDR} dev {SINK}",
         ])  # fmt: skip
 
     def close(self) -> None:
