@@ -26,6 +26,7 @@ from .render import (
     FORWARD,
     IPV4,
     IPV6,
+    NAT_BASE_CHAINS,
     POSTROUTING,
     PREFIX,
     SERVICES,
@@ -268,7 +269,7 @@ class IptablesDataplane:
         if rewrite_all:
             existing = kernel_chains(family, self.netns)["nat"]
             stale = {c for c in existing if c not in desired and c.startswith(PREFIX)}
-            stale -= {"KBP-SERVICES", "KBP-MARK-MASQ", "KBP-POSTROUTING"}
+            stale -= set(NAT_BASE_CHAINS)
         else:
             previous: set[str] = set()
             for key in old_entries:
@@ -276,7 +277,7 @@ class IptablesDataplane:
                     continue
                 previous.update(old_rules[key].chains)
             stale = previous - desired
-        document = assemble(family, rules.values(), rewritten, stale)
+        document = assemble(options, rules.values(), rewritten, stale)
         proc = _run(self.netns, [RESTORE[family], "-w", LOCK_WAIT, "--noflush"], document.text)
         if proc.returncode != 0:
             raise DataplaneError("iptables-restore", _restore_error(family, proc, document.text))

@@ -17,6 +17,8 @@ Structure (nat table unless noted; every name starts with `KBP-`):
                          affinity, then `statistic --mode random` over the endpoints
     KBP-SEP-h            one endpoint: hairpin mark, `recent --set`, DNAT
     KBP-MARK-MASQ        sets MASQ_MARK; KBP-POSTROUTING masquerades marked packets
+    KBP-MASQ-NON-POD     marks ClusterIP traffic that did not come from a pod (by pod CIDR,
+                         else by pod interface), so replies from other nodes return here
     filter KBP-SERVICES  (ctstate NEW, from INPUT/FORWARD/OUTPUT) what nat left untranslated:
                          REJECT when the Service has no endpoints at all, DROP when policy
                          leaves none for this node or the source range refuses the client
@@ -51,8 +53,9 @@ PREFIX = "KBP-"
 SERVICES = "KBP-SERVICES"
 POSTROUTING = "KBP-POSTROUTING"
 MARK_MASQ = "KBP-MARK-MASQ"
+MASQ_NON_POD = "KBP-MASQ-NON-POD"
 FORWARD = "KBP-FORWARD"
-NAT_BASE_CHAINS = (SERVICES, MARK_MASQ, POSTROUTING)
+NAT_BASE_CHAINS = (SERVICES, MARK_MASQ, MASQ_NON_POD, POSTROUTING)
 FILTER_BASE_CHAINS = (SERVICES, FORWARD)
 
 # Bit 14, as kube-proxy's default --iptables-masquerade-bit: a node that ran kube-proxy
@@ -186,18 +189,20 @@ def entry_rules(entry: ServiceEntry, options: RenderOptions) -> EntryRules:
             filter_rules.append(f"-A {SERVICES} {dest} -m comment --comment {reason} -j DROP")
 
     endpoint_chains: dict[str, tuple[str, ...]] = {}
+    # kube-proxy's "masquerade off-cluster traffic to the cluster IP", in the chain the
+    # ClusterIP uses; only when pods can be told apart from everything else.
+    internal = svl if entry.internal_traffic_policy == "Local" else svc
+    outsiders = tuple(
+        f"-A {internal} {_dest(f, entry, family)} "
+        f"-m comment --comment {_quote(f'{name} cluster IP')} -j {MASQ_NON_POD}"
+        for f in entry.frontends
+        if f.type == CLUSTER_IP and (options.pod_cidrs or options.pod_interface_patterns)
+    )
     if cluster:
-        masquerade_outsiders = [
-            f"-A {svc} {_dest(f, entry, family)} ! -s {cidr} "
-            f"-m comment --comment {_quote(f'{name} cluster IP')} -j {MARK_MASQ}"
-            for f in entry.frontends
-            if f.type == CLUSTER_IP
-            for cidr in options.pod_cidrs[:1]  # one CIDR per family, as kube-proxy's flag
-        ]
-        chains[svc] = tuple(masquerade_outsiders) + _balance(svc, entry, cluster, name)
+        chains[svc] = (outsiders if internal == svc else ()) + _balance(svc, entry, cluster, name)
         _add_endpoints(endpoint_chains, entry, cluster, name, family)
     if local:
-        chains[svl] = _balance(svl, entry, local, name)
+        chains[svl] = (outsiders if internal == svl else ()) + _balance(svl, entry, local, name)
         _add_endpoints(endpoint_chains, entry, local, name, family)
     if externals and (cluster or local):
         chains[ext] = _external(ext, svc, svl, entry, options, cluster, local, name)
@@ -301,10 +306,15 @@ def _external(
     return tuple(rules)
 
 
-def base_rules(family: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def base_rules(options: RenderOptions) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(nat, filter) rules of the fixed chains."""
-    del family  # the same text for both families
+    if options.pod_cidrs:
+        pods = tuple(f"-A {MASQ_NON_POD} -s {cidr} -j RETURN" for cidr in options.pod_cidrs)
+    else:
+        pods = tuple(f"-A {MASQ_NON_POD} -i {p} -j RETURN" for p in options.pod_interface_patterns)
     nat = (
+        *pods,
+        f"-A {MASQ_NON_POD} -j {MARK_MASQ}",
         f"-A {MARK_MASQ} -j MARK --or-mark {MASQ_MARK}",
         f"-A {POSTROUTING} -m mark ! --mark {MASQ_MARK}/{MASQ_MARK} -j RETURN",
         # clear the bit so a packet re-entering the stack is not masqueraded twice
@@ -332,14 +342,14 @@ class Document:
 
 
 def assemble(
-    family: str,
+    options: RenderOptions,
     all_rules: Iterable[EntryRules],
     rewritten: Iterable[EntryRules],
     stale_chains: Iterable[str],
 ) -> Document:
     """The restore input (for `--noflush`): the dispatch and filter chains from every
     entry, the nat chains of the `rewritten` entries, and deletes of `stale_chains`."""
-    nat_base, filter_base = base_rules(family)
+    nat_base, filter_base = base_rules(options)
     dispatch: list[str] = []
     filtering: list[str] = []
     for rules in all_rules:
@@ -378,4 +388,4 @@ def assemble(
 def render(entries: Iterable[ServiceEntry], options: RenderOptions) -> str:
     """The complete restore input for one family (golden files, benchmarks, dry runs)."""
     rules = [entry_rules(e, options) for e in entries if e.ip_family == options.family]
-    return assemble(options.family, rules, rules, ()).text
+    return assemble(options, rules, rules, ()).text
