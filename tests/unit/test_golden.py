@@ -20,7 +20,7 @@ from agent.sources.manifests import load_manifests
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 GOLDEN = ROOT / "tests" / "golden"
-OPTIONS = CompileOptions(cluster_name="member1", cluster_cidrs=("10.244.0.0/16", "fd00:244::/48"))
+OPTIONS = CompileOptions(cluster_name="member1", cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
 
 
 @pytest.mark.parametrize("node", ["node-a", "node-b", "node-c"])

@@ -629,7 +629,7 @@ def test_a_partial_document_over_the_full_one_leaves_what_a_fresh_full_render_wo
         assert applied.chains(table) == fresh.chains(table)
 
 
-# --- deviations from kube-proxy found while writing these tests ------------------------
+# --- masquerade of Service traffic that did not come from a pod -------------------------
 
 
 def test_without_a_pod_cidr_an_outside_client_reaching_a_cluster_ip_is_masqueraded():
