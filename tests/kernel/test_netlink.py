@@ -24,7 +24,7 @@ from agent.dataplane.ebpf.netlink import (
     TcAttacher,
 )
 
-from .lab import Lab
+from .lab import SINK, Lab
 
 PORT = 8080
 CONNECTIONS = 5
@@ -234,7 +234,8 @@ def test_links_lists_the_namespace_interfaces(lab, attacher, pods):
     links = attacher.links()
     assert Link(client.host_ifindex, client.host_ifname) in links
     assert Link(server.host_ifindex, server.host_ifname) in links
-    assert {link.name for link in links} == {"lo", client.host_ifname, server.host_ifname}
+    sink = {SINK, f"{SINK}-peer"}  # the lab's ClusterIP sink (lab.py)
+    assert {link.name for link in links} == {"lo", client.host_ifname, server.host_ifname} | sink
 
 
 def test_pod_interfaces_match_by_glob():
