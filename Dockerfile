@@ -1,0 +1,110 @@
+# syntax=docker/dockerfile:1
+# The kube-bpf-proxy node image: the agent, bcc, bpftool, iptables and conntrack on Debian 12,
+# the same Debian packages `make setup` installs (deps/debian.txt is the one list).
+#
+#   docker build -t kube-bpf-proxy:0.1.0 .
+#
+# linux/amd64 only: the kernel-header fallback is Debian's linux-headers-amd64.
+# BuildKit is needed (the entrypoint below is a heredoc); Docker 23+ uses it by default.
+
+ARG BASE=debian:bookworm-slim
+
+# Stage 1: split deps/debian.txt into what the image installs and what it does not.
+# The list is read with the Makefile's own `sed -e 's/#.*//'`, so a package added there
+# reaches the image too, unless it is named below with the reason it stays out.
+FROM ${BASE} AS package-lists
+WORKDIR /deps
+COPY deps/debian.txt debian.txt
+RUN set -eu; \
+    : > runtime.txt; : > headers.txt; : > left-out.txt; \
+    for pkg in $(sed -e 's/#.*//' debian.txt); do \
+        case "$pkg" in \
+            linux-headers-*) echo "$pkg" >> headers.txt ;; \
+            curl) echo "$pkg" >> left-out.txt ;; \
+            *) echo "$pkg" >> runtime.txt ;; \
+        esac; \
+    done
+# linux-headers-*: installed in the `headers` stage; only the header files are copied out,
+#                  because the package drags in gcc and kbuild.
+# curl:            the HTTP client of scripts/ebpf-demo.sh; nothing on a node needs it.
+
+# Stage 2: kernel headers as one tree for bcc's fallback (see the entrypoint).
+# Debian splits them into an arch tree (generated headers, linux-headers-<v>-amd64) and a
+# common tree (everything else); bcc's BCC_KERNEL_SOURCE takes a single directory, so the
+# two are merged. Only include/ and arch/x86/ are kept: bcc needs nothing else.
+FROM ${BASE} AS headers
+COPY --from=package-lists /deps/headers.txt /deps/headers.txt
+RUN set -eu; \
+    export DEBIAN_FRONTEND=noninteractive; \
+    apt-get update -q; \
+    apt-get install -y -q --no-install-recommends $(cat /deps/headers.txt); \
+    arch_tree="$(find /usr/src -maxdepth 1 -type d -name 'linux-headers-*-amd64' | sort -V | tail -n 1)"; \
+    common_tree="${arch_tree%-amd64}-common"; \
+    mkdir -p /kernel-headers/arch; \
+    cp -a "$common_tree/include" /kernel-headers/; \
+    cp -a "$common_tree/arch/x86" /kernel-headers/arch/; \
+    cp -a "$arch_tree/include/." /kernel-headers/include/; \
+    cp -a "$arch_tree/arch/x86/." /kernel-headers/arch/x86/; \
+    basename "$arch_tree" | sed -e 's/^linux-headers-//' > /kernel-headers/kernel-release
+
+# Stage 3: the runtime packages. libbpfcc brings clang and LLVM as libraries
+# (libclang-cpp, libllvm): bcc compiles bpf/*.c when the agent starts, so that compiler
+# stays by design; there is no gcc, make or kbuild in the image.
+FROM ${BASE} AS runtime
+COPY --from=package-lists /deps/runtime.txt /usr/share/kube-bpf-proxy/debian-packages.txt
+RUN set -eu; \
+    export DEBIAN_FRONTEND=noninteractive; \
+    apt-get update -q; \
+    apt-get install -y -q --no-install-recommends $(cat /usr/share/kube-bpf-proxy/debian-packages.txt); \
+    rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
+
+# Stage 4: the agent in a venv that sees Debian's bcc (--system-site-packages), installed
+# editable from /opt/kube-bpf-proxy/src because the agent finds bpf/ next to its package
+# (agent/dataplane/ebpf/abi.py), which a wheel would not carry.
+FROM runtime AS agent
+COPY pyproject.toml README.md /opt/kube-bpf-proxy/src/
+COPY agent /opt/kube-bpf-proxy/src/agent
+COPY bpf /opt/kube-bpf-proxy/src/bpf
+RUN set -eu; \
+    python3 -m venv --system-site-packages /opt/kube-bpf-proxy/venv; \
+    /opt/kube-bpf-proxy/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
+        -e /opt/kube-bpf-proxy/src; \
+    find /opt/kube-bpf-proxy -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# The image: runtime packages, the fallback headers, the agent.
+FROM runtime
+LABEL org.opencontainers.image.title="kube-bpf-proxy" \
+      org.opencontainers.image.description="Kubernetes Service load balancing in eBPF (tc/XDP), with an iptables fallback" \
+      org.opencontainers.image.licenses="Apache-2.0"
+
+# Kernel headers: the host's first, these second. Shipping them costs about 60 MB
+# (compressed far less), and in exchange the eBPF dataplane also starts on hosts
+# without headers for their kernel (no /lib/modules/$(uname -r)/build, no
+# CONFIG_IKHEADERS), where it would otherwise fall back to iptables. They are Debian
+# 12's headers, not the running kernel's: the tc programs use only uapi and networking
+# headers, which stay compatible across nearby versions.
+COPY --from=headers /kernel-headers /usr/lib/kube-bpf-proxy/kernel-headers
+COPY --from=agent /opt/kube-bpf-proxy /opt/kube-bpf-proxy
+
+# `kube-bpf-proxy` picks the kernel headers for bcc, then runs the agent: the host's
+# (/lib/modules and /usr/src mounted from the node; an exact match), else the kernel's
+# own /sys/kernel/kheaders.tar.xz (bcc unpacks it itself), else the image's.
+# bcc's own lookup uses /lib/modules/<release>/source when it is a directory, else
+# /lib/modules/<release>/build; kconfig.h is the file it checks for.
+COPY --chmod=0755 <<'EOF' /usr/local/bin/kube-bpf-proxy
+#!/bin/sh
+set -eu
+modules="/lib/modules/$(uname -r)"
+if [ -z "${BCC_KERNEL_SOURCE:-}" ] \
+    && [ ! -e "$modules/source/include/linux/kconfig.h" ] \
+    && [ ! -e "$modules/build/include/linux/kconfig.h" ] \
+    && [ ! -e /sys/kernel/kheaders.tar.xz ]; then
+    BCC_KERNEL_SOURCE=/usr/lib/kube-bpf-proxy/kernel-headers
+    export BCC_KERNEL_SOURCE
+fi
+exec /opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy "$@"
+EOF
+
+ENV PYTHONUNBUFFERED=1
+ENTRYPOINT ["kube-bpf-proxy"]
+CMD ["run"]
