@@ -2,7 +2,7 @@
 #
 #   make setup   Debian packages (deps/debian.txt), kernel headers for bcc, .venv
 #   make test    ruff check, then pytest (PYTEST_ARGS='-k foo' passes arguments through)
-#   make lab     the network-namespace lab (for now: compile the example manifests)
+#   make lab     the network-namespace lab: examples/ on three namespace nodes, real requests
 #   make clean   remove .venv and caches (never system packages)
 
 SHELL := /bin/bash
@@ -51,7 +51,7 @@ test: setup
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 lab: setup
-	$(VENV)/bin/kube-bpf-proxy compile --manifests examples/ --node node-a -o yaml
+	$(VENV)/bin/kube-bpf-proxy lab
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

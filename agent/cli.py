@@ -52,6 +52,7 @@ RUN_SETTINGS = [
 ]
 
 INSPECT_SETTINGS = ["bpffs", "inspect_output", "log_level"]
+LAB_SETTINGS = ["manifests", "dataplane"]
 CLEANUP_SETTINGS = ["bpffs", "log_level"]
 INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters")
 
@@ -101,6 +102,27 @@ def build_parser() -> argparse.ArgumentParser:
         "Services lose their translation.",
     )
     add_arguments(cleanup_parser, CLEANUP_SETTINGS)
+    lab_parser = commands.add_parser(
+        "lab",
+        help="build the example cluster in network namespaces and check every Service",
+        description="Build nodes, pods and a client pod per node out of network namespaces "
+        "from the manifests (default: examples/), run the agent on every node, make real "
+        "requests to every frontend and print per Service which pods answered and whether "
+        "that keeps the Service's promise; exit 0 only if every check holds. Everything is "
+        "removed on exit unless --keep; `lab down` removes a kept lab. Needs root.",
+    )
+    lab_parser.add_argument(
+        "action", nargs="?", default="up", choices=("up", "down"),
+        help="up (default): build, check, remove; down: remove what a --keep run left",
+    )  # fmt: skip
+    add_arguments(lab_parser, LAB_SETTINGS)
+    lab_parser.add_argument(
+        "--keep", action="store_true", help="leave the lab up and print how to explore it"
+    )
+    lab_parser.add_argument(
+        "--requests", type=int, default=20, metavar="N",
+        help="requests per frontend (default: 20)",
+    )  # fmt: skip
     return parser
 
 
@@ -180,7 +202,22 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-COMMANDS = {"compile": cmd_compile, "run": cmd_run, "inspect": cmd_inspect, "cleanup": cmd_cleanup}
+def cmd_lab(args: argparse.Namespace) -> int:
+    from .lab.command import lab, lab_down  # namespaces and subprocesses: root only
+
+    if args.action == "down":
+        return lab_down()
+    settings = settings_from(args, LAB_SETTINGS)
+    return lab(settings.manifests, settings.dataplane, args.keep, args.requests)
+
+
+COMMANDS = {
+    "compile": cmd_compile,
+    "run": cmd_run,
+    "inspect": cmd_inspect,
+    "cleanup": cmd_cleanup,
+    "lab": cmd_lab,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,10 @@
 #define KBP_CT_F_HAIRPIN 1 /* client is its own backend: source NATed to the frontend */
 #define KBP_CT_F_SEEN_REPLY 2
 #define KBP_CT_F_CLOSING 4 /* FIN or RST seen */
+/* The frontend may be one of this node's addresses (NodePort, and ExternalIP/LB VIPs
+ * a node can own): the reply is translated at the client's hook, not at the backend's
+ * ingress, where a source that is this node's own address is dropped as martian. */
+#define KBP_CT_F_REPLY_AT_CLIENT 8
 
 /* Indexes of the kbp_drops map: why the datapath dropped or rejected a packet. */
 #define KBP_DROP_NO_BACKEND 0    /* empty set, hasEndpoints true: dropped */

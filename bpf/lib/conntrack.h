@@ -144,6 +144,8 @@ static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp
 	entry.backend_id = backend_id;
 	entry.service_id = svc->service_id;
 	entry.flags = hairpin ? KBP_CT_F_HAIRPIN : 0;
+	if (!hairpin && svc->type != KBP_FE_CLUSTER_IP)
+		entry.flags |= KBP_CT_F_REPLY_AT_CLIENT;
 	entry.last_seen = now;
 
 	__ct_reply_key(t, backend->addr, backend->port, hairpin, &key);

@@ -37,6 +37,11 @@ static __always_inline int translate_reply(struct __sk_buff *skb, const struct k
 	__u32 service_id = entry->service_id;
 	int hairpin = entry->flags & KBP_CT_F_HAIRPIN;
 
+	/* At the backend's ingress a node-address frontend is left for the client's egress
+	 * (KBP_CT_F_REPLY_AT_CLIENT); the untranslated reply is routed there like any
+	 * pod-to-pod packet. */
+	if (may_redirect && (entry->flags & KBP_CT_F_REPLY_AT_CLIENT))
+		return TC_ACT_OK;
 	ct_touch(entry, t, kbp_now(), KBP_CT_F_SEEN_REPLY);
 	if (nat_reverse_reply(skb, t, entry))
 		return drop_service_packet(bytes, service_id, KBP_DROP_NAT_FAILED);

@@ -59,6 +59,7 @@ CT_FLAGS = {
     const.KBP_CT_F_HAIRPIN: "hairpin",
     const.KBP_CT_F_SEEN_REPLY: "seen-reply",
     const.KBP_CT_F_CLOSING: "closing",
+    const.KBP_CT_F_REPLY_AT_CLIENT: "reply-at-client",
 }
 
 

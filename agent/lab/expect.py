@@ -1,0 +1,202 @@
+"""What a lab client pod should see at each frontend of a NodeState, and whether the
+answers it got keep that promise (pure).
+
+The set a packet from a pod uses is DESIGN.md §3's: to a ClusterIP, `localBackends` under
+internalTrafficPolicy Local, else `clusterBackends`; to a NodePort, ExternalIP or
+LoadBalancer frontend, `clusterBackends`. An empty set answers like kube-proxy: refused
+(TCP RST, ICMP port unreachable) when the Service has no endpoints at all, a silent drop
+(the client times out) when endpoints exist elsewhere. Backends the lab has no pod for
+(other clusters, unknown nodes) are left out of the promise and listed instead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, Frontend, ServiceEntry
+
+CLUSTER_BACKENDS = "clusterBackends"
+LOCAL_BACKENDS = "localBackends"
+
+BACKENDS = "backends"  # answers come from the expected pods
+REFUSED = "refused"  # every request is refused at once
+DROPPED = "dropped"  # every request times out
+
+# Whether a dataplane applies loadBalancerSourceRanges to pods reaching a LoadBalancer
+# VIP. iptables does, as kube-proxy (KBP-FW); the eBPF dataplane checks them on the
+# external path only, as Cilium does (README: "source ranges are for the external path").
+SOURCE_RANGES_APPLY_TO_PODS = {"iptables": True, "ebpf": False}
+
+TIMES = "\N{MULTIPLICATION SIGN}"  # between a pod and its count of answers
+
+# Sets up to this size must be covered: every expected backend answers at least once,
+# judged after so many answers that uniform selection misses one by chance with a
+# probability below COVERAGE_FALSE_ALARM.
+COVERAGE_MAX_SET = 5
+COVERAGE_FALSE_ALARM = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Expectation:
+    kind: str  # BACKENDS | REFUSED | DROPPED
+    uses: str  # the set the packet uses, and why, for the table
+    backends: tuple[str, ...] = ()  # pod names (namespace/name) expected to answer
+    excluded: tuple[str, ...] = ()  # "ip:port (reason)" of backends the lab cannot reach
+    affinity: bool = False  # sessionAffinity ClientIP: one client, one backend
+    note: str = ""  # why it refuses or drops; or a remark on the rule
+
+    @property
+    def describe(self) -> str:
+        if self.kind in (REFUSED, DROPPED):
+            return f"{self.kind} ({self.note})" if self.note else self.kind
+        if not self.backends:
+            return "nothing reachable (timeout)"
+        return " ".join(self.backends)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    ok: bool
+    note: str = ""
+
+
+def used_set(entry: ServiceEntry, frontend: Frontend) -> tuple[str, tuple[Backend, ...]]:
+    """The backend set a packet from a pod to this frontend uses, and its name."""
+    if frontend.type == CLUSTER_IP and entry.internal_traffic_policy == "Local":
+        return LOCAL_BACKENDS, entry.local_backends or ()
+    return CLUSTER_BACKENDS, entry.cluster_backends or ()
+
+
+def source_allowed(client_ip: str, frontend: Frontend) -> bool:
+    """Whether the frontend's loadBalancerSourceRanges (if any) admit client_ip."""
+    if frontend.type != LOAD_BALANCER or not frontend.source_ranges:
+        return True
+    address = ipaddress.ip_address(client_ip)
+    return any(
+        address in ipaddress.ip_network(cidr)
+        for cidr in frontend.source_ranges
+        if ipaddress.ip_network(cidr).version == address.version
+    )
+
+
+def expect(
+    entry: ServiceEntry,
+    frontend: Frontend,
+    client_ip: str,
+    dataplane: str,
+    locate: Callable[[Backend], tuple[str | None, str]],
+) -> Expectation:
+    """What client_ip (a pod) should see at frontend. locate(backend) gives the name of
+    the lab pod answering for a backend, or (None, why the lab cannot reach it)."""
+    set_name, backends = used_set(entry, frontend)
+    uses = set_name if frontend.type == CLUSTER_IP else f"{set_name} (from a pod)"
+    note = ""
+    if not source_allowed(client_ip, frontend):
+        if SOURCE_RANGES_APPLY_TO_PODS.get(dataplane, True):
+            return Expectation(
+                DROPPED, "loadBalancerSourceRanges", note="source not allowed, as kube-proxy"
+            )
+        note = "loadBalancerSourceRanges apply to outside clients only here (as Cilium)"
+    if not backends:
+        if entry.has_endpoints:
+            return Expectation(DROPPED, f"{set_name} (empty)", note="endpoints elsewhere")
+        return Expectation(REFUSED, f"{set_name} (empty)", note="no endpoints")
+    names: list[str] = []
+    excluded: list[str] = []
+    for backend in backends:
+        name, reason = locate(backend)
+        if name is None:
+            excluded.append(f"{_address(backend.ip, backend.port)} ({reason})")
+        elif name not in names:
+            names.append(name)
+    return Expectation(
+        BACKENDS,
+        uses,
+        tuple(sorted(names)),
+        tuple(excluded),
+        affinity=entry.affinity_timeout is not None,
+        note=note,
+    )
+
+
+def coverage_sample(backends: int) -> int:
+    """Answers after which a backend that never answered is a failure, not bad luck:
+    n (1 - 1/n)^answers < COVERAGE_FALSE_ALARM (21 for two backends, 37 for three)."""
+    if backends <= 1:
+        return 1
+    return math.ceil(
+        math.log(backends / COVERAGE_FALSE_ALARM) / -math.log(1 - 1 / backends)
+    )
+
+
+def coverage_required(expectation: Expectation, answered: int) -> bool:
+    """Whether every expected backend must have answered: small sets without affinity,
+    once enough answers were collected (coverage_sample)."""
+    n = len(expectation.backends)
+    return (
+        expectation.kind == BACKENDS
+        and not expectation.affinity
+        and 0 < n <= COVERAGE_MAX_SET
+        and answered >= coverage_sample(n)
+    )
+
+
+def missing(expectation: Expectation, counts: Mapping[str, int]) -> list[str]:
+    """Expected backends that have not answered (yet)."""
+    if expectation.kind != BACKENDS or expectation.affinity:
+        return []
+    return [name for name in expectation.backends if not counts.get(name)]
+
+
+def judge(
+    expectation: Expectation, counts: Mapping[str, int], errors: Mapping[str, int]
+) -> Verdict:
+    """✔ or ✘ for what one client saw at one frontend, with the reason for a ✘."""
+    answered = sum(counts.values())
+    failures = {k: v for k, v in errors.items() if v}
+    if expectation.kind in (REFUSED, DROPPED):
+        wanted = "refused" if expectation.kind == REFUSED else "timeout"
+        if answered:
+            return Verdict(False, f"expected {wanted}, but {_counts(counts)} answered")
+        other = {k: v for k, v in failures.items() if k != wanted}
+        if other or not failures:
+            return Verdict(False, f"expected {wanted}, got {_counts(failures) or 'nothing'}")
+        return Verdict(True)
+
+    strangers = {k: v for k, v in counts.items() if k not in expectation.backends}
+    if strangers:
+        return Verdict(False, f"answered by {_counts(strangers)}, not in the expected set")
+    # Requests routed to backends the lab cannot reach time out; nothing else may fail.
+    allowed = {"timeout"} if expectation.excluded else set()
+    bad = {k: v for k, v in failures.items() if k not in allowed}
+    if bad:
+        absent = missing(expectation, counts)
+        silent = f"; never answered: {' '.join(absent)}" if absent and counts else ""
+        return Verdict(False, f"failed: {_counts(bad)}{silent}")
+    if not expectation.backends:
+        return Verdict(True)
+    if not answered:
+        return Verdict(False, "no answer")
+    if expectation.affinity and len(counts) > 1:
+        return Verdict(False, "sessionAffinity broken: one client reached several backends")
+    if coverage_required(expectation, answered):
+        absent = missing(expectation, counts)
+        if absent:
+            return Verdict(False, f"{' '.join(absent)} never answered")
+    return Verdict(True)
+
+
+def _counts(counts: Mapping[str, int]) -> str:
+    return " ".join(f"{k}{TIMES}{v}" for k, v in sorted(counts.items()))
+
+
+def _address(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def frontend_text(frontend: Frontend, protocol: str) -> str:
+    """`ClusterIP 10.96.0.10:80/TCP`."""
+    return f"{frontend.type} {_address(frontend.ip, frontend.port)}/{protocol}"
