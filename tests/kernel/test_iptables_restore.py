@@ -399,3 +399,18 @@ def test_every_rule_shape_is_accepted_by_the_real_restore_in_both_families(iptab
     dp = IptablesDataplane(("veth*",), netns=iptables_ns)
     dp.apply(node_state)
     assert_kernel_holds(iptables_ns, node_state)
+
+
+def test_a_periodic_resync_after_our_rules_were_removed_rewrites_them_at_once(iptables_ns):
+    dp = IptablesDataplane(POD_INTERFACES, netns=iptables_ns)
+    dp.apply(state(BEFORE))
+    expected = {family: save(iptables_ns, family) for family in FAMILIES}
+    cleanup(iptables_ns)  # as if someone flushed our rules behind the agent's back
+    assert dp.apply(state(BEFORE), full=True) > 0  # no failed attempt first
+    for family in FAMILIES:
+        kernel, wanted = Ruleset(), Ruleset()
+        kernel.restore(save(iptables_ns, family))
+        wanted.restore(expected[family])
+        for table in ("nat", "filter"):
+            assert kernel.chains(table) == wanted.chains(table), (family, table)
+    assert dp.apply(state(BEFORE), full=True) == 0  # rules in place: nothing to write

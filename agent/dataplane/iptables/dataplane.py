@@ -212,6 +212,11 @@ class IptablesDataplane:
         writes = 0
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
         try:
+            if full and not rewrite_all and self._missing_jumps():
+                # Someone removed our rules since the last full write (a flush, another
+                # tool's cleanup): what the kernel holds is unknown, so write it all.
+                log.warning("iptables: jump rules into KBP- chains are missing; rewriting all")
+                rewrite_all = True
             for family in FAMILIES:
                 options = self._options(state, family)
                 writes += self._apply_family(
@@ -290,23 +295,31 @@ class IptablesDataplane:
         )  # fmt: skip
         return document.rules + document.chains_deleted
 
+    def _missing_jumps(self) -> list[tuple[str, tuple[str, str, str, str, str, str]]]:
+        """Our jump rules that `-C` does not find, per family."""
+        missing = []
+        for family in FAMILIES:
+            for jump in JUMPS:
+                table, builtin, chain, _, extra, comment = jump
+                argv = [IPTABLES[family], "-w", LOCK_WAIT, "-t", table, "-C", builtin]
+                if _run(self.netns, [*argv, *_jump_spec(extra, comment, chain)]).returncode:
+                    missing.append((family, jump))
+        return missing
+
     def _ensure_jumps(self) -> int:
         """Insert our jump rules where they are missing (checked with `-C`)."""
         added = 0
-        for family in FAMILIES:
-            for table, builtin, chain, position, extra, comment in JUMPS:
-                spec = _jump_spec(extra, comment, chain)
-                base = [IPTABLES[family], "-w", LOCK_WAIT, "-t", table]
-                if _run(self.netns, [*base, "-C", builtin, *spec]).returncode == 0:
-                    continue
-                verb = ["-I", builtin, "1"] if position == "insert" else ["-A", builtin]
-                proc = _run(self.netns, [*base, *verb, *spec])
-                if proc.returncode != 0:
-                    raise DataplaneError(
-                        "iptables", f"{IPTABLES[family]} -t {table} {' '.join(verb)} "
-                        f"-j {chain}: {proc.stderr.strip()}"
-                    )  # fmt: skip
-                added += 1
+        for family, (table, builtin, chain, position, extra, comment) in self._missing_jumps():
+            spec = _jump_spec(extra, comment, chain)
+            base = [IPTABLES[family], "-w", LOCK_WAIT, "-t", table]
+            verb = ["-I", builtin, "1"] if position == "insert" else ["-A", builtin]
+            proc = _run(self.netns, [*base, *verb, *spec])
+            if proc.returncode != 0:
+                raise DataplaneError(
+                    "iptables", f"{IPTABLES[family]} -t {table} {' '.join(verb)} "
+                    f"-j {chain}: {proc.stderr.strip()}"
+                )  # fmt: skip
+            added += 1
         return added
 
     def _clear_udp_conntrack(
