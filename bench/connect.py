@@ -7,10 +7,11 @@ floor paths (netfilter hooks are per namespace). The eBPF lab has one node names
 six pods on veth pairs: `client` and `server` have the tc programs on their host veths;
 `client0` and `server0` have none (the floor); `client2` and `server2` have an empty tc
 program. The iptables lab (node 2) has `client` and `server` and the IptablesDataplane in
-its node namespace (`--pod-interfaces vethkbp*`). Each server pod runs the lab's podserver
-on port 8080 and 8081. Three target Services (ClusterIPs 10.96.255.252-254:80 → the lab's
-server:8080) are named to sort first, in the middle and last among N - 3 synthetic
-Services x 10 endpoints (bench/datapath.py's address plan; their backends do not exist):
+its node namespace (`--pod-interfaces vethkbp*`). The servers run the lab's podserver on
+ports 8080-8083. Three target Services (ClusterIPs 10.96.255.252-254:80 → the lab's
+server, each on its own port) are named to sort first, in the middle and last among N - 3
+synthetic Services x 10 endpoints (bench/datapath.py's address plan; their backends do not
+exist):
 NodeState order is KBP-SERVICES order, whose rules iptables evaluates one by one, so the
 position matters there and should not for eBPF. For each N, rounds of measurement sets
 run in rotating order, each one process in a client pod that times many sequential
@@ -70,8 +71,17 @@ TARGET_PORT = 80
 WARMUP = 20  # untimed connections first: neighbour resolution, caches
 POSITIONS = ("first", "middle", "last")  # of the target Service in NodeState order
 TARGET_IPS = {"first": "10.96.255.252", "middle": "10.96.255.253", "last": TARGET_IP}
+# Each target has its own backend port, for the reason DIRECT_PORT has one: with a shared
+# backend, a connect() to one ClusterIP from a source port an earlier flow to another used
+# gets its SYN-ACK reverse-translated by that flow's stale eBPF conntrack entry (the reply
+# key names the backend and the client, not the ClusterIP), and times out.
+BACKEND_PORTS = {"first": 8082, "middle": 8083, "last": PORT}
+SERVER_PORTS = sorted({PORT, DIRECT_PORT, *BACKEND_PORTS.values()})
 DATAPLANES = ("ebpf", "iptables")
 IPTABLES_POD_INTERFACES = ("vethkbp*",)  # the lab's host veths (tests/kernel/lab.py)
+# The iptables dataplane's tools may run this long here: iptables-nft 1.8.9 needs more
+# than the module's COMMAND_TIMEOUT (300 s) to restore 10k Services x 10 endpoints.
+IPTABLES_TIMEOUT = 3600.0
 
 # Targets and anchors (../shared/BENCHMARKS.md PB-2).
 TARGET_NET_P50_US = 2.0  # eBPF p50 ≤ floor + 2 µs
@@ -185,15 +195,19 @@ def target_entries(n: int, server_ip: str) -> dict[str, ServiceEntry]:
     middle and last among bench/datapath.py's synthetic `svc-NNNNNN` (one below N = 3)."""
     from bench.datapath import service_entry
 
-    backends = [(server_ip, PORT)]
     if n < len(POSITIONS):
+        backends = [(server_ip, BACKEND_PORTS["last"])]
         return {"last": service_entry("zz-target", TARGET_IP, backends, local=True)}
     synthetic = n - len(POSITIONS)
     # "svc-000499-target" sorts right after svc-000499: half the synthetic ones before it
     middle = f"svc-{synthetic // 2 - 1:06d}-target" if synthetic >= 2 else "m-target"
     names = {"first": "aa-target", "middle": middle, "last": "zz-target"}
-    return {pos: service_entry(names[pos], TARGET_IPS[pos], backends, local=True)
-            for pos in POSITIONS}  # fmt: skip
+    return {
+        pos: service_entry(
+            names[pos], TARGET_IPS[pos], [(server_ip, BACKEND_PORTS[pos])], local=True
+        )
+        for pos in POSITIONS
+    }
 
 
 def state_with_targets(
@@ -209,7 +223,10 @@ def state_with_targets(
 
 
 def run(args: argparse.Namespace) -> int:
+    from unittest import mock
+
     from agent.dataplane.ebpf.netlink import TcAttacher
+    from agent.dataplane.iptables import dataplane as iptables_module
     from agent.dataplane.iptables.dataplane import IptablesDataplane, unavailable_reason
     from bench.compile import RESULTS
     from bench.datapath import (
@@ -261,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
                 if ebpf:
                     client, server = lab.add_pod("client"), lab.add_pod("server")
                     client2, server2 = lab.add_pod("client2"), lab.add_pod("server2")
-                    server.serve([PORT, DIRECT_PORT], ("tcp",))
+                    server.serve(SERVER_PORTS, ("tcp",))
                     server2.serve([PORT], ("tcp",))
                     sizes = map_sizes_for(max(all_n), endpoints)
                     attached = [client.host_ifname, server.host_ifname]
@@ -288,8 +305,11 @@ def run(args: argparse.Namespace) -> int:
                     if reason is not None:
                         raise RuntimeError(f"the iptables dataplane cannot run here: {reason}")
                     ipt_client, ipt_server = lab2.add_pod("client"), lab2.add_pod("server")
-                    ipt_server.serve([PORT, DIRECT_PORT], ("tcp",))
+                    ipt_server.serve(SERVER_PORTS, ("tcp",))
                     ipt = IptablesDataplane(list(IPTABLES_POD_INTERFACES), netns=lab2.node_ns)
+                    stack.enter_context(
+                        mock.patch.object(iptables_module, "COMMAND_TIMEOUT", IPTABLES_TIMEOUT)
+                    )
 
                     def cleanup_iptables(dataplane: IptablesDataplane = ipt) -> None:
                         started = time.perf_counter()
@@ -325,8 +345,10 @@ def run(args: argparse.Namespace) -> int:
                                                "writes": writes}  # fmt: skip
                         kinds += [*(f"iptables:{p}" for p in places["iptables"]),
                                   "iptables:pod_ip"]  # fmt: skip
-                    done = "; ".join(f"{name} applied {a['writes']} writes in "
-                                     f"{a['seconds']:.2f} s" for name, a in applied.items())
+                    done = "; ".join(
+                        f"{name} applied {a['writes']} writes in {a['seconds']:.2f} s"
+                        for name, a in applied.items()
+                    )
                     print(f"\n# {n} Services: {done}", flush=True)
                     samples: dict[str, list[float]] = {k: [] for k in kinds}
                     errors: dict[str, int] = dict.fromkeys(kinds, 0)
@@ -344,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
                         if kind in kinds:
                             pod, ip, port = targets[kind]
                             rr[kind] = Summary(
-                                run_in_pod(pod, "--pod-rr", ip, port, exchanges)["ns"])
+                                run_in_pod(pod, "--pod-rr", ip, port, exchanges)["ns"]
+                            )
                     report.append(print_size(n, samples, errors, notes, rr, applied, places))
     except KeyboardInterrupt:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
