@@ -20,7 +20,7 @@
 #ifndef KBP_ABI_H
 #define KBP_ABI_H
 
-#define KBP_ABI_VERSION 1
+#define KBP_ABI_VERSION 2
 
 #define KBP_FAMILY_IPV4 4
 #define KBP_FAMILY_IPV6 6
@@ -35,6 +35,11 @@
 #define KBP_SVC_F_HAS_ENDPOINTS 1 /* empty set: DROP when set, REJECT when clear (§3) */
 #define KBP_SVC_F_AFFINITY 2      /* sessionAffinity ClientIP for affinity_timeout s */
 #define KBP_SVC_F_MAGLEV 4        /* slots are a Maglev table: pick by flow hash */
+#define KBP_SVC_F_SOURCE_RANGES 8 /* LoadBalancer frontend with loadBalancerSourceRanges:
+				     clients outside its kbp_src_ranges prefixes are dropped */
+
+/* Bits of struct kbp_src_range_key before the client address: the frontend key. */
+#define KBP_SRC_RANGE_FRONTEND_BITS 160
 
 /* struct kbp_backend.flags */
 #define KBP_BE_F_LOCAL 1       /* the endpoint runs on this node */
@@ -52,6 +57,10 @@
  * a node can own): the reply is translated at the client's hook, not at the backend's
  * ingress, where a source that is this node's own address is dropped as martian. */
 #define KBP_CT_F_REPLY_AT_CLIENT 8
+/* A client outside the cluster reached a backend on another node: its source was
+ * rewritten to this node's address and a port of the SNAT range (forward entry: nat_addr/
+ * nat_port are that source; reply entry: they are the client to restore). */
+#define KBP_CT_F_SNAT 16
 
 /* Indexes of the kbp_drops map: why the datapath dropped or rejected a packet. */
 #define KBP_DROP_NO_BACKEND 0    /* empty set, hasEndpoints true: dropped */
@@ -61,7 +70,20 @@
 #define KBP_DROP_FRAGMENT 4      /* non-first IPv4 fragment / IPv6 fragment to a frontend */
 #define KBP_DROP_NAT_FAILED 5    /* a helper refused to rewrite the packet */
 #define KBP_DROP_REJECT_FAILED 6 /* could not build the RST / ICMP reply */
-#define KBP_DROP_REASONS 7
+#define KBP_DROP_SOURCE_RANGE 7  /* loadBalancerSourceRanges does not admit the client */
+#define KBP_DROP_NO_SNAT_PORT 8  /* every SNAT port tried for the flow was taken */
+#define KBP_DROP_NO_ROUTE 9      /* no route to a backend on another node (FIB lookup) */
+#define KBP_DROP_REASONS 10
+
+/* Indexes of the kbp_xdp_stats map: what the XDP program did with a packet. */
+#define KBP_XDP_PASS 0           /* left to tc and the stack (not a frontend, local backend,
+				    REJECT, or a neighbour still unresolved) */
+#define KBP_XDP_DROP_RANGE 1     /* loadBalancerSourceRanges refused the client */
+#define KBP_XDP_DROP_NO_BACKEND 2 /* empty set with endpoints elsewhere (ETP Local) */
+#define KBP_XDP_TX 3             /* forwarded, translated, out of the interface it came in */
+#define KBP_XDP_REDIRECT 4       /* forwarded, translated, out of another interface */
+#define KBP_XDP_DROP_OTHER 5     /* malformed, SNAT ports exhausted, rewrite failed */
+#define KBP_XDP_VERDICTS 6
 
 /* kbp_services: frontend address:port/protocol -> service. */
 struct kbp_frontend_key {
@@ -126,6 +148,9 @@ struct kbp_ct_entry {
 	__u32 service_id;
 	__u32 pad2;
 	__u64 last_seen; /* CLOCK_MONOTONIC ns of the last packet (coarse: tick resolution) */
+	__be32 nat_addr[4]; /* KBP_CT_F_SNAT: forward: the new source; reply: the client */
+	__be16 nat_port;    /* KBP_CT_F_SNAT: forward: the SNAT port; reply: the client's port */
+	__u8 pad3[6];
 };
 
 /* kbp_affinity (LRU): sessionAffinity ClientIP. */
@@ -154,6 +179,51 @@ struct kbp_counters {
 struct kbp_drop_counters {
 	__u64 packets;
 	__u64 bytes;
+};
+
+/* kbp_src_ranges (LPM trie): loadBalancerSourceRanges per LoadBalancer frontend. The
+ * prefix covers the whole frontend and then the range, so one trie serves them all and
+ * the agent writes it straight from NodeState (no service ids involved). */
+struct kbp_src_range_key {
+	__u32 prefixlen;   /* KBP_SRC_RANGE_FRONTEND_BITS + the range's prefix length */
+	__be32 fe_addr[4]; /* the LoadBalancer frontend the range guards: as kbp_frontend_key */
+	__be16 fe_port;
+	__u8 fe_proto;
+	__u8 fe_family;
+	__be32 addr[4];    /* the range's network address (address rule above) */
+};
+
+struct kbp_src_range {
+	__u32 range_prefixlen; /* the range's own prefix length, for readers */
+};
+
+/* kbp_config (array, one entry at index 0): what the datapath needs to know of its node. */
+struct kbp_config {
+	__be32 node_addr4[4]; /* IPv4 source of SNATed flows (word 0; 0: none), and the client
+				 address of the node's own sockets for ClientIP affinity */
+	__be32 node_addr6[4]; /* the same for IPv6 (all zero: none) */
+	__u64 host_netns_cookie; /* the node's network namespace: socket hooks act only here */
+	__u16 snat_port_min;  /* SNAT source ports, host order, inclusive; outside the
+				 node's ip_local_port_range so they never meet its own sockets */
+	__u16 snat_port_max;
+	__u32 pad;
+};
+
+/* kbp_sock_rev (LRU): the node's own sockets that a hook pointed at a backend, so that
+ * recvmsg/getpeername show the frontend the application asked for. */
+struct kbp_sock_key {
+	__u64 cookie;   /* bpf_get_socket_cookie() of the socket */
+	__be32 addr[4]; /* backend IP the socket talks to */
+	__be16 port;    /* backend port */
+	__u8 family;    /* KBP_FAMILY_* */
+	__u8 pad[5];
+};
+
+struct kbp_sock_rev {
+	__be32 addr[4]; /* frontend IP */
+	__be16 port;    /* frontend port */
+	__u8 pad[2];
+	__u32 service_id;
 };
 
 #endif /* KBP_ABI_H */

@@ -11,6 +11,8 @@
  *   KBP_MAX_BACKENDS   (service, endpoint) pairs
  *   KBP_MAX_CT         conntrack entries (two per flow)
  *   KBP_MAX_AFFINITY   ClientIP affinity entries
+ *   KBP_MAX_SRC_RANGES loadBalancerSourceRanges prefixes over all services
+ *   KBP_MAX_SOCK_REV   the node's own sockets pointed at a backend
  * Pins carry the ABI version (`kbp_services_v1`); kernel map names are limited to
  * 15 characters (BPF_OBJ_NAME_LEN), which is why conntrack is `kbp_ct`.
  */
@@ -37,6 +39,13 @@
 #ifndef KBP_MAX_AFFINITY
 #define KBP_MAX_AFFINITY 65536
 #endif /* KBP_MAX_AFFINITY */
+
+#ifndef KBP_MAX_SRC_RANGES
+#define KBP_MAX_SRC_RANGES 16384
+#endif /* KBP_MAX_SRC_RANGES */
+#ifndef KBP_MAX_SOCK_REV
+#define KBP_MAX_SOCK_REV 65536
+#endif /* KBP_MAX_SOCK_REV */
 
 #define __KBP_STR(x) #x
 #define KBP_STR(x) __KBP_STR(x)
@@ -72,5 +81,20 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_counters, kbp_counters, KBP_M
 /* Per KBP_DROP_* reason. */
 BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_drops, KBP_DROP_REASONS,
 		 KBP_PIN(kbp_drops));
+
+/* (service id, client prefix) -> admitted: loadBalancerSourceRanges. */
+BPF_TABLE_PINNED("lpm_trie", struct kbp_src_range_key, struct kbp_src_range, kbp_src_ranges,
+		 KBP_MAX_SRC_RANGES, KBP_PIN(kbp_src_ranges), BPF_F_NO_PREALLOC);
+
+/* Index 0: the node's addresses, netns cookie and SNAT port range (struct kbp_config). */
+BPF_TABLE_PINNED("array", __u32, struct kbp_config, kbp_config, 1, KBP_PIN(kbp_config));
+
+/* Per KBP_XDP_* verdict of the XDP program. */
+BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_xdp_stats,
+		 KBP_XDP_VERDICTS, KBP_PIN(kbp_xdp_stats));
+
+/* (socket cookie, backend) -> frontend, for the node's own sockets (socket hooks). */
+BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_rev,
+		 KBP_MAX_SOCK_REV, KBP_PIN(kbp_sock_rev));
 
 #endif /* KBP_MAPS_H */

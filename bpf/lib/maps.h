@@ -4,7 +4,7 @@
  * only in the main source text: in an included header the call silently compiles to an
  * indirect call through the table struct, which the verifier rejects ("unknown opcode
  * 8d"). So the libraries call these accessors, declared here and defined once in the
- * main text (tc_from_pod.c, first in the text the loader compiles).
+ * main text (maps.c, first in the text the loader compiles).
  */
 #ifndef KBP_LIB_MAPS_H
 #define KBP_LIB_MAPS_H
@@ -22,5 +22,14 @@ static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
 					       struct kbp_affinity *value);
 static __always_inline struct kbp_counters *map_lookup_counters(__u32 *service_id);
 static __always_inline struct kbp_drop_counters *map_lookup_drops(__u32 *reason);
+static __always_inline struct kbp_src_range *map_lookup_src_range(struct kbp_src_range_key *key);
+static __always_inline struct kbp_config *map_lookup_config(void);
+/* Create only (BPF_NOEXIST): -EEXIST when the key is taken (SNAT port allocation). */
+static __always_inline int map_insert_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry);
+static __always_inline struct kbp_drop_counters *map_lookup_xdp_stats(__u32 *verdict);
+static __always_inline struct kbp_sock_rev *map_lookup_sock_rev(struct kbp_sock_key *key);
+static __always_inline int map_update_sock_rev(struct kbp_sock_key *key,
+					       struct kbp_sock_rev *value);
+static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key);
 
 #endif /* KBP_LIB_MAPS_H */

@@ -77,6 +77,10 @@ MAP_NAMES = (
     "kbp_affinity",
     "kbp_counters",
     "kbp_drops",
+    "kbp_src_ranges",
+    "kbp_config",
+    "kbp_xdp_stats",
+    "kbp_sock_rev",
 )
 
 

@@ -1,8 +1,8 @@
 """Compile and load the datapath with bcc: the only module that imports bcc.
 
-bcc compiles bpf/tc_from_pod.c and bpf/tc_to_pod.c as one text (one set of map
-definitions) and creates or re-opens the pinned maps under the pin directory; the
-programs' fds are then attached by netlink.py. Everything after loading (map reads and
+bcc compiles the entry files of bpf/ as one text (one set of map definitions) and
+creates or re-opens the pinned maps under the pin directory; the programs' fds are then
+attached by netlink.py (tc, XDP) and cgroup.py (socket hooks). Everything after loading (map reads and
 writes, test runs) goes through libbpf.py with plain fds.
 """
 
@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,24 @@ from .libbpf import Map
 
 log = logging.getLogger(__name__)
 
-# Entry files compiled together, and the programs (tc classifiers) they define.
-ENTRY_FILES = ("tc_from_pod.c", "tc_to_pod.c")
-PROGRAMS = ("kbp_from_pod", "kbp_to_pod")
+# Entry files compiled together, in this order (maps.c first: see lib/maps.h).
+ENTRY_FILES = ("maps.c", "tc_from_pod.c", "tc_to_pod.c")
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """How a program of the text is loaded: bcc's program type, and for cgroup socket
+    hooks the expected attach type (enum bpf_attach_type) the kernel checks at load."""
+
+    prog_type: str  # the bcc.BPF attribute: SCHED_CLS, XDP, CGROUP_SOCK_ADDR
+    attach_type: int = -1
+
+
+# Every program the entry files define.
+PROGRAMS: dict[str, ProgramSpec] = {
+    "kbp_from_pod": ProgramSpec("SCHED_CLS"),
+    "kbp_to_pod": ProgramSpec("SCHED_CLS"),
+}
 
 # -D names of the map sizes (bpf/include/kbp_maps.h), by MapSizes field.
 SIZE_DEFINES = {
@@ -32,6 +48,8 @@ SIZE_DEFINES = {
     "backends": "KBP_MAX_BACKENDS",
     "ct": "KBP_MAX_CT",
     "affinity": "KBP_MAX_AFFINITY",
+    "src_ranges": "KBP_MAX_SRC_RANGES",
+    "sock_rev": "KBP_MAX_SOCK_REV",
 }
 
 
@@ -64,7 +82,11 @@ class LoadedPrograms:
         if program not in self._fds:
             from bcc import BPF
 
-            self._fds[program] = self._bpf.load_func(program.encode(), BPF.SCHED_CLS).fd
+            spec = PROGRAMS[program]
+            function = self._bpf.load_func(
+                program.encode(), getattr(BPF, spec.prog_type), attach_type=spec.attach_type
+            )
+            self._fds[program] = function.fd
         return self._fds[program]
 
     def map_fd(self, name: str) -> int:
@@ -99,7 +121,7 @@ def entry_text() -> str:
 def load_programs(
     pin_dir: Path, sizes: Mapping[str, int] | None = None, cflags: Sequence[str] = ()
 ) -> LoadedPrograms:
-    """Compile the datapath; create (or re-open) the pinned maps; load both programs."""
+    """Compile the datapath; create (or re-open) the pinned maps; load every program."""
     try:
         from bcc import BPF
     except ImportError as err:

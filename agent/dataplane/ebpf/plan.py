@@ -106,6 +106,8 @@ class MapSizes:
     backends: int = 262144
     ct: int = 262144
     affinity: int = 65536
+    src_ranges: int = 16384
+    sock_rev: int = 65536
 
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)
