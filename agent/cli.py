@@ -35,6 +35,10 @@ RUN_SETTINGS = [
     "dataplane",
     "bpffs",
     "pod_interfaces",
+    "external_interfaces",
+    "xdp",
+    "cgroup_root",
+    "snat_port_range",
     "maglev_table_size",
     "map_size_services",
     "map_size_slots",
@@ -54,7 +58,7 @@ RUN_SETTINGS = [
 INSPECT_SETTINGS = ["bpffs", "inspect_output", "log_level"]
 LAB_SETTINGS = ["manifests", "dataplane"]
 CLEANUP_SETTINGS = ["bpffs", "log_level"]
-INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters")
+INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(run_parser, RUN_SETTINGS)
     inspect_parser = commands.add_parser(
         "inspect",
-        help="show the eBPF dataplane's maps: frontends, backends, conntrack, affinity, counters",
+        help="show the eBPF dataplane's maps: frontends, backends, conntrack, affinity, "
+        "counters, xdp",
         description="Decode the pinned maps under --bpffs into tables (or JSON): what the "
         "kernel holds right now, whether or not an agent is running.",
     )

@@ -140,6 +140,46 @@ class Settings:
             comma=True,
         ),
     )
+    external_interfaces: list[str] = field(
+        default_factory=list,
+        metadata=_opt(
+            "--external-interfaces",
+            "globs of the node's external interfaces, where the eBPF dataplane serves "
+            "NodePort, LoadBalancer and ExternalIP traffic from outside (tc, and XDP); "
+            "default: the interfaces that carry the node's --nodeport-addresses",
+            metavar="GLOB,...",
+            comma=True,
+        ),
+    )
+    xdp: str = field(
+        default="true",
+        metadata=_opt(
+            "--xdp",
+            "XDP on the external interfaces: true tries native mode, then generic; native "
+            "or generic insist on one; false leaves external traffic to tc alone",
+            choices=("true", "false", "native", "generic"),
+        ),
+    )
+    cgroup_root: str = field(
+        default="auto",
+        metadata=_opt(
+            "--cgroup-root",
+            "cgroup (v2) whose processes the eBPF dataplane's socket hooks serve: connect() "
+            "and sendmsg() of the node's own processes to a Service go straight to a "
+            "backend; auto: the cgroup2 mount's root (every process); none: off",
+            metavar="DIR|auto|none",
+        ),
+    )
+    snat_port_range: str = field(
+        default="61000-65535",
+        metadata=_opt(
+            "--snat-port-range",
+            "source ports for external flows the eBPF dataplane forwards to backends on "
+            "other nodes (SNAT to this node's address); keep it outside the node's "
+            "net.ipv4.ip_local_port_range and the NodePort range",
+            metavar="LOW-HIGH",
+        ),
+    )
     maglev_table_size: int = field(
         default=16381,
         metadata=_opt(
@@ -251,9 +291,7 @@ class Settings:
     )
     inspect_output: str = field(
         default="table",
-        metadata=_opt(
-            "--output", "output format", short="-o", choices=("table", "json")
-        ),
+        metadata=_opt("--output", "output format", short="-o", choices=("table", "json")),
     )
     strict: bool = field(
         default=False,
@@ -274,6 +312,22 @@ class Settings:
             name: getattr(self, f"map_size_{name}")
             for name in ("services", "slots", "backends", "ct", "affinity")
         }
+
+    def snat_ports(self) -> tuple[int, int]:
+        """--snat-port-range as (low, high); ValueError naming the flag."""
+        low, sep, high = self.snat_port_range.strip().partition("-")
+        try:
+            first, last = int(low), int(high if sep else low)
+        except ValueError:
+            raise ValueError(
+                f"--snat-port-range: {self.snat_port_range!r} is not LOW-HIGH"
+            ) from None
+        if not 1024 <= first <= last <= 65535:
+            raise ValueError(
+                f"--snat-port-range: {self.snat_port_range!r} must lie within 1024-65535, "
+                "low <= high"
+            )
+        return first, last
 
     def compile_options(self) -> CompileOptions:
         labels = {}
@@ -316,12 +370,12 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
         if self.maglev_table_size < 3 or any(
-            self.maglev_table_size % d == 0
-            for d in range(2, int(self.maglev_table_size**0.5) + 1)
+            self.maglev_table_size % d == 0 for d in range(2, int(self.maglev_table_size**0.5) + 1)
         ):
             raise ValueError(f"--maglev-table-size: {self.maglev_table_size} is not a prime")
         if not self.pod_interfaces:
             raise ValueError("--pod-interfaces: at least one glob is required")
+        self.snat_ports()
         if PRIMARY in self.nodeport_addresses and self.nodeport_addresses != [PRIMARY]:
             raise ValueError("--nodeport-addresses: 'primary' cannot be combined with CIDRs")
         for name in ("nodeport_addresses", "cluster_cidr"):

@@ -44,7 +44,11 @@ class Agent:
             raise StartupError(str(err)) from err
         self.metrics.dataplane_info.labels(self.dataplane.name, reason).set(1)
         log.info("dataplane: %s (%s)", self.dataplane.name, reason)
-        self.status = AgentStatus(dataplane=self.dataplane.name, dataplane_reason=reason)
+        self.status = AgentStatus(
+            dataplane=self.dataplane.name,
+            dataplane_reason=reason,
+            details=getattr(self.dataplane, "status_details", None),
+        )
         self._stoppers: list[Callable[[], None]] = []
         register_metrics = getattr(self.dataplane, "register_metrics", None)
         if register_metrics is not None:  # the kernel dataplanes' own gauges and counters

@@ -27,6 +27,11 @@ from pathlib import Path
 import pytest
 
 KERNEL_TESTS_DIR = Path(__file__).parent / "kernel"
+
+# Agents the tests start never attach socket hooks to the machine's own cgroups (the
+# default, --cgroup-root auto, is the cgroup2 root): tests that exercise the hooks pass a
+# cgroup of their own with --cgroup-root, which wins over this variable.
+os.environ.setdefault("KBP_CGROUP_ROOT", "none")
 BPFFS = Path("/sys/fs/bpf")
 VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
 

@@ -36,8 +36,8 @@ import gzip
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -85,6 +85,7 @@ class StatusSnapshot:
     first_programmed: float | None  # first successful apply: readiness
     api_reachable: bool | None  # None: no API source (manifests) or not known yet
     node_eligible: bool
+    details: Mapping[str, Any] = field(default_factory=dict)  # the dataplane's own fields
 
     @property
     def current_revision(self) -> str | None:
@@ -110,6 +111,7 @@ class StatusSnapshot:
             "firstProgrammedTime": timestamp(self.first_programmed),
             "apiReachable": self.api_reachable,
             "nodeEligible": self.node_eligible,
+            **self.details,
         }
 
 
@@ -144,10 +146,13 @@ class AgentStatus:
         dataplane: str | None = None,
         clock: Callable[[], float] = time.time,
         dataplane_reason: str | None = None,
+        details: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         """`clock` gives Unix time (injectable for tests); `record_sync`'s `when` must
-        use the same clock."""
+        use the same clock. `details`: the dataplane's own status fields (e.g. the XDP
+        mode per interface), asked at each snapshot."""
         self._clock = clock
+        self._details = details
         self._lock = threading.Lock()
         self._dataplane = dataplane
         self._dataplane_reason = dataplane_reason
@@ -230,6 +235,7 @@ class AgentStatus:
 
     # --- readers -------------------------------------------------------------------------
     def snapshot(self) -> StatusSnapshot:
+        details = dict(self._details()) if self._details is not None else {}
         with self._lock:
             return StatusSnapshot(
                 dataplane=self._dataplane,
@@ -246,6 +252,7 @@ class AgentStatus:
                 first_programmed=self._first_programmed,
                 api_reachable=self._api_reachable,
                 node_eligible=self._node_eligible,
+                details=details,
             )
 
     @property

@@ -26,15 +26,29 @@ class DataplaneStartError(Exception):
 def build_ebpf(settings: Settings) -> Dataplane:
     """The eBPF dataplane on this network namespace's pod interfaces."""
     try:
+        from .ebpf.cgroup import cgroup2_mount
         from .ebpf.dataplane import EbpfDataplane
         from .ebpf.plan import MapSizes
     except ImportError as err:  # bcc, cffi or pyroute2 missing
         raise DataplaneError("import", f"{err}; install python3-bpfcc and the agent") from err
+    cgroup: Path | None = None
+    if settings.cgroup_root == "auto":
+        cgroup = cgroup2_mount()
+        if cgroup is None:
+            log.warning("ebpf: no cgroup2 mount: the node's own processes reach Services "
+                        "only through the routes (set --cgroup-root)")  # fmt: skip
+    elif settings.cgroup_root != "none":
+        cgroup = Path(settings.cgroup_root)
     return EbpfDataplane(
         settings.bpffs,
         settings.pod_interfaces,
         MapSizes(**settings.map_sizes()),
         maglev_table_size=settings.maglev_table_size,
+        external_interfaces=settings.external_interfaces,
+        nodeport_addresses=settings.nodeport_addresses,
+        xdp=settings.xdp,
+        snat_ports=settings.snat_ports(),
+        cgroup=cgroup,
     )
 
 

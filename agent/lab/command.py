@@ -60,7 +60,7 @@ FAILURE_REQUESTS = 3  # requests to a frontend that should refuse or drop
 GIVE_UP_AFTER = 4  # timeouts after which requests to a frontend expected to answer stop
 COVERAGE_ROUNDS = 8  # at most this many extra rounds while a small set is not covered
 COVERAGE_ROUND_REQUESTS = 10  # at least this many requests per probe in an extra round
-SERVICES_MAP = "kbp_services_v1"
+SERVICES_MAP = "kbp_services_v2"
 DUMP_ENTRIES = 3
 TOOLS = ("ip", "nsenter", "sysctl")
 OK, FAIL = "✔", "✘"
@@ -312,6 +312,9 @@ def start_agents(
             "--dataplane", dataplane, "--bpffs", str(cluster.run.pin_dir(node.name)),
             "--pod-interfaces", POD_INTERFACES,
             "--metrics-bind-address", "127.0.0.1:0", "--healthz-bind-address", "127.0.0.1:0",
+            # The lab's clients are pods and outside namespaces, never the node's own
+            # processes: no socket hooks on the machine's cgroups.
+            "--cgroup-root", "none",
         ]  # fmt: skip
         cluster.start_agent(node, argv, env, cwd=PACKAGE_ROOT)
 

@@ -93,9 +93,9 @@ def resolve_node(state: ClusterState, name: str, options: CompileOptions) -> Nod
     )
 
 
-def _nodeport_ips(
-    node: NodeInfo, nodeport_addresses: tuple[str, ...]
-) -> dict[str, tuple[str, ...]]:
+def nodeport_ips(node: NodeInfo, nodeport_addresses: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Family → the node's addresses that accept NodePort traffic (--nodeport-addresses:
+    CIDRs, `primary`, or every address when empty), primary first."""
     if nodeport_addresses == (PRIMARY,):
         chosen: Iterable[str] = {ip_family(a): a for a in reversed(node.addresses)}.values()
     elif nodeport_addresses:
@@ -113,7 +113,7 @@ def _context(state: ClusterState, name: str, options: CompileOptions) -> _Contex
     node = resolve_node(state, name, options)
     return _Context(
         node=node,
-        nodeport_ips=_nodeport_ips(node, options.nodeport_addresses),
+        nodeport_ips=nodeport_ips(node, options.nodeport_addresses),
         cluster_name=options.cluster_name,
         service_proxy_name=options.service_proxy_name,
         nodes=state.nodes,

@@ -206,7 +206,11 @@ struct kbp_config {
 	__u16 snat_port_min;  /* SNAT source ports, host order, inclusive; outside the
 				 node's ip_local_port_range so they never meet its own sockets */
 	__u16 snat_port_max;
-	__u32 pad;
+	__u8 pod_cidr4_len;   /* --cluster-cidr, IPv4: prefix length; 0: not configured */
+	__u8 pod_cidr6_len;   /* the same for IPv6 */
+	__u8 pad[2];
+	__be32 pod_cidr4[4];  /* the IPv4 cluster CIDR's network address (word 0) */
+	__be32 pod_cidr6[4];  /* the IPv6 cluster CIDR's network address */
 };
 
 /* kbp_sock_rev (LRU): the node's own sockets that a hook pointed at a backend, so that

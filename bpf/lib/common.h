@@ -39,6 +39,10 @@ static __u64 (*kbp_now)(void) = (void *)BPF_FUNC_ktime_get_coarse_ns;
 #define KBP_TCP_RST 0x04
 #define KBP_TCP_ACK 0x10
 
+/* Address families of struct bpf_fib_lookup (the socket headers are not included). */
+#define KBP_AF_INET 2
+#define KBP_AF_INET6 10
+
 /* Hop limit of the RST / ICMP replies we originate: Linux's net.ipv4.ip_default_ttl. */
 #define KBP_REPLY_TTL 64
 

@@ -129,6 +129,10 @@ static __always_inline void ct_forget_reply_of(const struct kbp_tuple *t,
 	struct kbp_ct_key key = {};
 
 	__ct_reply_key(t, old->addr, old->port, old->flags & KBP_CT_F_HAIRPIN, &key);
+	if (old->flags & KBP_CT_F_SNAT) { /* the backend answered the SNAT address */
+		__builtin_memcpy(key.daddr, old->nat_addr, sizeof(key.daddr));
+		key.dport = old->nat_port;
+	}
 	map_delete_ct(&key);
 }
 
@@ -158,6 +162,70 @@ static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp
 	__builtin_memcpy(entry.addr, backend->addr, sizeof(entry.addr));
 	entry.port = backend->port;
 	return map_update_ct(&key, &entry) ? -1 : 0;
+}
+
+/* Tries at a free SNAT port before the flow is refused (KBP_DROP_NO_SNAT_PORT). */
+#define KBP_SNAT_TRIES 16
+
+/* Record a new flow from outside to a backend on another node, with its source rewritten
+ * to `snat_addr` and a free port of the range. The port is claimed by creating the reply
+ * entry (backend -> snat_addr:port) only if no flow holds it (BPF_NOEXIST), which is
+ * atomic across CPUs; the first try is derived from the client's address and port, so a
+ * client's retransmitted SYN on another CPU tends to land on the same port, then random
+ * ports follow. Returns the port (network order) in *snat_port, or -1 when every try
+ * was taken or the map refused the forward entry. */
+static __always_inline int ct_create_snat(const struct kbp_tuple *t, const struct kbp_service *svc,
+					  __u32 backend_id, const struct kbp_backend *backend,
+					  const __be32 *snat_addr, __u16 port_min, __u16 port_max,
+					  __u64 now, __be16 *snat_port)
+{
+	struct kbp_ct_key key = {};
+	struct kbp_ct_entry entry = {};
+	__u32 span = (__u32)port_max - port_min + 1;
+	__u32 candidate = lb_flow_hash(t);
+	int claimed = 0;
+
+	if (port_max < port_min)
+		return -1;
+	entry.backend_id = backend_id;
+	entry.service_id = svc->service_id;
+	entry.flags = KBP_CT_F_SNAT;
+	entry.last_seen = now;
+	/* Reply entry: backend -> snat address; restores frontend (source) and client. */
+	__builtin_memcpy(key.saddr, backend->addr, sizeof(key.saddr));
+	__builtin_memcpy(key.daddr, snat_addr, sizeof(key.daddr));
+	key.sport = backend->port;
+	key.proto = t->proto;
+	key.family = t->family;
+	key.dir = KBP_CT_REPLY;
+	__builtin_memcpy(entry.addr, t->daddr, sizeof(entry.addr));
+	entry.port = t->dport;
+	__builtin_memcpy(entry.nat_addr, t->saddr, sizeof(entry.nat_addr));
+	entry.nat_port = t->sport;
+	for (int i = 0; i < KBP_SNAT_TRIES; i++) {
+		key.dport = bpf_htons((__u16)(port_min + candidate % span));
+		if (map_insert_ct(&key, &entry) == 0) {
+			claimed = 1;
+			break;
+		}
+		candidate = bpf_get_prandom_u32();
+	}
+	if (!claimed)
+		return -1;
+	*snat_port = key.dport;
+
+	struct kbp_ct_key forward = {};
+
+	ct_key_of_packet(t, KBP_CT_FORWARD, &forward);
+	__builtin_memcpy(entry.addr, backend->addr, sizeof(entry.addr));
+	entry.port = backend->port;
+	__builtin_memcpy(entry.nat_addr, snat_addr, sizeof(entry.nat_addr));
+	entry.nat_port = *snat_port;
+	if (map_update_ct(&forward, &entry)) {
+		map_delete_ct(&key); /* give the port back */
+		return -1;
+	}
+	return 0;
 }
 
 #endif /* KBP_LIB_CONNTRACK_H */

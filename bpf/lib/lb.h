@@ -40,6 +40,63 @@ static __always_inline int lb_addr_equal(const __be32 *a, const __be32 *b)
 	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
 }
 
+/* The backend set for traffic from outside the cluster to an external frontend: the
+ * externalTrafficPolicy's set (localBackends for Local); a ClusterIP has one set. */
+static __always_inline void lb_set_for_outside(const struct kbp_service *svc, __u32 *set_id,
+					       __u32 *count)
+{
+	*set_id = svc->set_id;
+	*count = svc->count;
+	if (*set_id == 0)
+		*count = 0;
+}
+
+/* loadBalancerSourceRanges: does the LoadBalancer frontend admit the client? As
+ * kube-proxy, the ranges guard the VIP whoever sends (pods too), never the NodePort. */
+static __always_inline int lb_source_admitted(const struct kbp_tuple *t,
+					      const struct kbp_service *svc)
+{
+	struct kbp_src_range_key key = {};
+
+	if (!(svc->flags & KBP_SVC_F_SOURCE_RANGES) || svc->type != KBP_FE_LOAD_BALANCER)
+		return 1;
+	key.prefixlen = KBP_SRC_RANGE_FRONTEND_BITS + (t->family == KBP_FAMILY_IPV4 ? 32 : 128);
+	__builtin_memcpy(key.fe_addr, t->daddr, sizeof(key.fe_addr));
+	key.fe_port = t->dport;
+	key.fe_proto = t->proto;
+	key.fe_family = t->family;
+	__builtin_memcpy(key.addr, t->saddr, sizeof(key.addr));
+	return map_lookup_src_range(&key) != NULL;
+}
+
+/* Is `addr` inside the prefix `net`/`len` (address rule: IPv4 in word 0)? */
+static __always_inline int lb_prefix_contains(const __be32 *net, __u32 len, const __be32 *addr)
+{
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		__u32 bits = len > 32 * i ? len - 32 * i : 0;
+		__be32 mask;
+
+		if (bits == 0)
+			break;
+		mask = bits >= 32 ? 0xffffffff : bpf_htonl(~0U << (32 - bits));
+		if ((addr[i] & mask) != (net[i] & mask))
+			return 0;
+	}
+	return 1;
+}
+
+/* Did a packet that arrived on an external interface come from a pod of the cluster
+ * (--cluster-cidr)? Such traffic uses clusterBackends, as from local pods (DESIGN.md §3). */
+static __always_inline int lb_from_cluster_pod(const struct kbp_tuple *t,
+					       const struct kbp_config *cfg)
+{
+	if (t->family == KBP_FAMILY_IPV4)
+		return cfg->pod_cidr4_len && lb_prefix_contains(cfg->pod_cidr4, cfg->pod_cidr4_len,
+								t->saddr);
+	return cfg->pod_cidr6_len && lb_prefix_contains(cfg->pod_cidr6, cfg->pod_cidr6_len, t->saddr);
+}
+
 static __always_inline __u32 __lb_rotl(__u32 x, __u32 r)
 {
 	return (x << r) | (x >> (32 - r));

@@ -36,11 +36,9 @@ static __always_inline void nat_target_of_packet(const struct kbp_tuple *t,
 
 /* Raw stores once the checksums are settled: addresses (with the IPv4 header checksum
  * adjusted by the same difference) and ports. */
-static __always_inline int __nat_store(struct __sk_buff *skb, const struct kbp_tuple *t,
+static __always_inline int __nat_store(void *data, void *data_end, const struct kbp_tuple *t,
 				       const struct kbp_nat_target *to, __u32 addr_diff)
 {
-	void *data = (void *)(long)skb->data;
-	void *data_end = (void *)(long)skb->data_end;
 	__u32 l4_off = t->l4_off;
 	__be16 *ports;
 
@@ -86,7 +84,96 @@ static __always_inline int nat_rewrite(struct __sk_buff *skb, const struct kbp_t
 		if (csum_l4_apply(skb, t, port_diff, 0))
 			return -1;
 	}
-	return __nat_store(skb, t, to, addr_diff);
+	return __nat_store((void *)(long)skb->data, (void *)(long)skb->data_end, t, to, addr_diff);
+}
+
+/* The same rewrite on a frame the program owns outright (XDP: no skb, so no checksum
+ * state to consult). It assumes what a NIC hands XDP: complete L4 checksums, updated
+ * here in place (RFC 1624). A zero IPv4 UDP checksum ("none") stays zero. */
+static __always_inline int nat_rewrite_frame(void *data, void *data_end,
+					     const struct kbp_tuple *t,
+					     const struct kbp_nat_target *to)
+{
+	__u32 addr_diff = csum_add(csum_addr_diff(t, t->saddr, to->saddr),
+				   csum_addr_diff(t, t->daddr, to->daddr));
+	__u32 port_diff = csum_add(csum_port_diff(t->sport, to->sport),
+				   csum_port_diff(t->dport, to->dport));
+	__u32 l4_off = t->l4_off;
+	__sum16 *check;
+
+	if (l4_off > KBP_L3_OFF + 60)
+		return -1;
+	check = data + l4_off + (t->proto == IPPROTO_TCP ? KBP_TCP_CHECK_OFF : KBP_UDP_CHECK_OFF);
+	if ((void *)(check + 1) > data_end)
+		return -1;
+	if (!(t->proto == IPPROTO_UDP && t->family == KBP_FAMILY_IPV4 && *check == 0)) {
+		__sum16 sum = csum_fold(csum_add(csum_add((__u16)~*check, addr_diff), port_diff));
+
+		*check = (t->proto == IPPROTO_UDP && sum == 0) ? (__sum16)0xffff : sum;
+	}
+	return __nat_store(data, data_end, t, to, addr_diff);
+}
+
+/* A forwarded packet's hop: IPv4 TTL (header checksum adjusted) or IPv6 hop limit minus
+ * one, as the stack's forwarding would. -1 when it reached 1 (the stack must answer
+ * with ICMP time exceeded, so the caller leaves the packet to it or drops it). */
+static __always_inline int nat_decrement_hop(void *data, void *data_end, __u8 family)
+{
+	if (family == KBP_FAMILY_IPV4) {
+		struct iphdr *ip = data + KBP_L3_OFF;
+		__be16 before, after;
+
+		if ((void *)(ip + 1) > data_end || ip->ttl <= 1)
+			return -1;
+		before = *(__be16 *)&ip->ttl; /* ttl and protocol share a 16-bit word */
+		ip->ttl -= 1;
+		after = *(__be16 *)&ip->ttl;
+		ip->check = csum_ipv4_header_update(ip->check, csum_port_diff(before, after));
+		return 0;
+	}
+	struct ipv6hdr *ip6 = data + KBP_L3_OFF;
+
+	if ((void *)(ip6 + 1) > data_end || ip6->hop_limit <= 1)
+		return -1;
+	ip6->hop_limit -= 1;
+	return 0;
+}
+
+/* Would forwarding expire the packet (TTL / hop limit 1 or 0)? The stack must answer it
+ * with ICMP time exceeded, so such packets are not forwarded by the programs. */
+static __always_inline int nat_hop_expires(void *data, void *data_end, __u8 family)
+{
+	if (family == KBP_FAMILY_IPV4) {
+		struct iphdr *ip = data + KBP_L3_OFF;
+
+		return (void *)(ip + 1) > data_end || ip->ttl <= 1;
+	}
+	struct ipv6hdr *ip6 = data + KBP_L3_OFF;
+
+	return (void *)(ip6 + 1) > data_end || ip6->hop_limit <= 1;
+}
+
+/* The target of a forwarded packet to a backend on another node: backend as the
+ * destination, the SNAT address and port as the source. */
+static __always_inline void nat_target_snat(const struct kbp_tuple *t,
+					    const struct kbp_ct_entry *forward,
+					    struct kbp_nat_target *to)
+{
+	__builtin_memcpy(to->saddr, forward->nat_addr, sizeof(to->saddr));
+	__builtin_memcpy(to->daddr, forward->addr, sizeof(to->daddr));
+	to->sport = forward->nat_port;
+	to->dport = forward->port;
+}
+
+/* The target of a SNATed flow's reply: the frontend as the source, the client (kept in
+ * the reply entry) as the destination. */
+static __always_inline void nat_target_snat_reply(const struct kbp_ct_entry *reply,
+						  struct kbp_nat_target *to)
+{
+	__builtin_memcpy(to->saddr, reply->addr, sizeof(to->saddr));
+	__builtin_memcpy(to->daddr, reply->nat_addr, sizeof(to->daddr));
+	to->sport = reply->port;
+	to->dport = reply->nat_port;
 }
 
 /* Client -> frontend becomes client -> backend. Hairpin (the client is its own

@@ -105,14 +105,28 @@ static __always_inline int __parse_ipv6(void *data, void *data_end, struct kbp_t
 	return __parse_ports(ip6 + 1, data_end, t);
 }
 
-/* Fill `t` from the frame; returns KBP_PARSE_*. May pull headers into the linear area,
+/* Fill `t` from the frame in [data, data_end): returns KBP_PARSE_*. The XDP program calls
+ * this directly (its frame is linear); tc goes through parse_packet. */
+static __always_inline int parse_frame(void *data, void *data_end, struct kbp_tuple *t)
+{
+	struct ethhdr *eth = data;
+
+	if ((void *)(eth + 1) > data_end)
+		return KBP_PARSE_OTHER;
+	if (eth->h_proto == bpf_htons(ETH_P_IP))
+		return __parse_ipv4(data, data_end, t);
+	if (eth->h_proto == bpf_htons(ETH_P_IPV6))
+		return __parse_ipv6(data, data_end, t);
+	return KBP_PARSE_OTHER;
+}
+
+/* Fill `t` from the skb; returns KBP_PARSE_*. May pull headers into the linear area,
  * which invalidates packet pointers the caller held (it holds none before parsing). */
 static __always_inline int parse_packet(struct __sk_buff *skb, struct kbp_tuple *t)
 {
 	void *data = (void *)(long)skb->data;
 	void *data_end = (void *)(long)skb->data_end;
 	__u32 want = skb->len < KBP_PARSE_PULL_LEN ? skb->len : KBP_PARSE_PULL_LEN;
-	struct ethhdr *eth;
 
 	/* Headers can sit in paged data (GRO, some drivers); direct access only sees the
 	 * linear part, so pull once instead of mistaking them for truncated headers. */
@@ -122,14 +136,7 @@ static __always_inline int parse_packet(struct __sk_buff *skb, struct kbp_tuple 
 		data = (void *)(long)skb->data;
 		data_end = (void *)(long)skb->data_end;
 	}
-	eth = data;
-	if ((void *)(eth + 1) > data_end)
-		return KBP_PARSE_OTHER;
-	if (eth->h_proto == bpf_htons(ETH_P_IP))
-		return __parse_ipv4(data, data_end, t);
-	if (eth->h_proto == bpf_htons(ETH_P_IPV6))
-		return __parse_ipv6(data, data_end, t);
-	return KBP_PARSE_OTHER;
+	return parse_frame(data, data_end, t);
 }
 
 #endif /* KBP_LIB_PARSE_H */

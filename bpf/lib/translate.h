@@ -92,6 +92,8 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 		port = flow->port;
 		hairpin = flow->flags & KBP_CT_F_HAIRPIN;
 	} else {
+		if (!lb_source_admitted(t, svc))
+			return drop_service_packet(bytes, service_id, KBP_DROP_SOURCE_RANGE);
 		lb_set_for_pods(svc, &set_id, &count);
 		if (count == 0)
 			return translate_to_empty_set(skb, t, svc);

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.dataplane.ebpf import abi
+
 from ..conftest import BPFFS
 from .lab import Lab
 
@@ -162,7 +164,7 @@ def test_run_balances_and_inspect_and_bpftool_show_the_maps(setup) -> None:
         assert any(r.get("newFlows", 0) >= 30 for r in counters), counters
 
         dump = subprocess.run(
-            ["bpftool", "--json", "map", "dump", "pinned", str(pin_dir / "kbp_services_v1")],
+            ["bpftool", "--json", "map", "dump", "pinned", str(pin_dir / "kbp_services_v2")],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         [entry] = json.loads(dump.stdout)
@@ -222,7 +224,7 @@ def test_file_changes_are_applied_and_sigterm_leaves_the_dataplane(setup) -> Non
 
     done = cli(lab, "cleanup", "--bpffs", str(pin_dir))
     assert done.returncode == 0, done.stderr
-    assert "removed 7 pin(s)" in done.stdout, done.stdout
+    assert f"removed {len(abi.MAP_NAMES)} pin(s)" in done.stdout, done.stdout
     assert not pin_dir.exists()
     filters = lab.run_in_node("tc", "filter", "show", "dev", lab.pods["client"].host_ifname,
                               "ingress")  # fmt: skip

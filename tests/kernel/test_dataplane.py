@@ -471,7 +471,7 @@ def test_metrics_show_map_fill_and_datapath_drops(env: Env) -> None:
         if line.startswith('kbp_datapath_drops_total{reason="rejected"}')
     ]  # fmt: skip
     assert rejected and float(rejected[0].split()[-1]) >= 2, text
-    assert 'kbp_map_fill_ratio{map="kbp_services_v1"} 0.0002' in text, text
+    assert 'kbp_map_fill_ratio{map="kbp_services_v2"} 0.0002' in text, text
 
 
 # --- the end ----------------------------------------------------------------------------

@@ -298,10 +298,16 @@ def test_the_daemonset_mounts_bpffs_kernel_headers_and_the_xtables_lock(tmp_path
         if "hostPath" in v
     }
     by_path = {hp["path"]: (mounts[name], hp) for name, hp in host_paths.items()}
-    # Each host path is mounted at the same place in the container.
+    # Each host path is mounted at the same place in the container, except the host's
+    # cgroup2 root: the container's /sys/fs/cgroup is its own cgroup namespace's view.
     for path, (mount, _) in by_path.items():
-        assert mount["mountPath"] == path
-    assert set(by_path) == {"/sys/fs/bpf", "/lib/modules", "/usr/src", "/run/xtables.lock"}
+        if path != "/sys/fs/cgroup":
+            assert mount["mountPath"] == path
+    assert set(by_path) == {
+        "/sys/fs/bpf", "/lib/modules", "/usr/src", "/run/xtables.lock", "/sys/fs/cgroup"
+    }  # fmt: skip
+    env = {e["name"]: e.get("value") for e in container(daemonset)["env"]}
+    assert env["KBP_CGROUP_ROOT"] == by_path["/sys/fs/cgroup"][0]["mountPath"]
     assert by_path["/lib/modules"][0]["readOnly"] is True
     assert by_path["/usr/src"][0]["readOnly"] is True
     assert by_path["/run/xtables.lock"][1]["type"] == "FileOrCreate"

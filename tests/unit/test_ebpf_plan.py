@@ -1075,18 +1075,29 @@ def test_a_write_failing_half_way_rolls_back_and_a_sync_from_the_kernel_complete
 
 
 class ModelDataplane(EbpfDataplane):
-    """EbpfDataplane.apply over the Kernel model: no programs, pinned maps or links."""
+    """EbpfDataplane.apply over the Kernel model: no programs, pinned maps or links (so
+    none of the external interfaces' maps and links either)."""
 
     def __init__(self, sizes: MapSizes) -> None:
         self.sizes = sizes
         self.maglev_table_size = 31
         self._lock = threading.Lock()
         self._held = None
+        self._pending_writes = 0
         self.kernel = Kernel(EMPTY)
         self.current = self._read_kernel()
 
     def _write(self, w: Writes) -> None:
         self.kernel.apply(w)
+
+    def _check_range_capacity(self, ranges: object) -> None:
+        pass
+
+    def _write_external(self, state: object, ranges: object, before: bool) -> None:
+        pass
+
+    def _follow_node(self, state: object, full: bool) -> None:
+        pass
 
     def _read_kernel(self) -> KernelContent:
         return self.kernel.content()

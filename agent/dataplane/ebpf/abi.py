@@ -203,9 +203,7 @@ def packer(struct: str) -> Struct:
     """struct.Struct for `struct <struct>`; its fields are the non-pad fields in order."""
     ctype = ffi.typeof(f"struct {struct}")
     network = _network_order_fields()
-    fmt = "=" + "".join(
-        _field_format(struct, name, f.type, network) for name, f in ctype.fields
-    )
+    fmt = "=" + "".join(_field_format(struct, name, f.type, network) for name, f in ctype.fields)
     packed = Struct(fmt)
     if packed.size != ffi.sizeof(ctype):
         raise AssertionError(f"struct {struct}: packer size {packed.size} != {ffi.sizeof(ctype)}")

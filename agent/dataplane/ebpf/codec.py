@@ -7,7 +7,8 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 
-from .abi import addr_bytes, addr_text, packer, port_bytes
+from .abi import addr_bytes, addr_text, const, packer, port_bytes
+from .external import SourceRange
 from .libbpf import Map
 from .plan import BackendValue, FrontendKey, KernelContent, ServiceValue
 
@@ -16,6 +17,7 @@ _SERVICE = packer("kbp_service")
 _SLOT_KEY = packer("kbp_slot_key")
 _SLOT = packer("kbp_slot")
 _BACKEND = packer("kbp_backend")
+_SRC_RANGE_KEY = packer("kbp_src_range_key")
 _U32 = packer("kbp_slot")  # one __u32: the backend id key has the same layout
 _BROKEN = 0  # backend id 0 is never allocated: marks a set no wanted set can equal
 
@@ -72,6 +74,15 @@ def decode_backend(raw: bytes) -> BackendValue:
     addr, port, family, flags, service_id = _BACKEND.unpack(raw)
     return BackendValue(addr_text(addr, family), int.from_bytes(port, "big"), family, flags,
                         service_id)  # fmt: skip
+
+
+def decode_src_range_key(raw: bytes) -> SourceRange:
+    """A kbp_src_ranges key back into the entry external.py made it from."""
+    prefixlen, fe_addr, fe_port, proto, family, addr = _SRC_RANGE_KEY.unpack(raw)
+    frontend = FrontendKey(addr_text(fe_addr, family), int.from_bytes(fe_port, "big"), proto,
+                           family)  # fmt: skip
+    network = f"{addr_text(addr, family)}/{prefixlen - const.KBP_SRC_RANGE_FRONTEND_BITS}"
+    return SourceRange(frontend, network)
 
 
 def percpu_sums(table: Map, struct: str) -> dict[int, tuple[int, ...]]:

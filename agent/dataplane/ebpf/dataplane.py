@@ -1,5 +1,6 @@
 """`--dataplane ebpf`: programs the NodeState into the pinned maps of the tc datapath and
-keeps the programs attached to every pod interface.
+keeps the programs attached to every pod interface, and to the node's external
+interfaces (tc, plus XDP where it can be attached) for traffic from outside.
 
 Start-up compiles the C programs (bcc), opens or creates the pins, reads what the maps
 hold (a restarted agent adopts the previous agent's ids and sets), attaches to the pod
@@ -21,19 +22,26 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily
 
 from ...metrics import Metrics
-from ...model.nodestate import NodeState
+from ...model.compile import nodeport_ips
+from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
-from . import codec
+from . import codec, external
 from .abi import DROP_REASONS, versioned
+from .cgroup import CgroupAttachError, attach_socket_hooks, detach_socket_hooks, netns_cookie
+from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
-from .libbpf import Map
+from .libbpf import Map, prog_name
 from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher
 from .plan import CapacityError, KernelContent, MapSizes, Writes, plan_change
 
 log = logging.getLogger(__name__)
 
-# Which program goes on which side of a pod's host interface.
+# Which program goes on which side of a pod's host interface, and of an external one.
 HOOKS = (("ingress", "kbp_from_pod"), ("egress", "kbp_to_pod"))
+EXTERNAL_HOOKS = (("ingress", "kbp_from_ext"), ("egress", "kbp_to_ext"))
+XDP_PROGRAM = "kbp_xdp_ext"
+# A program whose kernel name starts with this is ours (tc filters, XDP).
+PROGRAM_PREFIX = "kbp_"
 
 
 class EbpfDataplane:
@@ -48,14 +56,35 @@ class EbpfDataplane:
         maglev_table_size: int = 16381,
         netns: str | None = None,
         watch: bool = True,
+        external_interfaces: Sequence[str] = (),
+        nodeport_addresses: Sequence[str] = (),
+        xdp: str = "auto",
+        snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
+        cgroup: Path | None = None,
     ) -> None:
+        """`external_interfaces`: globs of the node's external interfaces; empty means
+        those that carry the node's NodePort addresses (`nodeport_addresses`, as
+        --nodeport-addresses), found at each apply that changes the node. `xdp`: auto
+        (native, else generic), native, generic or off. `cgroup`: where the socket hooks
+        serve the node's own processes (None: not attached)."""
         self.pin_dir = Path(pin_dir)
         self.pod_interfaces = tuple(pod_interfaces)
         self._pods = PodInterfaces(self.pod_interfaces)
+        self.external_globs = tuple(external_interfaces)
+        self._external = PodInterfaces(self.external_globs) if self.external_globs else None
+        self.nodeport_addresses = tuple(nodeport_addresses)
+        self.xdp = external.xdp_mode(xdp)
+        self.snat_ports = snat_ports
+        self._external_attached: dict[int, str] = {}  # ifindex → name
+        self.xdp_modes: dict[str, str] = {}  # interface → native | generic | failed: why
+        self._node: NodeInfo | None = None  # the node the external state was made for
+        self._config: bytes | None = None  # kbp_config as written
+        self._ranges: set[SourceRange] = set()  # kbp_src_ranges as written
         self.sizes = sizes or MapSizes()
         self.maglev_table_size = maglev_table_size
         self._lock = threading.Lock()
         self._held: str | None = None
+        self._pending_writes = 0  # external map writes of the apply in progress
         self._watcher: LinkWatcher | None = None
         started = time.perf_counter()
         try:
@@ -64,23 +93,40 @@ class EbpfDataplane:
             raise DataplaneError("load", str(err)) from err
         self._check_pinned_sizes()
         self.current = self._read_kernel()
+        self._ranges = self._read_ranges()
+        self._config = self.programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
         self.attacher = TcAttacher(netns)
+        self._netns_cookie = netns_cookie(netns)
+        self.cgroup = cgroup
+        if cgroup is not None:
+            try:
+                attach_socket_hooks(self.programs, cgroup, self.pin_dir)
+            except CgroupAttachError as err:
+                self.attacher.close()
+                self.programs.close()
+                raise DataplaneError("cgroup", str(err)) from err
         self._attached: set[int] = set()
+        watched = self.pod_interfaces + self.external_globs
         if watch:  # the watcher's start-up scan attaches to the existing interfaces
-            self._watcher = LinkWatcher(self.attacher, self.pod_interfaces, self._on_link)
+            self._watcher = LinkWatcher(self.attacher, watched, self._on_link)
             self._watcher.start()
         else:
             for link in self.attacher.links():
-                if self._pods.matches(link.name):
+                if PodInterfaces(watched).matches(link.name):
                     self._on_link(link)
         attached = len(self._attached)
         log.info(
             "ebpf: datapath loaded in %.1f s (compile %.1f s), maps in %s hold %d frontends and "
-            "%d backends, attached to %d pod interface(s) matching %s",
+            "%d backends, attached to %d pod interface(s) matching %s; external interfaces: %s, "
+            "XDP %s",
             time.perf_counter() - started, self.programs.compile_seconds, self.pin_dir,
             len(self.current.services), len(self.current.backends), attached,
             ",".join(self.pod_interfaces),
+            ",".join(self.external_globs) or "those with the node's NodePort addresses",
+            self.xdp,
         )  # fmt: skip
+        if cgroup is not None:
+            log.info("ebpf: socket hooks serve the processes of cgroup %s", cgroup)
 
     # --- Dataplane protocol ------------------------------------------------------------
 
@@ -97,9 +143,13 @@ class EbpfDataplane:
             change = plan_change(
                 state, self.current, maglev_table_size=self.maglev_table_size, sizes=self.sizes
             )
+            ranges = external.source_ranges(state)
             try:
                 change.check_capacity(self.sizes)
+                self._check_range_capacity(ranges)
+                self._write_external(state, ranges, before=True)
                 self._write(change.writes)
+                self._write_external(state, ranges, before=False)
             except CapacityError as err:  # nothing was written
                 self.current = change.rollback()
                 raise DataplaneError("capacity", str(err)) from err
@@ -112,10 +162,14 @@ class EbpfDataplane:
                 raise
             self.current = change.commit()
             self._held = state.revision
-            return change.writes.count
+            writes = change.writes.count + self._pending_writes
+            self._pending_writes = 0
+        self._follow_node(state, full)
+        return writes
 
     def cleanup(self) -> None:
-        """Detach every kbp_ filter from every interface and remove the pins."""
+        """Detach every kbp_ filter and XDP program from every interface and remove the
+        pins."""
         self._stop_watching()
         cleanup(self.pin_dir, self.attacher)
         self.close()
@@ -137,6 +191,7 @@ class EbpfDataplane:
     def register_metrics(self, metrics: Metrics) -> None:
         """Map fill ratios (from what the agent wrote) and the datapath's drop counters
         (read from the kernel at each scrape)."""
+
         def filled(count: Callable[[KernelContent], int], size: int) -> Callable[[], float]:
             def ratio() -> float:
                 with self._lock:  # an apply in progress may hold a change it will roll back
@@ -211,12 +266,144 @@ class EbpfDataplane:
     # --- interfaces ----------------------------------------------------------------------
 
     def _on_link(self, link: Link) -> None:
-        for direction, program in HOOKS:
+        if self._pods.matches(link.name):
+            hooks = HOOKS
+        elif self._external is not None and self._external.matches(link.name):
+            self._attach_external(link)
+            return
+        else:
+            return
+        for direction, program in hooks:
             if not self.attacher.attach(link.index, direction, self.programs.fd(program), program):
                 log.debug("ebpf: %s vanished before it could be attached", link.name)
                 return
         self._attached.add(link.index)
         log.debug("ebpf: attached to %s (ifindex %d)", link.name, link.index)
+
+    def _attach_external(self, link: Link) -> None:
+        """tc on both sides of an external interface, then XDP as --xdp asks."""
+        for direction, program in EXTERNAL_HOOKS:
+            if not self.attacher.attach(link.index, direction, self.programs.fd(program), program):
+                log.debug("ebpf: %s vanished before it could be attached", link.name)
+                return
+        self._external_attached[link.index] = link.name
+        mode = self._attach_xdp(link)
+        log.info("ebpf: external interface %s (ifindex %d): tc attached, XDP %s",
+                 link.name, link.index, mode)  # fmt: skip
+
+    def _attach_xdp(self, link: Link) -> str:
+        """Attach the XDP program in the first mode that works; returns the mode, `off`,
+        or `failed: <why>` (tc still handles the interface then). An explicit native or
+        generic that fails is an error."""
+        if self.xdp == "off":
+            self.xdp_modes.pop(link.name, None)
+            return "off"
+        fd = self.programs.fd(XDP_PROGRAM)
+        replace = 0
+        for attached in self.attacher.xdp():
+            if attached.index == link.index and is_ours(attached.prog_id):
+                replace = attached.prog_id
+        modes = ("native", "generic") if self.xdp == "auto" else (self.xdp,)
+        errors = []
+        for mode in modes:
+            try:
+                if not self.attacher.attach_xdp(link.index, fd, mode, replace):
+                    return "vanished"
+            except DataplaneError as err:
+                errors.append(f"{mode}: {err}")
+                continue
+            self.xdp_modes[link.name] = mode
+            return mode
+        why = "; ".join(errors)
+        if self.xdp != "auto":
+            raise DataplaneError("xdp", f"--xdp={self.xdp} on {link.name}: {why}")
+        self.xdp_modes[link.name] = f"failed: {why}"
+        log.warning("ebpf: XDP could not be attached to %s (tc handles it alone): %s",
+                    link.name, why)  # fmt: skip
+        return self.xdp_modes[link.name]
+
+    def _follow_node(self, state: NodeState, full: bool) -> None:
+        """Without --external-interfaces, the external interfaces are those that carry
+        the node's NodePort addresses: looked up again when the node changes and at full
+        resyncs (an interface that gets the address later is found then)."""
+        if self._external is not None or (state.node == self._node and not full):
+            return
+        self._node = state.node
+        wanted_ips = [ip for ips in nodeport_ips(state.node, self.nodeport_addresses).values()
+                      for ip in ips]  # fmt: skip
+        names = external.interfaces_with(self.attacher.addresses(), wanted_ips)
+        links = {link.name: link for link in self.attacher.links()}
+        for index, name in list(self._external_attached.items()):
+            if name not in names and links.get(name, Link(-1, name)).index == index:
+                self.attacher.detach(index)
+                self._detach_xdp(index, name)
+                del self._external_attached[index]
+                log.info("ebpf: %s no longer carries a NodePort address: detached", name)
+        for name in sorted(names):
+            link = links.get(name)
+            if link is not None and link.index not in self._external_attached:
+                if self._pods.matches(name):
+                    continue  # a pod interface is never external
+                self._attach_external(link)
+
+    def _detach_xdp(self, index: int, name: str) -> None:
+        for attached in self.attacher.xdp():
+            if attached.index == index and is_ours(attached.prog_id):
+                self.attacher.detach_xdp(index, attached.mode)
+        self.xdp_modes.pop(name, None)
+
+    # --- status ----------------------------------------------------------------------------
+
+    def status_details(self) -> dict[str, object]:
+        """What /state's status adds for this dataplane: the external interfaces and the
+        XDP mode on each."""
+        names = sorted(self._external_attached.values())
+        return {
+            "externalInterfaces": names,
+            "xdp": {
+                "enabled": self.xdp != "off",
+                "requested": self.xdp,
+                "interfaces": {n: self.xdp_modes[n] for n in names if n in self.xdp_modes},
+            },
+        }
+
+    # --- external maps -----------------------------------------------------------------------
+
+    def _check_range_capacity(self, ranges: set[SourceRange]) -> None:
+        size = self.programs.map("kbp_src_ranges").info.max_entries
+        if len(ranges) > size:
+            raise CapacityError("src_ranges", len(ranges), size)
+
+    def _write_external(self, state: NodeState, ranges: set[SourceRange], before: bool) -> None:
+        """kbp_config and kbp_src_ranges. New ranges go in before the services that
+        start to use them (`before`), ranges no longer wanted leave after the services
+        stopped using them, so no packet sees a ranged frontend without its ranges."""
+        m = self.programs.map
+        if before:
+            config = external.config_value(state.node.addresses, state.node.cluster_cidrs,
+                                           self._netns_cookie, self.snat_ports)  # fmt: skip
+            if config != self._config:
+                m("kbp_config").update(bytes(4), config)
+                self._config = config
+                self._pending_writes += 1
+            added = ranges - self._ranges
+            if added:
+                _update(m("kbp_src_ranges"), [(r.key(), r.value()) for r in added])
+                self._ranges |= added
+                self._pending_writes += len(added)
+            return
+        gone = self._ranges - ranges
+        for r in gone:  # LPM tries have no batch delete
+            m("kbp_src_ranges").delete(r.key())
+        self._ranges -= gone
+        self._pending_writes += len(gone)
+
+    def _read_ranges(self) -> set[SourceRange]:
+        """What kbp_src_ranges holds (an earlier agent's writes), to diff against."""
+        found = set()
+        for key, _value in self.programs.map("kbp_src_ranges").items():
+            found.add(codec.decode_src_range_key(key))
+        return found
 
 
 class _DropCollector:
@@ -259,21 +446,37 @@ def _delete(target: Map, keys: list[bytes]) -> None:
         target.delete_batch(b"".join(keys), len(keys))
 
 
+def is_ours(prog_id: int) -> bool:
+    """Is the loaded program with this id one of ours (kbp_ name)? False once it is gone."""
+    try:
+        return prog_name(prog_id).startswith(PROGRAM_PREFIX)
+    except OSError:
+        return False
+
+
 def cleanup(pin_dir: Path, attacher: TcAttacher | None = None) -> tuple[list[str], list[str]]:
     """Remove what the eBPF dataplane installed in this network namespace and on bpffs:
-    our tc filters (clsact too when nothing else uses it) and our pins. Works without
-    compiling anything, so it also clears up after an agent that cannot start.
+    our tc filters (clsact too when nothing else uses it), our XDP programs and our pins.
+    Works without compiling anything, so it also clears up after an agent that cannot
+    start.
     Returns (interfaces detached, pins removed)."""
     own = attacher is None
     attacher = attacher or TcAttacher()
     try:
-        interfaces = sorted({a.ifname for a in attacher.attached()})
+        interfaces = {a.ifname for a in attacher.attached()}
         for link in attacher.links():
             if link.name in interfaces:
                 attacher.detach(link.index)
+        for xdp in attacher.xdp():
+            if is_ours(xdp.prog_id):
+                attacher.detach_xdp(xdp.index, xdp.mode)
+                interfaces.add(xdp.ifname)
+        interfaces = sorted(interfaces)
     finally:
         if own:
             attacher.close()
+    # Links first: unpinning alone leaves a link attached while anyone holds its fd.
+    detach_socket_hooks(pin_dir)
     return interfaces, remove_pins(pin_dir)
 
 

@@ -53,6 +53,7 @@ SERVICE_FLAGS = {
     const.KBP_SVC_F_HAS_ENDPOINTS: "has-endpoints",
     const.KBP_SVC_F_AFFINITY: "affinity",
     const.KBP_SVC_F_MAGLEV: "maglev",
+    const.KBP_SVC_F_SOURCE_RANGES: "source-ranges",
 }
 BACKEND_FLAGS = {const.KBP_BE_F_LOCAL: "local", const.KBP_BE_F_TERMINATING: "terminating"}
 CT_FLAGS = {
@@ -60,6 +61,13 @@ CT_FLAGS = {
     const.KBP_CT_F_SEEN_REPLY: "seen-reply",
     const.KBP_CT_F_CLOSING: "closing",
     const.KBP_CT_F_REPLY_AT_CLIENT: "reply-at-client",
+    const.KBP_CT_F_SNAT: "snat",
+}
+# kbp_xdp_stats index → the verdict's name (KBP_XDP_DROP_RANGE → drop-range).
+XDP_VERDICTS = {
+    value: name.removeprefix("KBP_XDP_").lower().replace("_", "-")
+    for name, value in vars(const).items()
+    if name.startswith("KBP_XDP_") and name != "KBP_XDP_VERDICTS"
 }
 
 
@@ -133,8 +141,17 @@ def conntrack(pin_dir: Path) -> list[Row]:
     with _open(pin_dir, "kbp_ct") as table:
         for k, v in table.items():
             saddr, daddr, sport, dport, proto, family, direction = key_format.unpack(k)
-            addr, port, flags, backend_id, service_id, last_seen = entry_format.unpack(v)
+            addr, port, flags, backend_id, service_id, last_seen, nat_addr, nat_port = (
+                entry_format.unpack(v)
+            )
             forward = direction == const.KBP_CT_FORWARD
+            translation = ("destination → " if forward else "source → ") + _endpoint(
+                addr_text(addr, family), int.from_bytes(port, "big")
+            )
+            if flags & const.KBP_CT_F_SNAT:  # and the client's side
+                translation += (", source → " if forward else ", destination → ") + _endpoint(
+                    addr_text(nat_addr, family), int.from_bytes(nat_port, "big")
+                )
             rows.append(
                 {
                     "direction": "forward" if forward else "reply",
@@ -143,10 +160,10 @@ def conntrack(pin_dir: Path) -> list[Row]:
                     "destination": _endpoint(
                         addr_text(daddr, family), int.from_bytes(dport, "big")
                     ),
-                    # forward: the destination becomes the backend; reply: the source
-                    # becomes the frontend again
-                    "translation": ("destination → " if forward else "source → ")
-                    + _endpoint(addr_text(addr, family), int.from_bytes(port, "big")),
+                    # forward: the destination becomes the backend (SNAT: the source the
+                    # node's address and port); reply: the source becomes the frontend
+                    # again (SNAT: the destination the client again)
+                    "translation": translation,
                     "backendId": backend_id,
                     "serviceId": service_id,
                     "flags": _flags(flags, CT_FLAGS),
@@ -207,17 +224,46 @@ def counters(pin_dir: Path) -> list[Row]:
     return rows
 
 
-VIEWS: dict[str, Callable[[Path], list[Row]]] = {
+def xdp(pin_dir: Path) -> dict[str, Any]:
+    """Where our XDP program is attached (this network namespace) and in which mode, and
+    the per-verdict counters of kbp_xdp_stats."""
+    from .dataplane import is_ours
+    from .netlink import TcAttacher  # pyroute2, no compiler
+
+    interfaces = []
+    with TcAttacher() as attacher:
+        for attached in attacher.xdp():
+            if is_ours(attached.prog_id):
+                interfaces.append(
+                    {"name": attached.ifname, "ifindex": attached.index, "mode": attached.mode}
+                )
+    verdicts = {name: {"packets": 0, "bytes": 0} for name in XDP_VERDICTS.values()}
+    with _open(pin_dir, "kbp_xdp_stats") as table:
+        for index, (packets, size) in codec.percpu_sums(table, "kbp_drop_counters").items():
+            name = XDP_VERDICTS.get(index, str(index))
+            verdicts[name] = {"packets": packets, "bytes": size}
+    return {"interfaces": sorted(interfaces, key=lambda i: i["name"]), "verdicts": verdicts}
+
+
+VIEWS: dict[str, Callable[[Path], Any]] = {
     "frontends": frontends,
     "backends": backends,
     "conntrack": conntrack,
     "affinity": affinity,
     "counters": counters,
+    "xdp": xdp,
 }
 
 
-def render_table(view: str, rows: list[Row]) -> str:
+def render_table(view: str, rows: Any) -> str:
     """Aligned columns; a frontend's backends are listed under it, one per line."""
+    if view == "xdp":
+        attached = [{"INTERFACE": i["name"], "IFINDEX": i["ifindex"], "MODE": i["mode"]}
+                    for i in rows["interfaces"]]  # fmt: skip
+        counted = [{"VERDICT": name, "PACKETS": c["packets"], "BYTES": c["bytes"]}
+                   for name, c in rows["verdicts"].items()]  # fmt: skip
+        head = _columns(attached) if attached else "XDP is not attached in this namespace\n"
+        return head + "\n" + _columns(counted)
     if not rows:
         return f"no {view} entries\n"
     if view == "frontends":

@@ -2,8 +2,8 @@
 
 bcc compiles the entry files of bpf/ as one text (one set of map definitions) and
 creates or re-opens the pinned maps under the pin directory; the programs' fds are then
-attached by netlink.py (tc, XDP) and cgroup.py (socket hooks). Everything after loading (map reads and
-writes, test runs) goes through libbpf.py with plain fds.
+attached by netlink.py (tc, XDP) and cgroup.py (socket hooks). Everything after loading
+(map reads and writes, test runs) goes through libbpf.py with plain fds.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .libbpf import Map
 log = logging.getLogger(__name__)
 
 # Entry files compiled together, in this order (maps.c first: see lib/maps.h).
-ENTRY_FILES = ("maps.c", "tc_from_pod.c", "tc_to_pod.c")
+ENTRY_FILES = ("maps.c", "tc_from_pod.c", "tc_to_pod.c", "tc_ext.c", "xdp_ext.c", "sock_lb.c")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,19 @@ class ProgramSpec:
 PROGRAMS: dict[str, ProgramSpec] = {
     "kbp_from_pod": ProgramSpec("SCHED_CLS"),
     "kbp_to_pod": ProgramSpec("SCHED_CLS"),
+    "kbp_from_ext": ProgramSpec("SCHED_CLS"),
+    "kbp_to_ext": ProgramSpec("SCHED_CLS"),
+    "kbp_xdp_ext": ProgramSpec("XDP"),
+    # cgroup socket hooks (sock_lb.c); attach types are enum bpf_attach_type values.
+    "kbp_connect4": ProgramSpec("CGROUP_SOCK_ADDR", attach_type=10),  # INET4_CONNECT
+    "kbp_connect6": ProgramSpec("CGROUP_SOCK_ADDR", attach_type=11),  # INET6_CONNECT
+    "kbp_sendmsg4": ProgramSpec("CGROUP_SOCK_ADDR", attach_type=14),  # UDP4_SENDMSG
+    "kbp_sendmsg6": ProgramSpec("CGROUP_SOCK_ADDR", attach_type=15),  # UDP6_SENDMSG
+    "kbp_recvmsg4": ProgramSpec("CGROUP_SOCK_ADDR", attach_type=19),  # UDP4_RECVMSG
+    "kbp_recvmsg6": ProgramSpec("CGROUP_SOCK_ADDR", attach_type=20),  # UDP6_RECVMSG
+    "kbp_peername4": ProgramSpec("CGROUP_SOCK_ADDR", attach_type=29),  # INET4_GETPEERNAME
+    "kbp_peername6": ProgramSpec("CGROUP_SOCK_ADDR", attach_type=30),  # INET6_GETPEERNAME
+    "kbp_release": ProgramSpec("CGROUP_SOCK", attach_type=34),  # INET_SOCK_RELEASE
 }
 
 # -D names of the map sizes (bpf/include/kbp_maps.h), by MapSizes field.

@@ -340,3 +340,91 @@ def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, out_size: int = 0)
     )
     _check(lib().bpf_prog_test_run_opts(prog_fd, opts), f"test run of prog fd {prog_fd}")
     return TestRun(opts.retval, bytes(ffi.buffer(data_out, opts.data_size_out)), opts.duration)
+
+
+# --- links and cgroup attachments (cgroup.py) ------------------------------------------
+# bpf_link_create/update/detach, BPF_PROG_QUERY and the ids of programs. Enum arguments
+# (enum bpf_attach_type) are passed as int, which is their size in the C ABI.
+
+ffi.cdef("""
+int bpf_link_create(int prog_fd, int target_fd, int attach_type, const void *opts);
+int bpf_link_update(int link_fd, int new_prog_fd, const void *opts);
+int bpf_link_detach(int link_fd);
+int bpf_prog_query(int target_fd, int type, __u32 query_flags, __u32 *attach_flags,
+                   __u32 *prog_ids, __u32 *prog_cnt);
+int bpf_prog_get_fd_by_id(__u32 id);
+""")
+
+
+def link_create(prog_fd: int, target_fd: int, attach_type: int) -> int:
+    """A bpf_link attaching the program to the target (a cgroup fd for cgroup hooks); the
+    caller owns the fd: the attachment lasts while the fd or a pin of it exists."""
+    return _check(
+        lib().bpf_link_create(prog_fd, target_fd, attach_type, ffi.NULL),
+        f"link prog fd {prog_fd} to fd {target_fd} (attach type {attach_type})",
+    )
+
+
+def link_update(link_fd: int, prog_fd: int) -> None:
+    """Swap the link's program in place (same type and attach type); no gap in which the
+    hook runs nothing."""
+    _check(lib().bpf_link_update(link_fd, prog_fd, ffi.NULL), f"update link fd {link_fd}")
+
+
+def link_detach(link_fd: int) -> None:
+    """Detach the link from its hook now, whoever else holds an fd or pin of it."""
+    _check(lib().bpf_link_detach(link_fd), f"detach link fd {link_fd}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkInfo:
+    type: int  # enum bpf_link_type (BPF_LINK_TYPE_CGROUP is 3)
+    id: int
+    prog_id: int
+    cgroup_id: int  # cgroup links: the cgroup's id (its inode number on cgroup2), 0 if gone
+    attach_type: int  # cgroup links: enum bpf_attach_type
+
+
+def link_info(fd: int) -> LinkInfo:
+    # struct bpf_link_info: type, id, prog_id (__u32 each), then a union aligned to 8
+    # whose cgroup member is {__u64 cgroup_id; __u32 attach_type;}.
+    buf = ffi.new("char[32]")
+    size = ffi.new("__u32 *", 32)
+    _check(lib().bpf_obj_get_info_by_fd(fd, buf, size), f"link info of fd {fd}")
+    raw = bytes(ffi.buffer(buf, 32))
+    word = functools.partial(int.from_bytes, byteorder="little")
+    return LinkInfo(word(raw[0:4]), word(raw[4:8]), word(raw[8:12]), word(raw[16:24]),
+                    word(raw[24:28]))  # fmt: skip
+
+
+def prog_query(target_fd: int, attach_type: int, capacity: int = 64) -> list[int]:
+    """Ids of the programs attached to the target at this hook (any owner, links too)."""
+    ids = ffi.new("__u32[]", capacity)
+    count = ffi.new("__u32 *", capacity)
+    flags = ffi.new("__u32 *")
+    _check(
+        lib().bpf_prog_query(target_fd, attach_type, 0, flags, ids, count),
+        f"query programs of fd {target_fd} (attach type {attach_type})",
+    )
+    return [ids[i] for i in range(count[0])]
+
+
+def prog_name(prog_id: int) -> str:
+    """The name of a loaded program by id (at most 15 characters)."""
+    fd = _check(lib().bpf_prog_get_fd_by_id(prog_id), f"open program id {prog_id}")
+    try:
+        # struct bpf_prog_info: the 16-byte name sits at offset 64.
+        buf = ffi.new("char[80]")
+        size = ffi.new("__u32 *", 80)
+        _check(lib().bpf_obj_get_info_by_fd(fd, buf, size), f"info of program id {prog_id}")
+        return bytes(ffi.buffer(buf, 80))[64:80].split(b"\0", 1)[0].decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
+def prog_id(prog_fd: int) -> int:
+    """The id of a program by fd (struct bpf_prog_info: type, then id)."""
+    buf = ffi.new("char[8]")
+    size = ffi.new("__u32 *", 8)
+    _check(lib().bpf_obj_get_info_by_fd(prog_fd, buf, size), f"info of prog fd {prog_fd}")
+    return int.from_bytes(bytes(ffi.buffer(buf, 8))[4:8], "little")

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import errno
 import fnmatch
+import ipaddress
 import logging
 import os
 import queue
@@ -84,6 +85,23 @@ class Attachment:
     ifname: str
     direction: Direction
     name: str
+    prog_id: int
+
+
+# XDP attach modes (IFLA_XDP_FLAGS, uapi/linux/if_link.h) and how the kernel reports them
+# (IFLA_XDP_ATTACHED as pyroute2 decodes it).
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1
+XDP_MODE_FLAGS = {"generic": 2, "native": 4}
+XDP_ATTACHED_MODES = {"xdp": "native", "xdpgeneric": "generic", "xdpoffload": "offload"}
+
+
+@dataclass(frozen=True, slots=True)
+class XdpAttachment:
+    """The XDP program on an interface as the kernel reports it."""
+
+    index: int
+    ifname: str
+    mode: str  # native | generic | offload
     prog_id: int
 
 
@@ -334,7 +352,78 @@ class TcAttacher:
         """Our filters on every interface of the namespace."""
         return self._worker.call(self._attached)
 
+    def addresses(self) -> dict[str, set[str]]:
+        """Interface name → its IP addresses (canonical text), every interface."""
+        return self._worker.call(self._addresses)
+
+    def attach_xdp(self, index: int, prog_fd: int, mode: str, replace_id: int = 0) -> bool:
+        """Attach an XDP program in `mode` (native or generic). `replace_id`: the id of
+        the program now attached that may be replaced (ours, from an earlier agent); any
+        other program already there is refused (the kernel checks, atomically). Returns
+        False when the interface vanished meanwhile."""
+        return self._worker.call(lambda: self._attach_xdp(index, prog_fd, mode, replace_id))
+
+    def detach_xdp(self, index: int, mode: str) -> None:
+        return self._worker.call(lambda: self._set_xdp(index, -1, XDP_MODE_FLAGS[mode]))
+
+    def xdp(self) -> list[XdpAttachment]:
+        """The XDP program of every interface that has one (anyone's)."""
+        return self._worker.call(self._xdp)
+
     # -- implementation, on the namespace thread --
+
+    def _addresses(self) -> dict[str, set[str]]:
+        names = {link.index: link.name for link in self._links()}
+        found: dict[str, set[str]] = {}
+        for msg in self._ipr.get_addr():
+            address = msg.get_attr("IFA_ADDRESS")
+            name = names.get(msg["index"])
+            if address and name:
+                found.setdefault(name, set()).add(str(ipaddress.ip_address(address)))
+        return found
+
+    def _set_xdp(self, index: int, prog_fd: int, flags: int) -> None:
+        attrs = [("IFLA_XDP_FD", prog_fd), ("IFLA_XDP_FLAGS", flags)]
+        self._ipr.link("set", index=index, xdp={"attrs": attrs})
+
+    def _attach_xdp(self, index: int, prog_fd: int, mode: str, replace_id: int) -> bool:
+        current = next((x for x in self._xdp() if x.index == index), None)
+        flags = XDP_MODE_FLAGS[mode]
+        try:
+            if current is not None and current.prog_id != replace_id:
+                raise NetlinkError(
+                    f"cannot attach XDP to {self._describe(index)}: program id "
+                    f"{current.prog_id} not installed by kube-bpf-proxy holds it; left it alone"
+                )
+            if current is not None and current.mode != mode:
+                # Another mode's program must go first: the kernel refuses a second mode.
+                self._set_xdp(index, -1, XDP_MODE_FLAGS.get(current.mode, 0))
+                current = None
+            if current is None:
+                flags |= XDP_FLAGS_UPDATE_IF_NOEXIST
+            self._set_xdp(index, prog_fd, flags)
+        except KernelNetlinkError as exc:
+            if self._vanished(index, "attach XDP", exc):
+                return False
+            raise NetlinkError(
+                f"cannot attach XDP ({mode}) to {self._describe(index)}: {os.strerror(exc.code)}",
+                exc.code,
+            ) from exc
+        return True
+
+    def _xdp(self) -> list[XdpAttachment]:
+        found = []
+        for msg in self._ipr.link("dump"):
+            xdp = msg.get_attr("IFLA_XDP")
+            if xdp is None:
+                continue
+            mode = XDP_ATTACHED_MODES.get(xdp.get_attr("IFLA_XDP_ATTACHED"))
+            prog_id = xdp.get_attr("IFLA_XDP_PROG_ID")
+            if mode and prog_id:
+                found.append(
+                    XdpAttachment(msg["index"], msg.get_attr("IFLA_IFNAME") or "", mode, prog_id)
+                )
+        return found
 
     def _links(self) -> list[Link]:
         return [

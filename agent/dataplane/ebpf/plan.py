@@ -49,6 +49,7 @@ _IPV6 = const.KBP_FAMILY_IPV6
 _HAS_ENDPOINTS = const.KBP_SVC_F_HAS_ENDPOINTS
 _AFFINITY = const.KBP_SVC_F_AFFINITY
 _MAGLEV = const.KBP_SVC_F_MAGLEV
+_SOURCE_RANGES = const.KBP_SVC_F_SOURCE_RANGES
 _LOCAL = const.KBP_BE_F_LOCAL
 _TERMINATING = const.KBP_BE_F_TERMINATING
 
@@ -418,6 +419,23 @@ def _cursor_after(ids: Iterable[int], bound: int) -> int:
     return highest + 1 if highest + 1 < bound else 1
 
 
+def source_ranged_keys(entry: ServiceEntry) -> dict[FrontendKey, tuple[str, ...]]:
+    """The entry's LoadBalancer frontends that carry loadBalancerSourceRanges → the ranges
+    of the entry's family (normalised networks). A frontend whose ranges are all of the
+    other family admits no one of this family, as the iptables fallback renders it."""
+    found: dict[FrontendKey, tuple[str, ...]] = {}
+    for f in entry.frontends:
+        if f.type != LOAD_BALANCER or not f.source_ranges:
+            continue
+        family = _FAMILY[entry.ip_family]
+        key = FrontendKey(_canonical(f.ip), f.port, _PROTO[entry.protocol], family)
+        v6 = family == _IPV6
+        found[key] = tuple(
+            str(ipaddress.ip_network(r, strict=False)) for r in f.source_ranges if (":" in r) == v6
+        )
+    return found
+
+
 class _Builder:
     """Shared by both paths: translates one entry into `services`/`slots`/`backends`."""
 
@@ -560,14 +578,17 @@ class _Builder:
         if entry.lb_algorithm == "maglev":
             flags |= _MAGLEV
         services = self.services
+        ranged = source_ranged_keys(entry)
         for key, kind in keys.items():
             if kind == _CLUSTER_IP_TYPE:
                 (set_id, count), (inner_id, inner_count) = internal, internal
             else:
                 (set_id, count), (inner_id, inner_count) = external, cluster
             services[key] = ServiceValue(
-                service_id, flags, set_id, count, inner_id, inner_count, timeout or 0, kind
-            )
+                service_id,
+                flags | _SOURCE_RANGES if ranged and key in ranged else flags,
+                set_id, count, inner_id, inner_count, timeout or 0, kind,
+            )  # fmt: skip
         self.service_ids[service_id] = entry.sort_key
         return _EntryPlan(
             entry, service_id, tuple(keys), tuple(set_ids.values()), tuple(ids.values())

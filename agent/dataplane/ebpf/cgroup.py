@@ -1,0 +1,251 @@
+"""Socket-level load balancing for the node's own processes: attach the cgroup socket
+hooks of bpf/sock_lb.c to a cgroup through pinned bpf_links, so that a restarted agent
+swaps its programs in place and the hooks keep working while no agent runs.
+
+Each hook is one link pinned as `<pin dir>/kbp_link_<hook>`. Links are always
+multi-attach: other programs on the same cgroup (a CNI's, a security agent's) are never
+replaced or detached, and ours are found by their pins, never by scanning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from . import libbpf
+from .kernel import PROGRAMS, LoadedPrograms
+
+log = logging.getLogger(__name__)
+
+SO_NETNS_COOKIE = 71  # SOL_SOCKET option, kernel 5.14+
+CLONE_NEWNET = 0x40000000
+LINK_PIN_PREFIX = "kbp_link_"
+
+# enum bpf_attach_type of the socket hooks -> the hook's name (as bpftool prints it).
+HOOK_NAMES = {
+    10: "connect4",
+    11: "connect6",
+    14: "sendmsg4",
+    15: "sendmsg6",
+    19: "recvmsg4",
+    20: "recvmsg6",
+    29: "getpeername4",
+    30: "getpeername6",
+    34: "sock_release",
+}
+
+
+class CgroupAttachError(Exception):
+    """The socket hooks could not be attached to (or found in) a cgroup; the message
+    names the cgroup, the hook and the errno."""
+
+
+def socket_programs() -> dict[str, tuple[str, int]]:
+    """hook name -> (program name, attach type), for every socket hook of the datapath."""
+    hooks = {}
+    for name, spec in PROGRAMS.items():
+        if spec.prog_type in ("CGROUP_SOCK_ADDR", "CGROUP_SOCK"):
+            hooks[HOOK_NAMES[spec.attach_type]] = (name, spec.attach_type)
+    return hooks
+
+
+def _unescape_mount_field(field: str) -> str:
+    """/proc/self/mounts writes space, tab, newline and backslash as octal escapes."""
+    for code in ("040", "011", "012", "134"):
+        field = field.replace(f"\\{code}", chr(int(code, 8)))
+    return field
+
+
+def cgroup2_mount(mounts: Path = Path("/proc/self/mounts")) -> Path | None:
+    """Where the cgroup2 hierarchy is mounted (first mount listed), or None. On hybrid
+    systems that is /sys/fs/cgroup/unified rather than /sys/fs/cgroup."""
+    try:
+        text = mounts.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[2] == "cgroup2":
+            return Path(_unescape_mount_field(fields[1]))
+    return None
+
+
+def _cookie_of_this_netns() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8)
+        except OSError as err:
+            raise OSError(
+                err.errno, f"SO_NETNS_COOKIE: {os.strerror(err.errno or 0)} (needs kernel 5.14+)"
+            ) from err
+    return int.from_bytes(raw, sys.byteorder)
+
+
+def netns_cookie(netns: str | None = None) -> int:
+    """The network namespace cookie (what bpf_get_netns_cookie() returns in the kernel) of
+    the calling thread's namespace, or of the named one (/run/netns/NAME), read from a
+    socket made there by a short-lived thread (setns() changes only that thread)."""
+    if netns is None:
+        return _cookie_of_this_netns()
+    outcome: list[int | BaseException] = []
+
+    def in_namespace() -> None:
+        try:
+            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    code = ctypes.get_errno()
+                    raise OSError(code, f"setns into {netns}: {os.strerror(code)}")
+                outcome.append(_cookie_of_this_netns())
+            finally:
+                os.close(fd)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=in_namespace, name=f"netns-cookie {netns}")
+    thread.start()
+    thread.join()
+    (result,) = outcome
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _link_pin(pin_dir: Path, hook: str) -> Path:
+    return pin_dir / f"{LINK_PIN_PREFIX}{hook}"
+
+
+def _pinned_hooks(pin_dir: Path) -> list[str]:
+    if not pin_dir.is_dir():
+        return []
+    return sorted(
+        entry.name.removeprefix(LINK_PIN_PREFIX)
+        for entry in pin_dir.iterdir()
+        if entry.name.startswith(LINK_PIN_PREFIX)
+    )
+
+
+def _open_cgroup(cgroup: Path) -> tuple[int, int]:
+    """(fd, cgroup id) of a cgroup2 directory; the id is its inode number."""
+    try:
+        fd = os.open(cgroup, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as err:
+        raise CgroupAttachError(
+            f"cgroup {cgroup}: cannot open it ({os.strerror(err.errno or 0)}, errno "
+            f"{err.errno}); give the cgroup2 mount point or a directory under it"
+        ) from err
+    return fd, os.fstat(fd).st_ino
+
+
+def _replace_in_place(pin: Path, prog_fd: int, attach_type: int, cgroup_id: int) -> bool:
+    """Point our pinned link at the new program. False when there is no usable link (no
+    pin, or a link to another cgroup or to a removed one: that one is detached and
+    unpinned, so the caller makes a new link)."""
+    if not pin.exists():
+        return False
+    link_fd = libbpf.obj_get(str(pin))
+    try:
+        info = libbpf.link_info(link_fd)
+        if info.cgroup_id == cgroup_id and info.attach_type == attach_type:
+            try:
+                libbpf.link_update(link_fd, prog_fd)
+                return True
+            except OSError as err:
+                if err.errno != errno.ENOLINK:  # ENOLINK: its cgroup went away meanwhile
+                    raise
+        with contextlib.suppress(OSError):  # already defunct when its cgroup was removed
+            libbpf.link_detach(link_fd)
+    finally:
+        os.close(link_fd)
+    pin.unlink()
+    return False
+
+
+def _attach_one(
+    hook: str, program: str, prog_fd: int, attach_type: int, cgroup: Path, cgroup_fd: int,
+    cgroup_id: int, pin_dir: Path,
+) -> None:  # fmt: skip
+    pin = _link_pin(pin_dir, hook)
+    try:
+        if _replace_in_place(pin, prog_fd, attach_type, cgroup_id):
+            log.debug("ebpf: %s on cgroup %s now runs the new %s", hook, cgroup, program)
+            return
+        link_fd = libbpf.link_create(prog_fd, cgroup_fd, attach_type)
+        try:
+            libbpf.obj_pin(link_fd, str(pin))
+        finally:
+            os.close(link_fd)  # the pin holds the link from here on
+    except OSError as err:
+        code = errno.errorcode.get(err.errno or 0, str(err.errno))
+        raise CgroupAttachError(
+            f"attaching {program} to cgroup {cgroup} at {hook} failed with {code}: {err.strerror}"
+        ) from err
+    log.debug("ebpf: attached %s to cgroup %s at %s", program, cgroup, hook)
+
+
+def attach_socket_hooks(programs: LoadedPrograms, cgroup: Path, pin_dir: Path) -> list[str]:
+    """Attach every socket hook to `cgroup` (the cgroup2 root covers every process of the
+    node); on an agent restart, swap the programs of our pinned links in place. Pins of
+    hooks this datapath no longer has are removed. On failure nothing of ours stays
+    attached (a half set would rewrite connect() but not recvmsg()), and
+    CgroupAttachError says why. Returns the hooks attached."""
+    hooks = socket_programs()
+    pin_dir.mkdir(parents=True, exist_ok=True)
+    for stale in sorted(set(_pinned_hooks(pin_dir)) - set(hooks)):
+        _remove_link(_link_pin(pin_dir, stale))
+    cgroup_fd, cgroup_id = _open_cgroup(cgroup)
+    try:
+        for hook, (program, attach_type) in sorted(hooks.items()):
+            _attach_one(hook, program, programs.fd(program), attach_type, cgroup, cgroup_fd,
+                        cgroup_id, pin_dir)  # fmt: skip
+    except BaseException:
+        detach_socket_hooks(pin_dir)
+        raise
+    finally:
+        os.close(cgroup_fd)
+    return sorted(hooks)
+
+
+def _remove_link(pin: Path) -> None:
+    """Detach the pinned link from its hook, then unpin it."""
+    try:
+        link_fd = libbpf.obj_get(str(pin))
+    except OSError:
+        link_fd = -1  # not a link we can open: just remove the name
+    if link_fd >= 0:
+        try:
+            with contextlib.suppress(OSError):  # defunct already (its cgroup is gone)
+                libbpf.link_detach(link_fd)
+        finally:
+            os.close(link_fd)
+    with contextlib.suppress(FileNotFoundError):
+        pin.unlink()
+
+
+def detach_socket_hooks(pin_dir: Path) -> list[str]:
+    """Detach and unpin every socket hook link of ours under `pin_dir` (found by their
+    pins, whatever cgroup they are on). Returns the hooks removed."""
+    removed = _pinned_hooks(pin_dir)
+    for hook in removed:
+        _remove_link(_link_pin(pin_dir, hook))
+    return removed
+
+
+def attached_programs(cgroup: Path, hook: str) -> list[str]:
+    """Names of the programs attached to `cgroup` at `hook` directly (not inherited),
+    whoever attached them: for tests and `inspect`."""
+    attach_type = {name: kind for kind, name in HOOK_NAMES.items()}[hook]
+    cgroup_fd, _ = _open_cgroup(cgroup)
+    try:
+        ids = libbpf.prog_query(cgroup_fd, attach_type)
+    finally:
+        os.close(cgroup_fd)
+    return [libbpf.prog_name(prog_id) for prog_id in ids]

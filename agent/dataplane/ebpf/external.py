@@ -1,0 +1,121 @@
+"""External traffic in the eBPF dataplane, the pure part: what the kbp_src_ranges and
+kbp_config maps hold for a NodeState, and which interfaces are the node's external ones.
+
+The programs on external interfaces (bpf/tc_ext.c, bpf/xdp_ext.c) read these maps;
+dataplane.py writes them beside the service maps.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from ...model.nodestate import NodeState
+from .abi import addr_bytes, const, packer, port_bytes
+from .plan import FrontendKey, source_ranged_keys
+
+_SRC_RANGE_KEY = packer("kbp_src_range_key")
+_SRC_RANGE = packer("kbp_src_range")
+_CONFIG = packer("kbp_config")
+
+# SNAT source ports of external flows to other nodes: above Linux's default
+# ip_local_port_range (32768-60999), so the node's own connections never take them, and
+# away from the NodePort range (30000-32767). 4536 concurrent flows per backend and node
+# address; --snat-port-range widens it (config.py parses it).
+DEFAULT_SNAT_PORTS = (61000, 65535)
+
+# How --xdp is spelt and what it asks for: try native then generic, one of them, or none.
+XDP_CHOICES = ("auto", "native", "generic", "off")
+XDP_ALIASES = {"true": "auto", "on": "auto", "false": "off"}
+
+
+def xdp_mode(text: str) -> str:
+    """--xdp's value → one of XDP_CHOICES; ValueError naming the accepted spellings."""
+    mode = XDP_ALIASES.get(text.strip().lower(), text.strip().lower())
+    if mode not in XDP_CHOICES:
+        raise ValueError(f"--xdp must be true, false, {', '.join(XDP_CHOICES)}; got {text!r}")
+    return mode
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRange:
+    """One kbp_src_ranges entry: a LoadBalancer frontend and a client network it admits."""
+
+    frontend: FrontendKey
+    network: str  # normalised CIDR of the frontend's family
+
+    def key(self) -> bytes:
+        net = ipaddress.ip_network(self.network)
+        f = self.frontend
+        return _SRC_RANGE_KEY.pack(
+            const.KBP_SRC_RANGE_FRONTEND_BITS + net.prefixlen,
+            addr_bytes(f.addr),
+            port_bytes(f.port),
+            f.proto,
+            f.family,
+            addr_bytes(str(net.network_address)),
+        )
+
+    def value(self) -> bytes:
+        return _SRC_RANGE.pack(ipaddress.ip_network(self.network).prefixlen)
+
+
+def source_ranges(state: NodeState) -> set[SourceRange]:
+    """Every (LoadBalancer frontend, admitted network) of the state. A frontend shared by
+    two entries is programmed for the first (plan.py's rule), and so are its ranges."""
+    found: set[SourceRange] = set()
+    claimed: set[FrontendKey] = set()
+    for entry in state.services:
+        for key, networks in source_ranged_keys(entry).items():
+            if key in claimed:
+                continue
+            claimed.add(key)
+            found.update(SourceRange(key, n) for n in networks)
+    return found
+
+
+def _first_of_family(addresses: Iterable[str], v6: bool) -> str | None:
+    return next((a for a in addresses if (":" in a) == v6), None)
+
+
+def _cidr_of_family(cidrs: Iterable[str], v6: bool) -> tuple[bytes, int]:
+    for cidr in cidrs:
+        if (":" in cidr) == v6:
+            net = ipaddress.ip_network(cidr, strict=False)
+            return addr_bytes(str(net.network_address)), net.prefixlen
+    return bytes(16), 0
+
+
+def config_value(
+    node_addresses: Iterable[str],
+    cluster_cidrs: Iterable[str],
+    netns_cookie: int,
+    snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
+) -> bytes:
+    """struct kbp_config: the first (primary) node address of each family is the SNAT
+    source; the first cluster CIDR of each family tells pods of the cluster apart."""
+    addresses = list(node_addresses)
+    cidrs = list(cluster_cidrs)
+    v4 = _first_of_family(addresses, v6=False)
+    v6 = _first_of_family(addresses, v6=True)
+    pod4, pod4_len = _cidr_of_family(cidrs, v6=False)
+    pod6, pod6_len = _cidr_of_family(cidrs, v6=True)
+    return _CONFIG.pack(
+        addr_bytes(v4) if v4 else bytes(16),
+        addr_bytes(v6) if v6 else bytes(16),
+        netns_cookie,
+        snat_ports[0],
+        snat_ports[1],
+        pod4_len,
+        pod6_len,
+        pod4,
+        pod6,
+    )
+
+
+def interfaces_with(addresses: Mapping[str, Iterable[str]], wanted: Iterable[str]) -> set[str]:
+    """Names of the interfaces that carry any of the `wanted` addresses (the default
+    external interfaces: those holding the node's NodePort addresses)."""
+    want = {str(ipaddress.ip_address(a)) for a in wanted}
+    return {name for name, ips in addresses.items() if want.intersection(ips)}

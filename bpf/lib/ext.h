@@ -1,0 +1,188 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * The external path: packets that reach the node on an external interface (from outside
+ * the cluster, or from pods on other nodes) for one of its frontends, and the replies of
+ * flows translated here. The decision (conntrack, source ranges, backend set, selection,
+ * SNAT port) is shared by the XDP and tc programs; each applies it with its own means.
+ *
+ * A backend on this node gets the packet with only the destination rewritten: the
+ * client's address reaches the pod, and the pod's reply is translated back at this
+ * interface's egress (KBP_CT_F_REPLY_AT_CLIENT). A backend on another node would answer
+ * the client directly, so the source is rewritten to this node's address and a port of
+ * the SNAT range, and the packet is forwarded to the next hop found in the FIB; its
+ * reply comes back here and is translated at ingress and forwarded to the client.
+ */
+#ifndef KBP_LIB_EXT_H
+#define KBP_LIB_EXT_H
+
+#include "lib/common.h"
+#include "lib/conntrack.h"
+#include "lib/counters.h"
+#include "lib/lb.h"
+#include "lib/nat.h"
+#include "lib/parse.h"
+
+/* What ext_decide found for a packet to a frontend. */
+#define KBP_EXT_LOCAL 0   /* rewrite the destination; the stack delivers to the local pod */
+#define KBP_EXT_FORWARD 1 /* rewrite both ends and forward to a backend on another node */
+#define KBP_EXT_DROP 2    /* drop, for `reason` (KBP_DROP_*) */
+#define KBP_EXT_REJECT 3  /* the set is empty and no endpoint exists: RST / ICMP */
+
+struct kbp_ext_verdict {
+	struct kbp_nat_target to; /* the packet's new tuple (LOCAL, FORWARD) */
+	__u32 service_id;
+	__u32 reason; /* KBP_DROP_* for KBP_EXT_DROP */
+};
+
+/* The source address of SNATed flows of the packet's family, or NULL when the agent has
+ * not configured one (no node address of that family). */
+static __always_inline const __be32 *ext_snat_addr(const struct kbp_config *cfg, __u8 family)
+{
+	const __be32 *addr = family == KBP_FAMILY_IPV4 ? cfg->node_addr4 : cfg->node_addr6;
+
+	if ((addr[0] | addr[1] | addr[2] | addr[3]) == 0)
+		return NULL;
+	return addr;
+}
+
+static __always_inline void __ext_target(const struct kbp_tuple *t, const struct kbp_ct_entry *flow,
+					 struct kbp_ext_verdict *v)
+{
+	nat_target_of_packet(t, &v->to);
+	if (flow->flags & KBP_CT_F_SNAT) {
+		nat_target_snat(t, flow, &v->to);
+	} else {
+		__builtin_memcpy(v->to.daddr, flow->addr, sizeof(v->to.daddr));
+		v->to.dport = flow->port;
+	}
+}
+
+/* A new flow: source ranges, the set for this client, selection, and conntrack (with a
+ * SNAT port when the backend is on another node). */
+static __always_inline int __ext_new_flow(const struct kbp_tuple *t, const struct kbp_service *svc,
+					  const struct kbp_config *cfg, struct kbp_ct_entry *stale,
+					  __u64 now, struct kbp_ext_verdict *v)
+{
+	struct kbp_backend *backend;
+	struct kbp_ct_entry *flow;
+	const __be32 *snat_addr;
+	__u32 backend_id = 0, set_id, count;
+	__be16 snat_port;
+
+	if (!lb_source_admitted(t, svc)) {
+		v->reason = KBP_DROP_SOURCE_RANGE;
+		return KBP_EXT_DROP;
+	}
+	/* Pods of the cluster use clusterBackends, everyone else the policy's set; a
+	 * ClusterIP reached from outside (a router sending the Service range here) has one. */
+	if (svc->type == KBP_FE_CLUSTER_IP || lb_from_cluster_pod(t, cfg))
+		lb_set_for_pods(svc, &set_id, &count);
+	else
+		lb_set_for_outside(svc, &set_id, &count);
+	if (count == 0) {
+		v->reason = KBP_DROP_NO_BACKEND;
+		return (svc->flags & KBP_SVC_F_HAS_ENDPOINTS) ? KBP_EXT_DROP : KBP_EXT_REJECT;
+	}
+	backend = lb_select_backend(t, svc, set_id, count, now, &backend_id);
+	if (!backend) {
+		v->reason = KBP_DROP_BACKEND_GONE;
+		return KBP_EXT_DROP;
+	}
+	if (backend->family != t->family) {
+		v->reason = KBP_DROP_NAT_FAILED;
+		return KBP_EXT_DROP;
+	}
+	if (stale)
+		ct_forget_reply_of(t, stale);
+	nat_target_of_packet(t, &v->to);
+	__builtin_memcpy(v->to.daddr, backend->addr, sizeof(v->to.daddr));
+	v->to.dport = backend->port;
+	if (backend->flags & KBP_BE_F_LOCAL) {
+		if (ct_create(t, svc, backend_id, backend, 0, now)) {
+			v->reason = KBP_DROP_NAT_FAILED;
+			return KBP_EXT_DROP;
+		}
+	} else {
+		snat_addr = ext_snat_addr(cfg, t->family);
+		if (!snat_addr) {
+			v->reason = KBP_DROP_NO_ROUTE;
+			return KBP_EXT_DROP;
+		}
+		if (ct_create_snat(t, svc, backend_id, backend, snat_addr, cfg->snat_port_min,
+				   cfg->snat_port_max, now, &snat_port)) {
+			v->reason = KBP_DROP_NO_SNAT_PORT;
+			return KBP_EXT_DROP;
+		}
+		__builtin_memcpy(v->to.saddr, snat_addr, sizeof(v->to.saddr));
+		v->to.sport = snat_port;
+	}
+	lb_remember_affinity(t, svc, now, backend_id);
+	count_new_flow(svc->service_id);
+	return (backend->flags & KBP_BE_F_LOCAL) ? KBP_EXT_LOCAL : KBP_EXT_FORWARD;
+}
+
+/* A packet from an external interface to frontend `svc`: keep the flow's backend (and
+ * SNAT port) from conntrack when still usable, else decide as a new flow. */
+static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kbp_service *svc,
+				      const struct kbp_config *cfg, struct kbp_ext_verdict *v)
+{
+	__u64 now = kbp_now();
+	struct kbp_ct_entry *flow = ct_lookup_forward(t);
+
+	v->service_id = svc->service_id;
+	if (flow && ct_forward_is_usable(flow, svc, t)) {
+		ct_touch(flow, t, now, 0);
+		__ext_target(t, flow, v);
+		return (flow->flags & KBP_CT_F_SNAT) ? KBP_EXT_FORWARD : KBP_EXT_LOCAL;
+	}
+	return __ext_new_flow(t, svc, cfg, flow, now, v);
+}
+
+/* A reply arriving on an external interface: only SNATed flows are translated here
+ * (their replies come back to this node's address); the others' replies travel on to
+ * the client's hook. NULL when the packet is not such a reply. */
+static __always_inline struct kbp_ct_entry *ext_snat_reply(const struct kbp_tuple *t)
+{
+	struct kbp_ct_entry *reply = ct_lookup_reply(t);
+
+	if (!reply || !(reply->flags & KBP_CT_F_SNAT))
+		return NULL;
+	ct_touch(reply, t, kbp_now(), KBP_CT_F_SEEN_REPLY);
+	return reply;
+}
+
+/* FIB parameters for forwarding a packet rewritten to `to`, looked up as if it arrived
+ * on `ifindex`. */
+static __always_inline void ext_fib_params(const struct kbp_tuple *t,
+					   const struct kbp_nat_target *to, __u32 ifindex,
+					   struct bpf_fib_lookup *fib)
+{
+	fib->ifindex = ifindex;
+	fib->l4_protocol = t->proto;
+	fib->sport = to->sport;
+	fib->dport = to->dport;
+	if (t->family == KBP_FAMILY_IPV4) {
+		fib->family = KBP_AF_INET;
+		fib->ipv4_src = to->saddr[0];
+		fib->ipv4_dst = to->daddr[0];
+	} else {
+		fib->family = KBP_AF_INET6;
+		__builtin_memcpy(fib->ipv6_src, to->saddr, 16);
+		__builtin_memcpy(fib->ipv6_dst, to->daddr, 16);
+	}
+}
+
+/* The next hop's and our MAC addresses from a successful FIB lookup. */
+static __always_inline int ext_set_macs(void *data, void *data_end,
+					const struct bpf_fib_lookup *fib)
+{
+	struct ethhdr *eth = data;
+
+	if ((void *)(eth + 1) > data_end)
+		return -1;
+	__builtin_memcpy(eth->h_dest, fib->dmac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, fib->smac, ETH_ALEN);
+	return 0;
+}
+
+#endif /* KBP_LIB_EXT_H */

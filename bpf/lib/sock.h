@@ -1,0 +1,442 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/*
+ * Socket-level load balancing for the node's own processes (host network), which never
+ * cross the tc hooks on their way to a ClusterIP or to the node's own NodePort. The
+ * cgroup/sock_addr hooks rewrite the destination at connect() and at sendmsg() of
+ * unconnected UDP, before any packet exists, and record (socket, backend) -> frontend in
+ * kbp_sock_rev so that recvmsg() and getpeername() show the frontend the application
+ * asked for (a DNS client checks the source of the answer).
+ *
+ * Only sockets of the node's network namespace (kbp_config.host_netns_cookie) are
+ * touched: pods reach services through tc, and a program attached high in the cgroup
+ * tree (the root, in production) also runs for every pod's sockets.
+ *
+ * What the hooks decide (the tc path's rules unless said otherwise):
+ *   - The set is the internal one (lb_set_for_pods): clusterBackends, or localBackends
+ *     for an internalTrafficPolicy Local ClusterIP; external frontends reached from the
+ *     node use clusterBackends too (DESIGN.md §3).
+ *   - Unlike tc, the slot is chosen by a hash of the socket cookie and the frontend, not
+ *     at random or by Maglev's flow hash: sockets spread evenly over the set (a Maglev
+ *     table holds each backend about equally often), and an unconnected UDP socket keeps
+ *     its backend from one sendmsg() to the next, which is what conntrack gives a
+ *     5-tuple. When the set changes the slot may name another backend, and the next
+ *     datagram goes there (conntrack would keep the old one until it expires). Maglev's
+ *     cross-node consistency is moot for flows that start on this node.
+ *   - The client address (for ClientIP affinity and loadBalancerSourceRanges) is the
+ *     address the socket is bound to, else the node's address (kbp_config.node_addr4/6):
+ *     the source is chosen by routing after the hook, and towards a Service that is the
+ *     node's primary address on a node with one. A multi-homed node whose route to a
+ *     LoadBalancer VIP picks another source is judged by the primary address; bind the
+ *     socket to be judged by another.
+ *   - loadBalancerSourceRanges guard a LoadBalancer VIP against the node too, as
+ *     kube-proxy's firewall chain does for the node's own traffic.
+ *   - Where tc would drop or reject a packet, the syscall fails instead: ECONNREFUSED
+ *     when the service has no endpoints anywhere (kube-proxy's REJECT), EHOSTUNREACH
+ *     when endpoints exist elsewhere or the source ranges refuse the client (kube-proxy's
+ *     DROP would leave connect() hanging until its timeout; failing at once says the
+ *     same, sooner). The errno is set with bpf_set_retval(), which the kernel allows for
+ *     the connect and sendmsg hooks since 5.18 (the programs do not load on older
+ *     kernels; a rejecting program without it would mean EPERM). Counted in kbp_drops
+ *     like packets, with 0 bytes.
+ *   - Only TCP and UDP sockets (ctx->protocol) are translated; SCTP passes, as at tc.
+ *   - A connected socket keeps the backend it was given: when that backend leaves the
+ *     service, the socket learns it from the backend (RST, ICMP) or not at all; there
+ *     is no conntrack entry to move.
+ *
+ * IPv6 sockets may name IPv4 frontends as v4-mapped addresses (::ffff:a.b.c.d, a
+ * dual-stack socket): the kernel runs only the IPv6 hooks for them, so those hooks look
+ * the IPv4 frontend up and write the backend back v4-mapped.
+ */
+#ifndef KBP_LIB_SOCK_H
+#define KBP_LIB_SOCK_H
+
+#include <uapi/asm-generic/errno.h>
+
+#include "lib/common.h"
+#include "lib/counters.h"
+#include "lib/lb.h"
+#include "lib/maps.h"
+#include "lib/parse.h"
+
+/* struct bpf_sock.family values: include/linux/socket.h, which is not uapi (bcc happens
+ * to provide them; say so rather than rely on it). */
+#ifndef AF_INET
+#define AF_INET 2
+#endif /* AF_INET */
+#ifndef AF_INET6
+#define AF_INET6 10
+#endif /* AF_INET6 */
+
+/* What a cgroup sock_addr program returns: 1 lets the syscall go on, 0 fails it (with
+ * EPERM, or the errno given to bpf_set_retval). */
+#define KBP_SOCK_ALLOW 1
+#define KBP_SOCK_REJECT 0
+
+/* bcc 0.26 declares bpf_get_socket_cookie() as returning u32; the cookie is 64 bits. */
+static __u64 (*kbp_socket_cookie)(void *ctx) = (void *)BPF_FUNC_get_socket_cookie;
+
+/* An address as a socket hook sees it, in the ABI's form (IPv4 in word 0). */
+struct sock_user_addr {
+	__be32 addr[4];
+	__be16 port;
+	__u8 family; /* KBP_FAMILY_* after unmapping v4-mapped IPv6 addresses */
+	__u8 mapped; /* came as (and goes back as) ::ffff:a.b.c.d */
+};
+
+/* kbp_config when this socket lives in the node's own network namespace; NULL for any
+ * other namespace and when the agent has not written the cookie yet (0). */
+static __always_inline struct kbp_config *sock_host_config(void *ctx)
+{
+	struct kbp_config *config = map_lookup_config();
+
+	if (!config || config->host_netns_cookie == 0)
+		return NULL;
+	if (bpf_get_netns_cookie(ctx) != config->host_netns_cookie)
+		return NULL;
+	return config;
+}
+
+/* IPPROTO_TCP / IPPROTO_UDP for the sockets we translate, 0 for any other. */
+static __always_inline __u8 sock_proto_of(__u32 protocol)
+{
+	if (protocol == IPPROTO_TCP || protocol == IPPROTO_UDP)
+		return protocol;
+	return 0;
+}
+
+/* An IPv6 address as four words into `a`: a v4-mapped one (::ffff:a.b.c.d) becomes the
+ * IPv4 address, marked `mapped`. */
+static __always_inline void sock_addr_of_ip6(__be32 w0, __be32 w1, __be32 w2, __be32 w3,
+					     struct sock_user_addr *a)
+{
+	if (w0 == 0 && w1 == 0 && w2 == bpf_htonl(0x0000ffff)) {
+		a->addr[0] = w3;
+		a->family = KBP_FAMILY_IPV4;
+		a->mapped = 1;
+		return;
+	}
+	a->addr[0] = w0;
+	a->addr[1] = w1;
+	a->addr[2] = w2;
+	a->addr[3] = w3;
+	a->family = KBP_FAMILY_IPV6;
+}
+
+/* The user address of an IPv4 hook: connect/sendmsg destination, recvmsg source,
+ * getpeername peer. */
+static __always_inline void sock4_read_user(struct bpf_sock_addr *ctx, struct sock_user_addr *a)
+{
+	a->addr[0] = ctx->user_ip4;
+	a->port = (__be16)ctx->user_port;
+	a->family = KBP_FAMILY_IPV4;
+}
+
+static __always_inline void sock4_write_user(struct bpf_sock_addr *ctx, const __be32 *addr,
+					     __be16 port)
+{
+	ctx->user_ip4 = addr[0];
+	ctx->user_port = (__u32)port;
+}
+
+/* The same for an IPv6 hook; a v4-mapped address becomes an IPv4 one. */
+static __always_inline void sock6_read_user(struct bpf_sock_addr *ctx, struct sock_user_addr *a)
+{
+	sock_addr_of_ip6(ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3],
+			 a);
+	a->port = (__be16)ctx->user_port;
+}
+
+/* Write an address of `a`'s family back into an IPv6 hook (v4-mapped when it came so). */
+static __always_inline void sock6_write_user(struct bpf_sock_addr *ctx,
+					     const struct sock_user_addr *a, const __be32 *addr,
+					     __be16 port)
+{
+	if (a->mapped) {
+		ctx->user_ip6[0] = 0;
+		ctx->user_ip6[1] = 0;
+		ctx->user_ip6[2] = bpf_htonl(0x0000ffff);
+		ctx->user_ip6[3] = addr[0];
+	} else {
+		ctx->user_ip6[0] = addr[0];
+		ctx->user_ip6[1] = addr[1];
+		ctx->user_ip6[2] = addr[2];
+		ctx->user_ip6[3] = addr[3];
+	}
+	ctx->user_port = (__u32)port;
+}
+
+/* The address an IPv4 socket is bound to (0: unbound, the usual case). */
+static __always_inline void sock4_read_bound(struct bpf_sock_addr *ctx,
+					     struct sock_user_addr *a)
+{
+	struct bpf_sock *sk = ctx->sk;
+
+	a->addr[0] = sk->src_ip4;
+	a->family = KBP_FAMILY_IPV4;
+}
+
+/* The same for an IPv6 socket (:: unbound; a v4-mapped address becomes IPv4). */
+static __always_inline void sock6_read_bound(struct bpf_sock_addr *ctx,
+					     struct sock_user_addr *a)
+{
+	struct bpf_sock *sk = ctx->sk;
+
+	sock_addr_of_ip6(sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3], a);
+}
+
+/* The tuple the load balancer sees: the client is the bound address when there is one
+ * of the frontend's family, else the node's address (see the header comment); no source
+ * port (not chosen yet); the frontend as the destination. */
+static __always_inline void sock_tuple_of(const struct kbp_config *config,
+					  const struct sock_user_addr *frontend,
+					  const struct sock_user_addr *bound, __u8 proto,
+					  struct kbp_tuple *t)
+{
+	if (bound->family == frontend->family &&
+	    (bound->addr[0] | bound->addr[1] | bound->addr[2] | bound->addr[3]))
+		__builtin_memcpy(t->saddr, bound->addr, sizeof(t->saddr));
+	else if (frontend->family == KBP_FAMILY_IPV4)
+		t->saddr[0] = config->node_addr4[0];
+	else
+		__builtin_memcpy(t->saddr, config->node_addr6, sizeof(t->saddr));
+	__builtin_memcpy(t->daddr, frontend->addr, sizeof(t->daddr));
+	t->dport = frontend->port;
+	t->proto = proto;
+	t->family = frontend->family;
+}
+
+/* MurmurHash3's 64-bit finalizer: every input bit moves every output bit, so consecutive
+ * socket cookies land on unrelated slots. */
+static __always_inline __u64 __sock_fmix64(__u64 h)
+{
+	h ^= h >> 33;
+	h *= 0xff51afd7ed558ccdULL;
+	h ^= h >> 33;
+	h *= 0xc4ceb9fe1a85ec53ULL;
+	h ^= h >> 33;
+	return h;
+}
+
+/* The slot of the set for this socket and frontend (see the header comment). */
+static __always_inline __u32 sock_slot_hash(__u64 cookie, const struct kbp_tuple *t)
+{
+	__u64 h = __sock_fmix64(cookie);
+
+	h = __sock_fmix64(h ^ (((__u64)t->daddr[0] << 32) | t->daddr[1]));
+	h = __sock_fmix64(h ^ (((__u64)t->daddr[2] << 32) | t->daddr[3]));
+	h = __sock_fmix64(h ^ (((__u64)t->dport << 8) | t->proto));
+	return (__u32)(h >> 32);
+}
+
+/* Affinity first, else the socket's slot; NULL when the slot or its backend is missing
+ * (which ordered agent writes rule out). */
+static __always_inline struct kbp_backend *sock_select_backend(const struct kbp_tuple *t,
+							       const struct kbp_service *svc,
+							       __u32 set_id, __u32 count,
+							       __u64 cookie, __u64 now,
+							       __u32 *backend_id)
+{
+	struct kbp_backend *backend = lb_affinity_backend(t, svc, now, backend_id);
+
+	if (backend)
+		return backend;
+	if (__lb_slot_backend(set_id, sock_slot_hash(cookie, t) % count, backend_id) < 0)
+		return NULL;
+	return lb_backend_of_service(*backend_id, svc->service_id);
+}
+
+/* Fail the syscall with `err` (a positive errno), counted under `reason`. */
+static __always_inline int sock_refuse(const struct kbp_service *svc, __u32 reason, int err)
+{
+	count_service_drop(svc->service_id, reason, 0);
+	bpf_set_retval(-err);
+	return KBP_SOCK_REJECT;
+}
+
+/* An empty set: REJECT (no endpoints anywhere) or DROP (endpoints elsewhere), §3. */
+static __always_inline int sock_refuse_empty_set(const struct kbp_service *svc)
+{
+	if (svc->flags & KBP_SVC_F_HAS_ENDPOINTS)
+		return sock_refuse(svc, KBP_DROP_NO_BACKEND, EHOSTUNREACH);
+	return sock_refuse(svc, KBP_DROP_REJECTED, ECONNREFUSED);
+}
+
+/* Remember that this socket's `backend` stands for `frontend`. Returns 1 when the entry
+ * is new (the socket's first flow to this backend: a new flow for the counters and for
+ * affinity), 0 when it was already there. An unconnected UDP socket comes here on every
+ * sendmsg(), hence the lookup before the (costlier) update. A failed update is ignored:
+ * the flow still works, only recvmsg/getpeername would show the backend. */
+static __always_inline int sock_remember_frontend(__u64 cookie, const struct kbp_backend *backend,
+						  const struct sock_user_addr *frontend,
+						  __u32 service_id)
+{
+	struct kbp_sock_key key = {};
+	struct kbp_sock_rev rev = {};
+	struct kbp_sock_rev *known;
+
+	key.cookie = cookie;
+	__builtin_memcpy(key.addr, backend->addr, sizeof(key.addr));
+	key.port = backend->port;
+	key.family = backend->family;
+	known = map_lookup_sock_rev(&key);
+	if (known && lb_addr_equal(known->addr, frontend->addr) && known->port == frontend->port &&
+	    known->service_id == service_id)
+		return 0;
+	__builtin_memcpy(rev.addr, frontend->addr, sizeof(rev.addr));
+	rev.port = frontend->port;
+	rev.service_id = service_id;
+	map_update_sock_rev(&key, &rev);
+	return 1;
+}
+
+/* connect()/sendmsg() of a node socket (bound to `bound`, if at all) to `frontend`: on
+ * success `*backend_out` names the address to write; returns KBP_SOCK_ALLOW with
+ * *backend_out NULL when the destination is not a service (or the socket not ours), or
+ * KBP_SOCK_REJECT after setting the errno. */
+static __always_inline int sock_lb_select(void *ctx, const struct sock_user_addr *frontend,
+					  const struct sock_user_addr *bound, __u32 protocol,
+					  struct kbp_backend **backend_out)
+{
+	struct kbp_config *config;
+	struct kbp_tuple t = {};
+	struct kbp_service *svc;
+	struct kbp_backend *backend;
+	__u32 set_id, count, backend_id = 0;
+	__u8 proto = sock_proto_of(protocol);
+	__u64 cookie, now;
+
+	*backend_out = NULL;
+	if (!proto)
+		return KBP_SOCK_ALLOW;
+	config = sock_host_config(ctx);
+	if (!config)
+		return KBP_SOCK_ALLOW;
+	sock_tuple_of(config, frontend, bound, proto, &t);
+	svc = lb_lookup_service(&t);
+	if (!svc)
+		return KBP_SOCK_ALLOW;
+	if (!lb_source_admitted(&t, svc))
+		return sock_refuse(svc, KBP_DROP_SOURCE_RANGE, EHOSTUNREACH);
+	lb_set_for_pods(svc, &set_id, &count);
+	if (count == 0)
+		return sock_refuse_empty_set(svc);
+	cookie = kbp_socket_cookie(ctx);
+	now = kbp_now();
+	backend = sock_select_backend(&t, svc, set_id, count, cookie, now, &backend_id);
+	if (!backend)
+		return sock_refuse(svc, KBP_DROP_BACKEND_GONE, EHOSTUNREACH);
+	/* Service ids are per family: a backend of another family means a corrupt entry. */
+	if (backend->family != frontend->family)
+		return sock_refuse(svc, KBP_DROP_NAT_FAILED, EHOSTUNREACH);
+	if (sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
+		lb_remember_affinity(&t, svc, now, backend_id);
+		count_new_flow(svc->service_id);
+	}
+	*backend_out = backend;
+	return KBP_SOCK_ALLOW;
+}
+
+/* connect4 / sendmsg4: point the socket at a backend of the frontend it names. */
+static __always_inline int sock4_to_backend(struct bpf_sock_addr *ctx)
+{
+	struct sock_user_addr frontend = {}, bound = {};
+	struct kbp_backend *backend;
+	int verdict;
+
+	sock4_read_user(ctx, &frontend);
+	sock4_read_bound(ctx, &bound);
+	verdict = sock_lb_select(ctx, &frontend, &bound, ctx->protocol, &backend);
+	if (backend)
+		sock4_write_user(ctx, backend->addr, backend->port);
+	return verdict;
+}
+
+/* connect6 / sendmsg6, v4-mapped destinations included. */
+static __always_inline int sock6_to_backend(struct bpf_sock_addr *ctx)
+{
+	struct sock_user_addr frontend = {}, bound = {};
+	struct kbp_backend *backend;
+	int verdict;
+
+	sock6_read_user(ctx, &frontend);
+	sock6_read_bound(ctx, &bound);
+	verdict = sock_lb_select(ctx, &frontend, &bound, ctx->protocol, &backend);
+	if (backend)
+		sock6_write_user(ctx, &frontend, backend->addr, backend->port);
+	return verdict;
+}
+
+/* The frontend this socket's peer `peer` (a backend) stands for, or NULL. */
+static __always_inline struct kbp_sock_rev *sock_frontend_of(void *ctx,
+							     const struct sock_user_addr *peer)
+{
+	struct kbp_sock_key key = {};
+
+	/* The netns check is cheaper than the hash lookup, and most sockets that reach an
+	 * attachment at the cgroup root are pods'. */
+	if (!sock_host_config(ctx))
+		return NULL;
+	key.cookie = kbp_socket_cookie(ctx);
+	__builtin_memcpy(key.addr, peer->addr, sizeof(key.addr));
+	key.port = peer->port;
+	key.family = peer->family;
+	return map_lookup_sock_rev(&key);
+}
+
+/* recvmsg4 / getpeername4: show the frontend instead of the backend. These hooks must
+ * always allow. */
+static __always_inline int sock4_to_frontend(struct bpf_sock_addr *ctx)
+{
+	struct sock_user_addr peer = {};
+	struct kbp_sock_rev *rev;
+
+	sock4_read_user(ctx, &peer);
+	rev = sock_frontend_of(ctx, &peer);
+	if (rev)
+		sock4_write_user(ctx, rev->addr, rev->port);
+	return KBP_SOCK_ALLOW;
+}
+
+static __always_inline int sock6_to_frontend(struct bpf_sock_addr *ctx)
+{
+	struct sock_user_addr peer = {};
+	struct kbp_sock_rev *rev;
+
+	sock6_read_user(ctx, &peer);
+	rev = sock_frontend_of(ctx, &peer);
+	if (rev)
+		sock6_write_user(ctx, &peer, rev->addr, rev->port);
+	return KBP_SOCK_ALLOW;
+}
+
+/* sock_release: forget the entry of a connected socket (TCP, connected UDP), so that the
+ * LRU holds live sockets, not closed ones. Entries of unconnected UDP sockets (one per
+ * backend they sent to) are left to the LRU: cookies never repeat, so a stale entry is
+ * never read, only evicted. */
+static __always_inline int sock_forget(struct bpf_sock *ctx)
+{
+	struct sock_user_addr peer = {};
+	struct kbp_sock_key key = {};
+
+	if (!sock_proto_of(ctx->protocol) || ctx->dst_port == 0)
+		return KBP_SOCK_ALLOW;
+	if (!sock_host_config(ctx))
+		return KBP_SOCK_ALLOW;
+	if (ctx->family == AF_INET) {
+		peer.addr[0] = ctx->dst_ip4;
+		peer.family = KBP_FAMILY_IPV4;
+	} else if (ctx->family == AF_INET6) {
+		sock_addr_of_ip6(ctx->dst_ip6[0], ctx->dst_ip6[1], ctx->dst_ip6[2], ctx->dst_ip6[3],
+				 &peer);
+	} else {
+		return KBP_SOCK_ALLOW;
+	}
+	key.cookie = kbp_socket_cookie(ctx);
+	__builtin_memcpy(key.addr, peer.addr, sizeof(key.addr));
+	key.port = ctx->dst_port;
+	key.family = peer.family;
+	map_delete_sock_rev(&key);
+	return KBP_SOCK_ALLOW;
+}
+
+#endif /* KBP_LIB_SOCK_H */
