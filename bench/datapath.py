@@ -1,5 +1,6 @@
-"""PB-1: nanoseconds per packet of the tc service program through BPF_PROG_TEST_RUN, with
-10 to 100k Services x 10 endpoints in the maps, beside an empty tc program (the floor).
+"""PB-1: nanoseconds per packet of the tc and XDP service programs through
+BPF_PROG_TEST_RUN, with 10 to 100k Services x 10 endpoints in the maps, each beside an
+empty program of its own type (the floors).
 
 Also the shared pieces of the eBPF benchmarks (connect.py, maps.py): synthetic NodeStates
 of N ClusterIP Services, a bench network namespace, and the real EbpfDataplane loaded
@@ -14,6 +15,13 @@ difference is the program's own cost. Variants whose packet the program leaves a
 (miss) are also timed with repeat = N, as the published figures are. Calls of all
 variants are interleaved in chunks so drift hits them alike.
 
+XDP. The kernel runs an XDP test on the loopback device of the calling thread's network
+namespace, so the measuring thread enters the bench namespace, where a link, a permanent
+neighbour and routes to the backend and client ranges let the program's
+`bpf_fib_lookup` succeed: the forward variants run the whole path (decision, DNAT + SNAT
+rewrite, FIB, MAC rewrite) and end in XDP_REDIRECT, which a test run only returns (no
+frame is sent anywhere). Frames to local backends and non-Services end in XDP_PASS.
+
     .venv/bin/python -m bench.datapath [--quick] [--services N ...] [--calls C]
 """
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import ipaddress
@@ -43,11 +52,15 @@ from typing import Any
 if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.dataplane.ebpf import libbpf
+from agent.dataplane.ebpf import codec, inspect, libbpf
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
+from agent.dataplane.ebpf.external import DEFAULT_SNAT_PORTS
+from agent.dataplane.ebpf.inspect import XDP_VERDICTS
 from agent.dataplane.ebpf.plan import MapSizes
 from agent.model.nodestate import (
     CLUSTER_IP,
+    LOAD_BALANCER,
+    NODE_PORT,
     Backend,
     Frontend,
     NodeInfo,
@@ -63,12 +76,24 @@ BPFFS = Path("/sys/fs/bpf")
 BENCH_PREFIX = "kbp-bench-"
 NO_INTERFACES = "kbpbench-none"  # a --pod-interfaces glob that matches nothing
 
-# Synthetic address plan (nothing is configured on an interface for PB-1 and maps.py;
+# Synthetic address plan (no address is configured on an interface for PB-1 and maps.py;
 # connect.py routes only the target Service's backend, inside its lab):
 #   Service i      ClusterIP 10.96.0.10 + i (10.96.0.0/12), TCP port 80 → 8080
 #   its backends   10.128.0.1 + i x E + j (10.128.0.0/9), port 8080, on node "node-b"
 #   client         10.244.0.2, source ports from 1024 up
 #   not a Service  10.244.9.9:80
+# With external frontends (PB-1's XDP part; `external=True`):
+#   Service i      also LoadBalancer VIP 198.18.0.0 + i, port 80 (198.18.0.0/15, RFC 2544's
+#                  benchmarking range: 131,072 VIPs, one per Service up to 100k and beyond),
+#                  and, for i < 2768 only, NodePort 192.0.2.10:30000 + i: a node has
+#                  one port per NodePort Service in 30000-32767, so like a real cluster
+#                  only 2768 Services can have one (i % 2768 would collide)
+#   node address   192.0.2.10 (NodeInfo; kbp_config's SNAT source), SNAT ports 61000-65535
+#   local Service  one more Service, index N, whose backends are on this node ("node-a")
+#   outside client 203.0.113.7, source ports from 1024 up
+#   not a Service  192.0.2.10:22 (the node's own SSH port)
+#   next hop       198.51.100.1 (02:00:00:00:00:01) on a veth link in the bench
+#                  namespace, the route to 10.128.0.0/9 and 203.0.113.0/24
 CLUSTER_IP_BASE = int(ipaddress.IPv4Address("10.96.0.10"))
 BACKEND_BASE = int(ipaddress.IPv4Address("10.128.0.1"))
 FRONTEND_PORT, BACKEND_PORT = 80, 8080
@@ -76,6 +101,15 @@ CLIENT = "10.244.0.2"
 NOT_A_SERVICE = "10.244.9.9"
 FRAME_BYTES = 64  # a minimum-size Ethernet frame: the 54-byte SYN and trailer padding
 TC_ACT_OK = 0
+NODE_ADDRESS = "192.0.2.10"
+LB_VIP_BASE = int(ipaddress.IPv4Address("198.18.0.0"))
+NODE_PORT_BASE, NODE_PORTS = 30000, 2768  # the default NodePort range, 30000-32767
+EXTERNAL_CLIENT = "203.0.113.7"
+NODE_OWN_PORT = 22
+NEXT_HOP, NEXT_HOP_MAC = "198.51.100.1", "02:00:00:00:00:01"
+FIB_LINK = "kbpbench0"  # the link in the bench namespace the routes point at
+XDP_PASS, XDP_TX, XDP_REDIRECT = 2, 3, 4
+CLONE_NEWNET = 0x40000000
 
 # Targets and anchors (../shared/BENCHMARKS.md PB-1).
 TARGET_HOT_NET_NS = 60  # hot ≤ floor + 60 ns
@@ -101,10 +135,28 @@ def backend_ip_of(i: int, j: int, endpoints: int) -> str:
     return ipv4(BACKEND_BASE + i * endpoints + j)
 
 
+def lb_vip_of(i: int) -> str:
+    return ipv4(LB_VIP_BASE + i)
+
+
+def external_frontends(i: int) -> tuple[Frontend, ...]:
+    """Service i's LoadBalancer VIP, and its NodePort when i < NODE_PORTS."""
+    vip = (Frontend(LOAD_BALANCER, lb_vip_of(i), FRONTEND_PORT),)
+    if i >= NODE_PORTS:
+        return vip
+    return (Frontend(NODE_PORT, NODE_ADDRESS, NODE_PORT_BASE + i), *vip)
+
+
 def service_entry(
-    name: str, cluster_ip: str, backends: Sequence[tuple[str, int]], *, local: bool = False
+    name: str,
+    cluster_ip: str,
+    backends: Sequence[tuple[str, int]],
+    *,
+    local: bool = False,
+    external: Sequence[Frontend] = (),
 ) -> ServiceEntry:
-    """A ClusterIP entry (TCP 80) with ready backends, as compile() would emit it."""
+    """A ClusterIP entry (TCP 80) with ready backends, as compile() would emit it, plus the
+    `external` frontends (NodePort, LoadBalancer) given."""
     members = tuple(
         Backend(ip, port, "node-a" if local else "node-b", None, None, local, True, True, False)
         for ip, port in backends
@@ -115,7 +167,7 @@ def service_entry(
         port="http",
         protocol="TCP",
         ip_family="IPv4",
-        frontends=(Frontend(CLUSTER_IP, cluster_ip, FRONTEND_PORT),),
+        frontends=(Frontend(CLUSTER_IP, cluster_ip, FRONTEND_PORT), *external),
         affinity_timeout=None,
         internal_traffic_policy="Cluster",
         external_traffic_policy="Cluster",
@@ -127,21 +179,36 @@ def service_entry(
     ).sealed()
 
 
-def synthetic_entries(count: int, endpoints: int, first: int = 0) -> list[ServiceEntry]:
-    """Services first..first+count-1 (named svc-NNNNNN, so they sort in index order)."""
+def synthetic_entries(
+    count: int, endpoints: int, first: int = 0, *, external: bool = False
+) -> list[ServiceEntry]:
+    """Services first..first+count-1 (named svc-NNNNNN, so they sort in index order), with
+    external frontends (see the address plan) when `external`."""
     return [
         service_entry(
             f"svc-{i:06d}",
             cluster_ip_of(i),
             [(backend_ip_of(i, j, endpoints), BACKEND_PORT) for j in range(endpoints)],
+            external=external_frontends(i) if external else (),
         )
         for i in range(first, first + count)
     ]
 
 
+def local_entry(i: int, endpoints: int) -> ServiceEntry:
+    """Service i with external frontends and every backend on this node."""
+    return service_entry(
+        f"svc-{i:06d}-local",
+        cluster_ip_of(i),
+        [(backend_ip_of(i, j, endpoints), BACKEND_PORT) for j in range(endpoints)],
+        local=True,
+        external=external_frontends(i),
+    )
+
+
 def nodestate_of(entries: Iterable[ServiceEntry]) -> NodeState:
     ordered = tuple(sorted(entries, key=lambda e: e.sort_key))
-    node = NodeInfo("node-a", None, {}, ("192.0.2.10",))
+    node = NodeInfo("node-a", None, {}, (NODE_ADDRESS,))
     return NodeState(node, revision_of(e.digest for e in ordered), ordered)
 
 
@@ -149,11 +216,14 @@ def _pow2_at_least(n: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1.0, n))))
 
 
-def map_sizes_for(services: int, endpoints: int, ct: int = 262144) -> MapSizes:
+def map_sizes_for(
+    services: int, endpoints: int, ct: int = 262144, frontends: int | None = None
+) -> MapSizes:
     """Maps sized for N Services x E endpoints with a little headroom (powers of two):
-    100k x 10 gets 131,072 frontends and 1,048,576 slots and backends."""
+    100k x 10 gets 131,072 frontends and 1,048,576 slots and backends. `frontends`: when
+    Services have more than their ClusterIP."""
     return MapSizes(
-        services=_pow2_at_least(max(1024, services * 1.2 + 16)),
+        services=_pow2_at_least(max(1024, (frontends or services) * 1.2 + 16)),
         slots=_pow2_at_least(max(4096, services * endpoints * 1.02 + 64)),
         backends=_pow2_at_least(max(4096, services * endpoints * 1.02 + 64)),
         ct=ct,
@@ -174,6 +244,56 @@ def bench_netns() -> Iterator[str]:
         yield name
     finally:
         subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+
+
+def route_external_ranges(netns: str) -> None:
+    """In the bench namespace only: forwarding on, and the backend and outside-client ranges
+    routed via a permanent neighbour on a link of its own, so that the XDP program's FIB lookups
+    succeed as on a node. The link has no address, so the dataplane never takes it for an
+    external interface; it goes away with the namespace."""
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", "-n", netns, *args], check=True, capture_output=True)
+
+    ip("link", "set", "lo", "up")
+    # A veth pair with both ends here (this kernel has no dummy driver): up, with a carrier.
+    ip("link", "add", FIB_LINK, "type", "veth", "peer", "name", f"{FIB_LINK}p")
+    ip("link", "set", f"{FIB_LINK}p", "up")
+    ip("link", "set", FIB_LINK, "address", "02:00:00:00:00:02", "up")
+    ip("neigh", "add", NEXT_HOP, "lladdr", NEXT_HOP_MAC, "dev", FIB_LINK, "nud", "permanent")
+    for net in ("10.128.0.0/9", "203.0.113.0/24"):
+        ip("route", "add", net, "via", NEXT_HOP, "dev", FIB_LINK, "onlink")
+    subprocess.run(
+        ["nsenter", f"--net=/run/netns/{netns}", "sysctl", "-qw", "net.ipv4.conf.all.forwarding=1"],
+        check=True,
+        capture_output=True,
+    )
+
+
+@contextlib.contextmanager
+def inside_netns(netns: str) -> Iterator[None]:
+    """This thread (only) in the bench namespace, and back on exit: test runs use the
+    loopback device of the caller's namespace, and XDP's FIB lookups its routes."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def enter(fd: int, where: str) -> None:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"setns into {where}: {os.strerror(code)}")
+
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        target = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            enter(target, netns)
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            enter(home, "the original network namespace")
+    finally:
+        os.close(home)
 
 
 @contextlib.contextmanager
@@ -337,6 +457,8 @@ static __always_inline int kbp_bench_key_of(struct __sk_buff *skb, struct kbp_be
 
 int kbp_bench_empty(struct __sk_buff *skb) { return 0; }
 
+int kbp_bench_xdp_empty(struct xdp_md *ctx) { return XDP_PASS; }
+
 int kbp_bench_lookup(struct __sk_buff *skb)
 {
         struct kbp_bench_key key = {};
@@ -366,8 +488,10 @@ def calibration_programs(map_size: int) -> Iterator[dict[str, int]]:
 
     module = BPF(text=CALIBRATION_C.encode(), cflags=[f"-DKBP_BENCH_SIZE={map_size}"])
     try:
-        yield {name: module.load_func(name.encode(), BPF.SCHED_CLS).fd
+        fds = {name: module.load_func(name.encode(), BPF.SCHED_CLS).fd
                for name in CALIBRATION_PROGRAMS}  # fmt: skip
+        fds["kbp_bench_xdp_empty"] = module.load_func(b"kbp_bench_xdp_empty", BPF.XDP).fd
+        yield fds
     finally:
         module.cleanup()
 
@@ -375,6 +499,61 @@ def calibration_programs(map_size: int) -> Iterator[dict[str, int]]:
 def expect(ok: bool, what: str) -> None:
     if not ok:
         raise RuntimeError(f"sanity check failed: {what}")
+
+
+@dataclass
+class XdpFrames:
+    hot: bytes  # SYN from outside to a VIP with remote backends (conntrack made)
+    local: bytes  # SYN from outside to the local Service's VIP (conntrack made)
+    miss: bytes  # SYN to the node's own port 22
+    reply: bytes  # the hot flow's backend answering the SNAT address and port
+
+
+def xdp_frames(
+    xdp: int, pin_dir: Path, services: int, hot: int, hot_backends: set[str]
+) -> XdpFrames:
+    """The XDP variants' frames, each run once to check it takes the path it is named for
+    (the first run of the hot and local SYNs creates their conntrack entries, so the
+    measured runs are conntrack hits)."""
+    hot_vip = lb_vip_of(hot)
+    hot_syn = frame(hot_vip, 40000, src=EXTERNAL_CLIENT)
+    first = libbpf.prog_test_run(xdp, hot_syn)
+    seen = P.parse(first.data_out)
+    snat_low, snat_high = DEFAULT_SNAT_PORTS
+    expect(
+        first.retval == XDP_REDIRECT
+        and seen.dst in hot_backends
+        and seen.dport == BACKEND_PORT
+        and seen.src == NODE_ADDRESS
+        and snat_low <= seen.sport <= snat_high
+        and seen.eth_dst == bytes.fromhex(NEXT_HOP_MAC.replace(":", "")),
+        f"XDP: SYN to {hot_vip}:80 came out as {seen.src}:{seen.sport} → {seen.dst}:"
+        f"{seen.dport} ({first.retval})",
+    )
+    again = libbpf.prog_test_run(xdp, hot_syn)
+    expect(again.retval == XDP_REDIRECT and again.data_out == first.data_out,
+           "XDP: the same SYN again took another path")  # fmt: skip
+    reply = frame(NODE_ADDRESS, BACKEND_PORT, flags="SA", src=seen.dst, dport=seen.sport)
+    back = libbpf.prog_test_run(xdp, reply)
+    seen = P.parse(back.data_out)
+    expect(
+        back.retval == XDP_REDIRECT
+        and (seen.src, seen.sport, seen.dst, seen.dport)
+        == (hot_vip, FRONTEND_PORT, EXTERNAL_CLIENT, 40000),
+        f"XDP: reply left as {seen.src}:{seen.sport} → {seen.dst}:{seen.dport} ({back.retval})",
+    )
+    local = frame(lb_vip_of(services), 40001, src=EXTERNAL_CLIENT)
+    for _ in range(2):
+        out = libbpf.prog_test_run(xdp, local)
+        expect(out.retval == XDP_PASS and out.data_out[: len(local)] == local, "XDP: local")
+    client = f"{EXTERNAL_CLIENT}:40001"
+    flows = [r["translation"] for r in inspect.conntrack(pin_dir)
+             if r["direction"] == "forward" and r["source"] == client]  # fmt: skip
+    expect(len(flows) == 1 and "source" not in flows[0], f"XDP: local flow's conntrack {flows}")
+    miss = frame(NODE_ADDRESS, 65003, src=EXTERNAL_CLIENT, dport=NODE_OWN_PORT)
+    out = libbpf.prog_test_run(xdp, miss)
+    expect(out.retval == XDP_PASS and out.data_out[: len(miss)] == miss, "XDP: miss")
+    return XdpFrames(hot_syn, local, miss, reply)
 
 
 @dataclass
@@ -387,6 +566,7 @@ class SizeResult:
     single: dict[str, Summary]  # variant → per-call kernel durations (repeat=1), ns
     repeated: dict[str, Summary]  # floor/miss → per-run average of repeat=N calls, ns
     repeat: int
+    xdp_verdicts: dict[str, int]  # kbp_xdp_stats packets per verdict after the run
 
 
 def measure_size(
@@ -398,18 +578,22 @@ def measure_size(
     netns: str,
     calibration: dict[str, int],
 ) -> SizeResult:
-    sizes = map_sizes_for(services, endpoints)
+    # Every Service has a ClusterIP and a VIP, the first 2768 a NodePort; plus the local one.
+    frontends = 2 * (services + 1) + min(services + 1, NODE_PORTS)
+    sizes = map_sizes_for(services + 1, endpoints, frontends=frontends)
     print(f"\n# {services} Services x {endpoints} endpoints: maps {sizes}", flush=True)
     began = time.perf_counter()
-    entries = synthetic_entries(services, endpoints)
+    entries = synthetic_entries(services, endpoints, external=True)
+    entries.append(local_entry(services, endpoints))
     state = nodestate_of(entries)
     print(f"  NodeState built in {time.perf_counter() - began:.1f} s", flush=True)
-    with bench_dataplane(sizes, netns) as dp:
+    with bench_dataplane(sizes, netns) as dp, inside_netns(netns):
         load_seconds = time.perf_counter() - began
         started = time.perf_counter()
         writes = dp.apply(state)
         apply_seconds = time.perf_counter() - started
         print(f"  applied {writes} map writes in {apply_seconds:.1f} s", flush=True)
+        xdp = dp.programs.fd("kbp_xdp_ext")
         from_pod = dp.programs.fd("kbp_from_pod")
         to_pod = dp.programs.fd("kbp_to_pod")
         rng = random.Random(services)
@@ -436,14 +620,21 @@ def measure_size(
         expect(seen.src == hot_ip and seen.sport == 80, f"reply left as {seen.src}:{seen.sport}")
         miss = frame(NOT_A_SERVICE, 65002)
         expect(libbpf.prog_test_run(from_pod, miss).data_out[: len(miss)] == miss, "miss changed")
+        x = xdp_frames(xdp, dp.pin_dir, services, hot, hot_backends)
 
-        floor_fd = calibration["kbp_bench_empty"]
+        floor_fd, xdp_floor_fd = calibration["kbp_bench_empty"], calibration["kbp_bench_xdp_empty"]
+        expect(libbpf.prog_test_run(xdp_floor_fd, x.hot).retval == XDP_PASS, "XDP floor")
         lookup_fd, update_fd = calibration["kbp_bench_lookup"], calibration["kbp_bench_update"]
         libbpf.prog_test_run(update_fd, established)  # the key the lookups find
 
         sports = itertools.cycle(range(1024, 65000))
         new_flows = [frame(hot_ip, next(sports)) for _ in range(calls)]
         spread = [frame(cluster_ip_of(rng.randrange(services)), next(sports)) for _ in range(calls)]
+        ext_sports = itertools.cycle(range(1024, 65000))
+        xdp_spread = [
+            frame(lb_vip_of(rng.randrange(services)), next(ext_sports), src=EXTERNAL_CLIENT)
+            for _ in range(calls)
+        ]
         variants = [
             Variant("floor", "empty tc program, the same SYN", floor_fd, [established]),
             Variant("hot_new", "SYN to one frontend, new source port each call", from_pod,
@@ -457,6 +648,16 @@ def measure_size(
             Variant("lookup", "calibration: one LRU lookup", lookup_fd, [established]),
             Variant("update", "calibration: one LRU update", update_fd, [established]),
             Variant("insert", "calibration: one LRU insert", update_fd, new_flows),
+            Variant("xdp_floor", "empty XDP program, the same SYN", xdp_floor_fd, [x.hot]),
+            Variant("xdp_hot_fwd", "XDP: the same SYN to a VIP, remote backends (CT hit, "
+                    "DNAT+SNAT, FIB, REDIRECT)", xdp, [x.hot]),
+            Variant("xdp_hot_local", "XDP: the same SYN to a VIP, local backends (CT hit, "
+                    "PASS)", xdp, [x.local]),
+            Variant("xdp_spread", "XDP: SYN to a random Service's VIP, new flow (CT+SNAT "
+                    "insert, FIB, REDIRECT)", xdp, xdp_spread),
+            Variant("xdp_miss", "XDP: SYN to the node's port 22 (PASS)", xdp, [x.miss]),
+            Variant("xdp_reply", "XDP: backend's SYN-ACK to the SNAT port (reverse, "
+                    "REDIRECT)", xdp, [x.reply]),
         ]  # fmt: skip
         interleave(variants, calls)
         rep = repeated(
@@ -465,10 +666,16 @@ def measure_size(
                 "miss": (from_pod, miss),
                 "lookup": (lookup_fd, established),
                 "update": (update_fd, established),
+                # XDP leaves these frames as they came (PASS), so reruns see the same one.
+                "xdp_floor": (xdp_floor_fd, x.miss),
+                "xdp_miss": (xdp, x.miss),
+                "xdp_hot_local": (xdp, x.local),
             },
             repeat,
             rounds,
         )
+        verdicts = codec.percpu_sums(dp.programs.map("kbp_xdp_stats"), "kbp_drop_counters")
+        xdp_verdicts = {XDP_VERDICTS.get(i, str(i)): sums[0] for i, sums in verdicts.items()}
     return SizeResult(
         services,
         endpoints,
@@ -478,6 +685,7 @@ def measure_size(
         {v.name: Summary(v.samples) for v in variants},
         rep,
         repeat,
+        xdp_verdicts,
     )
 
 
@@ -492,23 +700,49 @@ VARIANT_TEXT = {
     "lookup": "calibration: 1 LRU-hash lookup, 40 B key, hit",
     "update": "calibration: 1 LRU-hash update, existing key",
     "insert": "calibration: 1 LRU-hash insert, new key",
+    "xdp_floor": "XDP floor: empty XDP program",
+    "xdp_hot_fwd": "XDP hot, remote backend: same SYN (CT hit)",
+    "xdp_hot_local": "XDP hot, local backend: same SYN (CT hit)",
+    "xdp_spread": "XDP spread: random VIP, new flow",
+    "xdp_miss": "XDP miss: node's own port 22",
+    "xdp_reply": "XDP reply of a SNATed flow (reverse)",
+}
+# What each XDP variant's packet does in kbp_xdp_ext (printed under the table).
+XDP_PATHS = {
+    "xdp_hot_fwd": "conntrack hit → DNAT + SNAT rewrite, FIB lookup (succeeds on the bench "
+    "namespace's route), MACs → XDP_REDIRECT",
+    "xdp_hot_local": "conntrack hit → decided LOCAL, frame untouched → XDP_PASS (tc rewrites)",
+    "xdp_spread": "new flow: backend selection, SNAT port claim (2 conntrack inserts), "
+    "rewrite, FIB → XDP_REDIRECT",
+    "xdp_miss": "SNAT-reply lookup and frontend lookup miss → XDP_PASS",
+    "xdp_reply": "SNAT-reply hit → reverse rewrite, FIB → XDP_REDIRECT",
 }
 REPEAT_TEXT = {
     "floor": "floor",
     "miss": "miss",
     "lookup": "1 LRU lookup",
     "update": "1 LRU update",
+    "xdp_floor": "XDP floor",
+    "xdp_miss": "XDP miss",
+    "xdp_hot_local": "XDP hot local",
 }
 VARIANT_TARGET = {
     "hot_new": TARGET_HOT_NET_NS,
     "hot_same_syn": TARGET_HOT_NET_NS,
     "hot_established": TARGET_HOT_NET_NS,
     "miss": TARGET_MISS_NET_NS,
+    "xdp_hot_fwd": TARGET_HOT_NET_NS,
+    "xdp_hot_local": TARGET_HOT_NET_NS,
+    "xdp_miss": TARGET_MISS_NET_NS,
 }
 
 
+def floor_of(name: str) -> str:
+    """The empty program of the variant's program type."""
+    return "xdp_floor" if name.startswith("xdp_") else "floor"
+
+
 def print_size(r: SizeResult) -> dict[str, Any]:
-    floor = r.single["floor"].median
     print(
         f"\n## {r.services} Services x {r.endpoints} endpoints (maps: {r.sizes.services} "
         f"frontends, {r.sizes.slots} slots, {r.sizes.backends} backends)"
@@ -521,47 +755,52 @@ def print_size(r: SizeResult) -> dict[str, Any]:
     print("-" * len(head))
     marks: dict[str, Any] = {}
     for name, s in r.single.items():
-        net = s.median - floor
+        net = s.median - r.single[floor_of(name)].median
         target = VARIANT_TARGET.get(name)
         target_text = f"≤ floor + {target} ns" if target is not None else ""
         ok = mark(net <= target) if target is not None else ""
         if target is not None:
             marks[name] = {"net_ns": net, "target_net_ns": target, "mark": ok}
-        net_text = "" if name == "floor" else f"{net:+.0f} ns"
+        net_text = "" if name == floor_of(name) else f"{net:+.0f} ns"
         spread_text = f"{min(s.samples):.0f}-{max(s.samples):.0f}"
         print(
             f"{VARIANT_TEXT[name]:<44} {s.median:>7.0f} {s.p99:>7.0f} {spread_text:>13} "
             f"{s.mean:>7.1f} {len(s.samples):>6}  {net_text:>8}  {target_text:<16} {ok:4}"
         )
-    floor_n = r.repeated["floor"].median
     for name, s in r.repeated.items():
-        net = s.median - floor_n
-        is_miss = name == "miss"
-        ok = mark(net <= TARGET_MISS_NET_NS) if is_miss else ""
-        if is_miss:
-            marks["miss_repeat"] = {"net_ns": net, "target_net_ns": TARGET_MISS_NET_NS, "mark": ok}
+        net = s.median - r.repeated[floor_of(name)].median
+        target = VARIANT_TARGET.get(name)
+        ok = mark(net <= target) if target is not None else ""
+        if target is not None:
+            marks[f"{name}_repeat"] = {"net_ns": net, "target_net_ns": target, "mark": ok}
         label = f"{REPEAT_TEXT[name]}, repeat={r.repeat} (kernel average)"
         print(
             f"{label:<44} {s.median:>7.0f} {s.p99:>7.0f} "
             f"{f'{min(s.samples):.0f}-{max(s.samples):.0f}':>13} {s.mean:>7.1f} "
-            f"{len(s.samples):>6}  {('' if name == 'floor' else f'{net:+.0f} ns'):>8}  "
-            f"{('≤ floor + 40 ns' if is_miss else ''):<16} {ok:4}"
+            f"{len(s.samples):>6}  {('' if name == floor_of(name) else f'{net:+.0f} ns'):>8}  "
+            f"{(f'≤ floor + {target} ns' if target is not None else ''):<16} {ok:4}"
         )
-    print(f"(ns per packet; kernel-reported; maps filled in {r.apply_seconds:.1f} s; "
-          f"XDP: n/a, the dataplane has no XDP program)")  # fmt: skip
+    print(f"(ns per packet; kernel-reported; maps filled in {r.apply_seconds:.1f} s; tc "
+          f"variants are net of the tc floor, XDP ones of the XDP floor)")  # fmt: skip
+    for name, path in XDP_PATHS.items():
+        print(f"  {name}: {path}")
+    print("  kbp_xdp_stats after the run: "
+          + ", ".join(f"{k} {v}" for k, v in sorted(r.xdp_verdicts.items()) if v))  # fmt: skip
     return marks
 
 
-def spread_growth(results: list[SizeResult]) -> dict[str, Any] | None:
-    """Spread at the largest N over spread at the smallest, raw and net of the floor."""
+def spread_growth(results: list[SizeResult], prefix: str = "") -> dict[str, Any] | None:
+    """Spread at the largest N over spread at the smallest, raw and net of the floor
+    (`prefix` "xdp_": of the XDP program)."""
     if len(results) < 2:
         return None
     small, large = results[0], results[-1]
+    spread, floor = f"{prefix}spread", f"{prefix}floor"
 
     def net(r: SizeResult) -> float:
-        return r.single["spread"].median - r.single["floor"].median
+        return r.single[spread].median - r.single[floor].median
 
-    raw = large.single["spread"].median / small.single["spread"].median
+    raw = large.single[spread].median / small.single[spread].median
     net_ratio = net(large) / net(small) if net(small) > 0 else math.inf
     return {
         "from": small.services,
@@ -576,7 +815,7 @@ def spread_growth(results: list[SizeResult]) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="PB-1: ns/packet of the tc service program via BPF_PROG_TEST_RUN "
+        description="PB-1: ns/packet of the tc and XDP service programs via BPF_PROG_TEST_RUN "
         "(not a test; always exits 0)."
     )
     parser.add_argument("--quick", action="store_true", help="10 and 10k Services, < 1 minute")
@@ -599,6 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     report: list[dict[str, Any]] = []
     try:
         with bench_netns() as netns, calibration_programs(262144) as calibration:
+            route_external_ranges(netns)
             for n in sizes:
                 r = measure_size(n, args.endpoints, calls, args.repeat, rounds, netns, calibration)
                 results.append(r)
@@ -611,12 +851,14 @@ def main(argv: list[str] | None = None) -> int:
                     "repeat": r.repeat,
                     "single_ns": {k: s.to_json() for k, s in r.single.items()},
                     "repeated_ns": {k: s.to_json() for k, s in r.repeated.items()},
+                    "xdp_verdicts": r.xdp_verdicts,
                     "targets": marks,
                 })  # fmt: skip
     except KeyboardInterrupt:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
         return 130
     growth = spread_growth(results)
+    xdp_growth = spread_growth(results, "xdp_")
     print(f"\n## targets (BENCHMARKS.md PB-1); anchors: {REF_PB1}")
     for r, entry in zip(results, report, strict=True):
         t = entry["targets"]
@@ -629,6 +871,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{t['miss_repeat']['net_ns']:+.0f} ns {t['miss_repeat']['mark']} "
             f"(≤ +{TARGET_MISS_NET_NS})"
         )
+        print(
+            f"{'XDP':>16}: hot remote {t['xdp_hot_fwd']['net_ns']:+.0f} ns "
+            f"{t['xdp_hot_fwd']['mark']}, hot local {t['xdp_hot_local']['net_ns']:+.0f} ns "
+            f"{t['xdp_hot_local']['mark']} (repeat=N {t['xdp_hot_local_repeat']['net_ns']:+.0f}"
+            f" ns {t['xdp_hot_local_repeat']['mark']}) (≤ +{TARGET_HOT_NET_NS}); miss "
+            f"{t['xdp_miss']['net_ns']:+.0f} ns {t['xdp_miss']['mark']}, repeat=N "
+            f"{t['xdp_miss_repeat']['net_ns']:+.0f} ns {t['xdp_miss_repeat']['mark']} "
+            f"(≤ +{TARGET_MISS_NET_NS})"
+        )
     for r in results:
         one = r.single["lookup"].median - r.single["floor"].median
         if one > 0:
@@ -637,11 +888,13 @@ def main(argv: list[str] | None = None) -> int:
                 for name in ("miss", "hot_established", "hot_same_syn", "hot_new", "spread")
             )
             print(f"{r.services:>7} Services, in units of one LRU lookup ({one:.0f} ns): {costs}")
-    if growth is not None:
-        note = "" if growth["to"] >= 100_000 else " (the target is stated for 100k)"
+    for label, g in (("tc", growth), ("XDP", xdp_growth)):
+        if g is None:
+            continue
+        note = "" if g["to"] >= 100_000 else " (the target is stated for 100k)"
         print(
-            f"spread at {growth['to']} / spread at {growth['from']}: {growth['raw_ratio']:.2f}x "
-            f"{growth['mark']}; net of the floor {growth['net_ratio']:.2f}x {growth['net_mark']} "
+            f"{label} spread at {g['to']} / spread at {g['from']}: {g['raw_ratio']:.2f}x "
+            f"{g['mark']}; net of the floor {g['net_ratio']:.2f}x {g['net_mark']} "
             f"(≤ {TARGET_SPREAD_GROWTH:.0f}x){note}"
         )
     seconds = time.perf_counter() - began
@@ -657,6 +910,17 @@ def main(argv: list[str] | None = None) -> int:
         "calls_per_variant": calls,
         "sizes": report,
         "spread_growth": growth,
+        "xdp_spread_growth": xdp_growth,
+        "variants": VARIANT_TEXT,
+        "xdp_paths": XDP_PATHS,
+        "address_plan": {
+            "node_address": NODE_ADDRESS,
+            "lb_vips": f"{lb_vip_of(0)} + i (198.18.0.0/15)",
+            "node_ports": f"{NODE_ADDRESS}:{NODE_PORT_BASE} + i for i < {NODE_PORTS}",
+            "outside_client": EXTERNAL_CLIENT,
+            "local_service": "index N, backends on this node",
+            "snat_ports": list(DEFAULT_SNAT_PORTS),
+        },
         "reference": REF_PB1,
         "duration_s": seconds,
     })  # fmt: skip
