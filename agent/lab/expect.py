@@ -25,10 +25,6 @@ BACKENDS = "backends"  # answers come from the expected pods
 REFUSED = "refused"  # every request is refused at once
 DROPPED = "dropped"  # every request times out
 
-# Whether a dataplane applies loadBalancerSourceRanges to pods reaching a LoadBalancer
-# VIP. iptables does, as kube-proxy (KBP-FW); the eBPF dataplane checks them on the
-# external path only, as Cilium does (README: "source ranges are for the external path").
-SOURCE_RANGES_APPLY_TO_PODS = {"iptables": True, "ebpf": False}
 
 TIMES = "\N{MULTIPLICATION SIGN}"  # between a pod and its count of answers
 
@@ -94,12 +90,12 @@ def expect(
     set_name, backends = used_set(entry, frontend)
     uses = set_name if frontend.type == CLUSTER_IP else f"{set_name} (from a pod)"
     note = ""
+    # Both dataplanes apply loadBalancerSourceRanges to pods at the VIP, as kube-proxy
+    # (iptables in KBP-FW, eBPF in lb_source_admitted).
     if not source_allowed(client_ip, frontend):
-        if SOURCE_RANGES_APPLY_TO_PODS.get(dataplane, True):
-            return Expectation(
-                DROPPED, "loadBalancerSourceRanges", note="source not allowed, as kube-proxy"
-            )
-        note = "loadBalancerSourceRanges apply to outside clients only here (as Cilium)"
+        return Expectation(
+            DROPPED, "loadBalancerSourceRanges", note="source not allowed, as kube-proxy"
+        )
     if not backends:
         if entry.has_endpoints:
             return Expectation(DROPPED, f"{set_name} (empty)", note="endpoints elsewhere")

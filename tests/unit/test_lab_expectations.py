@@ -119,7 +119,7 @@ def test_internal_traffic_policy_local_without_a_local_endpoint_drops() -> None:
     assert expectation.uses == "localBackends (empty)"
 
 
-def test_a_load_balancer_source_range_drops_pods_on_iptables_but_not_on_ebpf() -> None:
+def test_a_load_balancer_source_range_drops_pods_on_both_dataplanes() -> None:
     load_balancer = spec(
         type="LoadBalancer", loadBalancerSourceRanges=["198.51.100.0/24"],
         ports=[{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}],
@@ -132,9 +132,7 @@ def test_a_load_balancer_source_range_drops_pods_on_iptables_but_not_on_ebpf() -
     entry = entry_of(*web(make_endpoint("10.244.1.5", "node-a"), mutate=mutate))
     vip = frontend(entry, "LoadBalancer")
     assert expect(entry, vip, CLIENT, "iptables", lab_pods).kind == DROPPED
-    on_ebpf = expect(entry, vip, CLIENT, "ebpf", lab_pods)
-    assert (on_ebpf.kind, on_ebpf.backends) == (BACKENDS, ("default/pod-5",))
-    assert "outside clients only" in on_ebpf.note
+    assert expect(entry, vip, CLIENT, "ebpf", lab_pods).kind == DROPPED
     allowed = expect(entry, vip, "198.51.100.7", "iptables", lab_pods)
     assert allowed.kind == BACKENDS
 
