@@ -33,23 +33,20 @@ node would forward it along its default route; the lab never lets it leave.
 cgroup2 directory (kbp-test-<pid>-<n> under the cgroup2 mount), which the eBPF agent gets
 as `--cgroup-root`: its socket hooks see exactly those processes.
 
-Backends in this lab run `serve` (below, `python -m tests.kernel.extlab serve`): each
-answer is "<pod name> <peer address the pod saw>", so a client learns both which pod
+Backends in this lab run tests/kernel/podserver.py with --report-peer: each answer is
+"<pod name> <peer address the pod saw>", so a client learns both which pod
 served it and whether its source address was translated. tests/kernel/podclient.py
 counts those answers as they are.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import itertools
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -68,9 +65,7 @@ from .lab import (
     Pod,
     Result,
     _ip_batch,
-    _read_line,
     _run,
-    _stop_process,
     _sysctl,
     in_netns,
 )
@@ -402,21 +397,9 @@ class ExtLab:
         return self.nodes[node].lab.add_pod(name)
 
     def serve(self, pod: Pod, ports: Sequence[int]) -> None:
-        """Start this module's `serve` in the pod (TCP and UDP, both families); returns
-        once bound. The pod's lab stops it with the pod's other processes."""
-        server = [sys.executable, "-m", "tests.kernel.extlab", "serve",
-                  "--name", pod.name, "--ports", ",".join(map(str, ports))]  # fmt: skip
-        argv = in_netns(pod.ns, server)
-        log_path = pod.lab.workdir / f"{pod.name}-serve-{len(pod.processes)}.log"
-        with open(log_path, "w") as log_file:
-            proc = subprocess.Popen(
-                argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=log_file, text=True
-            )
-        pod.processes.append(proc)
-        line = _read_line(proc, timeout=10).strip()
-        if line != "ready":
-            _stop_process(proc)
-            raise LabError(f"serve in {pod.name} did not start ({line!r}): {log_path.read_text()}")
+        """podserver.py in the pod (TCP and UDP, both families), answering "<pod name>
+        <peer address>"; returns once bound. The pod's lab stops it with the pod."""
+        pod.serve(ports, report_peer=True)
 
     # -- agents --
 
@@ -487,80 +470,3 @@ class ExtLab:
         )  # fmt: skip
         body, _, status = proc.stdout.rpartition("\n")
         return int(status or 0), body
-
-
-# -- the backends' server (run as `python -m tests.kernel.extlab serve`) --
-
-
-class _PeerReplier(asyncio.DatagramProtocol):
-    """UDP: answer each datagram with the pod's name and the sender's address."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple) -> None:
-        assert self.transport is not None
-        self.transport.sendto(f"{self.name} {addr[0]}".encode(), addr)
-
-    def error_received(self, exc: Exception) -> None:
-        pass  # an ICMP error about an earlier reply; nothing to do
-
-
-def _bound(family: int, kind: int, port: int) -> socket.socket:
-    sock = socket.socket(family, kind)
-    if kind == socket.SOCK_STREAM:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if family == socket.AF_INET6:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-    sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
-    sock.setblocking(False)
-    return sock
-
-
-async def _serve(name: str, ports: Sequence[int]) -> None:
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")[0]
-        try:
-            writer.write(f"{name} {peer}\n".encode())
-            await writer.drain()
-            while data := await reader.read(65536):  # then echo, as podserver.py does
-                writer.write(data)
-                await writer.drain()
-        except OSError:
-            pass  # the client reset or vanished
-        finally:
-            writer.close()
-
-    loop = asyncio.get_running_loop()
-    servers = []
-    for port in ports:
-        for family in (socket.AF_INET, socket.AF_INET6):
-            tcp = _bound(family, socket.SOCK_STREAM, port)
-            servers.append(await asyncio.start_server(answer, sock=tcp, backlog=128))
-            udp = _bound(family, socket.SOCK_DGRAM, port)
-            await loop.create_datagram_endpoint(lambda: _PeerReplier(name), sock=udp)
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
-    print("ready", flush=True)
-    await stop.wait()
-    for server in servers:
-        server.close()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="a lab backend that reports its peers")
-    modes = parser.add_subparsers(dest="mode", required=True)
-    serve = modes.add_parser("serve", help="answer TCP and UDP with 'NAME PEER-ADDRESS'")
-    serve.add_argument("--name", required=True)
-    serve.add_argument("--ports", required=True, help="comma-separated port numbers")
-    args = parser.parse_args()
-    asyncio.run(_serve(args.name, [int(p) for p in args.ports.split(",")]))
-
-
-if __name__ == "__main__":
-    main()

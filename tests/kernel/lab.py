@@ -208,13 +208,21 @@ class Pod:
         """Run an ordinary command in the pod's network namespace; its stdout."""
         return _run(in_netns(self.ns, argv), timeout=timeout)
 
-    def serve(self, ports: Iterable[int], protos: Sequence[str] = ("tcp", "udp")) -> None:
-        """Start podserver.py here on these ports (IPv4 and IPv6); returns once bound."""
+    def serve(
+        self,
+        ports: Iterable[int],
+        protos: Sequence[str] = ("tcp", "udp"),
+        *,
+        report_peer: bool = False,
+    ) -> None:
+        """Start podserver.py here on these ports (IPv4 and IPv6); returns once bound.
+        `report_peer`: answers name the peer address the pod saw too."""
         ports = list(ports)
         argv = in_netns(
             self.ns,
             [sys.executable, str(PODSERVER), "--name", self.name,
-             "--ports", ",".join(map(str, ports)), "--protos", ",".join(protos)],
+             "--ports", ",".join(map(str, ports)), "--protos", ",".join(protos),
+             *(["--report-peer"] if report_peer else [])],
         )  # fmt: skip
         log_path = self.lab.workdir / f"{self.name}-server-{len(self.processes)}.log"
         with open(log_path, "w") as log_file:
