@@ -315,9 +315,9 @@ class EbpfDataplane:
             self.xdp_modes[link.name] = mode
             return mode
         why = "; ".join(errors)
+        self.xdp_modes[link.name] = f"failed: {why}"  # /state says so either way
         if self.xdp != "auto":
             raise DataplaneError("xdp", f"--xdp={self.xdp} on {link.name}: {why}")
-        self.xdp_modes[link.name] = f"failed: {why}"
         log.warning("ebpf: XDP could not be attached to %s (tc handles it alone): %s",
                     link.name, why)  # fmt: skip
         return self.xdp_modes[link.name]
