@@ -19,8 +19,10 @@ XDP. The kernel runs an XDP test on the loopback device of the calling thread's 
 namespace, so the measuring thread enters the bench namespace, where a link, a permanent
 neighbour and routes to the backend and client ranges let the program's
 `bpf_fib_lookup` succeed: the forward variants run the whole path (decision, DNAT + SNAT
-rewrite, FIB, MAC rewrite) and end in XDP_REDIRECT, which a test run only returns (no
-frame is sent anywhere). Frames to local backends and non-Services end in XDP_PASS.
+rewrite, next hop, MAC rewrite) and end in XDP_REDIRECT, which a test run only returns (no
+frame is sent anywhere). A flow's conntrack entry remembers its next hop for 100 ms
+(lib/ext.h KBP_HOP_CACHE_NS), so the hot variants reuse it; new flows ask the FIB.
+Frames to local backends and non-Services end in XDP_PASS.
 
     .venv/bin/python -m bench.datapath [--quick] [--services N ...] [--calls C]
 """
@@ -504,6 +506,7 @@ def expect(ok: bool, what: str) -> None:
 @dataclass
 class XdpFrames:
     hot: bytes  # SYN from outside to a VIP with remote backends (conntrack made)
+    ack: bytes  # the hot flow's ACK
     local: bytes  # SYN from outside to the local Service's VIP (conntrack made)
     miss: bytes  # SYN to the node's own port 22
     reply: bytes  # the hot flow's backend answering the SNAT address and port
@@ -533,6 +536,10 @@ def xdp_frames(
     again = libbpf.prog_test_run(xdp, hot_syn)
     expect(again.retval == XDP_REDIRECT and again.data_out == first.data_out,
            "XDP: the same SYN again took another path")  # fmt: skip
+    hot_ack = frame(hot_vip, 40000, flags="A", src=EXTERNAL_CLIENT)
+    acked = libbpf.prog_test_run(xdp, hot_ack)
+    expect(acked.retval == XDP_REDIRECT and P.parse(acked.data_out).sport == seen.sport,
+           "XDP: the hot flow's ACK took another path")  # fmt: skip
     reply = frame(NODE_ADDRESS, BACKEND_PORT, flags="SA", src=seen.dst, dport=seen.sport)
     back = libbpf.prog_test_run(xdp, reply)
     seen = P.parse(back.data_out)
@@ -553,7 +560,7 @@ def xdp_frames(
     miss = frame(NODE_ADDRESS, 65003, src=EXTERNAL_CLIENT, dport=NODE_OWN_PORT)
     out = libbpf.prog_test_run(xdp, miss)
     expect(out.retval == XDP_PASS and out.data_out[: len(miss)] == miss, "XDP: miss")
-    return XdpFrames(hot_syn, local, miss, reply)
+    return XdpFrames(hot_syn, hot_ack, local, miss, reply)
 
 
 @dataclass
@@ -650,7 +657,9 @@ def measure_size(
             Variant("insert", "calibration: one LRU insert", update_fd, new_flows),
             Variant("xdp_floor", "empty XDP program, the same SYN", xdp_floor_fd, [x.hot]),
             Variant("xdp_hot_fwd", "XDP: the same SYN to a VIP, remote backends (CT hit, "
-                    "DNAT+SNAT, FIB, REDIRECT)", xdp, [x.hot]),
+                    "DNAT+SNAT, next hop reused, REDIRECT)", xdp, [x.hot]),
+            Variant("xdp_hot_fwd_ack", "XDP: the hot flow's ACK (CT hit, DNAT+SNAT, next hop "
+                    "reused, REDIRECT)", xdp, [x.ack]),
             Variant("xdp_hot_local", "XDP: the same SYN to a VIP, local backends (CT hit, "
                     "PASS)", xdp, [x.local]),
             Variant("xdp_spread", "XDP: SYN to a random Service's VIP, new flow (CT+SNAT "
@@ -702,6 +711,7 @@ VARIANT_TEXT = {
     "insert": "calibration: 1 LRU-hash insert, new key",
     "xdp_floor": "XDP floor: empty XDP program",
     "xdp_hot_fwd": "XDP hot, remote backend: same SYN (CT hit)",
+    "xdp_hot_fwd_ack": "XDP hot, remote backend: ACK (CT hit)",
     "xdp_hot_local": "XDP hot, local backend: same SYN (CT hit)",
     "xdp_spread": "XDP spread: random VIP, new flow",
     "xdp_miss": "XDP miss: node's own port 22",
@@ -709,13 +719,16 @@ VARIANT_TEXT = {
 }
 # What each XDP variant's packet does in kbp_xdp_ext (printed under the table).
 XDP_PATHS = {
-    "xdp_hot_fwd": "conntrack hit → DNAT + SNAT rewrite, FIB lookup (succeeds on the bench "
-    "namespace's route), MACs → XDP_REDIRECT",
+    "xdp_hot_fwd": "conntrack hit (and the backend still current: a SYN) → DNAT + SNAT "
+    "rewrite, the next hop the flow's conntrack entry remembers (the FIB's, asked at most "
+    "every 100 ms per flow), MACs → XDP_REDIRECT",
+    "xdp_hot_fwd_ack": "as xdp_hot_fwd, without the backend check (an established segment)",
     "xdp_hot_local": "conntrack hit → decided LOCAL, frame untouched → XDP_PASS (tc rewrites)",
     "xdp_spread": "new flow: backend selection, SNAT port claim (2 conntrack inserts), "
-    "rewrite, FIB → XDP_REDIRECT",
-    "xdp_miss": "SNAT-reply lookup and frontend lookup miss → XDP_PASS",
-    "xdp_reply": "SNAT-reply hit → reverse rewrite, FIB → XDP_REDIRECT",
+    "rewrite, FIB lookup → XDP_REDIRECT",
+    "xdp_miss": "frontend lookup misses (no SNAT-reply lookup: port 22 is outside the SNAT "
+    "range) → XDP_PASS",
+    "xdp_reply": "SNAT-reply hit → reverse rewrite, remembered next hop → XDP_REDIRECT",
 }
 REPEAT_TEXT = {
     "floor": "floor",
@@ -732,6 +745,7 @@ VARIANT_TARGET = {
     "hot_established": TARGET_HOT_NET_NS,
     "miss": TARGET_MISS_NET_NS,
     "xdp_hot_fwd": TARGET_HOT_NET_NS,
+    "xdp_hot_fwd_ack": TARGET_HOT_NET_NS,
     "xdp_hot_local": TARGET_HOT_NET_NS,
     "xdp_miss": TARGET_MISS_NET_NS,
 }

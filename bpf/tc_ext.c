@@ -20,20 +20,22 @@
 #define __kbp_redirect_neigh \
 	((long (*)(__u32, void *, int, __u64))BPF_FUNC_redirect_neigh)
 
-/* Send a rewritten packet to its next hop: straight to the neighbour when the FIB knows
- * it, else through the neighbour subsystem, which resolves it (kernel 5.10+). Bypassing
- * the stack also spares the packet the input route check, which would drop a forwarded
- * packet whose source is this node's own address as martian. */
+/* Send a rewritten packet to its next hop: straight to the neighbour when its MAC address
+ * is known (lib/ext.h ext_next_hop), else through the neighbour subsystem, which resolves
+ * it (kernel 5.10+). Bypassing the stack also spares the packet the input route check,
+ * which would drop a forwarded packet whose source is this node's own address as
+ * martian. `flow` is the conntrack entry whose next hop is reused (NULL: a new flow). */
 static __always_inline int __ext_tc_forward(struct __sk_buff *skb, const struct kbp_tuple *t,
-					    const struct kbp_nat_target *to, __u32 service_id)
+					    const struct kbp_nat_target *to,
+					    struct kbp_ct_entry *flow, __u32 service_id,
+					    __u64 now)
 {
 	struct bpf_fib_lookup fib = {};
 	int rc;
 
 	if (nat_decrement_hop((void *)(long)skb->data, (void *)(long)skb->data_end, t->family))
 		return drop_service_packet(skb->len, service_id, KBP_DROP_NO_ROUTE);
-	ext_fib_params(t, to, skb->ingress_ifindex, &fib);
-	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	rc = ext_next_hop(skb, t, to, skb->ingress_ifindex, flow, now, &fib);
 	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
 		if (ext_set_macs((void *)(long)skb->data, (void *)(long)skb->data_end, &fib))
 			return drop_service_packet(skb->len, service_id, KBP_DROP_MALFORMED);
@@ -48,38 +50,40 @@ int kbp_from_ext(struct __sk_buff *skb)
 {
 	struct kbp_ext_verdict v = {};
 	struct kbp_ct_entry *reply;
-	struct kbp_service *svc;
 	struct kbp_config *cfg;
 	struct kbp_tuple t = {};
 	__u32 bytes = skb->len;
 	int decided;
+	__u64 now;
 
 	/* Not ours to police: the node's own traffic crosses this hook too. */
 	if (parse_packet(skb, &t) != KBP_PARSE_L4)
 		return TC_ACT_OK;
-	reply = ext_snat_reply(&t);
+	cfg = map_lookup_config();
+	if (!cfg)
+		return TC_ACT_OK;
+	now = kbp_now();
+	reply = ext_snat_reply(&t, cfg, now);
 	if (reply) {
 		nat_target_snat_reply(reply, &v.to);
 		if (nat_rewrite(skb, &t, &v.to))
 			return drop_service_packet(bytes, reply->service_id, KBP_DROP_NAT_FAILED);
 		count_service_packet(reply->service_id, bytes);
-		return __ext_tc_forward(skb, &t, &v.to, reply->service_id);
+		return __ext_tc_forward(skb, &t, &v.to, reply, reply->service_id, now);
 	}
-	svc = lb_lookup_service(&t);
-	cfg = map_lookup_config();
-	if (!svc || !cfg)
+	decided = ext_decide(&t, cfg, now, &v);
+	if (decided == KBP_EXT_NONE)
 		return TC_ACT_OK;
-	decided = ext_decide(&t, svc, cfg, &v);
 	if (decided == KBP_EXT_DROP)
 		return drop_service_packet(bytes, v.service_id, v.reason);
 	if (decided == KBP_EXT_REJECT)
-		return translate_to_empty_set(skb, &t, svc);
+		return translate_to_empty_set(skb, &t, v.svc);
 	if (nat_rewrite(skb, &t, &v.to))
 		return drop_service_packet(bytes, v.service_id, KBP_DROP_NAT_FAILED);
 	count_service_packet(v.service_id, bytes);
 	if (decided == KBP_EXT_LOCAL)
 		return TC_ACT_OK;
-	return __ext_tc_forward(skb, &t, &v.to, v.service_id);
+	return __ext_tc_forward(skb, &t, &v.to, v.flow, v.service_id, now);
 }
 
 int kbp_to_ext(struct __sk_buff *skb)

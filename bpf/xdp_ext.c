@@ -31,10 +31,12 @@ static __always_inline int __xdp_verdict(__u32 verdict, __u32 bytes, int action)
 	return action;
 }
 
-/* Forward the frame rewritten to `to`, or pass it untouched when the FIB cannot give a
- * next hop with its MAC address now (tc will do the forwarding then). */
+/* Forward the frame rewritten to `to`, or pass it untouched when no next hop with a MAC
+ * address is known now (tc will do the forwarding then). `flow` is the conntrack entry
+ * whose next hop is reused (NULL for a new flow). */
 static __always_inline int __xdp_forward(struct xdp_md *ctx, const struct kbp_tuple *t,
-					 const struct kbp_nat_target *to, __u32 service_id)
+					 const struct kbp_nat_target *to,
+					 struct kbp_ct_entry *flow, __u32 service_id, __u64 now)
 {
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
@@ -44,8 +46,8 @@ static __always_inline int __xdp_forward(struct xdp_md *ctx, const struct kbp_tu
 	/* An expiring hop is tc's to count and drop, as every packet XDP cannot forward. */
 	if (nat_hop_expires(data, data_end, t->family))
 		return __xdp_verdict(KBP_XDP_PASS, bytes, XDP_PASS);
-	ext_fib_params(t, to, ctx->ingress_ifindex, &fib);
-	if (bpf_fib_lookup(ctx, &fib, sizeof(fib), 0) != BPF_FIB_LKUP_RET_SUCCESS)
+	if (ext_next_hop(ctx, t, to, ctx->ingress_ifindex, flow, now, &fib) !=
+	    BPF_FIB_LKUP_RET_SUCCESS)
 		return __xdp_verdict(KBP_XDP_PASS, bytes, XDP_PASS);
 	if (nat_rewrite_frame(data, data_end, t, to) ||
 	    nat_decrement_hop(data, data_end, t->family) || ext_set_macs(data, data_end, &fib)) {
@@ -65,25 +67,25 @@ int kbp_xdp_ext(struct xdp_md *ctx)
 	__u32 bytes = data_end - data;
 	struct kbp_ext_verdict v = {};
 	struct kbp_ct_entry *reply;
-	struct kbp_service *svc;
 	struct kbp_config *cfg;
 	struct kbp_tuple t = {};
 	int decided;
+	__u64 now;
 
 	if (parse_frame(data, data_end, &t) != KBP_PARSE_L4)
 		return __xdp_verdict(KBP_XDP_PASS, bytes, XDP_PASS);
-	reply = ext_snat_reply(&t);
+	cfg = map_lookup_config();
+	if (!cfg)
+		return __xdp_verdict(KBP_XDP_PASS, bytes, XDP_PASS);
+	now = kbp_now();
+	reply = ext_snat_reply(&t, cfg, now);
 	if (reply) {
 		nat_target_snat_reply(reply, &v.to);
-		return __xdp_forward(ctx, &t, &v.to, reply->service_id);
+		return __xdp_forward(ctx, &t, &v.to, reply, reply->service_id, now);
 	}
-	svc = lb_lookup_service(&t);
-	cfg = map_lookup_config();
-	if (!svc || !cfg)
-		return __xdp_verdict(KBP_XDP_PASS, bytes, XDP_PASS);
-	decided = ext_decide(&t, svc, cfg, &v);
+	decided = ext_decide(&t, cfg, now, &v);
 	if (decided == KBP_EXT_FORWARD)
-		return __xdp_forward(ctx, &t, &v.to, v.service_id);
+		return __xdp_forward(ctx, &t, &v.to, v.flow, v.service_id, now);
 	if (decided == KBP_EXT_DROP) {
 		count_service_drop(v.service_id, v.reason, bytes);
 		if (v.reason == KBP_DROP_SOURCE_RANGE)
@@ -92,6 +94,7 @@ int kbp_xdp_ext(struct xdp_md *ctx)
 			return __xdp_verdict(KBP_XDP_DROP_NO_BACKEND, bytes, XDP_DROP);
 		return __xdp_verdict(KBP_XDP_DROP_OTHER, bytes, XDP_DROP);
 	}
-	/* KBP_EXT_LOCAL (conntrack now holds the flow; tc rewrites it) or KBP_EXT_REJECT. */
+	/* KBP_EXT_LOCAL (conntrack now holds the flow; tc rewrites it), KBP_EXT_REJECT and
+	 * KBP_EXT_NONE. */
 	return __xdp_verdict(KBP_XDP_PASS, bytes, XDP_PASS);
 }

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from ..dataplane.ebpf.abi import versioned
 from ..model.compile import CompileOptions, compile
 from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry
 from ..sources.manifests import load_manifests, manifest_files, read_objects
@@ -60,7 +61,7 @@ FAILURE_REQUESTS = 3  # requests to a frontend that should refuse or drop
 GIVE_UP_AFTER = 4  # timeouts after which requests to a frontend expected to answer stop
 COVERAGE_ROUNDS = 8  # at most this many extra rounds while a small set is not covered
 COVERAGE_ROUND_REQUESTS = 10  # at least this many requests per probe in an extra round
-SERVICES_MAP = "kbp_services_v2"
+SERVICES_MAP = versioned("kbp_services")  # with the ABI version suffix
 DUMP_ENTRIES = 3
 TOOLS = ("ip", "nsenter", "sysctl")
 OK, FAIL = "✔", "✘"

@@ -20,7 +20,7 @@
 #ifndef KBP_ABI_H
 #define KBP_ABI_H
 
-#define KBP_ABI_VERSION 2
+#define KBP_ABI_VERSION 3
 
 #define KBP_FAMILY_IPV4 4
 #define KBP_FAMILY_IPV6 6
@@ -146,11 +146,15 @@ struct kbp_ct_entry {
 	__u8 pad;
 	__u32 backend_id;
 	__u32 service_id;
-	__u32 pad2;
+	__u32 hop_ifindex;  /* forwarded flows (SNAT): the next hop's interface, see hop_time */
 	__u64 last_seen; /* CLOCK_MONOTONIC ns of the last packet (coarse: tick resolution) */
 	__be32 nat_addr[4]; /* KBP_CT_F_SNAT: forward: the new source; reply: the client */
 	__be16 nat_port;    /* KBP_CT_F_SNAT: forward: the SNAT port; reply: the client's port */
-	__u8 pad3[6];
+	__u8 hop_dmac[6];   /* the next hop's MAC address */
+	__u8 hop_smac[6];   /* hop_ifindex's own MAC address */
+	__u16 pad2;
+	__u64 hop_time;     /* CLOCK_MONOTONIC ns (coarse) of the FIB lookup that found the
+			       hop_* fields; 0: none. Reused for KBP_HOP_CACHE_NS (lib/ext.h) */
 };
 
 /* kbp_affinity (LRU): sessionAffinity ClientIP. */

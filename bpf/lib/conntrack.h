@@ -214,18 +214,22 @@ static __always_inline int ct_create_snat(const struct kbp_tuple *t, const struc
 		return -1;
 	*snat_port = key.dport;
 
-	struct kbp_ct_key forward = {};
-
-	ct_key_of_packet(t, KBP_CT_FORWARD, &forward);
+	/* The forward entry reuses the key's stack slot (the stack is 512 bytes, and this is
+	 * inlined into the whole external path); the reply key is rebuilt to undo. */
+	ct_key_of_packet(t, KBP_CT_FORWARD, &key);
 	__builtin_memcpy(entry.addr, backend->addr, sizeof(entry.addr));
 	entry.port = backend->port;
 	__builtin_memcpy(entry.nat_addr, snat_addr, sizeof(entry.nat_addr));
 	entry.nat_port = *snat_port;
-	if (map_update_ct(&forward, &entry)) {
-		map_delete_ct(&key); /* give the port back */
-		return -1;
-	}
-	return 0;
+	if (map_update_ct(&key, &entry) == 0)
+		return 0;
+	__builtin_memcpy(key.saddr, backend->addr, sizeof(key.saddr));
+	__builtin_memcpy(key.daddr, snat_addr, sizeof(key.daddr));
+	key.sport = backend->port;
+	key.dport = *snat_port;
+	key.dir = KBP_CT_REPLY;
+	map_delete_ct(&key); /* give the port back */
+	return -1;
 }
 
 #endif /* KBP_LIB_CONNTRACK_H */

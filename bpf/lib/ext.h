@@ -27,9 +27,18 @@
 #define KBP_EXT_FORWARD 1 /* rewrite both ends and forward to a backend on another node */
 #define KBP_EXT_DROP 2    /* drop, for `reason` (KBP_DROP_*) */
 #define KBP_EXT_REJECT 3  /* the set is empty and no endpoint exists: RST / ICMP */
+#define KBP_EXT_NONE 4    /* not for a frontend: not ours, the packet passes */
+
+/* How long a flow reuses the next hop its conntrack entry remembers before asking the
+ * FIB again. A FIB lookup costs about as much as the rest of the forwarding path together
+ * (bench/datapath.py: ~200 ns of ~450 here), so a forwarded flow asks at most this often;
+ * a route or neighbour change reaches established flows within this time. */
+#define KBP_HOP_CACHE_NS (100ULL * 1000 * 1000)
 
 struct kbp_ext_verdict {
 	struct kbp_nat_target to; /* the packet's new tuple (LOCAL, FORWARD) */
+	const struct kbp_service *svc; /* the frontend (REJECT builds its answer from it) */
+	struct kbp_ct_entry *flow; /* the flow's forward entry, NULL for a new flow */
 	__u32 service_id;
 	__u32 reason; /* KBP_DROP_* for KBP_EXT_DROP */
 };
@@ -121,16 +130,23 @@ static __always_inline int __ext_new_flow(const struct kbp_tuple *t, const struc
 	return (backend->flags & KBP_BE_F_LOCAL) ? KBP_EXT_LOCAL : KBP_EXT_FORWARD;
 }
 
-/* A packet from an external interface to frontend `svc`: keep the flow's backend (and
- * SNAT port) from conntrack when still usable, else decide as a new flow. */
-static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kbp_service *svc,
-				      const struct kbp_config *cfg, struct kbp_ext_verdict *v)
+/* A packet from an external interface that is not a SNATed flow's reply: KBP_EXT_NONE
+ * when it is not for a frontend (the node's own traffic, the common case, costs this one
+ * lookup); else keep the flow's backend from conntrack when still usable, or decide as a
+ * new flow. */
+static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kbp_config *cfg,
+				      __u64 now, struct kbp_ext_verdict *v)
 {
-	__u64 now = kbp_now();
-	struct kbp_ct_entry *flow = ct_lookup_forward(t);
+	struct kbp_service *svc = lb_lookup_service(t);
+	struct kbp_ct_entry *flow;
 
+	if (!svc)
+		return KBP_EXT_NONE;
+	v->svc = svc;
 	v->service_id = svc->service_id;
+	flow = ct_lookup_forward(t);
 	if (flow && ct_forward_is_usable(flow, svc, t)) {
+		v->flow = flow;
 		ct_touch(flow, t, now, 0);
 		__ext_target(t, flow, v);
 		return (flow->flags & KBP_CT_F_SNAT) ? KBP_EXT_FORWARD : KBP_EXT_LOCAL;
@@ -139,15 +155,21 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 }
 
 /* A reply arriving on an external interface: only SNATed flows are translated here
- * (their replies come back to this node's address); the others' replies travel on to
- * the client's hook. NULL when the packet is not such a reply. */
-static __always_inline struct kbp_ct_entry *ext_snat_reply(const struct kbp_tuple *t)
+ * (their replies come back to this node's address, at a port of the SNAT range, so other
+ * packets skip the lookup); the others' replies travel on to the client's hook. NULL
+ * when the packet is not such a reply. */
+static __always_inline struct kbp_ct_entry *ext_snat_reply(const struct kbp_tuple *t,
+							   const struct kbp_config *cfg, __u64 now)
 {
-	struct kbp_ct_entry *reply = ct_lookup_reply(t);
+	__u16 port = bpf_ntohs(t->dport);
+	struct kbp_ct_entry *reply;
 
+	if (port < cfg->snat_port_min || port > cfg->snat_port_max)
+		return NULL;
+	reply = ct_lookup_reply(t);
 	if (!reply || !(reply->flags & KBP_CT_F_SNAT))
 		return NULL;
-	ct_touch(reply, t, kbp_now(), KBP_CT_F_SEEN_REPLY);
+	ct_touch(reply, t, now, KBP_CT_F_SEEN_REPLY);
 	return reply;
 }
 
@@ -172,7 +194,36 @@ static __always_inline void ext_fib_params(const struct kbp_tuple *t,
 	}
 }
 
-/* The next hop's and our MAC addresses from a successful FIB lookup. */
+/* The next hop of a packet rewritten to `to`, as if it arrived on `ifindex`: the one the
+ * flow's conntrack entry remembers while younger than KBP_HOP_CACHE_NS, else the FIB's,
+ * which a successful lookup leaves in the entry (`flow` NULL: a new flow, ask the FIB).
+ * Returns BPF_FIB_LKUP_RET_*, with fib->ifindex, smac and dmac set on success. Entries are
+ * shared by all CPUs: two CPUs refreshing one at once write the same answer. */
+static __always_inline int ext_next_hop(void *ctx, const struct kbp_tuple *t,
+					const struct kbp_nat_target *to, __u32 ifindex,
+					struct kbp_ct_entry *flow, __u64 now,
+					struct bpf_fib_lookup *fib)
+{
+	int rc;
+
+	if (flow && flow->hop_time && now - flow->hop_time < KBP_HOP_CACHE_NS) {
+		fib->ifindex = flow->hop_ifindex;
+		__builtin_memcpy(fib->smac, flow->hop_smac, ETH_ALEN);
+		__builtin_memcpy(fib->dmac, flow->hop_dmac, ETH_ALEN);
+		return BPF_FIB_LKUP_RET_SUCCESS;
+	}
+	ext_fib_params(t, to, ifindex, fib);
+	rc = bpf_fib_lookup(ctx, fib, sizeof(*fib), 0);
+	if (rc == BPF_FIB_LKUP_RET_SUCCESS && flow) {
+		flow->hop_ifindex = fib->ifindex;
+		__builtin_memcpy(flow->hop_smac, fib->smac, ETH_ALEN);
+		__builtin_memcpy(flow->hop_dmac, fib->dmac, ETH_ALEN);
+		flow->hop_time = now;
+	}
+	return rc;
+}
+
+/* The next hop's and our MAC addresses from a successful next-hop lookup. */
 static __always_inline int ext_set_macs(void *data, void *data_end,
 					const struct bpf_fib_lookup *fib)
 {

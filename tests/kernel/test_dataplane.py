@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from agent.dataplane.base import Dataplane, DataplaneError
+from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.plan import MapSizes
 from agent.model.compile import compile
@@ -471,7 +472,8 @@ def test_metrics_show_map_fill_and_datapath_drops(env: Env) -> None:
         if line.startswith('kbp_datapath_drops_total{reason="rejected"}')
     ]  # fmt: skip
     assert rejected and float(rejected[0].split()[-1]) >= 2, text
-    assert 'kbp_map_fill_ratio{map="kbp_services_v2"} 0.0002' in text, text
+    services_map = versioned("kbp_services")
+    assert f'kbp_map_fill_ratio{{map="{services_map}"}} 0.0002' in text, text
 
 
 # --- the end ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import os
 import socket
 import struct
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ PEER_POD = {4: "10.244.1.7", 6: "fd00:244:1::7"}
 LB_VIP = {4: "203.0.113.9", 6: "2001:db8:113::9"}
 NODE_PORT, LB_PORT, BACKEND_PORT, CLIENT_PORT = 30080, 80, 8080, 40000
 SNAT_PORTS = external.DEFAULT_SNAT_PORTS
+HOP_CACHE_NS = 100_000_000  # bpf/lib/ext.h KBP_HOP_CACHE_NS
+CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; bpf_ktime_get_coarse_ns reads this clock
 
 NODE_MAC = bytes.fromhex("020000000010")
 EXT1_MAC = bytes.fromhex("020000000110")
@@ -657,6 +660,64 @@ def test_xdp_redirects_a_syn_whose_next_hop_is_behind_another_interface(node):
     assert (out.eth_src, out.eth_dst, out.ttl) == (EXT1_MAC, PEER2_MAC, 63)
     assert_checksums_valid(out)
     assert node.xdp_stats(C.KBP_XDP_REDIRECT)["packets"] == 1
+
+
+def _set_forward_hop(node: ExtNode, dmac: bytes, age_ns: int) -> None:
+    """Make the flow of to_node_port(4) remember `dmac` as its next hop, looked up
+    `age_ns` ago by the programs' clock (bpf_ktime_get_coarse_ns)."""
+    key = abi.new("kbp_ct_key", sport=abi.be16(CLIENT_PORT), dport=abi.be16(NODE_PORT),
+                  proto=TCP, family=4, dir=C.KBP_CT_FORWARD)  # fmt: skip
+    abi.set_addr(key.saddr, CLIENT[4])
+    abi.set_addr(key.daddr, NODE[4])
+    table = node.loaded.map("kbp_ct")
+    entry = abi.from_bytes("kbp_ct_entry", table.lookup(abi.to_bytes(key)))
+    entry.hop_dmac = dmac
+    entry.hop_time = time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE) - age_ns
+    table.update(abi.to_bytes(key), abi.to_bytes(entry))
+
+
+@pytest.mark.parametrize("hook", ["xdp", "tc"])
+def test_a_forwarded_flow_remembers_its_next_hop_from_the_fib(node, hook):
+    node.service_to(REMOTE_BACKEND[4], local=False)
+    send = node.xdp if hook == "xdp" else node.from_ext
+    send(to_node_port(4))  # a new flow: the FIB answers (no entry to remember it in yet)
+    forward = node.ct(CLIENT[4], NODE[4], CLIENT_PORT, NODE_PORT, C.KBP_CT_FORWARD)
+    assert forward.hop_time == 0
+    send(to_node_port(4, flags="A"))  # its next packet: the FIB's answer is remembered
+    forward = node.ct(CLIENT[4], NODE[4], CLIENT_PORT, NODE_PORT, C.KBP_CT_FORWARD)
+    assert (forward.hop_ifindex, bytes(forward.hop_dmac)) == (node.ext0, PEER_MAC)
+    assert (bytes(forward.hop_smac), forward.hop_time > 0) == (NODE_MAC, True)
+
+    # Remembered and young: used as it is (no FIB lookup would give this MAC).
+    _set_forward_hop(node, ROUTER_MAC, age_ns=1_000_000)
+    out = P.parse(send(to_node_port(4, flags="A")).data_out)
+    assert (out.eth_dst, out.dst) == (ROUTER_MAC, REMOTE_BACKEND[4])
+
+
+@pytest.mark.parametrize("hook", ["xdp", "tc"])
+def test_a_forwarded_flow_asks_the_fib_again_once_its_next_hop_is_old(node, hook):
+    node.service_to(REMOTE_BACKEND[4], local=False)
+    send = node.xdp if hook == "xdp" else node.from_ext
+    send(to_node_port(4))
+    _set_forward_hop(node, ROUTER_MAC, age_ns=2 * HOP_CACHE_NS)
+
+    out = P.parse(send(to_node_port(4, flags="A")).data_out)
+
+    assert out.eth_dst == PEER_MAC
+    forward = node.ct(CLIENT[4], NODE[4], CLIENT_PORT, NODE_PORT, C.KBP_CT_FORWARD)
+    assert bytes(forward.hop_dmac) == PEER_MAC
+    assert time.clock_gettime_ns(CLOCK_MONOTONIC_COARSE) - forward.hop_time < HOP_CACHE_NS
+
+
+def test_a_snated_flows_reply_remembers_the_next_hop_to_the_client(node):
+    node.service_to(REMOTE_BACKEND[4], local=False)
+    snat_port = P.parse(node.xdp(to_node_port(4)).data_out).sport
+
+    out = P.parse(node.xdp(_backend_answer(4, snat_port)).data_out)
+
+    assert (out.eth_dst, out.dst) == (ROUTER_MAC, CLIENT[4])
+    reply = node.ct(REMOTE_BACKEND[4], NODE[4], BACKEND_PORT, snat_port, C.KBP_CT_REPLY)
+    assert (reply.hop_ifindex, bytes(reply.hop_dmac)) == (node.ext0, ROUTER_MAC)
 
 
 def test_xdp_passes_a_syn_to_a_backend_without_a_route_untouched_for_tc(node):

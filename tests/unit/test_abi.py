@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agent.dataplane.ebpf import abi
+from agent.dataplane.ebpf.dataplane import remove_stale_pins
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "abi-layout.txt"
 
@@ -76,3 +77,20 @@ def test_addresses_round_trip(ip: str) -> None:
     raw = abi.addr_bytes(ip)
     assert len(raw) == 16
     assert abi.addr_text(raw, abi.family_of(ip)) == ip
+
+
+def test_an_upgrade_removes_only_the_pins_of_other_abi_versions(tmp_path: Path) -> None:
+    current = abi.const.KBP_ABI_VERSION
+    names = [
+        f"kbp_ct_v{current - 1}",  # the old layout's maps: removed
+        f"kbp_services_v{current - 1}",
+        f"kbp_ct_v{current}",  # ours: kept
+        f"kbp_services_v{current}",
+        "kbp_link_connect4",  # socket links carry no version: kept
+        "kbp_ct_vx",  # not a version: kept
+        "other_v1",  # not ours: kept
+    ]
+    for name in names:
+        (tmp_path / name).touch()
+    assert remove_stale_pins(tmp_path) == [f"kbp_ct_v{current - 1}", f"kbp_services_v{current - 1}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

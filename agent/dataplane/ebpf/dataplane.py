@@ -26,7 +26,7 @@ from ...model.compile import nodeport_ips
 from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
 from . import codec, external
-from .abi import DROP_REASONS, versioned
+from .abi import DROP_REASONS, MAP_NAMES, versioned
 from .cgroup import CgroupAttachError, attach_socket_hooks, detach_socket_hooks, netns_cookie
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
@@ -127,6 +127,9 @@ class EbpfDataplane:
         )  # fmt: skip
         if cgroup is not None:
             log.info("ebpf: socket hooks serve the processes of cgroup %s", cgroup)
+        stale = remove_stale_pins(self.pin_dir)
+        if stale:
+            log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
 
     # --- Dataplane protocol ------------------------------------------------------------
 
@@ -478,6 +481,23 @@ def cleanup(pin_dir: Path, attacher: TcAttacher | None = None) -> tuple[list[str
     # Links first: unpinning alone leaves a link attached while anyone holds its fd.
     detach_socket_hooks(pin_dir)
     return interfaces, remove_pins(pin_dir)
+
+
+def remove_stale_pins(pin_dir: Path) -> list[str]:
+    """Unlink the maps another ABI version pinned here (kbp_<map>_v<N>, N not ours): an
+    upgrade across a layout change leaves them behind. Safe at any time: a program of the
+    old version still attached somewhere keeps its maps alive by reference; the pins
+    only held them for inspection and reuse, which a new layout rules out."""
+    removed: list[str] = []
+    if not pin_dir.is_dir():
+        return removed
+    ours = {versioned(name) for name in MAP_NAMES}
+    for entry in sorted(pin_dir.iterdir()):
+        base, _, version = entry.name.rpartition("_v")
+        if base in MAP_NAMES and version.isdigit() and entry.name not in ours:
+            entry.unlink()
+            removed.append(entry.name)
+    return removed
 
 
 def remove_pins(pin_dir: Path) -> list[str]:

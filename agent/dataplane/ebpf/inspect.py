@@ -5,6 +5,7 @@ works beside a running agent, after it stopped, and without compiling anything."
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -141,9 +142,8 @@ def conntrack(pin_dir: Path) -> list[Row]:
     with _open(pin_dir, "kbp_ct") as table:
         for k, v in table.items():
             saddr, daddr, sport, dport, proto, family, direction = key_format.unpack(k)
-            addr, port, flags, backend_id, service_id, last_seen, nat_addr, nat_port = (
-                entry_format.unpack(v)
-            )
+            (addr, port, flags, backend_id, service_id, hop_ifindex, last_seen, nat_addr,
+             nat_port, hop_dmac, _hop_smac, hop_time) = entry_format.unpack(v)  # fmt: skip
             forward = direction == const.KBP_CT_FORWARD
             translation = ("destination → " if forward else "source → ") + _endpoint(
                 addr_text(addr, family), int.from_bytes(port, "big")
@@ -168,10 +168,24 @@ def conntrack(pin_dir: Path) -> list[Row]:
                     "serviceId": service_id,
                     "flags": _flags(flags, CT_FLAGS),
                     "idleSeconds": round(max(0, now - last_seen) / 1e9, 1),
+                    # forwarded flows: the next hop the programs reuse (lib/ext.h
+                    # KBP_HOP_CACHE_NS) and how long ago the FIB gave it
+                    "nextHop": _next_hop(hop_ifindex, hop_dmac, hop_time, now),
                 }
             )
     rows.sort(key=lambda r: (r["serviceId"], r["direction"], r["source"], r["destination"]))
     return rows
+
+
+def _next_hop(ifindex: int, mac: bytes, looked_up: int, now: int) -> str | None:
+    if not looked_up:
+        return None
+    try:
+        device = socket.if_indextoname(ifindex)
+    except OSError:  # gone, or not in this namespace
+        device = f"ifindex {ifindex}"
+    age = max(0, now - looked_up) / 1e9
+    return f"{device} {mac.hex(':')} ({age:.1f} s ago)"
 
 
 def affinity(pin_dir: Path) -> list[Row]:
