@@ -7,8 +7,9 @@ addresses and routes are never touched). NAME is kbp-lab-<pid>-ext<k>, so the le
 `lab.lab_namespaces()` sees these namespaces too:
 
     bridge     NAME-bridge                  br0 (STP and multicast snooping off), with the
-                                            bridge ends of every eth0 below (GRO on, see
-                                            ExtLab._plug)
+                                            bridge ends of every eth0 below; those of the
+                                            nodes carry a native XDP_PASS program (see
+                                            ExtLab._attach_xdp_pass)
     node-a     a tests/kernel/lab.py node (node 1), plus
                eth0: 192.0.2.10/24, 2001:db8::10/64 (nodad)     its external interface
                10.244.2.0/24 via 192.0.2.11, fd00:244:2::/64 via 2001:db8::11
@@ -20,7 +21,9 @@ addresses and routes are never touched). NAME is kbp-lab-<pid>-ext<k>, so the le
     outside-1  NAME-outside-1                eth0: 192.0.2.100/24, 2001:db8::100/64
     outside-2  NAME-outside-2                eth0: 192.0.2.101/24, 2001:db8::101/64
                both: 203.0.113.9/32 (LoadBalancer VIP) and 203.0.113.7/32 (ExternalIP)
-               via 192.0.2.10, as a router in front of the cluster would send them
+               via 192.0.2.10, as a router in front of the cluster would send them;
+               tests add routes of their own with ExtLab.route_via (e.g. a VIP via
+               node-b, as an upstream load balancer spreads flows over the nodes)
 
 No node owns a VIP or an ExternalIP (no address is configured for them): the dataplane
 must recognise them. A node routes 203.0.113.0/24 into the lab's `kbpsink`, as it does the
@@ -81,6 +84,12 @@ LB_VIP = "203.0.113.9"
 EXTERNAL_IP = "203.0.113.7"
 CLUSTER_CIDRS = ("10.244.0.0/16", "fd00:244::/32")  # --cluster-cidr of both agents
 DATAPLANES = ("iptables", "ebpf", "ebpf-noxdp")
+MAGLEV_TABLE_SIZE = 251
+XDP_MODES = {"ebpf": "native", "ebpf-noxdp": "false"}  # --xdp of each eBPF dataplane
+# The program on the bridge ends of the nodes' eth0s (ExtLab._attach_xdp_pass). Not kbp_:
+# nothing of the agent's own may match it.
+XDP_PASS_NAME = "lab_xdp_pass"
+XDP_PASS_C = f"int {XDP_PASS_NAME}(struct xdp_md *ctx) {{ return XDP_PASS; }}"
 
 
 @dataclass(frozen=True)
@@ -127,9 +136,14 @@ def answers(result: Result) -> Counter[tuple[str, str]]:
     return seen
 
 
-def _client_argv(ip: str, port: int, proto: str, n: int, timeout: float) -> list[str]:
-    return [sys.executable, str(PODCLIENT), "many", ip, str(port),
+def _client_argv(
+    ip: str, port: int, proto: str, n: int, timeout: float, source_port: int | None
+) -> list[str]:
+    argv = [sys.executable, str(PODCLIENT), "many", ip, str(port),
             "--proto", proto, "-n", str(n), "--timeout", str(timeout)]  # fmt: skip
+    if source_port is not None:
+        argv += ["--source-port", str(source_port)]
+    return argv
 
 
 def _client_result(argv: Sequence[str], n: int, timeout: float) -> Result:
@@ -237,12 +251,7 @@ class Node:
             flags += [
                 "--external-interfaces", EXTERNAL_IFNAME,
                 "--cgroup-root", str(self.cgroup),
-                # Generic, not native: native XDP_TX out of a veth into a bridge loses the
-                # forwarded frames in this lab (the peer's NAPI queue takes them; node-b's
-                # IP layer never sees them) — a veth limitation still to be pinned down,
-                # see the issue 6 note. Generic XDP runs the same program on the same
-                # packets and forwards them.
-                f"--xdp={'false' if dataplane == 'ebpf-noxdp' else 'generic'}",
+                f"--xdp={XDP_MODES[dataplane]}",
             ]  # fmt: skip
         return flags
 
@@ -292,22 +301,60 @@ class ExtLab:
             **(settings or {}),
         })  # fmt: skip
 
-    def _plug(self, ns: str, bridge_end: str) -> None:
-        """A veth from the bridge to ns, named eth0 there (born inside ns)."""
+    def _plug(self, ns: str, bridge_end: str, *, xdp_tx_peer: bool = False) -> None:
+        """A veth from the bridge to ns, named eth0 there (born inside ns). `xdp_tx_peer`:
+        eth0 runs the agent's XDP program, whose XDP_TX sends frames back into bridge_end."""
         _run(["ip", "-n", self.bridge_ns, "link", "add", bridge_end, "type", "veth",
               "peer", "name", EXTERNAL_IFNAME, "netns", ns])  # fmt: skip
         _ip_batch(self.bridge_ns, [f"link set {bridge_end} master {BRIDGE} up"])
-        # A frame a native XDP program sends back out of a veth (XDP_TX) lands in the
-        # peer's NAPI queue, which exists only when the peer has an XDP program or GRO
-        # on (Linux 5.13, "veth: allow enabling NAPI even without XDP"); otherwise it is
-        # dropped as an xdp_tx_error. A physical NIC has no such condition.
-        _run(in_netns(self.bridge_ns, ["ethtool", "-K", bridge_end, "gro", "on"]))
+        if xdp_tx_peer:
+            self._attach_xdp_pass(bridge_end)
         # The veths stand in for wires, and a wire carries complete checksums: with
         # checksum offload on, a sender's veth passes CHECKSUM_PARTIAL packets on, whose
         # L4 field holds only the pseudo-header sum. XDP has no skb to ask about that and
         # updates checksums as complete ones (bpf/lib/nat.h nat_rewrite_frame), so the
         # sending ends compute them in software, as a NIC's receive path would see them.
         _run(in_netns(ns, ["ethtool", "-K", EXTERNAL_IFNAME, "tx", "off"]))
+
+    def _attach_xdp_pass(self, bridge_end: str) -> None:
+        """Attach a native XDP program that passes everything to the bridge end of a node's
+        eth0, so that frames the node's native XDP program sends back out (XDP_TX) reach
+        the bridge at once.
+
+        Why: a native XDP_TX on a veth puts the frame in the peer's xdp_ring, and the
+        flush that follows (drivers/net/veth.c veth_xdp_flush) schedules the peer's NAPI
+        only when the peer has an XDP program of its own. With just NAPI (GRO on) the
+        frame waits in the ring until the next ordinary packet from the node's stack
+        (veth_xmit) schedules that NAPI: the client times out although kbp_xdp_stats
+        counted `tx` and ethtool counted xdp_tx with no xdp_tx_errors. (XDP_REDIRECT goes
+        through ndo_xdp_xmit, which flushes without that condition.) A NIC's XDP_TX has
+        no such peer; in the lab this program stands in for the wire taking the frame."""
+        path = self._xdp_pass_pin()
+        _run(in_netns(self.bridge_ns, ["ip", "link", "set", "dev", bridge_end, "xdpdrv",
+                                       "pinned", str(path)]))  # fmt: skip
+
+    def _xdp_pass_pin(self) -> Path:
+        """The XDP_PASS program, loaded once per lab and pinned in the lab's own bpffs
+        directory (the attachments keep it loaded; the pin goes with the lab)."""
+        pin_dir = BPFFS / f"kbp-test-ext-{self.name.removeprefix(NAMESPACE_PREFIX)}-wire"
+        path = pin_dir / "xdp_pass"
+        if path.exists():
+            return path
+        # Imported late, as the agent's loader does: collecting tests must not need bcc
+        # (a kernel-test prerequisite, checked by tests/conftest.py).
+        from bcc import BPF
+
+        from agent.dataplane.ebpf import libbpf
+
+        pin_dir.mkdir()
+        self._pin_dirs.append(pin_dir)
+        module = BPF(text=XDP_PASS_C.encode())
+        try:
+            function = module.load_func(XDP_PASS_NAME.encode(), BPF.XDP)
+            libbpf.obj_pin(function.fd, str(path))
+        finally:
+            module.cleanup()
+        return path
 
     def _build(self) -> None:
         mount = cgroup2_mount()
@@ -321,7 +368,7 @@ class ExtLab:
             lab = Lab(plan.number)
             self._labs.append(lab)
             lab.__enter__()  # lab.py's node: sysctls, lo gateway, kbpsink, ClusterIP routes
-            self._plug(lab.node_ns, f"{plan.name[-1]}-{EXTERNAL_IFNAME}")
+            self._plug(lab.node_ns, f"{plan.name[-1]}-{EXTERNAL_IFNAME}", xdp_tx_peer=True)
             (peer,) = [p for p in NODE_PLANS if p is not plan]
             peer_v4, peer_v6 = pod_cidrs(peer.number)
             _ip_batch(lab.node_ns, [
@@ -420,6 +467,9 @@ class ExtLab:
                 "--map-size-services", "1024", "--map-size-slots", "4096",
                 "--map-size-backends", "1024", "--map-size-ct", "4096",
                 "--map-size-affinity", "1024",
+                # A Maglev Service's table is this many slots per backend set: small, to
+                # fit --map-size-slots, and still prime and far above the backend count.
+                "--maglev-table-size", str(MAGLEV_TABLE_SIZE),
                 *node.agent_flags(dataplane),
             ]  # fmt: skip
             node.agent = Agent(node, argv)
@@ -445,14 +495,15 @@ class ExtLab:
 
     def connect(
         self, source: str | Pod, ip: str, port: int, proto: str = "tcp", n: int = 3,
-        timeout: float = 2.0,
+        timeout: float = 2.0, source_port: int | None = None,
     ) -> Result:  # fmt: skip
         """n exchanges with ip:port, each a new flow, from `source`: "outside-1",
         "outside-2", a pod, or a node's name for the node itself (a process in the node's
-        namespace and cgroup)."""
+        namespace and cgroup). `source_port` pins the client's port: every exchange is
+        then the same 5-tuple (TCP closes each with a RST, leaving no TIME_WAIT)."""
         if isinstance(source, Pod):
-            return source.connect_many(ip, port, proto, n, timeout)
-        client = _client_argv(ip, port, proto, n, timeout)
+            return source.connect_many(ip, port, proto, n, timeout, source_port=source_port)
+        client = _client_argv(ip, port, proto, n, timeout, source_port)
         if source in self.outside:
             return _client_result(in_netns(self.outside[source], client), n, timeout)
         node = self.nodes[source]
@@ -460,6 +511,13 @@ class ExtLab:
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(node.cgroup / "cgroup.procs"),
                 *in_netns(node.ns, client)]  # fmt: skip
         return _client_result(argv, n, timeout)
+
+    def route_via(self, source: str, prefix: str, node: str) -> None:
+        """Route `prefix` from an outside namespace via a node's IPv4 address (replacing
+        the route it had): which node an upstream router sends that traffic to."""
+        via = self.nodes[node].plan.ipv4
+        _ip_batch(self.outside[source],
+                  [f"route replace {prefix} via {via} dev {EXTERNAL_IFNAME}"])  # fmt: skip
 
     def http_get(self, source: str, url: str, timeout: float = 2.0) -> tuple[int, str]:
         """(status, body) of GET url from an outside namespace; status 0 when no answer."""

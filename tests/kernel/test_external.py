@@ -1,7 +1,8 @@
 """External traffic through `kube-bpf-proxy run` on two nodes (tests/kernel/extlab.py):
 NodePort to local and remote backends, LoadBalancer VIP, ExternalIP, externalTrafficPolicy
 Local with its health check, loadBalancerSourceRanges, NodePort from a pod and from the
-node itself, XDP and clean-up, each for the iptables and the eBPF dataplane (XDP on, off).
+node itself, Maglev agreeing across nodes, XDP and clean-up, each for the iptables and
+the eBPF dataplane (XDP native, XDP off).
 
 Address plan: extlab.py's, plus these pods and Services (every backend serves TCP and UDP
 on 8080 and answers "<pod> <source address it saw>"):
@@ -9,6 +10,8 @@ on 8080 and answers "<pod> <source address it saw>"):
     client-a  10.244.1.1, fd00:244:1::1   on node-a
     web-a     10.244.1.2, fd00:244:1::2   on node-a
     web-b     10.244.2.1, fd00:244:2::1   on node-b
+    web-a2    10.244.1.3                  on node-a
+    web-b2    10.244.2.2                  on node-b
 
     np-local   NodePort 30011, dual-stack (10.96.0.11, fd00:96::11 :80)   → web-a
     np-remote  NodePort 30012 TCP and UDP, dual-stack (10.96.0.12, fd00:96::12 :80) → web-b
@@ -17,6 +20,9 @@ on 8080 and answers "<pod> <source address it saw>"):
                → web-a
     lb-local   LoadBalancer 203.0.113.9:82, externalTrafficPolicy Local, NodePort 30015,
                healthCheckNodePort 32015 → web-a
+    lb-maglev  LoadBalancer 203.0.113.11:80, lb-algorithm maglev, NodePort 30016
+               → web-a, web-a2, web-b, web-b2 (outside-1 has no route to this VIP until
+               a test gives it one with ExtLab.route_via)
 
 The semantics are kube-proxy's, with the issue's eBPF choices where they differ: under
 externalTrafficPolicy Cluster, kube-proxy masquerades all external traffic, while the eBPF
@@ -39,6 +45,8 @@ NODE_B = ("192.0.2.11", "2001:db8::11")
 OUTSIDE_1 = ("192.0.2.100", "2001:db8::100")
 OUTSIDE_2 = ("192.0.2.101", "2001:db8::101")
 NP_LOCAL, NP_REMOTE, NP_OPEN, NP_RANGED, NP_ETP_LOCAL = 30011, 30012, 30013, 30014, 30015
+NP_MAGLEV = 30016
+MAGLEV_VIP = "203.0.113.11"
 HEALTH_CHECK_PORT = 32015
 CLUSTER_IP_LOCAL = "10.96.0.11"
 DROP_TIMEOUT = 1.0  # an expected timeout waits this long; answers here take milliseconds
@@ -73,7 +81,12 @@ def service(name: str, cluster_ips: list[str], ports: list[dict], **spec: object
 
 def endpoint_slice(service_name: str, address: str, node_name: str, protos: list[str]) -> dict:
     """One ready endpoint on node_name, port 8080 for each protocol (port names tcp, udp)."""
-    family = "IPv6" if ":" in address else "IPv4"
+    return endpoints_slice(service_name, [(address, node_name)], protos)
+
+
+def endpoints_slice(service_name: str, endpoints: list[tuple[str, str]], protos: list[str]) -> dict:
+    """Ready endpoints (address, node name) of one family, port 8080 for each protocol."""
+    family = "IPv6" if ":" in endpoints[0][0] else "IPv4"
     return {
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": f"{service_name}-{family.lower()}", "namespace": "default",
@@ -81,8 +94,13 @@ def endpoint_slice(service_name: str, address: str, node_name: str, protos: list
         "addressType": family,
         "ports": [{"name": p.lower(), "port": 8080, "protocol": p} for p in protos],
         "endpoints": [{"addresses": [address], "conditions": {"ready": True},
-                       "nodeName": node_name}],
+                       "nodeName": node_name} for address, node_name in endpoints],
     }  # fmt: skip
+
+
+def annotated(obj: dict, annotations: dict[str, str]) -> dict:
+    obj["metadata"]["annotations"] = annotations
+    return obj
 
 
 def port(proto: str, port: int, node_port: int) -> dict:
@@ -91,6 +109,10 @@ def port(proto: str, port: int, node_port: int) -> dict:
 
 WEB_A = ("10.244.1.2", "fd00:244:1::2")
 WEB_B = ("10.244.2.1", "fd00:244:2::1")
+WEB_A2, WEB_B2 = "10.244.1.3", "10.244.2.2"
+# Where each backend pod runs: a backend on the node the traffic entered sees the client,
+# one on the other node sees the entry node's address (SNAT).
+POD_NODES = {"web-a": "node-a", "web-a2": "node-a", "web-b": "node-b", "web-b2": "node-b"}
 DOCUMENTS = [
     node("node-a", *NODE_A),
     node("node-b", *NODE_B),
@@ -109,6 +131,11 @@ DOCUMENTS = [
     service("lb-local", ["10.96.0.15"], [port("TCP", 82, NP_ETP_LOCAL)], type="LoadBalancer",
             externalTrafficPolicy="Local", healthCheckNodePort=HEALTH_CHECK_PORT, vip=LB_VIP),
     endpoint_slice("lb-local", WEB_A[0], "node-a", ["TCP"]),
+    annotated(service("lb-maglev", ["10.96.0.16"], [port("TCP", 80, NP_MAGLEV)],
+                      type="LoadBalancer", vip=MAGLEV_VIP),
+              {"kube-bpf-proxy.io/lb-algorithm": "maglev"}),
+    endpoints_slice("lb-maglev", [(WEB_A[0], "node-a"), (WEB_A2, "node-a"),
+                                  (WEB_B[0], "node-b"), (WEB_B2, "node-b")], ["TCP"]),
 ]  # fmt: skip
 MANIFESTS = "".join(f"---\n{json.dumps(doc)}\n" for doc in DOCUMENTS)  # JSON is YAML
 
@@ -120,9 +147,10 @@ def ext(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     by the module's tests for that dataplane (building it is the slow part)."""
     with ExtLab() as lab:
         pods = [lab.add_pod("node-a", "client-a"), lab.add_pod("node-a", "web-a"),
-                lab.add_pod("node-b", "web-b")]  # fmt: skip
+                lab.add_pod("node-b", "web-b"), lab.add_pod("node-a", "web-a2"),
+                lab.add_pod("node-b", "web-b2")]  # fmt: skip
         # The manifests name these addresses.
-        assert [p.ipv4 for p in pods] == ["10.244.1.1", WEB_A[0], WEB_B[0]]
+        assert [p.ipv4 for p in pods] == ["10.244.1.1", WEB_A[0], WEB_B[0], WEB_A2, WEB_B2]
         for pod in pods[1:]:
             lab.serve(pod, [8080])
         manifests = tmp_path_factory.mktemp("external") / "services.yaml"
@@ -134,6 +162,16 @@ def ext(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
             lab.stop_agents()
             for node in lab.nodes:
                 lab.cleanup(node)
+
+
+def not_on(dataplane: str, reason: str) -> pytest.MarkDecorator:
+    """This scenario does not apply to `dataplane`: skipped there with `reason`, run on the
+    others (the same module-scoped `ext` labs, chosen indirectly)."""
+    skip = pytest.mark.skip(reason=f"not on {dataplane}: {reason}")
+    return pytest.mark.parametrize(
+        "ext", [pytest.param(d, marks=skip) if d == dataplane else d for d in DATAPLANES],
+        indirect=True,
+    )  # fmt: skip
 
 
 def served(result: Result, pod: str, peer: str | set[str], n: int = 3) -> bool:
@@ -229,6 +267,36 @@ def test_load_balancer_source_ranges_apply_to_the_vip_only(ext: ExtLab) -> None:
     assert served(nodeport, "web-a", expected), (answers(nodeport), nodeport)
 
 
+MAGLEV_SOURCE_PORTS = range(40001, 40009)  # eight flows of outside-1, one per port
+
+
+@not_on("iptables", "the iptables dataplane has no Maglev: it picks a backend at random")
+def test_maglev_picks_the_same_backend_for_a_flow_on_either_node(ext: ExtLab) -> None:
+    """An upstream load balancer may send one flow to any node (and to another one after
+    a node fails): with Maglev, each node must hash it to the same backend. The same
+    flows (outside-1, fixed source ports, each a TCP connection closed before the next)
+    enter once via node-a and once via node-b. Only frontends every node shares (VIPs,
+    ExternalIPs) can agree: a NodePort flow's destination is each node's own address,
+    which the flow hash includes."""
+    picked: dict[str, list[str]] = {}
+    for entry, entry_ip in (("node-a", NODE_A[0]), ("node-b", NODE_B[0])):
+        ext.route_via("outside-1", f"{MAGLEV_VIP}/32", entry)
+        picked[entry] = []
+        for source_port in MAGLEV_SOURCE_PORTS:
+            result = ext.connect("outside-1", MAGLEV_VIP, 80, n=1, source_port=source_port)
+            assert result.errors == {} and result.answered == 1, (entry, source_port, result)
+            [(pod, peer)] = answers(result)
+            # The backend's view proves which node forwarded the flow: the entry node
+            # translates only the destination to its own pods, the source too to others.
+            expected = OUTSIDE_1[0] if POD_NODES.get(pod) == entry else entry_ip
+            assert peer == expected, (entry, source_port, pod, peer, result)
+            picked[entry].append(pod)
+    assert picked["node-a"] == picked["node-b"], picked
+    # ... and that is not one backend for everyone: the flows spread (four backends, eight
+    # flows). A per-node random pick would agree on all eight with odds of 4**-8.
+    assert len(set(picked["node-a"])) > 1, picked
+
+
 @pytest.mark.parametrize("nodeport", [NP_LOCAL, NP_REMOTE], ids=["local", "remote"])
 def test_nodeport_from_a_pod_to_its_own_node(ext: ExtLab, nodeport: int) -> None:
     client = ext.nodes["node-a"].lab.pods["client-a"]
@@ -292,8 +360,10 @@ def test_xdp_is_attached_as_reported_and_counts_its_verdicts(ext: ExtLab) -> Non
         assert status["enabled"] is False, status
         return
 
+    # Native, as on a NIC with an XDP driver: veth has one, and the lab gives the bridge
+    # ends the XDP program that veth's XDP_TX needs on the other side (extlab.py).
     mode = xdp_mode(ext, "node-a")
-    assert mode in ("native", "generic"), mode
+    assert mode == "native" and xdp_mode(ext, "node-b") == "native", mode
     assert status["enabled"] is True, status
     assert status["interfaces"] == {EXTERNAL_IFNAME: mode}, status
     before = xdp_report(ext, "node-a")
