@@ -20,6 +20,9 @@ reason shows in pytest's report.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -477,6 +480,42 @@ def test_metrics_show_map_fill_and_datapath_drops(env: Env) -> None:
 
 
 # --- the end ----------------------------------------------------------------------------
+
+
+def _xdp_mode_of(netns: str, ifname: str) -> str | None:
+    """What the kernel says is attached to ifname: native, generic or None."""
+    shown = subprocess.run(["ip", "-n", netns, "-j", "link", "show", ifname],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    [link] = json.loads(shown.stdout)
+    xdp = link.get("xdp")
+    return None if xdp is None else {1: "native", 2: "generic"}.get(xdp["mode"], str(xdp))
+
+
+@pytest.mark.parametrize(("requested", "expected"), [("auto", "generic"), ("native", "native")])
+def test_xdp_on_a_veth_runs_generic_unless_native_is_asked_for(
+    requested: str, expected: str
+) -> None:
+    # A native XDP_TX into a veth is read only when the peer has an XDP program as well,
+    # which an agent cannot put there; `auto` therefore picks generic on a veth.
+    pin_dir = Path(f"/sys/fs/bpf/kbp-test-xdpveth-{os.getpid()}-{time.monotonic_ns()}")
+    with Lab() as lab:
+        dataplane = None
+        try:
+            subprocess.run(["ip", "-n", lab.node_ns, "link", "add", "kbpext0", "type", "veth",
+                            "peer", "name", "kbpext1"], check=True)  # fmt: skip
+            subprocess.run(["ip", "-n", lab.node_ns, "link", "set", "kbpext0", "up"], check=True)
+            dataplane = EbpfDataplane(pin_dir, POD_INTERFACES, MapSizes(1024, 4096, 1024, 4096,
+                                      1024), netns=lab.node_ns, watch=False,
+                                      external_interfaces=("kbpext0",), xdp=requested)  # fmt: skip
+            dataplane.apply(compile(state_of(*default_nodes()), "node-a"))
+
+            assert dataplane.status_details()["xdp"]["interfaces"] == {"kbpext0": expected}
+            assert _xdp_mode_of(lab.node_ns, "kbpext0") == expected
+        finally:
+            if dataplane is not None:
+                dataplane.cleanup()
+            remove_pins(pin_dir)
+    assert not pin_dir.exists()
 
 
 def test_cleanup_removes_everything_the_dataplane_installed(env: Env) -> None:

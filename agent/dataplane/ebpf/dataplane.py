@@ -307,6 +307,14 @@ class EbpfDataplane:
             if attached.index == link.index and is_ours(attached.prog_id):
                 replace = attached.prog_id
         modes = ("native", "generic") if self.xdp == "auto" else (self.xdp,)
+        if self.xdp == "auto" and self.attacher.link_kind(link.index) == "veth":
+            # A native XDP_TX on a veth lands in the peer's ring, which is read only if
+            # the peer has an XDP program too (drivers/net/veth.c veth_xdp_flush): the
+            # peer lies outside the node (a kind node's host side), so frames forwarded
+            # back out would stall. Generic XDP has no such condition.
+            modes = ("generic",)
+            log.info("ebpf: XDP on veth %s runs generic (native XDP_TX needs an XDP program "
+                     "on the peer; --xdp=native forces it)", link.name)  # fmt: skip
         errors = []
         for mode in modes:
             try:

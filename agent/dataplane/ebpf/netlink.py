@@ -330,6 +330,11 @@ class TcAttacher:
         """Every interface in the namespace."""
         return self._worker.call(self._links)
 
+    def link_kind(self, index: int) -> str | None:
+        """The interface's link kind (veth, bridge, vxlan, ...); None for a plain device
+        such as a NIC, or when the interface is gone."""
+        return self._worker.call(lambda: self._link_kind(index))
+
     def attach(self, index: int, direction: Direction, prog_fd: int, name: str) -> bool:
         """Install (or atomically replace) our program on one clsact hook of an interface.
 
@@ -431,6 +436,14 @@ class TcAttacher:
             for msg in self._ipr.link("dump")
             if msg.get_attr("IFLA_IFNAME") is not None
         ]
+
+    def _link_kind(self, index: int) -> str | None:
+        try:
+            (msg,) = self._ipr.link("get", index=index)
+        except KernelNetlinkError:
+            return None
+        info = msg.get_attr("IFLA_LINKINFO")
+        return info.get_attr("IFLA_INFO_KIND") if info is not None else None
 
     def _ifname(self, index: int) -> str | None:
         try:
