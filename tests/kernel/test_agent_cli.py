@@ -164,7 +164,8 @@ def test_run_balances_and_inspect_and_bpftool_show_the_maps(setup) -> None:
         assert any(r.get("newFlows", 0) >= 30 for r in counters), counters
 
         dump = subprocess.run(
-            ["bpftool", "--json", "map", "dump", "pinned", str(pin_dir / abi.versioned("kbp_services"))],
+            ["bpftool", "--json", "map", "dump", "pinned",
+             str(pin_dir / abi.versioned("kbp_services"))],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
         [entry] = json.loads(dump.stdout)
