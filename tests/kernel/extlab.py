@@ -51,31 +51,33 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .agentproc import AgentProcess, run_argv
+from .agentproc import cli as agent_cli
 from .lab import (
     NAMESPACE_PREFIX,
-    PODCLIENT,
     SINK,
     Lab,
     LabError,
+    NamespaceLab,
     Pod,
     Result,
-    _ip_batch,
-    _run,
-    _sysctl,
+    client_argv,
+    client_result,
+    delete_namespaces,
     in_netns,
+    ip_batch,
+    run,
+    sysctl,
 )
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).parents[2]
 BPFFS = Path("/sys/fs/bpf")
 EXTERNAL_IFNAME = "eth0"
 BRIDGE = "br0"
@@ -136,88 +138,6 @@ def answers(result: Result) -> Counter[tuple[str, str]]:
     return seen
 
 
-def _client_argv(
-    ip: str, port: int, proto: str, n: int, timeout: float, source_port: int | None
-) -> list[str]:
-    argv = [sys.executable, str(PODCLIENT), "many", ip, str(port),
-            "--proto", proto, "-n", str(n), "--timeout", str(timeout)]  # fmt: skip
-    if source_port is not None:
-        argv += ["--source-port", str(source_port)]
-    return argv
-
-
-def _client_result(argv: Sequence[str], n: int, timeout: float) -> Result:
-    out = _run(argv, timeout=n * (timeout + 1) + 30)
-    report = json.loads(out.strip().splitlines()[-1])
-    return Result(Counter(report["counts"]), Counter(report["errors"]), report["details"])
-
-
-class Agent:
-    """`kube-bpf-proxy run` in a node namespace, its log lines collected as they come."""
-
-    def __init__(self, node: Node, argv: Sequence[str]) -> None:
-        self.node = node
-        self.argv = list(argv)
-        self.proc = subprocess.Popen(
-            in_netns(node.ns, argv), cwd=ROOT,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            with self._cond:
-                self.lines.append(line.rstrip())
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def log(self) -> str:
-        with self._cond:
-            return "\n".join(self.lines)
-
-    def wait_for_line(self, text: str, after: int = 0, timeout: float = 90) -> int:
-        """Index of the first log line from `after` on that contains `text`."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for n in range(after, len(self.lines)):
-                    if text in self.lines[n]:
-                        return n
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    status = self.proc.poll()
-                    raise LabError(
-                        f"agent on {self.node.name} never logged {text!r} "
-                        f"({'exited ' + str(status) if status is not None else 'still running'})"
-                        f":\n{chr(10).join(self.lines)}"
-                    )
-                self._cond.wait(0.2)
-
-    def url(self, path: str) -> str:
-        """http://ADDRESS/path on the agent's metrics server (it logs where it listens)."""
-        line = self.lines[self.wait_for_line("metrics server listening on")]
-        return f"http://{line.rsplit(' ', 1)[-1]}{path}"
-
-    def state(self) -> dict:
-        """GET /state, fetched inside the node namespace."""
-        return json.loads(self.node.run("curl", "-sf", "-m", "5", self.url("/state")))
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            status = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            status = self.proc.wait()
-        self._reader.join(5)
-        return status
-
-
 @dataclass
 class Node:
     """One node: a tests/kernel/lab.py Lab whose namespace also has eth0 on the bridge."""
@@ -226,7 +146,7 @@ class Node:
     lab: Lab
     pin_dir: Path  # --bpffs of this node's agent
     cgroup: Path  # the node's own processes (--cgroup-root of its eBPF agent)
-    agent: Agent | None = field(default=None, repr=False)
+    agent: AgentProcess | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -257,45 +177,30 @@ class Node:
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """`kube-bpf-proxy ARGS` in the node namespace (not in the node's cgroup)."""
-        return subprocess.run(
-            in_netns(self.ns, [sys.executable, "-m", "agent", *args]),
-            cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False,
-        )  # fmt: skip
+        return agent_cli(self.ns, *args, timeout=timeout)
 
 
-class ExtLab:
+class ExtLab(NamespaceLab):
     """Both nodes, the bridge and the outside clients; a context manager that stops the
     agents and removes everything (namespaces, pins, cgroups) on exit, also when building
     it failed half-way."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-ext{next(_labs)}"
         self.bridge_ns = f"{self.name}-bridge"
         self.outside = {name: f"{self.name}-{name}" for name in OUTSIDE_PLANS}
         self.nodes: dict[str, Node] = {}
         self.dataplane: str | None = None
-        self._namespaces: list[str] = []
         self._labs: list[Lab] = []
         self._cgroups: list[Path] = []
         self._pin_dirs: list[Path] = []
 
     # -- lifecycle --
 
-    def __enter__(self) -> ExtLab:
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     def _add_namespace(self, ns: str, settings: dict[str, str | int] | None = None) -> None:
-        _run(["ip", "netns", "add", ns])
-        self._namespaces.append(ns)
-        _sysctl(ns, {
+        super()._add_namespace(ns)
+        sysctl(ns, {
             "net.ipv6.conf.all.accept_dad": 0,
             "net.ipv6.conf.default.accept_dad": 0,
             **(settings or {}),
@@ -304,9 +209,9 @@ class ExtLab:
     def _plug(self, ns: str, bridge_end: str, *, xdp_tx_peer: bool = False) -> None:
         """A veth from the bridge to ns, named eth0 there (born inside ns). `xdp_tx_peer`:
         eth0 runs the agent's XDP program, whose XDP_TX sends frames back into bridge_end."""
-        _run(["ip", "-n", self.bridge_ns, "link", "add", bridge_end, "type", "veth",
-              "peer", "name", EXTERNAL_IFNAME, "netns", ns])  # fmt: skip
-        _ip_batch(self.bridge_ns, [f"link set {bridge_end} master {BRIDGE} up"])
+        run(["ip", "-n", self.bridge_ns, "link", "add", bridge_end, "type", "veth",
+             "peer", "name", EXTERNAL_IFNAME, "netns", ns])  # fmt: skip
+        ip_batch(self.bridge_ns, [f"link set {bridge_end} master {BRIDGE} up"])
         if xdp_tx_peer:
             self._attach_xdp_pass(bridge_end)
         # The veths stand in for wires, and a wire carries complete checksums: with
@@ -314,7 +219,7 @@ class ExtLab:
         # L4 field holds only the pseudo-header sum. XDP has no skb to ask about that and
         # updates checksums as complete ones (bpf/lib/nat.h nat_rewrite_frame), so the
         # sending ends compute them in software, as a NIC's receive path would see them.
-        _run(in_netns(ns, ["ethtool", "-K", EXTERNAL_IFNAME, "tx", "off"]))
+        run(in_netns(ns, ["ethtool", "-K", EXTERNAL_IFNAME, "tx", "off"]))
 
     def _attach_xdp_pass(self, bridge_end: str) -> None:
         """Attach a native XDP program that passes everything to the bridge end of a node's
@@ -330,8 +235,8 @@ class ExtLab:
         through ndo_xdp_xmit, which flushes without that condition.) A NIC's XDP_TX has
         no such peer; in the lab this program stands in for the wire taking the frame."""
         path = self._xdp_pass_pin()
-        _run(in_netns(self.bridge_ns, ["ip", "link", "set", "dev", bridge_end, "xdpdrv",
-                                       "pinned", str(path)]))  # fmt: skip
+        run(in_netns(self.bridge_ns, ["ip", "link", "set", "dev", bridge_end, "xdpdrv",
+                                      "pinned", str(path)]))  # fmt: skip
 
     def _xdp_pass_pin(self) -> Path:
         """The XDP_PASS program, loaded once per lab and pinned in the lab's own bpffs
@@ -359,7 +264,7 @@ class ExtLab:
     def _build(self) -> None:
         mount = cgroup2_mount()
         self._add_namespace(self.bridge_ns)
-        _ip_batch(self.bridge_ns, [
+        ip_batch(self.bridge_ns, [
             "link set lo up",
             f"link add {BRIDGE} type bridge stp_state 0 mcast_snooping 0",
             f"link set {BRIDGE} up",
@@ -371,7 +276,7 @@ class ExtLab:
             self._plug(lab.node_ns, f"{plan.name[-1]}-{EXTERNAL_IFNAME}", xdp_tx_peer=True)
             (peer,) = [p for p in NODE_PLANS if p is not plan]
             peer_v4, peer_v6 = pod_cidrs(peer.number)
-            _ip_batch(lab.node_ns, [
+            ip_batch(lab.node_ns, [
                 f"addr add {plan.ipv4}/24 dev {EXTERNAL_IFNAME}",
                 f"addr add {plan.ipv6}/64 dev {EXTERNAL_IFNAME} nodad",
                 f"link set {EXTERNAL_IFNAME} up",
@@ -390,7 +295,7 @@ class ExtLab:
             self._add_namespace(ns, {"net.ipv4.conf.all.rp_filter": 0})
             self._plug(ns, f"o{number}-{EXTERNAL_IFNAME}")
             via = NODE_PLANS[0].ipv4
-            _ip_batch(ns, [
+            ip_batch(ns, [
                 "link set lo up",
                 f"addr add {ipv4}/24 dev {EXTERNAL_IFNAME}",
                 f"addr add {ipv6}/64 dev {EXTERNAL_IFNAME} nodad",
@@ -412,14 +317,7 @@ class ExtLab:
         for lab in reversed(self._labs):
             lab.close()  # pod processes first, then the node and pod namespaces
         self._labs.clear()
-        for ns in reversed(self._namespaces):
-            proc = subprocess.run(
-                ["ip", "netns", "delete", ns], capture_output=True, text=True, check=False
-            )
-            if proc.returncode != 0 and os.path.exists(f"/run/netns/{ns}"):
-                log.warning("ext lab %s: deleting netns %s failed: %s", self.name, ns,
-                            proc.stderr)  # fmt: skip
-        self._namespaces.clear()
+        delete_namespaces(self._namespaces, f"ext lab {self.name}")
         for pin_dir in self._pin_dirs:
             shutil.rmtree(pin_dir, ignore_errors=True)
         self._pin_dirs.clear()
@@ -456,23 +354,15 @@ class ExtLab:
             raise ValueError(f"dataplane must be one of {DATAPLANES}, not {dataplane!r}")
         self.dataplane = dataplane
         for node in self.nodes.values():
-            argv = [
-                sys.executable, "-m", "agent", "run", "--manifests", str(manifests),
-                "--node", node.name,
-                "--dataplane", "iptables" if dataplane == "iptables" else "ebpf",
+            argv = run_argv(
+                manifests, node.name, "iptables" if dataplane == "iptables" else "ebpf",
                 "--cluster-cidr", ",".join(CLUSTER_CIDRS),
-                "--pod-interfaces", "vethkbp*",
-                "--metrics-bind-address", "127.0.0.1:0",
-                "--healthz-bind-address", "127.0.0.1:0",
-                "--map-size-services", "1024", "--map-size-slots", "4096",
-                "--map-size-backends", "1024", "--map-size-ct", "4096",
-                "--map-size-affinity", "1024",
                 # A Maglev Service's table is this many slots per backend set: small, to
                 # fit --map-size-slots, and still prime and far above the backend count.
                 "--maglev-table-size", str(MAGLEV_TABLE_SIZE),
                 *node.agent_flags(dataplane),
-            ]  # fmt: skip
-            node.agent = Agent(node, argv)
+            )  # fmt: skip
+            node.agent = AgentProcess(node.ns, argv, node.name)
         for node in self.nodes.values():
             assert node.agent is not None
             node.agent.wait_for_line("sync: applied revision")
@@ -503,21 +393,21 @@ class ExtLab:
         then the same 5-tuple (TCP closes each with a RST, leaving no TIME_WAIT)."""
         if isinstance(source, Pod):
             return source.connect_many(ip, port, proto, n, timeout, source_port=source_port)
-        client = _client_argv(ip, port, proto, n, timeout, source_port)
+        client = client_argv(ip, port, proto, n, timeout, source_port=source_port)
         if source in self.outside:
-            return _client_result(in_netns(self.outside[source], client), n, timeout)
+            return client_result(in_netns(self.outside[source], client), n, timeout)
         node = self.nodes[source]
         # Join the cgroup first, then become the client: everything it does is the node's.
         argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(node.cgroup / "cgroup.procs"),
                 *in_netns(node.ns, client)]  # fmt: skip
-        return _client_result(argv, n, timeout)
+        return client_result(argv, n, timeout)
 
     def route_via(self, source: str, prefix: str, node: str) -> None:
         """Route `prefix` from an outside namespace via a node's IPv4 address (replacing
         the route it had): which node an upstream router sends that traffic to."""
         via = self.nodes[node].plan.ipv4
-        _ip_batch(self.outside[source],
-                  [f"route replace {prefix} via {via} dev {EXTERNAL_IFNAME}"])  # fmt: skip
+        ip_batch(self.outside[source],
+                 [f"route replace {prefix} via {via} dev {EXTERNAL_IFNAME}"])  # fmt: skip
 
     def http_get(self, source: str, url: str, timeout: float = 2.0) -> tuple[int, str]:
         """(status, body) of GET url from an outside namespace; status 0 when no answer."""

@@ -50,6 +50,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class LabError(Exception):
     """Building or using the lab failed; the message has the command and its stderr."""
 
 
-def _run(argv: Sequence[str], *, input: str | None = None, timeout: float = 30) -> str:
+def run(argv: Sequence[str], *, input: str | None = None, timeout: float = 30) -> str:
+    """Run argv to completion (input on its stdin); its stdout, or LabError with the
+    command and its stderr when it exits non-zero."""
     proc = subprocess.run(
         list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -86,9 +89,9 @@ def _run(argv: Sequence[str], *, input: str | None = None, timeout: float = 30) 
     return proc.stdout
 
 
-def _ip_batch(ns: str, commands: Iterable[str]) -> None:
+def ip_batch(ns: str, commands: Iterable[str]) -> None:
     """Several `ip` commands in one process, inside namespace ns."""
-    _run(["ip", "-n", ns, "-batch", "-"], input="\n".join(commands) + "\n")
+    run(["ip", "-n", ns, "-batch", "-"], input="\n".join(commands) + "\n")
 
 
 def in_netns(ns: str, argv: Sequence[str]) -> list[str]:
@@ -97,11 +100,27 @@ def in_netns(ns: str, argv: Sequence[str]) -> list[str]:
     return ["nsenter", f"--net=/run/netns/{ns}", *argv]
 
 
-def _sysctl(ns: str, settings: dict[str, str | int]) -> None:
-    _run(in_netns(ns, ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in settings.items())]))
+def sysctl(ns: str, settings: dict[str, str | int]) -> None:
+    """Set these sysctls (name → value) in namespace ns, in one process."""
+    run(in_netns(ns, ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in settings.items())]))
 
 
-def _stop_process(proc: subprocess.Popen, grace: float = 2.0) -> None:
+def delete_namespaces(namespaces: list[str], owner: str) -> None:
+    """Delete these namespaces, the last made first (their links and routes go with them),
+    and empty the list; a failure is logged with `owner` (who made them), not raised, so
+    a clean-up goes on with the rest."""
+    for ns in reversed(namespaces):
+        proc = subprocess.run(
+            ["ip", "netns", "delete", ns], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0 and os.path.exists(f"/run/netns/{ns}"):
+            log.warning("%s: deleting netns %s failed: %s", owner, ns, proc.stderr)
+    namespaces.clear()
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 2.0) -> None:
+    """SIGTERM proc if it still runs, SIGKILL it after `grace` seconds, and close its
+    pipes."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -114,7 +133,7 @@ def _stop_process(proc: subprocess.Popen, grace: float = 2.0) -> None:
             pipe.close()
 
 
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+def read_line(proc: subprocess.Popen, timeout: float) -> str:
     """One line of proc's stdout, waiting at most timeout seconds ("" on EOF)."""
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
@@ -134,6 +153,35 @@ class Result:
     @property
     def answered(self) -> int:
         return sum(self.counts.values())
+
+
+def client_argv(
+    ip: str,
+    port: int,
+    proto: str,
+    n: int,
+    timeout: float,
+    *,
+    source_port: int | None = None,
+    same_socket: bool = False,
+) -> list[str]:
+    """`podclient.py many` for n exchanges with ip:port (see Pod.connect_many); run it in
+    a namespace with in_netns and read it with client_result."""
+    argv = [sys.executable, str(PODCLIENT), "many", ip, str(port),
+            "--proto", proto, "-n", str(n), "--timeout", str(timeout)]  # fmt: skip
+    if source_port is not None:
+        argv += ["--source-port", str(source_port)]
+    if same_socket:
+        argv.append("--same-socket")
+    return argv
+
+
+def client_result(argv: Sequence[str], n: int, timeout: float) -> Result:
+    """Run a client_argv command (wrapped to run where the client should) and return its
+    report, allowing each of the n exchanges its timeout."""
+    out = run(argv, timeout=n * (timeout + 1) + 30)
+    report = json.loads(out.strip().splitlines()[-1])
+    return Result(Counter(report["counts"]), Counter(report["errors"]), report["details"])
 
 
 class Stream:
@@ -185,7 +233,7 @@ class Stream:
 
     def close(self) -> tuple[int, str | None]:
         """Close the connection cleanly; returns the final check()."""
-        _stop_process(self._proc)
+        stop_process(self._proc)
         self._reader.join(5)
         return self.check()
 
@@ -206,7 +254,7 @@ class Pod:
 
     def run(self, *argv: str, timeout: float = 30) -> str:
         """Run an ordinary command in the pod's network namespace; its stdout."""
-        return _run(in_netns(self.ns, argv), timeout=timeout)
+        return run(in_netns(self.ns, argv), timeout=timeout)
 
     def serve(
         self,
@@ -228,9 +276,9 @@ class Pod:
         with open(log_path, "w") as log_file:
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log_file, text=True)
         self.processes.append(proc)
-        line = _read_line(proc, timeout=10).strip()
+        line = read_line(proc, timeout=10).strip()
         if line != "ready":
-            _stop_process(proc)
+            stop_process(proc)
             raise LabError(
                 f"podserver in {self.name} did not start ({line!r}): {log_path.read_text()}"
             )
@@ -248,15 +296,9 @@ class Pod:
     ) -> Result:
         """n exchanges with ip:port, each on a new socket (a new flow) unless same_socket
         (UDP: one socket, one flow); source_port pins the client port (same 5-tuple)."""
-        argv = [sys.executable, str(PODCLIENT), "many", ip, str(port),
-                "--proto", proto, "-n", str(n), "--timeout", str(timeout)]  # fmt: skip
-        if source_port is not None:
-            argv += ["--source-port", str(source_port)]
-        if same_socket:
-            argv.append("--same-socket")
-        out = self.run(*argv, timeout=n * (timeout + 1) + 30)
-        report = json.loads(out.strip().splitlines()[-1])
-        return Result(Counter(report["counts"]), Counter(report["errors"]), report["details"])
+        argv = client_argv(ip, port, proto, n, timeout,
+                           source_port=source_port, same_socket=same_socket)  # fmt: skip
+        return client_result(in_netns(self.ns, argv), n, timeout)
 
     def stream(self, ip: str, port: int) -> Stream:
         """A long-lived TCP connection to ip:port, checked line by line; returns once the
@@ -270,30 +312,21 @@ class Pod:
 
     def stop_processes(self) -> None:
         for proc in reversed(self.processes):
-            _stop_process(proc)
+            stop_process(proc)
         self.processes.clear()
 
 
-class Lab:
-    """A node namespace and its pods; a context manager that removes all of it on exit,
-    also when building it failed half-way."""
+class NamespaceLab:
+    """What every lab shares: a context manager that builds the lab on entry and removes
+    all of it (close) on exit, also when building it failed half-way, and the list of
+    namespaces it made, for close to delete."""
 
-    def __init__(self, node: int = 1) -> None:
-        if not 1 <= node <= 254:
-            raise ValueError(f"node number must be 1..254, not {node}")
-        self.node = node
-        self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_labs)}"
-        self.node_ns = self.name
-        self.pods: dict[str, Pod] = {}
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+    def __init__(self) -> None:
         self._namespaces: list[str] = []
-        self._numbers = itertools.count(1)
 
-    # -- lifecycle --
-
-    def __enter__(self) -> Lab:
+    def __enter__(self) -> Self:
         try:
-            self._make_node()
+            self._build()
         except BaseException:
             self.close()
             raise
@@ -302,14 +335,38 @@ class Lab:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
     def _add_namespace(self, ns: str) -> None:
-        _run(["ip", "netns", "add", ns])
+        run(["ip", "netns", "add", ns])
         self._namespaces.append(ns)
 
-    def _make_node(self) -> None:
+
+class Lab(NamespaceLab):
+    """A node namespace and its pods; a context manager that removes all of it on exit,
+    also when building it failed half-way."""
+
+    def __init__(self, node: int = 1) -> None:
+        if not 1 <= node <= 254:
+            raise ValueError(f"node number must be 1..254, not {node}")
+        super().__init__()
+        self.node = node
+        self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_labs)}"
+        self.node_ns = self.name
+        self.pods: dict[str, Pod] = {}
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        self._numbers = itertools.count(1)
+
+    # -- lifecycle --
+
+    def _build(self) -> None:
         self._add_namespace(self.node_ns)
         # Defaults before any link exists, so host veths inherit them.
-        _sysctl(self.node_ns, {
+        sysctl(self.node_ns, {
             "net.ipv4.ip_forward": 1,
             "net.ipv6.conf.all.forwarding": 1,
             "net.ipv4.conf.all.rp_filter": 0,
@@ -317,7 +374,7 @@ class Lab:
             "net.ipv6.conf.all.accept_dad": 0,
             "net.ipv6.conf.default.accept_dad": 0,
         })  # fmt: skip
-        _ip_batch(self.node_ns, [
+        ip_batch(self.node_ns, [
             "link set lo up",
             f"addr add {GATEWAY_IPV4}/32 dev lo",
             f"link add {SINK} type veth peer name {SINK}-peer",
@@ -333,13 +390,7 @@ class Lab:
                 pod.stop_processes()
             except Exception:
                 log.exception("lab %s: stopping processes of pod %s failed", self.name, pod.name)
-        for ns in reversed(self._namespaces):
-            proc = subprocess.run(
-                ["ip", "netns", "delete", ns], capture_output=True, text=True, check=False
-            )
-            if proc.returncode != 0 and os.path.exists(f"/run/netns/{ns}"):
-                log.warning("lab %s: deleting netns %s failed: %s", self.name, ns, proc.stderr)
-        self._namespaces.clear()
+        delete_namespaces(self._namespaces, f"lab {self.name}")
         self.pods.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -361,23 +412,23 @@ class Lab:
         ipv6 = str(ipaddress.IPv6Address(f"fd00:244:{self.node}::{number}"))
 
         self._add_namespace(ns)
-        _sysctl(ns, {
+        sysctl(ns, {
             "net.ipv4.conf.all.rp_filter": 0,
             "net.ipv4.conf.default.rp_filter": 0,
             "net.ipv6.conf.all.accept_dad": 0,
             "net.ipv6.conf.default.accept_dad": 0,
         })  # fmt: skip
         # The pod end is born inside the pod namespace: no `eth0` ever exists in the node.
-        _run(["ip", "-n", self.node_ns, "link", "add", host, "type", "veth",
-              "peer", "name", POD_IFNAME, "netns", ns])  # fmt: skip
-        _sysctl(self.node_ns, {f"net.ipv4.conf.{host}.proxy_arp": 1})
-        _ip_batch(self.node_ns, [
+        run(["ip", "-n", self.node_ns, "link", "add", host, "type", "veth",
+             "peer", "name", POD_IFNAME, "netns", ns])  # fmt: skip
+        sysctl(self.node_ns, {f"net.ipv4.conf.{host}.proxy_arp": 1})
+        ip_batch(self.node_ns, [
             f"addr add {GATEWAY_IPV6}/64 dev {host} nodad",
             f"link set {host} up",
             f"route add {ipv4}/32 dev {host}",
             f"route add {ipv6}/128 dev {host}",
         ])  # fmt: skip
-        _ip_batch(ns, [
+        ip_batch(ns, [
             "link set lo up",
             f"addr add {ipv4}/32 dev {POD_IFNAME}",
             f"addr add {ipv6}/128 dev {POD_IFNAME} nodad",
@@ -385,7 +436,7 @@ class Lab:
             f"route add default via {GATEWAY_IPV4} dev {POD_IFNAME} onlink",
             f"route add default via {GATEWAY_IPV6} dev {POD_IFNAME}",
         ])  # fmt: skip
-        (link,) = json.loads(_run(["ip", "-n", self.node_ns, "-j", "link", "show", host]))
+        (link,) = json.loads(run(["ip", "-n", self.node_ns, "-j", "link", "show", host]))
         pod = Pod(self, name, number, ns, host, link["ifindex"], ipv4, ipv6)
         self.pods[name] = pod
         return pod
@@ -396,13 +447,13 @@ class Lab:
         pod.stop_processes()
         # Deleting the link is synchronous; a namespace is torn down later by a kernel
         # worker, so its veth would linger for a moment after `ip netns delete`.
-        _run(["ip", "-n", self.node_ns, "link", "delete", pod.host_ifname])
-        _run(["ip", "netns", "delete", pod.ns])
+        run(["ip", "-n", self.node_ns, "link", "delete", pod.host_ifname])
+        run(["ip", "netns", "delete", pod.ns])
         self._namespaces.remove(pod.ns)
 
     def run_in_node(self, *argv: str, timeout: float = 30) -> str:
         """Run a command in the node namespace (bpffs stays visible); its stdout."""
-        return _run(in_netns(self.node_ns, argv), timeout=timeout)
+        return run(in_netns(self.node_ns, argv), timeout=timeout)
 
 
 def lab_namespaces(pid: int | None = None) -> list[str]:

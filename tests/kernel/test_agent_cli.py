@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +21,10 @@ import pytest
 from agent.dataplane.ebpf import abi
 
 from ..conftest import BPFFS
+from .agentproc import AgentProcess, run_argv
+from .agentproc import cli as agent_cli
 from .lab import Lab
 
-ROOT = Path(__file__).parents[2]
 CLUSTER_IP = "10.96.0.80"
 
 MANIFEST = """\
@@ -60,68 +59,21 @@ def write_manifest(path: Path, *ips: str) -> None:
     path.write_text(MANIFEST.format(ip=CLUSTER_IP, endpoints=endpoints or "[]\n"))
 
 
-class Agent:
-    """`kube-bpf-proxy run` in the node namespace; its log lines collected as they come.
-    Every agent started is remembered, so the fixture kills those a failing test left."""
+class Agent(AgentProcess):
+    """`kube-bpf-proxy run` as node-a in the lab's node namespace. Every agent started is
+    remembered, so the fixture kills those a failing test left."""
 
     started: list[Agent] = []
 
-    def __init__(
-        self, lab: Lab, manifests: Path, pin_dir: Path, dataplane: str = "ebpf"
-    ) -> None:
-        argv = [
-            "nsenter", f"--net=/run/netns/{lab.node_ns}",
-            sys.executable, "-m", "agent", "run", "--manifests", str(manifests),
-            "--node", "node-a", "--dataplane", dataplane, "--pod-interfaces", "vethkbp*",
-            "--bpffs", str(pin_dir), "--metrics-bind-address", "127.0.0.1:0",
-            "--healthz-bind-address", "127.0.0.1:0",
-            "--map-size-services", "1024", "--map-size-slots", "4096",
-            "--map-size-backends", "1024", "--map-size-ct", "4096",
-            "--map-size-affinity", "1024",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
+    def __init__(self, lab: Lab, manifests: Path, pin_dir: Path, dataplane: str = "ebpf") -> None:
+        argv = run_argv(manifests, "node-a", dataplane, "--bpffs", str(pin_dir))
+        super().__init__(lab.node_ns, argv, "node-a")
         Agent.started.append(self)
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            with self._cond:
-                self.lines.append(line.rstrip())
-                self._cond.notify_all()
-
-    def url(self, path: str) -> str:
-        """http://ADDRESS/path on the agent's metrics server (it logs where it listens)."""
-        line = self.lines[self.wait_for_line("metrics server listening on")]
-        return f"http://{line.rsplit(' ', 1)[-1]}{path}"
-
-    def wait_for_line(self, text: str, after: int = 0, timeout: float = 60) -> int:
-        """Index of the first log line from `after` on containing `text`."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for n in range(after, len(self.lines)):
-                    if text in self.lines[n]:
-                        return n
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"agent never logged {text!r}:\n" + "\n".join(self.lines))
-                self._cond.wait(0.2)
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=30)
 
 
 def cli(lab: Lab, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["nsenter", f"--net=/run/netns/{lab.node_ns}", sys.executable, "-m", "agent", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    """`kube-bpf-proxy ARGS` in the lab's node namespace."""
+    return agent_cli(lab.node_ns, *args)
 
 
 @pytest.fixture
@@ -193,8 +145,7 @@ def test_connection_survives_an_agent_restart(setup) -> None:
             _, error = stream.wait_for(ok_dead + 10)
             assert error is None, f"the connection broke across the restart: {error}"
             assert not any("applied revision" in line for line in second.lines), (
-                "the restarted agent rewrote maps that already matched:\n"
-                + "\n".join(second.lines)
+                "the restarted agent rewrote maps that already matched:\n" + second.log()
             )
             new = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 20)
             assert new.errors == {} and set(new.counts) == {"be1", "be2"}, new
@@ -238,7 +189,6 @@ def test_ebpf_dataplane_that_cannot_start_is_a_clear_error(setup, tmp_path: Path
     lab, manifests, _ = setup
     not_bpffs = tmp_path / "plain-dir"  # tmpfs, not bpffs: pinning fails
     agent = Agent(lab, manifests, not_bpffs)
-    assert agent.proc.wait(timeout=60) == 1
-    time.sleep(0.2)  # the reader thread has the last lines
-    text = "\n".join(agent.lines)
+    assert agent.wait_exit() == 1
+    text = agent.log()
     assert "cannot start" in text and "--dataplane ebpf" in text, text

@@ -9,7 +9,6 @@ be2 10.244.1.3 serving on 8080; Service web 10.96.0.80:80).
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
@@ -39,8 +38,8 @@ def test_iptables_agent_balances_and_says_which_dataplane_runs(setup) -> None:
         agent.wait_for_line("sync: applied revision")
         result = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 30)
         assert result.errors == {} and set(result.counts) == {"be1", "be2"}, result
-        assert lab.run_in_node("curl", "-sf", agent.url("/proxyMode")).strip() == "iptables"
-        state = json.loads(lab.run_in_node("curl", "-sf", agent.url("/state")))
+        assert agent.get("/proxyMode").strip() == "iptables"
+        state = agent.state()
         assert state["status"]["dataplane"] == "iptables"
         assert state["heldRevision"] == state["revision"]
         rules = iptables_save(lab)
