@@ -1,6 +1,7 @@
 """`kube-bpf-proxy lab`: build the example cluster out of network namespaces, run the agent
-on every node, make real requests from client pods, print per Service what answered and
-whether that keeps the Service's promise, then remove everything (unless --keep);
+on every node, make real requests from client pods and from a client outside the cluster,
+print per Service what answered and whether that keeps the Service's promise, then remove
+everything (unless --keep);
 `kube-bpf-proxy lab down` removes what a kept run left."""
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ from ..sources.manifests import load_manifests, manifest_files, read_objects
 from .expect import (
     BACKENDS,
     COVERAGE_MAX_SET,
+    KEPT,
     TIMES,
     Expectation,
     Verdict,
     coverage_required,
     expect,
+    expect_from_outside,
     frontend_text,
     judge,
+    judge_sources,
     missing,
 )
 from .netns import (
@@ -51,7 +55,7 @@ from .netns import (
     remove_run,
     run_command,
 )
-from .plan import LabPlan, LabPod, backend_pod, plan_lab
+from .plan import LabOutside, LabPlan, LabPod, backend_pod, plan_lab
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # holds agent/ (and examples/ in a checkout)
 AGENT_READY_TIMEOUT = 240.0  # bcc builds the programs once per agent: seconds on a busy box
@@ -63,7 +67,7 @@ COVERAGE_ROUNDS = 8  # at most this many extra rounds while a small set is not c
 COVERAGE_ROUND_REQUESTS = 10  # at least this many requests per probe in an extra round
 SERVICES_MAP = versioned("kbp_services")  # with the ABI version suffix
 DUMP_ENTRIES = 3
-TOOLS = ("ip", "nsenter", "sysctl")
+TOOLS = ("ip", "nsenter", "sysctl", "ethtool")
 OK, FAIL = "✔", "✘"
 
 
@@ -80,7 +84,7 @@ class Probe:
     """Requests from one client to one frontend, what it expected and what it saw."""
 
     id: str
-    client: LabPod
+    client: LabPod | LabOutside
     node_dataplane: str
     entry: ServiceEntry
     frontend: Frontend
@@ -88,7 +92,14 @@ class Probe:
     counts: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     details: list[str] = field(default_factory=list)
+    peers: dict[str, Counter[str]] = field(default_factory=dict)  # pod → source seen → n
+    node_addresses: frozenset[str] = frozenset()  # the entry node's, for outside probes
     verdict: Verdict | None = None
+
+    @property
+    def outside(self) -> bool:
+        """From the client outside the cluster (which also asks for the source seen)."""
+        return isinstance(self.client, LabOutside)
 
     @property
     def proto(self) -> str:
@@ -106,6 +117,7 @@ class Probe:
             # Unreachable backends time out by design; otherwise a broken frontend is
             # given up on after a few timeouts (it is a ✘ already).
             "give_up_after": 0 if failing or self.expectation.excluded else GIVE_UP_AFTER,
+            "peer": self.outside,
         }
 
     def add(self, result: dict[str, Any]) -> None:
@@ -114,6 +126,8 @@ class Probe:
         for detail in result.get("details", []):
             if detail not in self.details:
                 self.details.append(detail)
+        for pod, seen in result.get("peers", {}).items():
+            self.peers.setdefault(pod, Counter()).update(seen)
 
 
 class Printer:
@@ -153,9 +167,7 @@ def lab(
         _restore_signals(previous)
 
 
-def _lab(
-    manifests: Sequence[str], dataplane: str, keep: bool, requests: int, say: Printer
-) -> int:
+def _lab(manifests: Sequence[str], dataplane: str, keep: bool, requests: int, say: Printer) -> int:
     problem = _prerequisites()
     if problem is not None:
         print(f"kube-bpf-proxy lab: {problem}", file=sys.stderr)
@@ -199,9 +211,7 @@ def _lab(
         cluster.write_record()
         build(cluster, say)
         agents = start_agents(cluster, paths, dataplane, say)
-        states = {
-            node.name: compile(state, node.name, CompileOptions()) for node in plan.nodes
-        }
+        states = {node.name: compile(state, node.name, CompileOptions()) for node in plan.nodes}
         for agent in agents.values():
             ours = states[agent.node].revision
             if agent.revision and not ours.startswith(agent.revision):
@@ -254,8 +264,10 @@ def lab_down(stream: TextIO = sys.stdout) -> int:
             say(f"lab {run.id}: still in use by `lab` (pid {owner}); not removed")
             continue
         removal = remove_run(run)
-        say(f"lab {run.id}: stopped {removal.processes} process(es), deleted "
-            f"{removal.namespaces} namespace(s), {removal.pin_dirs} pin directory(ies)")
+        say(
+            f"lab {run.id}: stopped {removal.processes} process(es), deleted "
+            f"{removal.namespaces} namespace(s), {removal.pin_dirs} pin directory(ies)"
+        )
         for problem in removal.problems:
             say(f"  could not remove: {problem}")
             status = 1
@@ -294,6 +306,12 @@ def build(cluster: Cluster, say: Printer) -> None:
         say(f"{len(servers)} pods" + "".join(f" + {c.name} ({', '.join(c.addresses)})"
                                             for c in clients))  # fmt: skip
     cluster.route_nodes()
+    outside = cluster.build_outside()
+    if outside is not None:
+        say(
+            f"creating {outside.name} ({', '.join(outside.addresses)}): a client outside the "
+            f"cluster on the node network, external addresses routed via {outside.entry_node}"
+        )
     say("starting the pods' HTTP and UDP servers … ", end="")
     count = cluster.start_servers(python_for_children())
     say(f"{count} ready ({time.monotonic() - started:.1f} s so far)")
@@ -365,11 +383,35 @@ def plan_probes(
                 probes.append(
                     Probe(f"p{len(probes)}", client, dataplane, entry, frontend, expectation)
                 )
+    return probes + outside_probes(plan, states, agents, len(probes))
+
+
+def outside_probes(
+    plan: LabPlan, states: dict[str, NodeState], agents: dict[str, Agent], numbered_from: int = 0
+) -> list[Probe]:
+    """Every external frontend of the outside client's entry node (NodePorts at the node's
+    addresses, ExternalIPs, LoadBalancer VIPs), in the families the client has."""
+    outside = plan.outside
+    if outside is None:
+        return []
+    dataplane = agents[outside.entry_node].dataplane or "none"
+    probes: list[Probe] = []
+    for entry in states[outside.entry_node].services:
+        for frontend in entry.frontends:
+            client_ip = outside.ipv6 if ":" in frontend.ip else outside.ipv4
+            if frontend.type == CLUSTER_IP or client_ip is None:
+                continue
+            expectation = expect_from_outside(
+                entry, frontend, client_ip, dataplane,
+                lambda b, e=entry: _locate(plan, outside, e, b),
+            )  # fmt: skip
+            number = numbered_from + len(probes)
+            probes.append(Probe(f"p{number}", outside, dataplane, entry, frontend, expectation))
     return probes
 
 
 def _locate(
-    plan: LabPlan, client: LabPod, entry: ServiceEntry, backend: Backend
+    plan: LabPlan, client: LabPod | LabOutside, entry: ServiceEntry, backend: Backend
 ) -> tuple[str | None, str]:
     """The name of the pod answering client for backend, or (None, why none does)."""
     pod, reason = backend_pod(plan, client, backend.ip, entry.protocol, backend.port)
@@ -377,8 +419,10 @@ def _locate(
 
 
 def run_probes(cluster: Cluster, probes: list[Probe], requests: int, say: Printer) -> None:
-    """All requests, one client process per client pod and round, the clients in
-    parallel; extra rounds while a small expected set has not been covered."""
+    """All requests, the clients in parallel: per client and round one process for the
+    frontends expected to answer, and one per frontend expected to refuse or drop (each
+    of those waits out its timeouts, so they must not queue behind one another); extra
+    rounds while a small expected set has not been covered."""
     python = python_for_children()
     clients = {p.client.name: p.client for p in probes}
     total = sum(p.item(requests)["n"] for p in probes)
@@ -387,22 +431,23 @@ def run_probes(cluster: Cluster, probes: list[Probe], requests: int, say: Printe
     pending = probes
     n = requests
     for round_number in range(1 + COVERAGE_ROUNDS):
-        by_client: dict[str, list[Probe]] = {}
+        batches: dict[tuple[str, str], list[Probe]] = {}
         for probe in pending:
-            by_client.setdefault(probe.client.name, []).append(probe)
+            alone = probe.id if probe.expectation.kind != BACKENDS else ""
+            batches.setdefault((probe.client.name, alone), []).append(probe)
         # Not `with`: interrupted, the lab must not wait for the clients to finish (the
         # clean-up stops them, which ends these threads).
-        pool = ThreadPoolExecutor(max_workers=max(1, len(by_client)))
+        pool = ThreadPoolExecutor(max_workers=max(1, len(batches)))
         try:
             futures = {
-                name: pool.submit(
-                    cluster.requests, clients[name], python, [p.item(n) for p in batch]
+                key: pool.submit(
+                    cluster.requests, clients[key[0]], python, [p.item(n) for p in batch]
                 )
-                for name, batch in by_client.items()
+                for key, batch in batches.items()
             }
-            for name, future in futures.items():
+            for key, future in futures.items():
                 results = future.result()
-                for probe in by_client[name]:
+                for probe in batches[key]:
                     probe.add(results.get(probe.id, {}))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -419,8 +464,18 @@ def run_probes(cluster: Cluster, probes: list[Probe], requests: int, say: Printe
         n = max(requests, COVERAGE_ROUND_REQUESTS)
         names = ", ".join(sorted({_service(p.entry) for p in pending}))
         say(f"  not every backend answered yet ({names}): {n} more requests each")
+    addresses: dict[str, frozenset[str]] = {}
     for probe in probes:
         probe.verdict = judge(probe.expectation, probe.counts, probe.errors)
+        if isinstance(probe.client, LabOutside):
+            node = probe.client.entry_node
+            if node not in addresses:
+                addresses[node] = frozenset(cluster.node_addresses(node))
+            probe.node_addresses = addresses[node]
+            if probe.verdict.ok and probe.expectation.sources:
+                probe.verdict = judge_sources(
+                    probe.expectation, probe.peers, probe.client.addresses, addresses[node]
+                )
 
 
 # -- output --
@@ -454,6 +509,24 @@ def _notes(entry: ServiceEntry) -> list[str]:
     return notes
 
 
+def _sources_seen(probe: Probe) -> str:
+    """`api-a:client api-b:node-a`: whose address each backend saw (the client's own, its
+    entry node's, or another, shown as it is)."""
+    assert isinstance(probe.client, LabOutside)
+    namespace = probe.entry.namespace
+    cells = []
+    for pod, seen in sorted(probe.peers.items()):
+        for address in sorted(seen):
+            if address in probe.client.addresses:
+                who = KEPT
+            elif address in probe.node_addresses:
+                who = probe.client.entry_node
+            else:
+                who = address
+            cells.append(f"{_pod_label(pod, namespace)}:{who}")
+    return " ".join(cells) or "—"
+
+
 def _row(probe: Probe) -> list[str]:
     namespace = probe.entry.namespace
     exp = probe.expectation
@@ -466,11 +539,13 @@ def _row(probe: Probe) -> list[str]:
     failures = " ".join(f"{kind}{TIMES}{n}" for kind, n in sorted(probe.errors.items()))
     answered = " ".join(x for x in (answered, failures) if x) or "—"
     mark = OK if probe.verdict and probe.verdict.ok else FAIL
+    seen = [_sources_seen(probe)] if probe.outside else []
     return [frontend_text(probe.frontend, probe.entry.protocol), exp.uses, expected, answered,
-            mark]  # fmt: skip
+            *seen, mark]  # fmt: skip
 
 
 HEADER = ["FRONTEND", "USES", "EXPECTED", "ANSWERED", ""]
+OUTSIDE_HEADER = ["FRONTEND", "USES", "EXPECTED", "ANSWERED", "SOURCE SEEN", ""]
 ROW_INDENT = "    "
 
 
@@ -478,6 +553,8 @@ def report(plan: LabPlan, probes: list[Probe], first: str, say: Printer) -> bool
     """The tables, one section per client; True when every check holds."""
     rows = {p.id: _row(p) for p in probes}
     widths = [max(len(r[i]) for r in [HEADER, *rows.values()]) for i in range(4)]
+    outside_rows = [rows[p.id] for p in probes if p.outside]
+    outside_widths = [*widths, max(len(r[4]) for r in [OUTSIDE_HEADER, *outside_rows])]
     by_client: dict[str, list[Probe]] = {}
     for probe in probes:
         by_client.setdefault(probe.client.name, []).append(probe)
@@ -493,18 +570,18 @@ def report(plan: LabPlan, probes: list[Probe], first: str, say: Printer) -> bool
         dataplane = group[0].node_dataplane if group else "?"
         say(f"\nfrom {client.name} ({', '.join(client.addresses)}) on {node.name} "
             f"(dataplane {dataplane}), {scope}:")  # fmt: skip
-        _line(HEADER, widths, say)
-        by_service: dict[str, list[Probe]] = {}
-        for probe in group:
-            by_service.setdefault(_service(probe.entry), []).append(probe)
-        for service, service_probes in by_service.items():
-            notes: list[str] = []
-            for probe in service_probes:
-                notes += [n for n in _notes(probe.entry) if n not in notes]
-            say(f"  {service}" + (f"  ({'; '.join(notes)})" if notes else ""))
-            for probe in service_probes:
-                _line(rows[probe.id], widths, say)
-                _explain(probe, say)
+        _table(group, rows, HEADER, widths, say)
+    outside = plan.outside
+    group = by_client.get(outside.name, []) if outside is not None else []
+    if outside is not None and group:
+        entry = outside.entry_node
+        say(
+            f"\nfrom outside ({', '.join(outside.addresses)} → {entry}; dataplane "
+            f"{group[0].node_dataplane}), every external frontend of {entry}'s NodeState:"
+        )
+        say(f"  (SOURCE SEEN: the address each backend saw: {KEPT} = the outside client's "
+            f"own, {entry} = one of {entry}'s (SNAT))")  # fmt: skip
+        _table(group, rows, OUTSIDE_HEADER, outside_widths, say)
     if plan.not_proxied:
         say("\nnot proxied (nothing to request):")
         for name, why in plan.not_proxied:
@@ -514,6 +591,28 @@ def report(plan: LabPlan, probes: list[Probe], first: str, say: Printer) -> bool
         + (f"all {OK}" if not failed else f"{len(probes) - len(failed)} {OK}, "
            f"{len(failed)} {FAIL}"))  # fmt: skip
     return not failed
+
+
+def _table(
+    group: list[Probe],
+    rows: dict[str, list[str]],
+    header: list[str],
+    widths: list[int],
+    say: Printer,
+) -> None:
+    """One client's rows under header, grouped by Service with the Service's notes."""
+    _line(header, widths, say)
+    by_service: dict[str, list[Probe]] = {}
+    for probe in group:
+        by_service.setdefault(_service(probe.entry), []).append(probe)
+    for service, service_probes in by_service.items():
+        notes: list[str] = []
+        for probe in service_probes:
+            notes += [n for n in _notes(probe.entry) if n not in notes]
+        say(f"  {service}" + (f"  ({'; '.join(notes)})" if notes else ""))
+        for probe in service_probes:
+            _line(rows[probe.id], widths, say)
+            _explain(probe, say)
 
 
 def _line(row: list[str], widths: list[int], say: Printer) -> None:
@@ -538,12 +637,17 @@ def show_dataplane(cluster: Cluster, agent: Agent, say: Printer) -> None:
     node_ns = cluster.run.node_ns(agent.node)
     pin_dir = cluster.run.pin_dir(agent.node)
     if agent.dataplane == "ebpf":
-        say(f"\n$ nsenter --net=/run/netns/{node_ns} kube-bpf-proxy inspect --bpffs {pin_dir}")
-        try:
-            say(run_command(in_netns(node_ns, [python_for_children(), "-m", "agent", "inspect",
-                                               "--bpffs", str(pin_dir)])).rstrip())  # fmt: skip
-        except LabError as err:
-            say(f"  {err}")
+        # The frontends, then the XDP program on eth0 with its verdicts (the outside
+        # client's requests moved them).
+        for view in ((), ("xdp",)):
+            shown = " ".join(("inspect", *view))
+            say(f"\n$ nsenter --net=/run/netns/{node_ns} kube-bpf-proxy {shown} --bpffs {pin_dir}")
+            try:
+                say(run_command(in_netns(node_ns, [python_for_children(), "-m", "agent",
+                                                   "inspect", *view, "--bpffs", str(pin_dir)])
+                                ).rstrip())  # fmt: skip
+            except LabError as err:
+                say(f"  {err}")
         _dump_map(pin_dir / SERVICES_MAP, say)
     elif agent.dataplane == "iptables":
         say(f"\n$ nsenter --net=/run/netns/{node_ns} iptables-save -t nat | grep KBP-SERVICES")
@@ -585,9 +689,7 @@ def _decoded_key(key: Any) -> str:
     return f"   # {host}:{port}/{proto}"
 
 
-def explore(
-    cluster: Cluster, agents: dict[str, Agent], probes: list[Probe], say: Printer
-) -> None:
+def explore(cluster: Cluster, agents: dict[str, Agent], probes: list[Probe], say: Printer) -> None:
     run = cluster.run
     cli = _cli()
     first = cluster.plan.nodes[0]
@@ -606,6 +708,16 @@ def explore(
         url = f"http://{example.frontend.ip}:{example.frontend.port}/"
         say(f"  ip netns exec {run.pod_ns(client)} curl -s {url}   "
             f"# {_service(example.entry)} from {client.name}")  # fmt: skip
+    outside = next(
+        (p for p in probes
+         if p.outside and p.proto == "tcp" and p.expectation.backends
+         and ":" not in p.frontend.ip),
+        None,
+    )  # fmt: skip
+    if outside is not None:
+        url = f"http://{outside.frontend.ip}:{outside.frontend.port}/"
+        say(f"  ip netns exec {run.pod_ns(outside.client)} curl -si {url}   "
+            f"# {_service(outside.entry)} from outside (X-Peer: the source it saw)")  # fmt: skip
     if agents[first.name].dataplane == "ebpf":
         say(f"  nsenter --net=/run/netns/{node_ns} {cli} inspect --bpffs {pin_dir}")
         say(f"  nsenter --net=/run/netns/{node_ns} {cli} inspect conntrack --bpffs {pin_dir}")

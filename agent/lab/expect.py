@@ -1,22 +1,34 @@
-"""What a lab client pod should see at each frontend of a NodeState, and whether the
-answers it got keep that promise (pure).
+"""What a lab client pod, or the client outside the cluster, should see at each frontend of
+a NodeState, and whether the answers it got keep that promise (pure).
 
-The set a packet from a pod uses is DESIGN.md §3's: to a ClusterIP, `localBackends` under
+The set a packet uses is DESIGN.md §3's. From a pod: to a ClusterIP, `localBackends` under
 internalTrafficPolicy Local, else `clusterBackends`; to a NodePort, ExternalIP or
-LoadBalancer frontend, `clusterBackends`. An empty set answers like kube-proxy: refused
-(TCP RST, ICMP port unreachable) when the Service has no endpoints at all, a silent drop
-(the client times out) when endpoints exist elsewhere. Backends the lab has no pod for
-(other clusters, unknown nodes) are left out of the promise and listed instead.
+LoadBalancer frontend, `clusterBackends`. From outside the cluster (to those external
+frontends): `localBackends` under externalTrafficPolicy Local, else `clusterBackends`.
+loadBalancerSourceRanges that do not admit the client drop it at a LoadBalancer frontend,
+never at a NodePort. An empty set answers like kube-proxy: refused (TCP RST, ICMP port
+unreachable) when the Service has no endpoints at all, a silent drop (the client times
+out) when endpoints exist elsewhere. Backends the lab has no pod for (other clusters,
+unknown nodes) are left out of the promise and listed instead.
+
+For the outside client the promise also says which source address each backend sees:
+the client's own under externalTrafficPolicy Local; under Cluster, the entry node's (SNAT)
+when the backend is on another node, so that replies come back through it to be
+untranslated. For a backend on the entry node under Cluster the dataplanes differ on
+purpose: eBPF translates only the destination (the pod sees the client), the iptables
+dataplane masquerades all of it as kube-proxy does (the pod sees a node address).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from ..model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, Frontend, ServiceEntry
+
+IPTABLES = "iptables"
 
 CLUSTER_BACKENDS = "clusterBackends"
 LOCAL_BACKENDS = "localBackends"
@@ -25,6 +37,10 @@ BACKENDS = "backends"  # answers come from the expected pods
 REFUSED = "refused"  # every request is refused at once
 DROPPED = "dropped"  # every request times out
 
+
+# The source address a backend sees for an outside client's request.
+KEPT = "client"  # the client's own address
+SNAT = "node"  # an address of the node the request entered
 
 TIMES = "\N{MULTIPLICATION SIGN}"  # between a pod and its count of answers
 
@@ -43,6 +59,8 @@ class Expectation:
     excluded: tuple[str, ...] = ()  # "ip:port (reason)" of backends the lab cannot reach
     affinity: bool = False  # sessionAffinity ClientIP: one client, one backend
     note: str = ""  # why it refuses or drops; or a remark on the rule
+    # (pod name, KEPT | SNAT): the source each backend sees; outside clients only
+    sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def describe(self) -> str:
@@ -64,6 +82,28 @@ def used_set(entry: ServiceEntry, frontend: Frontend) -> tuple[str, tuple[Backen
     if frontend.type == CLUSTER_IP and entry.internal_traffic_policy == "Local":
         return LOCAL_BACKENDS, entry.local_backends or ()
     return CLUSTER_BACKENDS, entry.cluster_backends or ()
+
+
+def used_set_from_outside(
+    entry: ServiceEntry, frontend: Frontend
+) -> tuple[str, tuple[Backend, ...]]:
+    """The backend set a packet from outside the cluster to this frontend uses, and its
+    name. A ClusterIP has one set whoever sends (the ClusterIP rule)."""
+    if frontend.type == CLUSTER_IP:
+        return used_set(entry, frontend)
+    if entry.external_traffic_policy == "Local":
+        return LOCAL_BACKENDS, entry.local_backends or ()
+    return CLUSTER_BACKENDS, entry.cluster_backends or ()
+
+
+def source_seen(entry: ServiceEntry, backend: Backend, dataplane: str) -> str:
+    """KEPT or SNAT: the source address backend sees for an outside client's request to
+    an external frontend of entry (see the module docstring)."""
+    if entry.external_traffic_policy == "Local":
+        return KEPT
+    if not backend.local or dataplane == IPTABLES:
+        return SNAT
+    return KEPT
 
 
 def source_allowed(client_ip: str, frontend: Frontend) -> bool:
@@ -118,14 +158,80 @@ def expect(
     )
 
 
+def expect_from_outside(
+    entry: ServiceEntry,
+    frontend: Frontend,
+    client_ip: str,
+    dataplane: str,
+    locate: Callable[[Backend], tuple[str | None, str]],
+) -> Expectation:
+    """What client_ip, a host outside the cluster, should see at an external frontend,
+    the source address each backend sees included. locate as for `expect`."""
+    set_name, backends = used_set_from_outside(entry, frontend)
+    if not source_allowed(client_ip, frontend):
+        return Expectation(
+            DROPPED, "loadBalancerSourceRanges", note="source not allowed, as kube-proxy"
+        )
+    if not backends:
+        if entry.has_endpoints:
+            return Expectation(DROPPED, f"{set_name} (empty)", note="endpoints elsewhere")
+        return Expectation(REFUSED, f"{set_name} (empty)", note="no endpoints")
+    names: list[str] = []
+    excluded: list[str] = []
+    sources: dict[str, str] = {}
+    for backend in backends:
+        name, reason = locate(backend)
+        if name is None:
+            excluded.append(f"{_address(backend.ip, backend.port)} ({reason})")
+            continue
+        if name not in names:
+            names.append(name)
+        sources[name] = source_seen(entry, backend, dataplane)
+    return Expectation(
+        BACKENDS,
+        f"{set_name} (from outside)",
+        tuple(sorted(names)),
+        tuple(excluded),
+        affinity=entry.affinity_timeout is not None,
+        sources=tuple(sorted(sources.items())),
+    )
+
+
+def judge_sources(
+    expectation: Expectation,
+    peers: Mapping[str, Mapping[str, int]],
+    client_addresses: Collection[str],
+    node_addresses: Collection[str],
+) -> Verdict:
+    """✔ or ✘ for the source addresses the backends saw (peers: pod → address → answers):
+    KEPT wants one of the client's addresses, SNAT one of the entry node's (never the
+    client's). Nothing to judge without answers or an expectation of sources."""
+    wanted = dict(expectation.sources)
+    wrong: list[str] = []
+    for pod, seen in sorted(peers.items()):
+        rule = wanted.get(pod)
+        if rule is None:
+            continue  # a stranger: judge() fails it already
+        for address in sorted(seen):
+            ok = (
+                address in client_addresses
+                if rule == KEPT
+                else address in node_addresses and address not in client_addresses
+            )
+            if not ok:
+                want = "the client's address" if rule == KEPT else "the node's address (SNAT)"
+                wrong.append(f"{pod} saw {address}, expected {want}")
+    if wrong:
+        return Verdict(False, "; ".join(wrong))
+    return Verdict(True)
+
+
 def coverage_sample(backends: int) -> int:
     """Answers after which a backend that never answered is a failure, not bad luck:
     n (1 - 1/n)^answers < COVERAGE_FALSE_ALARM (21 for two backends, 37 for three)."""
     if backends <= 1:
         return 1
-    return math.ceil(
-        math.log(backends / COVERAGE_FALSE_ALARM) / -math.log(1 - 1 / backends)
-    )
+    return math.ceil(math.log(backends / COVERAGE_FALSE_ALARM) / -math.log(1 - 1 / backends))
 
 
 def coverage_required(expectation: Expectation, answered: int) -> bool:

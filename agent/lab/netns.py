@@ -15,6 +15,14 @@ and no command ever acts on the machine's own network namespace:
                             so traffic nothing translated vanishes (a client times out)
     kbp-lab-<run>-web-a     a pod: eth0 with its /32 and /128, default routes via the
                             gateways; runs podserver.py (or nothing, for a client)
+    kbp-lab-<run>-outside   a host outside the cluster: eth0 on the bridge with an address
+                            in no cluster range (plan.LabOutside, e.g. 192.0.2.100/32 and
+                            2001:db8::100/128), host routes to the nodes' addresses and
+                            the ExternalIPs and LoadBalancer VIPs via the first node (a
+                            router in front of the cluster); every node has a host route
+                            back to it on its eth0
+
+The "wire" veths (every eth0 on the bridge) have tx checksum offload off: see `_wire`.
 
 The agents' pins go to /sys/fs/bpf/kube-bpf-proxy-lab-<run>-<node>; logs and the run's
 record to /run/kube-bpf-proxy-lab/<run>/. `remove_run` takes all of it away: processes in
@@ -40,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .plan import LabNode, LabPlan, LabPod, routes
+from .plan import LabNode, LabOutside, LabPlan, LabPod, outside_routes, routes
 
 RUNS_DIR = Path("/run/kube-bpf-proxy-lab")
 BPFFS = Path("/sys/fs/bpf")
@@ -128,7 +136,8 @@ class Run:
     def node_ns(self, node: str) -> str:
         return f"{self.prefix}{node}"
 
-    def pod_ns(self, pod: LabPod) -> str:
+    def pod_ns(self, pod: LabPod | LabOutside) -> str:
+        """The namespace of a pod, or of the outside client."""
         return f"{self.prefix}{pod.name}"
 
     def pin_dir(self, node: str) -> Path:
@@ -235,9 +244,7 @@ class Cluster:
             "net.ipv6.conf.default.accept_dad": 0,
         })  # fmt: skip
         port = node.name if len(node.name) <= 15 else f"node{index}"  # IFNAMSIZ
-        run_command(["ip", "-n", self.run.net_ns, "link", "add", port, "type", "veth",
-                     "peer", "name", UPLINK, "netns", ns])  # fmt: skip
-        ip_batch(self.run.net_ns, [f"link set {port} master {BRIDGE}", f"link set {port} up"])
+        self._wire(ns, port)
         commands = [
             "link set lo up",
             f"addr add {GATEWAY_IPV4}/32 dev lo",
@@ -256,9 +263,57 @@ class Cluster:
                 commands.append(f"route add {other.ipv4}/32 dev {UPLINK} src {node.ipv4}")
             if node.ipv6 and other.ipv6:
                 commands.append(f"route add {other.ipv6}/128 dev {UPLINK}")
+        outside = self.plan.outside  # on-link as well: replies to it leave by eth0
+        if outside is not None and node.ipv4 and outside.ipv4:
+            commands.append(f"route add {outside.ipv4}/32 dev {UPLINK} src {node.ipv4}")
+        if outside is not None and node.ipv6 and outside.ipv6:
+            commands.append(f"route add {outside.ipv6}/128 dev {UPLINK}")
         for address in self.plan.service_addresses:
             commands.append(f"route add {address}/{128 if ':' in address else 32} dev {SINK}")
         ip_batch(ns, commands)
+
+    def _wire(self, ns: str, port: str) -> None:
+        """A veth from the bridge (port) to ns, where it is born as eth0 (so no other
+        `eth0` ever exists), standing in for a wire to a switch.
+
+        A wire carries complete checksums; a veth with tx checksum offload on hands
+        CHECKSUM_PARTIAL packets on, whose L4 field holds only the pseudo-header sum.
+        The agents' XDP programs on the nodes' eth0 see no skb to ask about that and
+        update checksums as complete ones, so every sender on the bridge computes them
+        in software, as a NIC's receive path would get them."""
+        run_command(["ip", "-n", self.run.net_ns, "link", "add", port, "type", "veth",
+                     "peer", "name", UPLINK, "netns", ns])  # fmt: skip
+        ip_batch(self.run.net_ns, [f"link set {port} master {BRIDGE}", f"link set {port} up"])
+        run_command(in_netns(ns, ["ethtool", "-K", UPLINK, "tx", "off"]))
+
+    def build_outside(self) -> LabOutside | None:
+        """The outside client's namespace on the bridge, its traffic for external
+        addresses routed via its entry node; None when the plan has no outside client."""
+        outside = self.plan.outside
+        if outside is None:
+            return None
+        ns = self.run.pod_ns(outside)
+        self._add_namespace(ns)
+        sysctl(ns, {
+            "net.ipv4.conf.all.rp_filter": 0,
+            "net.ipv4.conf.default.rp_filter": 0,
+            "net.ipv6.conf.all.accept_dad": 0,
+            "net.ipv6.conf.default.accept_dad": 0,
+        })  # fmt: skip
+        self._wire(ns, outside.name)  # its port on the bridge: no node has this name
+        commands = ["link set lo up", f"link set {UPLINK} up"]
+        if outside.ipv4:
+            commands.append(f"addr add {outside.ipv4}/32 dev {UPLINK}")
+        if outside.ipv6:
+            commands.append(f"addr add {outside.ipv6}/128 dev {UPLINK} nodad")
+        for dest, via in outside_routes(self.plan):
+            src = outside.ipv6 if ":" in dest else outside.ipv4
+            if via is None:
+                commands.append(f"route add {dest} dev {UPLINK} src {src}")
+            else:
+                commands.append(f"route add {dest} via {via} dev {UPLINK} src {src}")
+        ip_batch(ns, commands)
+        return outside
 
     def route_nodes(self) -> None:
         """Every node's routes to the other nodes' pods (once all uplinks are up)."""
@@ -352,9 +407,7 @@ class Cluster:
         self.agents[node.name] = agent
         return agent
 
-    def wait_for_agents(
-        self, timeout: float, on_ready: Callable[[Agent], None]
-    ) -> None:
+    def wait_for_agents(self, timeout: float, on_ready: Callable[[Agent], None]) -> None:
         """Until every agent programmed its first state; on_ready as each gets there."""
         pending = dict(self.agents)
         deadline = time.monotonic() + timeout
@@ -377,8 +430,11 @@ class Cluster:
                 )
             time.sleep(0.1)
 
-    def requests(self, client: LabPod, python: str, items: list[dict[str, Any]]) -> dict[str, Any]:
-        """Run podclient.py in client's namespace with these items; its results by id."""
+    def requests(
+        self, client: LabPod | LabOutside, python: str, items: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Run podclient.py in client's namespace (a pod's or the outside client's) with
+        these items; its results by id."""
         if not items:
             return {}
         budget = sum(
@@ -389,6 +445,12 @@ class Cluster:
             input=json.dumps({"items": items}), timeout=budget,
         )  # fmt: skip
         return json.loads(out.strip().splitlines()[-1])
+
+    def node_addresses(self, node: str) -> set[str]:
+        """Every address configured in node's namespace (any interface, both families):
+        what a backend may see as the source of traffic the node translated."""
+        links = json.loads(run_command(["ip", "-n", self.run.node_ns(node), "-j", "addr"]))
+        return {a["local"] for link in links for a in link.get("addr_info", ()) if "local" in a}
 
     def close(self) -> list[str]:
         """Stop what this process started, then remove the whole run; what went wrong."""

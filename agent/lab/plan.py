@@ -1,6 +1,7 @@
 """The lab's cluster planned from manifests (pure): which nodes get a namespace, which pod
-runs where with which addresses and ports, a client pod per node, the routes of the node
-network, and which endpoints the lab cannot reach and why.
+runs where with which addresses and ports, a client pod per node, an outside client on the
+node network, the routes of the node network, and which endpoints the lab cannot reach and
+why.
 
 Pods come from the EndpointSlices, headless ones included (a LeaderWorkerSet's pods are
 only listed there): one pod per endpoint address of this cluster on a Node of the
@@ -27,6 +28,12 @@ IPV6 = "IPv6"
 # Each node's pods are routed to it per prefix of this length (Calico-style blocks):
 # 10.244.2.0/24 and fd00:244:2::/64 via node-b's address on the node network.
 POD_PREFIX_LENGTH = {IPV4: 24, IPV6: 64}
+# The outside client's address: the first of these (counting up) that no node, pod or
+# Service uses and no pod prefix holds; TEST-NET-1 and the documentation prefix, where the
+# examples' nodes are, so the example source range 192.0.0.0/16 admits it.
+OUTSIDE_FIRST = {IPV4: "192.0.2.100", IPV6: "2001:db8::100"}
+OUTSIDE_CANDIDATES = 100
+OUTSIDE_NAME = "outside"
 
 
 class PlanError(Exception):
@@ -76,6 +83,25 @@ class LabPod:
 
 
 @dataclass(frozen=True, slots=True)
+class LabOutside:
+    """A client outside the cluster: a namespace on the node network (the bridge) with an
+    address in no pod, node or Service range, as a host behind a router would have."""
+
+    name: str
+    ipv4: str | None
+    ipv6: str | None
+    entry_node: str  # where it sends traffic for ExternalIPs and LoadBalancer VIPs
+
+    @property
+    def full_name(self) -> str:
+        return self.name
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(ip for ip in (self.ipv4, self.ipv6) if ip)
+
+
+@dataclass(frozen=True, slots=True)
 class Unreachable:
     """An endpoint address the lab has no pod for."""
 
@@ -91,6 +117,8 @@ class LabPlan:
     unreachable: tuple[Unreachable, ...]
     service_addresses: tuple[str, ...]  # ClusterIPs, ExternalIPs, LoadBalancer VIPs
     not_proxied: tuple[tuple[str, str], ...]  # (namespace/name, why) of Services left alone
+    external_addresses: tuple[str, ...] = ()  # ExternalIPs and LoadBalancer VIPs
+    outside: LabOutside | None = None
     _by_ip: dict[str, LabPod] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -170,15 +198,19 @@ def plan_lab(slices: Iterable[Mapping[str, Any]], state: ClusterState) -> LabPla
     nodes = _with_prefixes(nodes, pods)
     taken = {r.ip for r in records}
     clients = [_client(node, taken) for node in nodes]
+    all_pods = tuple(pods) + tuple(c for c in clients if c is not None)
+    service_addresses = _service_addresses(state)
     return LabPlan(
         nodes=tuple(nodes),
-        pods=tuple(pods) + tuple(c for c in clients if c is not None),
+        pods=all_pods,
         unreachable=tuple(
             Unreachable(ip, tuple(sorted(owners)), reason)
             for ip, (owners, reason) in sorted(unreachable.items(), key=lambda i: _ip_key(i[0]))
         ),
-        service_addresses=_service_addresses(state),
+        service_addresses=service_addresses,
         not_proxied=_not_proxied(state),
+        external_addresses=_external_addresses(state),
+        outside=_outside(nodes, all_pods, taken | set(service_addresses)),
     )
 
 
@@ -387,11 +419,61 @@ def _client(node: LabNode, taken: set[str]) -> LabPod | None:
     ipv6 = None
     v6 = next((p for p in node.pod_prefixes if ":" in p), None)
     if v6 is not None and node.ipv6 is not None:
-        candidate = str(
-            ipaddress.IPv6Network(v6).network_address + int(str(int(ipv4) & 0xFF), 16)
-        )
+        candidate = str(ipaddress.IPv6Network(v6).network_address + int(str(int(ipv4) & 0xFF), 16))
         ipv6 = candidate if candidate not in taken else None
     return LabPod("default", f"client-{node.short}", node.name, str(ipv4), ipv6, client=True)
+
+
+def _outside(nodes: list[LabNode], pods: tuple[LabPod, ...], taken: set[str]) -> LabOutside | None:
+    """The outside client: an address per family some node has, none used by a node, a pod
+    or a Service and none inside a pod prefix (it must not pass for a pod)."""
+    used = taken | {ip for node in nodes for ip in node.addresses}
+    used |= {ip for pod in pods for ip in pod.addresses}
+    prefixes = [ipaddress.ip_network(p) for node in nodes for p in node.pod_prefixes]
+    chosen: dict[str, str | None] = {}
+    for family, attr in ((IPV4, "ipv4"), (IPV6, "ipv6")):
+        chosen[family] = None
+        if not any(getattr(node, attr) for node in nodes):
+            continue  # no node network in this family
+        first = ipaddress.ip_address(OUTSIDE_FIRST[family])
+        for n in range(OUTSIDE_CANDIDATES):
+            candidate = first + n
+            if str(candidate) not in used and not any(
+                candidate in net for net in prefixes if net.version == candidate.version
+            ):
+                chosen[family] = str(candidate)
+                break
+    if not any(chosen.values()):
+        return None
+    # Its namespace and bridge port are named like those of pods and nodes: no clash.
+    names = {pod.name for pod in pods} | {node.name for node in nodes} | {"net"}
+    name, n = OUTSIDE_NAME, 1
+    while name in names:
+        n += 1
+        name = f"{OUTSIDE_NAME}-{n}"
+    return LabOutside(name, chosen[IPV4], chosen[IPV6], entry_node=nodes[0].name)
+
+
+def outside_routes(plan: LabPlan) -> list[tuple[str, str | None]]:
+    """(destination, gateway) routes of the outside client: every node address on-link
+    (gateway None), and the ExternalIPs and LoadBalancer VIPs via its entry node's address
+    in their family, as a router in front of the cluster would send them."""
+    outside = plan.outside
+    if outside is None:
+        return []
+    entry = plan.node(outside.entry_node)
+    out: list[tuple[str, str | None]] = []
+    for node in plan.nodes:
+        if node.ipv4 and outside.ipv4:
+            out.append((f"{node.ipv4}/32", None))
+        if node.ipv6 and outside.ipv6:
+            out.append((f"{node.ipv6}/128", None))
+    for address in plan.external_addresses:
+        if ":" in address and entry.ipv6 and outside.ipv6:
+            out.append((f"{address}/128", entry.ipv6))
+        elif ":" not in address and entry.ipv4 and outside.ipv4:
+            out.append((f"{address}/32", entry.ipv4))
+    return out
 
 
 def routes(plan: LabPlan, node_name: str) -> list[tuple[str, str]]:
@@ -427,6 +509,13 @@ def _service_addresses(state: ClusterState) -> tuple[str, ...]:
     return tuple(sorted(addresses, key=_ip_key))
 
 
+def _external_addresses(state: ClusterState) -> tuple[str, ...]:
+    addresses: set[str] = set()
+    for service in state.services.values():
+        addresses.update(service.external_ips, service.load_balancer_ips)
+    return tuple(sorted(addresses, key=_ip_key))
+
+
 def _not_proxied(state: ClusterState) -> tuple[tuple[str, str], ...]:
     out = []
     for (namespace, name), service in sorted(state.services.items()):
@@ -448,17 +537,19 @@ def _ip_key(ip: str) -> tuple[int, int]:
 
 
 def backend_pod(
-    plan: LabPlan, client: LabPod, ip: str, protocol: str, port: int
+    plan: LabPlan, client: LabPod | LabOutside, ip: str, protocol: str, port: int
 ) -> tuple[LabPod | None, str]:
-    """The lab pod that answers client at ip:port/protocol, or (None, why it cannot)."""
+    """The lab pod that answers client at ip:port/protocol, or (None, why it cannot). The
+    outside client's requests are forwarded by its entry node."""
     pod = plan.pod_at(ip)
     if pod is None:
         return None, plan.unreachable_reasons().get(ip, "no pod in the lab")
     if not pod.serves(protocol, port):
         return None, f"{pod.full_name} serves no {port}/{protocol} in the lab"
-    if pod.node != client.node:
+    from_node = client.node if isinstance(client, LabPod) else client.entry_node
+    if pod.node != from_node:
         family_attr = "ipv6" if ":" in ip else "ipv4"
-        for node in (plan.node(client.node), plan.node(pod.node)):
+        for node in (plan.node(from_node), plan.node(pod.node)):
             if getattr(node, family_attr) is None:
                 family = IPV6 if ":" in ip else IPV4
                 return None, f"node {node.name} has no {family} address on the node network"

@@ -1,6 +1,8 @@
 """A lab pod's server, run inside the pod's network namespace: answers HTTP requests on
 its TCP ports and datagrams on its UDP ports with the pod's name, so a client can tell
-which backend served it.
+which backend served it. It also tells the source address it saw, so a client can tell
+whether its address was translated: in the HTTP header `X-Peer` (the body stays the
+name), and for UDP only when the datagram is `peer` (the answer is then `NAME ADDRESS`).
 
 Usage: python podserver.py --name NAMESPACE/NAME [--tcp 8080,9090] [--udp 5353]
 Prints `ready` on stdout once every socket is bound (IPv4 and IPv6 on each port).
@@ -19,6 +21,8 @@ import sys
 
 MAX_REQUEST = 16384  # bytes of request head a client may send before it is cut off
 REQUEST_TIMEOUT = 5.0  # seconds a client may take to send its request head
+PEER_REQUEST = b"peer"  # a UDP datagram asking for the source address in the answer
+PEER_HEADER = "X-Peer"  # the HTTP header with the source address the server saw
 
 
 class NameReplier(asyncio.DatagramProtocol):
@@ -33,7 +37,8 @@ class NameReplier(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
         if self.transport is not None:
-            self.transport.sendto(self.name + b"\n", addr)
+            answer = self.name + (f" {addr[0]}".encode() if data == PEER_REQUEST else b"")
+            self.transport.sendto(answer + b"\n", addr)
 
     def error_received(self, exc: Exception) -> None:
         pass  # an ICMP error about an earlier reply: nothing to do
@@ -53,25 +58,25 @@ def bound_socket(family: int, kind: int, port: int) -> socket.socket:
     return sock
 
 
-def http_answer(name: str) -> bytes:
+def http_answer(name: str, peer: str) -> bytes:
     body = (name + "\n").encode()
     head = (
         "HTTP/1.1 200 OK\r\n"
         "Content-Type: text/plain; charset=utf-8\r\n"
         f"Content-Length: {len(body)}\r\n"
+        f"{PEER_HEADER}: {peer}\r\n"
         "Connection: close\r\n\r\n"
     )
     return head.encode() + body
 
 
 async def serve(name: str, tcp_ports: list[int], udp_ports: list[int]) -> None:
-    answer = http_answer(name)
-
     async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 await reader.readuntil(b"\r\n\r\n")
-            writer.write(answer)
+            peer = writer.get_extra_info("peername")
+            writer.write(http_answer(name, str(peer[0]) if peer else "?"))
             await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass  # the client reset, vanished or sent no HTTP: nothing to answer
@@ -84,9 +89,7 @@ async def serve(name: str, tcp_ports: list[int], udp_ports: list[int]) -> None:
         for port in tcp_ports:
             sock = bound_socket(family, socket.SOCK_STREAM, port)
             servers.append(
-                await asyncio.start_server(
-                    on_connection, sock=sock, backlog=512, limit=MAX_REQUEST
-                )
+                await asyncio.start_server(on_connection, sock=sock, backlog=512, limit=MAX_REQUEST)
             )
         for port in udp_ports:
             sock = bound_socket(family, socket.SOCK_DGRAM, port)

@@ -3,7 +3,8 @@ cluster in namespaces, runs the agents, checks every Service and removes everyth
 `lab --keep` followed by `lab down`.
 
 Address plan: examples/README.md (nodes 192.0.2.10-12, pods 10.244.<node>.0/24, clients
-10.244.<node>.254, ClusterIPs 10.96.0.0/16). Each test finds its run's namespaces, pins
+10.244.<node>.254, ClusterIPs 10.96.0.0/16, ExternalIP 203.0.113.7, VIP 203.0.113.9); the
+outside client is 192.0.2.100 and 2001:db8::100. Each test finds its run's namespaces, pins
 and processes by the run id the lab prints, so other labs on the machine are left alone.
 """
 
@@ -23,6 +24,8 @@ from agent.lab.netns import Run, namespaces_of, pids_in, pin_dirs_of, remove_run
 
 ROOT = Path(__file__).parents[2]
 RUN_LINE = re.compile(r"^kube-bpf-proxy lab (r[0-9a-f]{4}):", re.MULTILINE)
+
+
 def lab(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KBP_")}
     return subprocess.run(
@@ -85,9 +88,48 @@ def check_rows(output: str) -> None:
         "maglev UDP": rf"ClusterIP 10\.96\.0\.53:53/UDP .* dns-cache-c{x}\d+ +✔",
         "IPv6": r"ClusterIP \[fd00:96::17\]:80/TCP +clusterBackends +api-a api-b .* +✔",
         "headless": r"ml/llm-0 +headless: not proxied \(as kube-proxy\)",
+        "NodePort under ETP Local from a pod": rf"NodePort 192\.0\.2\.10:30090/TCP +clusterBack"
+                                               rf"ends \(from a pod\) +admin-b +admin-b{x}20 +✔",
     }  # fmt: skip
     for what, pattern in rows.items():
         assert re.search(pattern, output), f"{what}: no row matching {pattern!r}:\n{output}"
+
+
+def check_outside_rows(output: str, dataplane: str) -> None:
+    """The outside client's table: every external frontend of node-a answered by the pods
+    its policy promises, each seeing the source address the dataplane promises."""
+    assert re.search(r"^from outside \(192\.0\.2\.100, 2001:db8::100 → node-a; dataplane "
+                     rf"{dataplane}\)", output, re.MULTILINE), output  # fmt: skip
+    section = output[output.index("\nfrom outside (") :].split("\n\n", 1)[0]
+    x = TIMES
+    # eBPF translates only the destination to a pod on node-a; iptables masquerades all.
+    api_a = "client" if dataplane == "ebpf" else "node-a"
+    rows = {
+        "NodePort, Cluster policy, a backend on each node": (
+            rf"NodePort 192\.0\.2\.10:30017/TCP +clusterBackends \(from outside\) +api-a api-b +"
+            rf"api-a{x}\d+ api-b{x}\d+ +api-a:{api_a} api-b:node-a +✔"),
+        "the same over IPv6": (
+            rf"NodePort \[2001:db8::10\]:30017/TCP +clusterBackends \(from outside\) +api-a "
+            rf"api-b +api-a{x}\d+ api-b{x}\d+ +api-a:{api_a} api-b:node-a +✔"),
+        "NodePort, Local policy": (
+            rf"NodePort 192\.0\.2\.10:30080/TCP +localBackends \(from outside\) +ingress-a +"
+            rf"ingress-a{x}20 +ingress-a:client +✔"),
+        "ExternalIP, Local policy": (
+            rf"ExternalIP 203\.0\.113\.7:443/TCP +localBackends \(from outside\) +shop-a +"
+            rf"shop-a{x}20 +shop-a:client +✔"),
+        "VIP, source range admits the client": (
+            rf"LoadBalancer 203\.0\.113\.9:443/TCP +localBackends \(from outside\) +shop-a +"
+            rf"shop-a{x}20 +shop-a:client +✔"),
+        "NodePort, Local policy, no local endpoint": (
+            rf"NodePort 192\.0\.2\.10:30090/TCP +localBackends \(empty\) +dropped \(endpoints "
+            rf"elsewhere\) +timeout{x}3 +— +✔"),
+        "VIP, source range refuses the client": (
+            rf"LoadBalancer 203\.0\.113\.20:80/TCP +loadBalancerSourceRanges +dropped \(source "
+            rf"not allowed, as kube-proxy\) +timeout{x}3 +— +✔"),
+    }  # fmt: skip
+    for what, pattern in rows.items():
+        assert re.search(pattern, section), f"{what}: no row matching {pattern!r}:\n{section}"
+    assert section.count("✔") == 8 and "✘" not in section, section
 
 
 def failed_rows(output: str) -> list[str]:
@@ -109,6 +151,7 @@ def test_lab_with_iptables_checks_every_service_and_removes_everything(runs) -> 
     assert failed_rows(done.stdout) == [] and "✘" not in done.stdout
     assert done.stdout.count("dataplane iptables (requested)") == 3
     check_rows(done.stdout)
+    check_outside_rows(done.stdout, "iptables")
     assert re.search(r"LoadBalancer 203\.0\.113\.9:443/TCP +loadBalancerSourceRanges +dropped",
                      done.stdout)  # fmt: skip
     assert "-A KBP-SERVICES -d 10.96.0.10/32" in done.stdout  # the iptables-save excerpt
@@ -122,7 +165,15 @@ def test_lab_with_the_default_dataplane_checks_every_service(runs) -> None:
     assert "removing the lab … done" in done.stdout
     assert_nothing_left(run)
     check_rows(done.stdout)
-    if "dataplane ebpf" in done.stdout:
+    dataplane = "ebpf" if "dataplane ebpf" in done.stdout else "iptables"
+    check_outside_rows(done.stdout, dataplane)
+    if dataplane == "ebpf":
+        # The agent attached XDP to eth0 by itself; the outside client's requests moved
+        # its counters: forwarded to node-b, dropped by source range and by policy.
+        xdp = done.stdout[done.stdout.index("kube-bpf-proxy inspect xdp") :]
+        assert re.search(r"^eth0 +\d+ +(native|generic)$", xdp, re.MULTILINE), xdp
+        for verdict in ("(tx|redirect)", "drop-range", "drop-no-backend"):
+            assert re.search(rf"^{verdict} +[1-9]", xdp, re.MULTILINE), (verdict, xdp)
         assert "kube-bpf-proxy inspect --bpffs" in done.stdout
         assert "10.96.0.10:80/TCP         ClusterIP" in done.stdout  # the inspect table
         assert "bpftool map dump pinned" in done.stdout and '"service_id"' in done.stdout
@@ -139,6 +190,7 @@ def test_lab_keep_leaves_the_lab_up_and_lab_down_removes_it(runs) -> None:
     assert "lab down" in kept.stdout
     namespaces = namespaces_of(run)
     assert f"{run.prefix}node-a" in namespaces and f"{run.prefix}client-a" in namespaces
+    assert f"{run.prefix}outside" in namespaces
     processes = {pid for ns in namespaces for pid in pids_in(ns)}
     assert len(agents_of(run)) == 3 and len(processes) > 3
     # Still working without the lab process: client-a reaches web through the agents' rules.
@@ -147,6 +199,14 @@ def test_lab_keep_leaves_the_lab_up_and_lab_down_removes_it(runs) -> None:
          "http://10.96.0.10/"], capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert answer.stdout.strip() in ("default/web-a", "default/web-b"), answer
+    # ... and the outside client reaches edge/ingress's NodePort on node-a, whose pod sees
+    # the client's own address (externalTrafficPolicy Local).
+    answer = subprocess.run(
+        ["ip", "netns", "exec", f"{run.prefix}outside", "curl", "-si", "-m", "2",
+         "http://192.0.2.10:30080/"], capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert "X-Peer: 192.0.2.100" in answer.stdout, answer
+    assert answer.stdout.rstrip().endswith("edge/ingress-a"), answer
 
     down = lab("down")
     assert down.returncode == 0, down.stdout + down.stderr

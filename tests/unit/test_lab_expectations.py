@@ -1,9 +1,12 @@
 """The lab's pure parts: the cluster it plans from the example manifests (pods, clients,
-routes, what it cannot reach), what a client pod should see at each frontend (which set
-it uses, refused or dropped, unreachable backends left out), and the ✔/✘ judgement.
+the outside client, routes, what it cannot reach), what a client pod or the outside client
+should see at each frontend (which set it uses, refused or dropped, unreachable backends
+left out, the source address a backend sees), and the ✔/✘ judgement.
 
 Address plan: tests/builders.py (node-a 192.0.2.10, pods 10.244.<node>.<n>, ClusterIPs
-10.96.0.0/16, remote pods 10.245.0.0/16); the lab's client on node-a is 10.244.1.254.
+10.96.0.0/16, remote pods 10.245.0.0/16); the lab's client on node-a is 10.244.1.254, the
+outside client 192.0.2.100 (admitted by source range 192.0.2.0/24, refused by
+198.51.100.0/24), VIP 203.0.113.9, ExternalIP 203.0.113.7.
 """
 
 from __future__ import annotations
@@ -16,17 +19,22 @@ from agent.lab.expect import (
     BACKENDS,
     CLUSTER_BACKENDS,
     DROPPED,
+    KEPT,
     LOCAL_BACKENDS,
     REFUSED,
+    SNAT,
     Expectation,
     coverage_required,
     coverage_sample,
     expect,
+    expect_from_outside,
     judge,
+    judge_sources,
     missing,
     used_set,
+    used_set_from_outside,
 )
-from agent.lab.plan import backend_pod, plan_lab, routes
+from agent.lab.plan import LabOutside, backend_pod, outside_routes, plan_lab, routes
 from agent.model.compile import compile
 from agent.model.nodestate import Backend, Frontend, ServiceEntry
 from agent.sources.manifests import load_manifests, manifest_files, read_objects
@@ -35,6 +43,8 @@ from ..builders import default_nodes, make_endpoint, make_service, make_slice, s
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 CLIENT = "10.244.1.254"
+OUTSIDE = "192.0.2.100"
+NODE_A = "192.0.2.10"
 
 
 def entry_of(*objects, node: str = "node-a") -> ServiceEntry:
@@ -54,8 +64,10 @@ def lab_pods(backend: Backend) -> tuple[str | None, str]:
 
 
 def web(*endpoints, mutate=None) -> list:
-    return [make_service(name="web", mutate=mutate), make_slice(service="web",
-                                                                 endpoints=list(endpoints))]
+    return [
+        make_service(name="web", mutate=mutate),
+        make_slice(service="web", endpoints=list(endpoints)),
+    ]
 
 
 def spec(**fields):
@@ -137,6 +149,137 @@ def test_a_load_balancer_source_range_drops_pods_on_both_dataplanes() -> None:
     assert allowed.kind == BACKENDS
 
 
+# --- from outside the cluster --------------------------------------------------------------
+
+NODE_PORT = [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}]
+
+
+def external(etp: str = "Cluster", ranges: list[str] | None = None):
+    """A LoadBalancer Service (so NodePort, ExternalIP and VIP frontends) with this
+    externalTrafficPolicy and these loadBalancerSourceRanges."""
+
+    def mutate(obj) -> None:
+        obj["spec"].update(type="LoadBalancer", externalTrafficPolicy=etp, ports=NODE_PORT,
+                           externalIPs=["203.0.113.7"])  # fmt: skip
+        if ranges is not None:
+            obj["spec"]["loadBalancerSourceRanges"] = ranges
+        obj["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}
+
+    return mutate
+
+
+LOCAL_AND_REMOTE = (make_endpoint("10.244.1.5", "node-a"), make_endpoint("10.244.2.7", "node-b"))
+REMOTE_ONLY = (make_endpoint("10.244.2.7", "node-b"),)
+
+
+@pytest.mark.parametrize(
+    ("etp", "endpoints", "kind", "expected_set"),
+    [
+        pytest.param("Cluster", LOCAL_AND_REMOTE, "NodePort", CLUSTER_BACKENDS,
+                     id="a NodePort under externalTrafficPolicy Cluster uses clusterBackends"),
+        pytest.param("Local", LOCAL_AND_REMOTE, "NodePort", LOCAL_BACKENDS,
+                     id="a NodePort under externalTrafficPolicy Local uses localBackends"),
+        pytest.param("Local", LOCAL_AND_REMOTE, "ExternalIP", LOCAL_BACKENDS,
+                     id="an ExternalIP under externalTrafficPolicy Local uses localBackends"),
+        pytest.param("Local", LOCAL_AND_REMOTE, "LoadBalancer", LOCAL_BACKENDS,
+                     id="a VIP under externalTrafficPolicy Local uses localBackends"),
+        pytest.param("Local", LOCAL_AND_REMOTE, "ClusterIP", CLUSTER_BACKENDS,
+                     id="a ClusterIP reached from outside keeps its one set"),
+    ],
+)  # fmt: skip
+def test_the_set_an_outside_client_uses(etp, endpoints, kind, expected_set) -> None:
+    entry = entry_of(*web(*endpoints, mutate=external(etp)))
+    name, _ = used_set_from_outside(entry, frontend(entry, kind))
+    assert name == expected_set
+
+
+@pytest.mark.parametrize(
+    ("etp", "endpoints", "ranges", "kind", "dataplane", "expected"),
+    [
+        pytest.param("Cluster", LOCAL_AND_REMOTE, None, "NodePort", "ebpf",
+                     (BACKENDS, ("default/pod-5", "default/pod-7")),
+                     id="Cluster policy answers from every endpoint"),
+        pytest.param("Local", LOCAL_AND_REMOTE, None, "NodePort", "iptables",
+                     (BACKENDS, ("default/pod-5",)),
+                     id="Local policy answers from the local endpoint only"),
+        pytest.param("Local", REMOTE_ONLY, None, "NodePort", "ebpf", (DROPPED, ()),
+                     id="Local policy without a local endpoint drops"),
+        pytest.param("Local", REMOTE_ONLY, None, "LoadBalancer", "iptables", (DROPPED, ()),
+                     id="Local policy without a local endpoint drops at the VIP too"),
+        pytest.param("Cluster", (), None, "ExternalIP", "ebpf", (REFUSED, ()),
+                     id="a Service without endpoints refuses outside clients"),
+        pytest.param("Local", (), None, "NodePort", "ebpf", (REFUSED, ()),
+                     id="a Service without endpoints refuses under Local policy too"),
+        pytest.param("Cluster", LOCAL_AND_REMOTE, ["198.51.100.0/24"], "LoadBalancer", "ebpf",
+                     (DROPPED, ()), id="a source range that does not admit the client drops"),
+        pytest.param("Cluster", LOCAL_AND_REMOTE, ["192.0.2.0/24"], "LoadBalancer", "iptables",
+                     (BACKENDS, ("default/pod-5", "default/pod-7")),
+                     id="a source range that admits the client answers"),
+        pytest.param("Cluster", LOCAL_AND_REMOTE, ["198.51.100.0/24"], "NodePort", "ebpf",
+                     (BACKENDS, ("default/pod-5", "default/pod-7")),
+                     id="source ranges never apply to NodePorts"),
+        pytest.param("Cluster", LOCAL_AND_REMOTE, ["198.51.100.0/24"], "ExternalIP", "iptables",
+                     (BACKENDS, ("default/pod-5", "default/pod-7")),
+                     id="source ranges never apply to ExternalIPs"),
+    ],
+)  # fmt: skip
+def test_what_an_outside_client_sees(etp, endpoints, ranges, kind, dataplane, expected) -> None:
+    entry = entry_of(*web(*endpoints, mutate=external(etp, ranges)))
+    expectation = expect_from_outside(entry, frontend(entry, kind), OUTSIDE, dataplane,
+                                      lab_pods)  # fmt: skip
+    assert (expectation.kind, expectation.backends) == expected
+    if expectation.kind == BACKENDS:
+        assert expectation.uses.endswith("(from outside)")
+
+
+@pytest.mark.parametrize(
+    ("etp", "dataplane", "sources"),
+    [
+        pytest.param("Local", "ebpf", {"default/pod-5": KEPT},
+                     id="Local policy keeps the client address (eBPF)"),
+        pytest.param("Local", "iptables", {"default/pod-5": KEPT},
+                     id="Local policy keeps the client address (iptables)"),
+        pytest.param("Cluster", "ebpf", {"default/pod-5": KEPT, "default/pod-7": SNAT},
+                     id="eBPF under Cluster policy translates the source for other nodes only"),
+        pytest.param("Cluster", "iptables", {"default/pod-5": SNAT, "default/pod-7": SNAT},
+                     id="iptables under Cluster policy masquerades every backend's traffic"),
+    ],
+)  # fmt: skip
+def test_the_source_address_a_backend_sees(etp, dataplane, sources) -> None:
+    entry = entry_of(*web(*LOCAL_AND_REMOTE, mutate=external(etp)))
+    expectation = expect_from_outside(entry, frontend(entry, "NodePort"), OUTSIDE, dataplane,
+                                      lab_pods)  # fmt: skip
+    assert dict(expectation.sources) == sources
+
+
+MIXED = Expectation(BACKENDS, "clusterBackends (from outside)", ("default/a", "default/b"),
+                    sources=(("default/a", KEPT), ("default/b", SNAT)))  # fmt: skip
+NODE_ADDRESSES = {NODE_A, "2001:db8::10", "169.254.1.1"}
+
+
+@pytest.mark.parametrize(
+    ("peers", "ok"),
+    [
+        pytest.param({"default/a": {OUTSIDE: 3}, "default/b": {NODE_A: 4}}, True,
+                     id="the client's address kept and the node's where promised hold"),
+        pytest.param({"default/a": {OUTSIDE: 3}, "default/b": {"169.254.1.1": 4}}, True,
+                     id="SNAT to any address of the node holds"),
+        pytest.param({"default/a": {NODE_A: 3}}, False,
+                     id="a translated source where the client's was promised fails"),
+        pytest.param({"default/b": {OUTSIDE: 2}}, False,
+                     id="the client's address where SNAT was promised fails"),
+        pytest.param({"default/b": {"192.0.2.11": 2}}, False,
+                     id="another node's address where this node's was promised fails"),
+        pytest.param({"default/a": {OUTSIDE: 1, "?": 1}}, False,
+                     id="an answer without the source seen fails"),
+        pytest.param({}, True, id="nothing to judge without answers"),
+    ],
+)  # fmt: skip
+def test_judge_sources(peers, ok) -> None:
+    verdict = judge_sources(MIXED, peers, (OUTSIDE, "2001:db8::100"), NODE_ADDRESSES)
+    assert verdict.ok is ok, verdict.note
+
+
 # --- reachability ---------------------------------------------------------------------------
 
 
@@ -198,6 +341,43 @@ def test_nodes_route_the_other_nodes_pod_prefixes_in_the_families_they_have() ->
         ("10.244.2.0/24", "192.0.2.11"),
     ]
     assert ("10.244.3.0/24", "192.0.2.12") in routes(plan, "node-a")
+
+
+def test_the_outside_client_is_outside_every_range_and_routes_external_addresses_via_node_a(
+) -> None:  # fmt: skip
+    plan, _ = examples_plan()
+    assert plan.outside == LabOutside("outside", "192.0.2.100", "2001:db8::100", "node-a")
+    # not shop's second ingress, 203.0.113.10 (Proxy mode: no VIP a node answers for)
+    assert plan.external_addresses == ("203.0.113.7", "203.0.113.9", "203.0.113.20")
+    assert outside_routes(plan) == [
+        ("192.0.2.10/32", None), ("2001:db8::10/128", None),
+        ("192.0.2.11/32", None), ("2001:db8::11/128", None),
+        ("192.0.2.12/32", None),  # node-c has no IPv6 address
+        ("203.0.113.7/32", "192.0.2.10"), ("203.0.113.9/32", "192.0.2.10"),
+        ("203.0.113.20/32", "192.0.2.10"),
+    ]  # fmt: skip
+
+
+def test_the_outside_client_skips_service_addresses_and_pod_prefixes() -> None:
+    pods = [make_endpoint("10.244.1.5", "node-a")]
+    in_use = spec(externalIPs=["192.0.2.100", "192.0.2.101"])
+    plan = plan_lab([make_slice(service="web", endpoints=pods)],
+                    state_of(*default_nodes(), *web(*pods, mutate=in_use)))  # fmt: skip
+    assert plan.outside is not None and plan.outside.ipv4 == "192.0.2.102"
+
+    # Pods in 192.0.2.0/24 would make any address there pass for a pod: none is taken.
+    pods = [make_endpoint("192.0.2.50", "node-a")]
+    plan = plan_lab([make_slice(service="web", endpoints=pods)],
+                    state_of(*default_nodes(), *web(*pods)))  # fmt: skip
+    assert plan.outside is not None and plan.outside.ipv4 is None
+    assert plan.outside.ipv6 == "2001:db8::100"  # node-a has IPv6, no pod prefix holds it
+
+
+def test_the_outside_client_reaches_backends_through_its_entry_node() -> None:
+    plan, _ = examples_plan()
+    assert plan.outside is not None
+    pod, _ = backend_pod(plan, plan.outside, "10.244.2.17", "TCP", 8080)  # api-b, on node-b
+    assert pod is not None and pod.full_name == "default/api-b"
 
 
 def test_headless_services_are_listed_as_not_proxied() -> None:
