@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, Frontend, ServiceEntry
@@ -118,6 +118,39 @@ def source_allowed(client_ip: str, frontend: Frontend) -> bool:
     )
 
 
+def _without_backends(
+    entry: ServiceEntry, frontend: Frontend, client_ip: str, set_name: str, empty: bool
+) -> Expectation | None:
+    """A drop or refusal that comes before any backend: loadBalancerSourceRanges that
+    do not admit client_ip (both dataplanes apply them to pods at the VIP too, as
+    kube-proxy: iptables in KBP-FW, eBPF in lb_source_admitted), or an empty set."""
+    if not source_allowed(client_ip, frontend):
+        return Expectation(
+            DROPPED, "loadBalancerSourceRanges", note="source not allowed, as kube-proxy"
+        )
+    if not empty:
+        return None
+    if entry.has_endpoints:
+        return Expectation(DROPPED, f"{set_name} (empty)", note="endpoints elsewhere")
+    return Expectation(REFUSED, f"{set_name} (empty)", note="no endpoints")
+
+
+def _located(
+    backends: Sequence[Backend], locate: Callable[[Backend], tuple[str | None, str]]
+) -> tuple[dict[str, Backend], list[str]]:
+    """The lab pods answering for backends (pod name → its backend), and the backends
+    the lab cannot reach, as "ip:port (why)"."""
+    pods: dict[str, Backend] = {}
+    excluded: list[str] = []
+    for backend in backends:
+        name, reason = locate(backend)
+        if name is None:
+            excluded.append(f"{_address(backend.ip, backend.port)} ({reason})")
+        else:
+            pods[name] = backend
+    return pods, excluded
+
+
 def expect(
     entry: ServiceEntry,
     frontend: Frontend,
@@ -129,32 +162,16 @@ def expect(
     the lab pod answering for a backend, or (None, why the lab cannot reach it)."""
     set_name, backends = used_set(entry, frontend)
     uses = set_name if frontend.type == CLUSTER_IP else f"{set_name} (from a pod)"
-    note = ""
-    # Both dataplanes apply loadBalancerSourceRanges to pods at the VIP, as kube-proxy
-    # (iptables in KBP-FW, eBPF in lb_source_admitted).
-    if not source_allowed(client_ip, frontend):
-        return Expectation(
-            DROPPED, "loadBalancerSourceRanges", note="source not allowed, as kube-proxy"
-        )
-    if not backends:
-        if entry.has_endpoints:
-            return Expectation(DROPPED, f"{set_name} (empty)", note="endpoints elsewhere")
-        return Expectation(REFUSED, f"{set_name} (empty)", note="no endpoints")
-    names: list[str] = []
-    excluded: list[str] = []
-    for backend in backends:
-        name, reason = locate(backend)
-        if name is None:
-            excluded.append(f"{_address(backend.ip, backend.port)} ({reason})")
-        elif name not in names:
-            names.append(name)
+    refused = _without_backends(entry, frontend, client_ip, set_name, not backends)
+    if refused is not None:
+        return refused
+    pods, excluded = _located(backends, locate)
     return Expectation(
         BACKENDS,
         uses,
-        tuple(sorted(names)),
+        tuple(sorted(pods)),
         tuple(excluded),
         affinity=entry.affinity_timeout is not None,
-        note=note,
     )
 
 
@@ -168,32 +185,17 @@ def expect_from_outside(
     """What client_ip, a host outside the cluster, should see at an external frontend,
     the source address each backend sees included. locate as for `expect`."""
     set_name, backends = used_set_from_outside(entry, frontend)
-    if not source_allowed(client_ip, frontend):
-        return Expectation(
-            DROPPED, "loadBalancerSourceRanges", note="source not allowed, as kube-proxy"
-        )
-    if not backends:
-        if entry.has_endpoints:
-            return Expectation(DROPPED, f"{set_name} (empty)", note="endpoints elsewhere")
-        return Expectation(REFUSED, f"{set_name} (empty)", note="no endpoints")
-    names: list[str] = []
-    excluded: list[str] = []
-    sources: dict[str, str] = {}
-    for backend in backends:
-        name, reason = locate(backend)
-        if name is None:
-            excluded.append(f"{_address(backend.ip, backend.port)} ({reason})")
-            continue
-        if name not in names:
-            names.append(name)
-        sources[name] = source_seen(entry, backend, dataplane)
+    refused = _without_backends(entry, frontend, client_ip, set_name, not backends)
+    if refused is not None:
+        return refused
+    pods, excluded = _located(backends, locate)
     return Expectation(
         BACKENDS,
         f"{set_name} (from outside)",
-        tuple(sorted(names)),
+        tuple(sorted(pods)),
         tuple(excluded),
         affinity=entry.affinity_timeout is not None,
-        sources=tuple(sorted(sources.items())),
+        sources=tuple(sorted((name, source_seen(entry, b, dataplane)) for name, b in pods.items())),
     )
 
 
