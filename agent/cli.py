@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         "action", nargs="?", default="up", choices=("up", "down"),
         help="up (default): build, check, remove; down: remove what a --keep run left",
     )  # fmt: skip
+    lab_parser.add_argument(
+        "run", nargs="?", metavar="RUN",
+        help="with down: remove only this run (its id, e.g. r1a2b, as --keep printed it)",
+    )  # fmt: skip
     add_arguments(lab_parser, LAB_SETTINGS)
     lab_parser.add_argument(
         "--keep", action="store_true", help="leave the lab up and print how to explore it"
@@ -211,7 +215,11 @@ def cmd_lab(args: argparse.Namespace) -> int:
     from .lab.command import lab, lab_down  # namespaces and subprocesses: root only
 
     if args.action == "down":
-        return lab_down()
+        return lab_down(args.run)
+    if args.run is not None:
+        print(f"kube-bpf-proxy lab: a run id ({args.run}) goes with `lab down` only",
+              file=sys.stderr)  # fmt: skip
+        return 2
     settings = settings_from(args, LAB_SETTINGS)
     return lab(settings.manifests, settings.dataplane, args.keep, args.requests)
 

@@ -246,14 +246,21 @@ def _lab(manifests: Sequence[str], dataplane: str, keep: bool, requests: int, sa
             say("done" if not problems else "left behind:\n  " + "\n  ".join(problems))
 
 
-def lab_down(stream: TextIO = sys.stdout) -> int:
-    """`lab down`: remove every lab run whose `lab` process is gone; exit status."""
+def lab_down(run_id: str | None = None, stream: TextIO = sys.stdout) -> int:
+    """`lab down [RUN]`: remove every lab run whose `lab` process is gone, or only run
+    `run_id` (two kept labs, say of two test sessions, then leave each other alone);
+    exit status."""
     say = Printer(stream)
     if os.geteuid() != 0:
         print("kube-bpf-proxy lab down: needs root (it deletes network namespaces)",
               file=sys.stderr)  # fmt: skip
         return 2
     runs = existing_runs()
+    if run_id is not None:
+        runs = [run for run in runs if run.id == run_id]
+        if not runs:
+            say(f"no lab {run_id} to remove")
+            return 1
     if not runs:
         say("no lab to remove")
         return 0

@@ -208,7 +208,7 @@ def test_lab_keep_leaves_the_lab_up_and_lab_down_removes_it(runs) -> None:
     assert "X-Peer: 192.0.2.100" in answer.stdout, answer
     assert answer.stdout.rstrip().endswith("edge/ingress-a"), answer
 
-    down = lab("down")
+    down = lab("down", run.id)  # only this run: another session's kept lab stays
     assert down.returncode == 0, down.stdout + down.stderr
     assert f"lab {run.id}: stopped" in down.stdout
     assert_nothing_left(run)
