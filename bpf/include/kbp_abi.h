@@ -154,7 +154,8 @@ struct kbp_ct_entry {
 	__u8 hop_smac[6];   /* hop_ifindex's own MAC address */
 	__u16 pad2;
 	__u64 hop_time;     /* CLOCK_MONOTONIC ns (coarse) of the FIB lookup that found the
-			       hop_* fields; 0: none. Reused for KBP_HOP_CACHE_NS (lib/ext.h) */
+			       hop_* fields, which are reused for KBP_HOP_CACHE_NS after it
+			       (lib/ext.h); 0: none yet */
 };
 
 /* kbp_affinity (LRU): sessionAffinity ClientIP. */
