@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.dataplane.base import DataplaneError
-from agent.dataplane.ebpf import plan
+from agent.dataplane.ebpf import external, plan
 from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.maglev import maglev_table
@@ -1084,6 +1084,7 @@ class ModelDataplane(EbpfDataplane):
         self._lock = threading.Lock()
         self._held = None
         self._pending_writes = 0
+        self._range_index = external.SourceRangeIndex()
         self.kernel = Kernel(EMPTY)
         self.current = self._read_kernel()
 
@@ -1285,3 +1286,61 @@ def test_values_are_hashable_and_frozen() -> None:
     assert len({key, value, backend, MapSizes()}) == 4
     with pytest.raises(AttributeError):
         key.port = 81  # type: ignore[misc]
+
+
+@SETTINGS
+@given(history=histories())
+def test_the_source_range_index_follows_every_sync_as_a_full_scan_would(history) -> None:
+    """SourceRangeIndex looks only at the entries between the states' shared head and
+    tail; over generated change sequences (the incremental compiler's states, which share
+    unchanged entries) it must give what scanning every entry gives."""
+    cluster, steps = history
+    objects = {object_key(o): o for o in cluster.objects}
+    agent_state = cluster_state(objects)
+    compiler = Compiler(THIS_NODE, cluster.options)
+    index = external.SourceRangeIndex()
+    index.RESCAN_FRACTION = 2.0  # small clusters: never rescan for the share of changes
+    for change, synced in [(None, True), *steps]:
+        if change is not None:
+            action, payload = change
+            if action == "upsert":
+                objects[object_key(payload)] = payload
+                feed(agent_state, payload)
+            else:
+                objects.pop(payload, None)
+                forget(agent_state, payload)
+        if synced:
+            state = compiler.update(agent_state)
+            assert index.update(state) == external.source_ranges(state)
+
+
+def test_the_source_range_index_rescans_a_frontend_two_entries_range() -> None:
+    """Two Services ranging one VIP: the first in NodeState order wins. Adding the
+    first beside the second, and removing it again, must switch the VIP's ranges."""
+
+    def balancer(cluster_ip: str, ranges: list[str]) -> Callable[[Obj], None]:
+        def mutate(svc: Obj) -> None:
+            spec = svc["spec"]
+            spec.update(type="LoadBalancer", clusterIP=cluster_ip, clusterIPs=[cluster_ip])
+            spec["loadBalancerSourceRanges"] = ranges
+            svc["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.50"}]}}
+
+        return mutate
+
+    first = make_service("default", "a-first", balancer("10.96.0.31", ["198.51.100.0/24"]))
+    second = make_service("default", "b-second", balancer("10.96.0.32", ["192.0.2.0/24"]))
+    cluster = state_of(*default_nodes(), second)
+    compiler, index = Compiler("node-a", CompileOptions()), external.SourceRangeIndex()
+    index.RESCAN_FRACTION = 2.0  # only the contested frontend may make it rescan
+
+    def networks() -> set[str]:
+        state = compiler.update(cluster)
+        ranges = index.update(state)
+        assert ranges == external.source_ranges(state)
+        return {r.network for r in ranges}
+
+    assert networks() == {"192.0.2.0/24"}
+    feed(cluster, first)
+    assert networks() == {"198.51.100.0/24"}  # a-first sorts first: its ranges win
+    forget(cluster, object_key(first))
+    assert networks() == {"192.0.2.0/24"}

@@ -80,6 +80,7 @@ class EbpfDataplane:
         self._node: NodeInfo | None = None  # the node the external state was made for
         self._config: bytes | None = None  # kbp_config as written
         self._ranges: set[SourceRange] = set()  # kbp_src_ranges as written
+        self._range_index = external.SourceRangeIndex()  # the applied state's, wanted
         self.sizes = sizes or MapSizes()
         self.maglev_table_size = maglev_table_size
         self._lock = threading.Lock()
@@ -146,7 +147,7 @@ class EbpfDataplane:
             change = plan_change(
                 state, self.current, maglev_table_size=self.maglev_table_size, sizes=self.sizes
             )
-            ranges = external.source_ranges(state)
+            ranges = self._range_index.update(state, rescan=full)
             try:
                 change.check_capacity(self.sizes)
                 self._check_range_capacity(ranges)
@@ -380,12 +381,14 @@ class EbpfDataplane:
 
     # --- external maps -----------------------------------------------------------------------
 
-    def _check_range_capacity(self, ranges: set[SourceRange]) -> None:
+    def _check_range_capacity(self, ranges: frozenset[SourceRange]) -> None:
         size = self.programs.map("kbp_src_ranges").info.max_entries
         if len(ranges) > size:
             raise CapacityError("src_ranges", len(ranges), size)
 
-    def _write_external(self, state: NodeState, ranges: set[SourceRange], before: bool) -> None:
+    def _write_external(
+        self, state: NodeState, ranges: frozenset[SourceRange], before: bool
+    ) -> None:
         """kbp_config and kbp_src_ranges. New ranges go in before the services that
         start to use them (`before`), ranges no longer wanted leave after the services
         stopped using them, so no packet sees a ranged frontend without its ranges."""

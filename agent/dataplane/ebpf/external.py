@@ -11,9 +11,9 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ...model.nodestate import NodeState
+from ...model.nodestate import NodeState, ServiceEntry
 from .abi import addr_bytes, const, packer, port_bytes
-from .plan import FrontendKey, source_ranged_keys
+from .plan import FrontendKey, _differing, source_ranged_keys
 
 _SRC_RANGE_KEY = packer("kbp_src_range_key")
 _SRC_RANGE = packer("kbp_src_range")
@@ -73,6 +73,68 @@ def source_ranges(state: NodeState) -> set[SourceRange]:
             claimed.add(key)
             found.update(SourceRange(key, n) for n in networks)
     return found
+
+
+class SourceRangeIndex:
+    """`source_ranges` of successive NodeStates at the cost of the entries that changed:
+    the compiler hands unchanged entries over as the same objects, so the two states'
+    shared head and tail are skipped at C speed (plan.py's `_differing`), and only the
+    entries between them are looked at. A change to a frontend that more than one entry
+    ranges (the first one wins, which depends on every entry's order) rescans."""
+
+    # Above this share of changed entries a scan is as cheap as the bookkeeping.
+    RESCAN_FRACTION = 0.25
+
+    def __init__(self) -> None:
+        self._entries: tuple[ServiceEntry, ...] = ()
+        self._ranges: set[SourceRange] = set()
+        self._owners: dict[FrontendKey, int] = {}  # ranged frontend → entries ranging it
+
+    def update(self, state: NodeState, rescan: bool = False) -> frozenset[SourceRange]:
+        """The source ranges of `state` (a copy: later updates leave it alone)."""
+        entries = state.services
+        if rescan or not self._incremental(entries):
+            self._scan(entries)
+        self._entries = entries
+        return frozenset(self._ranges)
+
+    def _scan(self, entries: tuple[ServiceEntry, ...]) -> None:
+        self._ranges = set()
+        self._owners = {}
+        for entry in entries:
+            for key, networks in source_ranged_keys(entry).items():
+                self._owners[key] = self._owners.get(key, 0) + 1
+                if self._owners[key] == 1:
+                    self._ranges.update(SourceRange(key, n) for n in networks)
+
+    def _incremental(self, entries: tuple[ServiceEntry, ...]) -> bool:
+        """Apply the entries between the shared head and tail; False: rescan instead."""
+        previous = self._entries
+        if not previous:
+            return False
+        head, old_end, new_end = _differing(previous, entries)
+        if (old_end - head) + (new_end - head) > self.RESCAN_FRACTION * max(len(entries), 1):
+            return False
+        went = [source_ranged_keys(e) for e in previous[head:old_end]]
+        came = [source_ranged_keys(e) for e in entries[head:new_end]]
+        owners = dict(self._owners)
+        for ranged in went:
+            for key in ranged:
+                owners[key] -= 1
+        for ranged in came:
+            for key in ranged:
+                owners[key] = owners.get(key, 0) + 1
+        touched = {key for ranged in (*went, *came) for key in ranged}
+        if any(owners[key] > 1 or self._owners.get(key, 0) > 1 for key in touched):
+            return False
+        for ranged in went:
+            for key, networks in ranged.items():
+                self._ranges.difference_update(SourceRange(key, n) for n in networks)
+        for ranged in came:
+            for key, networks in ranged.items():
+                self._ranges.update(SourceRange(key, n) for n in networks)
+        self._owners = {key: n for key, n in owners.items() if n}
+        return True
 
 
 def _first_of_family(addresses: Iterable[str], v6: bool) -> str | None:
