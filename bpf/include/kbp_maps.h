@@ -97,4 +97,11 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_xdp_stats,
 BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_rev,
 		 KBP_MAX_SOCK_REV, KBP_PIN(kbp_sock_rev));
 
+/* Port (host order) -> non-zero when a backend ever served on it. Every reply entry of
+ * kbp_ct is keyed with a backend's port as its source port, so a packet from any other
+ * port skips the reply lookup (the common case: clients' ephemeral ports). The agent sets
+ * a port before it writes a backend on it and never clears one while the maps live, so
+ * flows of removed backends still find their entries while they drain. */
+BPF_TABLE_PINNED("array", __u32, __u8, kbp_be_ports, 65536, KBP_PIN(kbp_be_ports));
+
 #endif /* KBP_MAPS_H */

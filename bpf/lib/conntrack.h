@@ -30,11 +30,14 @@ static __always_inline void ct_key_of_packet(const struct kbp_tuple *t, __u8 dir
 	key->dir = dir;
 }
 
-/* Is this packet a backend's reply of a translated flow? Both hooks ask first. */
+/* Is this packet a backend's reply of a translated flow? Both hooks ask first. A reply
+ * comes from a backend's port, so other source ports skip the lookup (kbp_be_ports). */
 static __always_inline struct kbp_ct_entry *ct_lookup_reply(const struct kbp_tuple *t)
 {
 	struct kbp_ct_key key = {};
 
+	if (!map_backend_port_used(t->sport))
+		return NULL;
 	ct_key_of_packet(t, KBP_CT_REPLY, &key);
 	return map_lookup_ct(&key);
 }
@@ -113,6 +116,8 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 {
 	struct kbp_ct_key key = {};
 
+	if (!map_backend_port_used(t->dport)) /* no reply entry can come from that port */
+		return;
 	__builtin_memcpy(key.saddr, t->daddr, sizeof(key.saddr));
 	__builtin_memcpy(key.daddr, t->saddr, sizeof(key.daddr));
 	key.sport = t->dport;

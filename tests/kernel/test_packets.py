@@ -68,9 +68,14 @@ class Datapath:
             "kbp_backend", port=abi.be16(port), family=abi.family_of(ip), service_id=service_id
         )
         abi.set_addr(value.addr, ip)
+        self.mark_backend_port(port)
         self.loaded.map("kbp_backends").update(struct.pack("=I", backend_id), abi.to_bytes(value))
         self.backend_ids[(service_id, ip)] = backend_id
         return backend_id
+
+    def mark_backend_port(self, port: int) -> None:
+        """kbp_be_ports, as the agent sets it before a backend on `port` is written."""
+        self.loaded.map("kbp_be_ports").update(struct.pack("=I", port), b"\x01")
 
     def delete_backend(self, backend_id: int) -> None:
         assert self.loaded.map("kbp_backends").delete(struct.pack("=I", backend_id))
@@ -292,6 +297,19 @@ def test_a_backends_reply_gets_the_cluster_ip_back_as_its_source(datapath, famil
     assert (out.dst, out.dport) == (CLIENT[family], CLIENT_PORT)
     assert out.payload == b"hello client"
     assert_checksums_valid(out)
+
+
+def test_replies_are_looked_up_only_from_ports_a_backend_served_on(datapath):
+    # kbp_be_ports gates the reply lookup: the agent marks a backend's port before it
+    # writes the backend and never unmarks it. Unmarked, the same reply passes untouched.
+    datapath.service(4, TCP)
+    datapath.from_pod(client_frame(4, TCP))
+    reply = backend_reply(4, TCP, BACKENDS[4][0])
+    assert P.parse(datapath.to_pod(reply).data_out).src == CLUSTER_IP[4]
+
+    datapath.loaded.map("kbp_be_ports").update(struct.pack("=I", BACKEND_PORT), b"\x00")
+
+    assert datapath.to_pod(reply).data_out == reply
 
 
 def test_a_local_backends_reply_is_translated_at_its_own_veth_ingress_too(datapath):

@@ -220,6 +220,7 @@ class ExtNode(Datapath):
             service_id=service_id,
         )
         abi.set_addr(value.addr, ip)
+        self.mark_backend_port(BACKEND_PORT)
         self.loaded.map("kbp_backends").update(struct.pack("=I", backend_id), abi.to_bytes(value))
         return backend_id
 

@@ -1094,6 +1094,9 @@ class ModelDataplane(EbpfDataplane):
     def _check_range_capacity(self, ranges: object) -> None:
         pass
 
+    def _mark_backend_ports(self, ports: object) -> None:
+        pass
+
     def _write_external(self, state: object, ranges: object, before: bool) -> None:
         pass
 

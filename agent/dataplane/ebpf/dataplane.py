@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class EbpfDataplane:
         self._config: bytes | None = None  # kbp_config as written
         self._ranges: set[SourceRange] = set()  # kbp_src_ranges as written
         self._range_index = external.SourceRangeIndex()  # the applied state's, wanted
+        self._backend_ports: set[int] = set()  # kbp_be_ports set by this agent
         self.sizes = sizes or MapSizes()
         self.maglev_table_size = maglev_table_size
         self._lock = threading.Lock()
@@ -94,6 +96,9 @@ class EbpfDataplane:
             raise DataplaneError("load", str(err)) from err
         self._check_pinned_sizes()
         self.current = self._read_kernel()
+        # The ports of the backends found (an earlier agent's): set again, as a map of an
+        # agent without kbp_be_ports would lack them, and replies must keep their lookup.
+        self._mark_backend_ports(b.port for b in self.current.backends.values())
         self._ranges = self._read_ranges()
         self._config = self.programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
         self.attacher = TcAttacher(netns)
@@ -152,6 +157,7 @@ class EbpfDataplane:
                 change.check_capacity(self.sizes)
                 self._check_range_capacity(ranges)
                 self._write_external(state, ranges, before=True)
+                self._mark_backend_ports(b.port for b in change.writes.backends_to_upsert.values())
                 self._write(change.writes)
                 self._write_external(state, ranges, before=False)
             except CapacityError as err:  # nothing was written
@@ -385,6 +391,21 @@ class EbpfDataplane:
         size = self.programs.map("kbp_src_ranges").info.max_entries
         if len(ranges) > size:
             raise CapacityError("src_ranges", len(ranges), size)
+
+    def _mark_backend_ports(self, ports: Iterable[int]) -> None:
+        """Set kbp_be_ports for backend ports not set yet, before backends on them are
+        written (the programs look replies up only from such ports); never cleared, so
+        removed backends' flows drain."""
+        new = set(ports) - self._backend_ports
+        if not new:
+            return
+        table = self.programs.map("kbp_be_ports")
+        for port in sorted(new):
+            key = struct.pack("=I", port)
+            if table.lookup(key) != b"\x01":  # an earlier agent's bits stay unwritten
+                table.update(key, b"\x01")
+                self._pending_writes += 1
+        self._backend_ports |= new
 
     def _write_external(
         self, state: NodeState, ranges: frozenset[SourceRange], before: bool
