@@ -95,11 +95,11 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key)
 	return kbp_sock_rev.delete(key);
 }
 
-/* Has a backend ever served on `port` (network order)? See kbp_be_ports. */
-static __always_inline int map_backend_port_used(__be16 port)
+/* Has `port` (network order) ever been used as KBP_PORT_F_* `what`? See kbp_ports. */
+static __always_inline int map_port_used(__be16 port, __u8 what)
 {
 	__u32 index = bpf_ntohs(port);
-	__u8 *used = kbp_be_ports.lookup(&index);
+	__u8 *used = kbp_ports.lookup(&index);
 
-	return used && *used;
+	return used && (*used & what);
 }

@@ -85,6 +85,10 @@
 #define KBP_XDP_DROP_OTHER 5     /* malformed, SNAT ports exhausted, rewrite failed */
 #define KBP_XDP_VERDICTS 6
 
+/* Bits of a kbp_ports element (index: a port, host order). */
+#define KBP_PORT_F_BACKEND 1  /* a backend served on it: replies can come from it */
+#define KBP_PORT_F_FRONTEND 2 /* a frontend used it: packets to it can be for a Service */
+
 /* kbp_services: frontend address:port/protocol -> service. */
 struct kbp_frontend_key {
 	__be32 addr[4];  /* frontend IP (see the address rule above) */

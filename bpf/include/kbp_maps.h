@@ -97,11 +97,13 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_xdp_stats,
 BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_rev,
 		 KBP_MAX_SOCK_REV, KBP_PIN(kbp_sock_rev));
 
-/* Port (host order) -> non-zero when a backend ever served on it. Every reply entry of
- * kbp_ct is keyed with a backend's port as its source port, so a packet from any other
- * port skips the reply lookup (the common case: clients' ephemeral ports). The agent sets
- * a port before it writes a backend on it and never clears one while the maps live, so
- * flows of removed backends still find their entries while they drain. */
-BPF_TABLE_PINNED("array", __u32, __u8, kbp_be_ports, 65536, KBP_PIN(kbp_be_ports));
+/* Port (host order) -> KBP_PORT_F_*: which ports a backend ever served on, and which a
+ * frontend ever used. Every reply entry of kbp_ct has a backend's port as its source
+ * port and every frontend key its own port, so a packet from another source port skips
+ * the reply lookup (clients' ephemeral ports) and one to another destination port the
+ * frontend lookup (the node's own traffic: ssh, kubelet, ...). The agent sets a bit
+ * before it writes a backend or frontend with that port and never clears one while the
+ * maps live (removed backends' flows still drain; a stale bit costs one lookup). */
+BPF_TABLE_PINNED("array", __u32, __u8, kbp_ports, 65536, KBP_PIN(kbp_ports));
 
 #endif /* KBP_MAPS_H */

@@ -31,12 +31,12 @@ static __always_inline void ct_key_of_packet(const struct kbp_tuple *t, __u8 dir
 }
 
 /* Is this packet a backend's reply of a translated flow? Both hooks ask first. A reply
- * comes from a backend's port, so other source ports skip the lookup (kbp_be_ports). */
+ * comes from a backend's port, so other source ports skip the lookup (kbp_ports). */
 static __always_inline struct kbp_ct_entry *ct_lookup_reply(const struct kbp_tuple *t)
 {
 	struct kbp_ct_key key = {};
 
-	if (!map_backend_port_used(t->sport))
+	if (!map_port_used(t->sport, KBP_PORT_F_BACKEND))
 		return NULL;
 	ct_key_of_packet(t, KBP_CT_REPLY, &key);
 	return map_lookup_ct(&key);
@@ -116,7 +116,7 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 {
 	struct kbp_ct_key key = {};
 
-	if (!map_backend_port_used(t->dport)) /* no reply entry can come from that port */
+	if (!map_port_used(t->dport, KBP_PORT_F_BACKEND)) /* no reply entry has that port */
 		return;
 	__builtin_memcpy(key.saddr, t->daddr, sizeof(key.saddr));
 	__builtin_memcpy(key.daddr, t->saddr, sizeof(key.daddr));

@@ -16,6 +16,8 @@ static __always_inline struct kbp_service *lb_lookup_service(const struct kbp_tu
 {
 	struct kbp_frontend_key key = {};
 
+	if (!map_port_used(t->dport, KBP_PORT_F_FRONTEND)) /* no frontend has that port */
+		return NULL;
 	__builtin_memcpy(key.addr, t->daddr, sizeof(key.addr));
 	key.port = t->dport;
 	key.proto = t->proto;

@@ -31,6 +31,6 @@ static __always_inline struct kbp_sock_rev *map_lookup_sock_rev(struct kbp_sock_
 static __always_inline int map_update_sock_rev(struct kbp_sock_key *key,
 					       struct kbp_sock_rev *value);
 static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key);
-static __always_inline int map_backend_port_used(__be16 port);
+static __always_inline int map_port_used(__be16 port, __u8 what);
 
 #endif /* KBP_LIB_MAPS_H */

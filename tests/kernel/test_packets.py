@@ -73,9 +73,14 @@ class Datapath:
         self.backend_ids[(service_id, ip)] = backend_id
         return backend_id
 
+    def mark_port(self, port: int, flag: int) -> None:
+        """A kbp_ports bit, as the agent sets it before a backend or frontend with `port`
+        is written."""
+        table, key = self.loaded.map("kbp_ports"), struct.pack("=I", port)
+        table.update(key, bytes([(table.lookup(key) or b"\x00")[0] | flag]))
+
     def mark_backend_port(self, port: int) -> None:
-        """kbp_be_ports, as the agent sets it before a backend on `port` is written."""
-        self.loaded.map("kbp_be_ports").update(struct.pack("=I", port), b"\x01")
+        self.mark_port(port, C.KBP_PORT_F_BACKEND)
 
     def delete_backend(self, backend_id: int) -> None:
         assert self.loaded.map("kbp_backends").delete(struct.pack("=I", backend_id))
@@ -111,6 +116,7 @@ class Datapath:
             affinity_timeout=affinity_timeout,
             type=C.KBP_FE_CLUSTER_IP,
         )
+        self.mark_port(FRONTEND_PORT, C.KBP_PORT_F_FRONTEND)
         self.loaded.map("kbp_services").update(abi.to_bytes(key), abi.to_bytes(value))
 
     def service(
@@ -300,16 +306,29 @@ def test_a_backends_reply_gets_the_cluster_ip_back_as_its_source(datapath, famil
 
 
 def test_replies_are_looked_up_only_from_ports_a_backend_served_on(datapath):
-    # kbp_be_ports gates the reply lookup: the agent marks a backend's port before it
+    # kbp_ports gates the reply lookup: the agent marks a backend's port before it
     # writes the backend and never unmarks it. Unmarked, the same reply passes untouched.
     datapath.service(4, TCP)
     datapath.from_pod(client_frame(4, TCP))
     reply = backend_reply(4, TCP, BACKENDS[4][0])
     assert P.parse(datapath.to_pod(reply).data_out).src == CLUSTER_IP[4]
 
-    datapath.loaded.map("kbp_be_ports").update(struct.pack("=I", BACKEND_PORT), b"\x00")
+    datapath.loaded.map("kbp_ports").update(struct.pack("=I", BACKEND_PORT), b"\x00")
 
     assert datapath.to_pod(reply).data_out == reply
+
+
+def test_frontends_are_looked_up_only_at_ports_a_frontend_used(datapath):
+    # The frontend bit of kbp_ports gates the frontend lookup the same way: without it a
+    # SYN to the ClusterIP passes as a non-service packet.
+    datapath.service(4, TCP)
+    table, key = datapath.loaded.map("kbp_ports"), struct.pack("=I", FRONTEND_PORT)
+    table.update(key, bytes([table.lookup(key)[0] & ~C.KBP_PORT_F_FRONTEND]))
+    syn = client_frame(4, TCP)
+
+    assert datapath.from_pod(syn).data_out == syn
+    datapath.mark_port(FRONTEND_PORT, C.KBP_PORT_F_FRONTEND)
+    assert P.parse(datapath.from_pod(syn).data_out).dst in BACKENDS[4]
 
 
 def test_a_local_backends_reply_is_translated_at_its_own_veth_ingress_too(datapath):

@@ -250,6 +250,7 @@ class ExtNode(Datapath):
             internal_count=count if internal_count is None else internal_count,
             type=fe_type,
         )
+        self.mark_port(port, C.KBP_PORT_F_FRONTEND)
         self.loaded.map("kbp_services").update(abi.to_bytes(key), abi.to_bytes(value))
 
     def service_to(

@@ -1094,7 +1094,7 @@ class ModelDataplane(EbpfDataplane):
     def _check_range_capacity(self, ranges: object) -> None:
         pass
 
-    def _mark_backend_ports(self, ports: object) -> None:
+    def _mark_ports(self, flag: int, ports: object) -> None:
         pass
 
     def _write_external(self, state: object, ranges: object, before: bool) -> None:

@@ -81,7 +81,7 @@ MAP_NAMES = (
     "kbp_config",
     "kbp_xdp_stats",
     "kbp_sock_rev",
-    "kbp_be_ports",
+    "kbp_ports",
 )
 
 

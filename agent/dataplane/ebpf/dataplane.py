@@ -27,7 +27,7 @@ from ...model.compile import nodeport_ips
 from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
 from . import codec, external
-from .abi import DROP_REASONS, MAP_NAMES, versioned
+from .abi import DROP_REASONS, MAP_NAMES, const, versioned
 from .cgroup import CgroupAttachError, attach_socket_hooks, detach_socket_hooks, netns_cookie
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
@@ -82,7 +82,7 @@ class EbpfDataplane:
         self._config: bytes | None = None  # kbp_config as written
         self._ranges: set[SourceRange] = set()  # kbp_src_ranges as written
         self._range_index = external.SourceRangeIndex()  # the applied state's, wanted
-        self._backend_ports: set[int] = set()  # kbp_be_ports set by this agent
+        self._ports: dict[int, int] = {}  # kbp_ports bits this agent knows are set
         self.sizes = sizes or MapSizes()
         self.maglev_table_size = maglev_table_size
         self._lock = threading.Lock()
@@ -96,9 +96,12 @@ class EbpfDataplane:
             raise DataplaneError("load", str(err)) from err
         self._check_pinned_sizes()
         self.current = self._read_kernel()
-        # The ports of the backends found (an earlier agent's): set again, as a map of an
-        # agent without kbp_be_ports would lack them, and replies must keep their lookup.
-        self._mark_backend_ports(b.port for b in self.current.backends.values())
+        # The ports of the backends and frontends found (an earlier agent's): set again
+        # where a bit is missing (a map new to this version), or their packets would skip
+        # the lookups that find them.
+        content = self.current
+        self._mark_ports(const.KBP_PORT_F_BACKEND, (b.port for b in content.backends.values()))
+        self._mark_ports(const.KBP_PORT_F_FRONTEND, (k.port for k in content.services))
         self._ranges = self._read_ranges()
         self._config = self.programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
         self.attacher = TcAttacher(netns)
@@ -157,7 +160,10 @@ class EbpfDataplane:
                 change.check_capacity(self.sizes)
                 self._check_range_capacity(ranges)
                 self._write_external(state, ranges, before=True)
-                self._mark_backend_ports(b.port for b in change.writes.backends_to_upsert.values())
+                w = change.writes
+                self._mark_ports(const.KBP_PORT_F_BACKEND,
+                                 (b.port for b in w.backends_to_upsert.values()))  # fmt: skip
+                self._mark_ports(const.KBP_PORT_F_FRONTEND, (k.port for k in w.services_to_upsert))
                 self._write(change.writes)
                 self._write_external(state, ranges, before=False)
             except CapacityError as err:  # nothing was written
@@ -392,20 +398,26 @@ class EbpfDataplane:
         if len(ranges) > size:
             raise CapacityError("src_ranges", len(ranges), size)
 
-    def _mark_backend_ports(self, ports: Iterable[int]) -> None:
-        """Set kbp_be_ports for backend ports not set yet, before backends on them are
-        written (the programs look replies up only from such ports); never cleared, so
-        removed backends' flows drain."""
-        new = set(ports) - self._backend_ports
+    def _mark_ports(self, flag: int, ports: Iterable[int]) -> None:
+        """Set `flag` (KBP_PORT_F_*) in kbp_ports for these ports, before backends or
+        frontends with them are written: the programs look replies up only from backend
+        ports and frontends only at frontend ports. Never cleared, so removed backends'
+        flows drain; a stale bit costs a lookup. Only bits not known to be set are read
+        and written."""
+        known = self._ports
+        new = {port for port in ports if not known.get(port, 0) & flag}
         if not new:
             return
-        table = self.programs.map("kbp_be_ports")
+        table = self.programs.map("kbp_ports")
         for port in sorted(new):
             key = struct.pack("=I", port)
-            if table.lookup(key) != b"\x01":  # an earlier agent's bits stay unwritten
-                table.update(key, b"\x01")
+            raw = table.lookup(key)
+            bits = raw[0] if raw else 0
+            if not bits & flag:  # an earlier agent's bits stay unwritten
+                bits |= flag
+                table.update(key, bytes([bits]))
                 self._pending_writes += 1
-        self._backend_ports |= new
+            known[port] = bits
 
     def _write_external(
         self, state: NodeState, ranges: frozenset[SourceRange], before: bool
