@@ -726,8 +726,8 @@ XDP_PATHS = {
     "xdp_hot_local": "conntrack hit → decided LOCAL, frame untouched → XDP_PASS (tc rewrites)",
     "xdp_spread": "new flow: backend selection, SNAT port claim (2 conntrack inserts), "
     "rewrite, FIB lookup → XDP_REDIRECT",
-    "xdp_miss": "frontend lookup misses (no SNAT-reply lookup: port 22 is outside the SNAT "
-    "range) → XDP_PASS",
+    "xdp_miss": "no lookup: no frontend uses port 22 (kbp_ports) and it is outside the SNAT "
+    "range → XDP_PASS",
     "xdp_reply": "SNAT-reply hit → reverse rewrite, remembered next hop → XDP_REDIRECT",
 }
 REPEAT_TEXT = {
