@@ -40,6 +40,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -236,10 +237,43 @@ def map_sizes_for(
 # --- shared: namespaces, pins, the dataplane ---------------------------------------------
 
 
+def remove_orphans() -> list[str]:
+    """Remove the namespaces and pin directories of bench runs whose process is gone.
+    `finally` cannot run when a process dies outright: LLVM ends the process when bcc's
+    compile fails a backend check (the BPF stack limit, say), and so does SIGKILL."""
+    pattern = re.compile(rf"^{re.escape(BENCH_PREFIX)}(?:pb3-)?(\d+)-")
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/run/netns"):
+            m = pattern.match(name)
+            if m and not _alive(int(m.group(1))):
+                subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
+                removed.append(name)
+    for path in BPFFS.iterdir():
+        m = pattern.match(path.name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def bench_netns() -> Iterator[str]:
     """An empty network namespace of this run, for the dataplane's netlink side: nothing
-    is attached to any interface of the machine's own namespace."""
+    is attached to any interface of the machine's own namespace. Orphans of dead runs
+    go first (remove_orphans)."""
+    for name in remove_orphans():
+        print(f"  removed {name}, left by a bench run that died", file=sys.stderr)
     name = f"{BENCH_PREFIX}{os.getpid()}-{next(_names)}"
     subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
     try:

@@ -99,6 +99,7 @@ from bench.datapath import (
     inside_netns,
     machine,
     map_sizes_for,
+    remove_orphans,
     terminate_as_interrupt,
     write_results,
 )
@@ -735,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
     window_s = args.window or (0.25 if args.quick else 1.0)
 
     terminate_as_interrupt()
+    for name in remove_orphans():  # of runs that died without their `finally`
+        print(f"  removed {name}, left by a bench run that died", file=sys.stderr)
     info = machine()
     backend = iptables_backend()
     header("bench/forward.py (PB-3)", info,
