@@ -130,7 +130,6 @@ FRAME_BYTES = 60
 HEADER_BYTES = 42  # Ethernet + IPv4 + UDP: what the generator rewrites on every run
 BATCH = 64  # frames per live-frames batch (the kernel's default)
 
-BPF_F_TEST_XDP_LIVE_FRAMES = 1 << 1
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 0, 1, 2, 3, 4
 
 # The sink's counters (kbp_bench_sink_count slots).
@@ -302,27 +301,10 @@ def live_run(prog_fd: int, frame: bytes, repeat: int, ifindex: int) -> None:
     """BPF_PROG_TEST_RUN in live-frames mode: `repeat` runs over copies of `frame`, as if
     received on `ifindex` of the calling thread's namespace; XDP_TX and XDP_REDIRECT
     transmit for real. Batches of BATCH frames."""
-    ffi = libbpf.ffi
     # struct xdp_md: data, data_end, data_meta, ingress_ifindex, rx_queue_index,
     # egress_ifindex; the kernel wants data 0 (no metadata) and data_end = the frame's size.
     ctx = struct.pack("<6I", 0, len(frame), 0, ifindex, 0, 0)
-    opts = ffi.new(
-        "struct bpf_test_run_opts *",
-        {
-            "sz": ffi.sizeof("struct bpf_test_run_opts"),
-            "data_in": ffi.from_buffer(frame),
-            "data_size_in": len(frame),
-            "ctx_in": ffi.from_buffer(ctx),
-            "ctx_size_in": len(ctx),
-            "repeat": repeat,
-            "flags": BPF_F_TEST_XDP_LIVE_FRAMES,
-            "batch_size": BATCH,
-        },
-    )
-    rc = libbpf.lib().bpf_prog_test_run_opts(prog_fd, opts)
-    if rc < 0:
-        errno = -rc if rc != -1 else ffi.errno
-        raise OSError(errno, f"live-frames test run of prog fd {prog_fd}: {os.strerror(errno)}")
+    libbpf.prog_test_run_live(prog_fd, frame, repeat, ctx, BATCH)
 
 
 def template_frame(dst: str, dport: int) -> bytes:

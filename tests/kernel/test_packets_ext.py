@@ -31,8 +31,6 @@ Address plan (only `ext0`, `ext1` and their veth peers exist, inside the test na
 
 from __future__ import annotations
 
-import ctypes
-import os
 import socket
 import struct
 import subprocess
@@ -45,6 +43,7 @@ from typing import Any, TypeVar
 import pytest
 
 from agent.dataplane.ebpf import abi, external, kernel, libbpf
+from agent.dataplane.ebpf.netlink import enter_netns
 from agent.dataplane.ebpf.plan import FrontendKey
 
 from . import packets as P
@@ -56,7 +55,6 @@ C = abi.const
 TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT = 0, 2, 7
 XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 1, 2, 3, 4
 TCP, UDP = P.PROTO_TCP, P.PROTO_UDP
-CLONE_NEWNET = 0x40000000
 
 CLIENT = {4: "198.51.100.7", 6: "2001:db8:100::7"}
 OUTSIDER = {4: "203.0.113.200", 6: "2001:db8:200::200"}
@@ -123,44 +121,6 @@ def _nsenter(netns: str, *argv: str) -> None:
     subprocess.run(["nsenter", f"--net=/run/netns/{netns}", *argv], check=True)
 
 
-def _enter_netns(netns: str) -> None:
-    """Thread initializer: move the calling thread (only it) into the namespace."""
-    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"setns into {netns}: {os.strerror(code)}")
-    finally:
-        os.close(fd)
-
-
-def _test_run(prog_fd: int, frame: bytes, ctx: bytes) -> libbpf.TestRun:
-    """BPF_PROG_TEST_RUN with a context (libbpf.prog_test_run has none): the interface
-    indexes the programs read come from it."""
-    ffi = libbpf.ffi
-    size = len(frame) + 256
-    data_out = ffi.new("char[]", size)
-    ctx_in = ffi.new("char[]", ctx)
-    opts = ffi.new(
-        "struct bpf_test_run_opts *",
-        {
-            "sz": ffi.sizeof("struct bpf_test_run_opts"),
-            "data_in": ffi.from_buffer(frame),
-            "data_out": data_out,
-            "data_size_in": len(frame),
-            "data_size_out": size,
-            "ctx_in": ctx_in,
-            "ctx_size_in": len(ctx),
-            "repeat": 1,
-        },
-    )
-    rc = libbpf.lib().bpf_prog_test_run_opts(prog_fd, opts)
-    if rc < 0:
-        raise OSError(-rc, f"test run of prog fd {prog_fd}: {os.strerror(-rc)}")
-    return libbpf.TestRun(opts.retval, bytes(ffi.buffer(data_out, opts.data_size_out)), 0)
-
-
 def _skb_ctx(ingress_ifindex: int, ifindex: int) -> bytes:
     # struct __sk_buff up to `cb`: len .. priority (9 words) must be zero apart from
     # mark/priority; then ingress_ifindex and ifindex, then tc_index (zero).
@@ -182,24 +142,26 @@ class ExtNode(Datapath):
     ext0: int = 0
     ext1: int = 0
 
-    def _in_netns(self, fn: Callable[..., T], *args: Any) -> T:
+    def _in_netns(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         assert self.runner is not None
-        return self.runner.submit(fn, *args).result()
+        return self.runner.submit(fn, *args, **kwargs).result()
 
     # the programs
 
     def from_ext(self, frame: bytes, ifindex: int = 0) -> libbpf.TestRun:
         ifindex = ifindex or self.ext0
         fd = self.loaded.fd("kbp_from_ext")
-        return self._in_netns(_test_run, fd, frame, _skb_ctx(ifindex, ifindex))
+        return self._in_netns(libbpf.prog_test_run, fd, frame, ctx=_skb_ctx(ifindex, ifindex))
 
     def to_ext(self, frame: bytes) -> libbpf.TestRun:
         fd = self.loaded.fd("kbp_to_ext")
-        return self._in_netns(_test_run, fd, frame, _skb_ctx(0, self.ext0))
+        return self._in_netns(libbpf.prog_test_run, fd, frame, ctx=_skb_ctx(0, self.ext0))
 
     def xdp(self, frame: bytes, ifindex: int = 0) -> libbpf.TestRun:
         fd = self.loaded.fd("kbp_xdp_ext")
-        return self._in_netns(_test_run, fd, frame, _xdp_ctx(frame, ifindex or self.ext0))
+        return self._in_netns(
+            libbpf.prog_test_run, fd, frame, ctx=_xdp_ctx(frame, ifindex or self.ext0)
+        )
 
     # writers
 
@@ -301,7 +263,7 @@ def node(bpf_pin_dir, netns) -> Iterator[ExtNode]:
         "net.ipv4.conf.all.forwarding=1",
         "net.ipv6.conf.all.forwarding=1",
     )
-    runner = ThreadPoolExecutor(1, initializer=_enter_netns, initargs=(name,))
+    runner = ThreadPoolExecutor(1, initializer=enter_netns, initargs=(name,))
     loaded = kernel.load_programs(bpf_pin_dir, SIZES)
     try:
         ext = ExtNode(loaded, runner=runner)

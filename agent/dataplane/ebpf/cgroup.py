@@ -10,7 +10,6 @@ replaced or detached, and ours are found by their pins, never by scanning.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import os
@@ -21,11 +20,11 @@ from pathlib import Path
 
 from . import libbpf
 from .kernel import PROGRAMS, LoadedPrograms
+from .netlink import enter_netns
 
 log = logging.getLogger(__name__)
 
 SO_NETNS_COOKIE = 71  # SOL_SOCKET option, kernel 5.14+
-CLONE_NEWNET = 0x40000000
 LINK_PIN_PREFIX = "kbp_link_"
 
 # enum bpf_attach_type of the socket hooks -> the hook's name (as bpftool prints it).
@@ -98,15 +97,8 @@ def netns_cookie(netns: str | None = None) -> int:
 
     def in_namespace() -> None:
         try:
-            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    code = ctypes.get_errno()
-                    raise OSError(code, f"setns into {netns}: {os.strerror(code)}")
-                outcome.append(_cookie_of_this_netns())
-            finally:
-                os.close(fd)
+            enter_netns(netns)
+            outcome.append(_cookie_of_this_netns())
         except BaseException as err:
             outcome.append(err)
 

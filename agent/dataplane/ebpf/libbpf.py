@@ -322,24 +322,42 @@ class TestRun:
     duration_ns: int
 
 
-def prog_test_run(prog_fd: int, data: bytes, repeat: int = 1, out_size: int = 0) -> TestRun:
-    """BPF_PROG_TEST_RUN: run the program on `data` (a whole frame) `repeat` times;
-    duration is the kernel's average per run."""
+# bpf_test_run_opts.flags: XDP frames really sent (XDP_TX, XDP_REDIRECT), kernel 5.18+.
+BPF_F_TEST_XDP_LIVE_FRAMES = 1 << 1
+
+
+def _test_run_opts(data: bytes, repeat: int, ctx: bytes, **fields: Any) -> Any:
+    opts: dict[str, Any] = {
+        "sz": ffi.sizeof("struct bpf_test_run_opts"),
+        "data_in": ffi.from_buffer(data),
+        "data_size_in": len(data),
+        "repeat": repeat,
+    }
+    if ctx:  # struct __sk_buff / xdp_md: interface indexes and the like the program reads
+        opts.update(ctx_in=ffi.from_buffer(ctx), ctx_size_in=len(ctx))
+    return ffi.new("struct bpf_test_run_opts *", {**opts, **fields})
+
+
+def prog_test_run(
+    prog_fd: int, data: bytes, repeat: int = 1, out_size: int = 0, ctx: bytes = b""
+) -> TestRun:
+    """BPF_PROG_TEST_RUN: run the program on `data` (a whole frame) `repeat` times, with
+    `ctx` as its context if given; duration is the kernel's average per run."""
     size = out_size or max(len(data) + 256, 2048)
     data_out = ffi.new("char[]", size)
-    opts = ffi.new(
-        "struct bpf_test_run_opts *",
-        {
-            "sz": ffi.sizeof("struct bpf_test_run_opts"),
-            "data_in": ffi.from_buffer(data),
-            "data_out": data_out,
-            "data_size_in": len(data),
-            "data_size_out": size,
-            "repeat": repeat,
-        },
-    )
+    opts = _test_run_opts(data, repeat, ctx, data_out=data_out, data_size_out=size)
     _check(lib().bpf_prog_test_run_opts(prog_fd, opts), f"test run of prog fd {prog_fd}")
     return TestRun(opts.retval, bytes(ffi.buffer(data_out, opts.data_size_out)), opts.duration)
+
+
+def prog_test_run_live(prog_fd: int, data: bytes, repeat: int, ctx: bytes, batch_size: int) -> None:
+    """BPF_PROG_TEST_RUN of an XDP program in live-frames mode: `repeat` runs over copies
+    of `data`, as if received on ctx's ingress_ifindex; what the program transmits is sent
+    for real, in batches of batch_size. No output frame (the kernel allows none)."""
+    opts = _test_run_opts(
+        data, repeat, ctx, flags=BPF_F_TEST_XDP_LIVE_FRAMES, batch_size=batch_size
+    )
+    _check(lib().bpf_prog_test_run_opts(prog_fd, opts), f"live-frames test run of {prog_fd}")
 
 
 # --- links and cgroup attachments (cgroup.py) ------------------------------------------

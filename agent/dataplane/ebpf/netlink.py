@@ -141,7 +141,7 @@ def _netns_path(netns: str) -> str:
     return netns if "/" in netns else os.path.join(_NETNS_RUN_DIR, netns)
 
 
-def _enter_netns(netns: str) -> None:
+def enter_netns(netns: str) -> None:
     """Move the calling thread (only) into a network namespace."""
     path = _netns_path(netns)
     try:
@@ -192,7 +192,7 @@ class _NamespaceThread:
     def _main(self) -> None:
         try:
             if self._netns is not None:
-                _enter_netns(self._netns)
+                enter_netns(self._netns)
             self._state = self._setup()
         except BaseException as exc:
             self._started.set_exception(exc)
@@ -683,7 +683,7 @@ class LinkWatcher:
     def _main(self) -> None:
         try:
             if self.netns is not None:
-                _enter_netns(self.netns)
+                enter_netns(self.netns)
             sock = socket.socket(
                 socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
             )
