@@ -8,6 +8,7 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Protocol
 
 from .api.healthcheck import HealthCheckServers
 from .api.server import AgentStatus, HealthServer, MetricsServer
@@ -21,6 +22,14 @@ from .sync.store import StateStore
 log = logging.getLogger("kube-bpf-proxy")
 
 GC_PAUSE_LIMIT = 300.0  # seconds the cyclic GC may stay paused waiting for the first apply
+
+
+class Source(Protocol):
+    """A source of cluster state: registered with the store when made, then started."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class StartupError(Exception):
@@ -39,9 +48,10 @@ class Agent:
         self.metrics = Metrics()
         self.store = StateStore()
         try:
-            self.dataplane, reason = select_dataplane(settings)
+            self.selection = select_dataplane(settings)
         except DataplaneStartError as err:
             raise StartupError(str(err)) from err
+        self.dataplane, reason = self.selection.dataplane, self.selection.reason
         self.metrics.dataplane_info.labels(self.dataplane.name, reason).set(1)
         log.info("dataplane: %s (%s)", self.dataplane.name, reason)
         self.status = AgentStatus(
@@ -49,6 +59,13 @@ class Agent:
             dataplane_reason=reason,
             details=getattr(self.dataplane, "status_details", None),
         )
+        # What the kernel holds now (an earlier agent's last apply) serves until this
+        # agent has the cluster's state and has applied it; /state and /readyz say so.
+        adopted = self.dataplane.held_revision
+        self.status.set_adopted(adopted)
+        if adopted is not None:
+            log.info("the kernel holds revision %s (an earlier agent's): it serves until "
+                     "this agent has the cluster's state", adopted[:19])  # fmt: skip
         self._stoppers: list[Callable[[], None]] = []
         register_metrics = getattr(self.dataplane, "register_metrics", None)
         if register_metrics is not None:  # the kernel dataplanes' own gauges and counters
@@ -90,33 +107,34 @@ class Agent:
             min_sync_period=s.min_sync_period,
             sync_period=s.sync_period,
             status=self.status,
-            followers=[health_checks],
+            followers=[health_checks, _AfterFirstApply(self.selection.take_over)],
         )
+        # The source registers with the store when it is made, before the loop can run:
+        # the store is not synced until every source it knows of has listed, so nothing
+        # (above all not the empty state of a store nobody has filled yet) is applied
+        # before the cluster's state is known. What the kernel holds keeps serving.
+        source = self._manifest_source() if s.manifests else self._kubernetes_source()
         self.loop.start()
         self._stoppers.append(self.loop.stop)
-        if s.manifests:
-            self._load_manifests()
-        else:
-            self._start_kubernetes_source()
+        source.start()
+        self._stoppers.append(source.stop)
         log.info(
             "serving metrics and /state on %s, health on %s",
             metrics_server.url, health_server.url,
         )  # fmt: skip
 
-    def _load_manifests(self) -> None:
+    def _manifest_source(self) -> ManifestSource:
         """The file source: the files' full state now, and again when they change."""
-        source = ManifestSource(self.settings.manifests, self.store)
-        source.start()
-        self._stoppers.append(source.stop)
+        return ManifestSource(self.settings.manifests, self.store)
 
-    def _start_kubernetes_source(self) -> None:
+    def _kubernetes_source(self) -> Source:
         from .k8s import ConfigError, KubernetesSource, load_config  # the only kubernetes user
 
         try:
             api_client = load_config(self.settings.kubeconfig)
         except ConfigError as err:
             raise StartupError(str(err)) from err
-        source = KubernetesSource(
+        return KubernetesSource(
             api_client,
             self.store,
             self.metrics,
@@ -124,8 +142,6 @@ class Agent:
             self.settings.service_proxy_name,
             on_reachability=self.status.set_api_reachable,
         )
-        source.start()
-        self._stoppers.append(source.stop)
 
     def stop(self) -> None:
         for stop in reversed(self._stoppers):
@@ -134,6 +150,18 @@ class Agent:
             except Exception:
                 log.exception("stopping %s", getattr(stop, "__qualname__", stop))
         self._stoppers.clear()
+
+
+class _AfterFirstApply:
+    """A sync-loop follower that runs `action` once, after the first successful apply."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self._action: Callable[[], None] | None = action
+
+    def sync(self, state: object) -> None:
+        action, self._action = self._action, None
+        if action is not None:
+            action()
 
 
 def run(settings: Settings, stop: threading.Event | None = None) -> int:

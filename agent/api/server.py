@@ -26,8 +26,13 @@ Health (`/healthz`, `/livez`), with timeout = 2 * sync_period:
 * An unreachable API server does not make the agent unhealthy (the last state keeps
   serving); it is reported as `apiReachable` in the bodies and in `/state`.
 
-Readiness (`/readyz`): 503 until a dataplane apply first succeeded (the first full
-state is programmed), 200 from then on.
+Readiness (`/readyz`): 200 once this agent has programmed the node from the cluster's
+current state: a dataplane apply succeeded after every source finished its initial
+list. Until then 503, also while what an earlier agent programmed keeps serving (the
+adopted revision): a restarted agent that cannot reach the API server is not ready, so a
+DaemonSet rollout (maxUnavailable 1) stops at this node instead of moving on. Once ready
+it stays ready: an API outage later leaves the last state serving and is reported as
+`apiReachable: false`, as kube-proxy does.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class StatusSnapshot:
     consecutive_failures: int
     first_programmed: float | None  # first successful apply: readiness
     api_reachable: bool | None  # None: no API source (manifests) or not known yet
+    adopted_revision: str | None  # what the kernel held at start-up (an earlier agent's)
     node_eligible: bool
     details: Mapping[str, Any] = field(default_factory=dict)  # the dataplane's own fields
 
@@ -109,6 +115,7 @@ class StatusSnapshot:
             "consecutiveFailures": self.consecutive_failures,
             "lastError": self.last_error,
             "firstProgrammedTime": timestamp(self.first_programmed),
+            "adoptedRevision": self.adopted_revision,
             "apiReachable": self.api_reachable,
             "nodeEligible": self.node_eligible,
             **self.details,
@@ -168,11 +175,20 @@ class AgentStatus:
         self._first_programmed: float | None = None
         self._api_reachable: bool | None = None
         self._node_eligible = True
+        self._adopted: str | None = None
 
     # --- writers (the sync loop, the sources) ----------------------------------------
     def set_dataplane(self, name: str) -> None:
         with self._lock:
             self._dataplane = name
+
+    def set_adopted(self, revision: str | None) -> None:
+        """At start-up: the kernel holds what an earlier agent programmed (`revision`,
+        None when unknown). Reported as held; not a sync, so not ready."""
+        with self._lock:
+            self._adopted = revision
+            if self._last_sync is None:
+                self._held = revision
 
     def set_node_state(self, state: NodeState) -> None:
         """The latest complete NodeState (what the dataplane should hold)."""
@@ -251,6 +267,7 @@ class AgentStatus:
                 consecutive_failures=self._failures,
                 first_programmed=self._first_programmed,
                 api_reachable=self._api_reachable,
+                adopted_revision=self._adopted,
                 node_eligible=self._node_eligible,
                 details=details,
             )
@@ -380,10 +397,13 @@ class MetricsServer(_RoutedServer):
             return json_response(400, {"error": f"output must be json or yaml, not {output!r}"})
         snap = self.status.snapshot()
         if snap.state is None:
+            held = snap.held_revision
             return json_response(
                 503,
                 {
-                    "error": "no NodeState yet: waiting for the initial lists",
+                    "error": "no NodeState yet: waiting for the initial lists"
+                    + (f"; the kernel keeps serving revision {held}" if held else ""),
+                    "heldRevision": held,
                     "status": snap.to_dict(),
                 },
             )
@@ -487,11 +507,20 @@ class HealthServer(_RoutedServer):
 
     def _readyz(self, request: Request) -> Response:
         snap = self.status.snapshot()
-        body = {
+        body: dict[str, Any] = {
             "ready": snap.ready,
             "firstProgrammedTime": timestamp(snap.first_programmed),
             "heldRevision": snap.held_revision,
+            "apiReachable": snap.api_reachable,
         }
+        if not snap.ready:
+            body["reason"] = (
+                "not yet programmed from the cluster's state: "
+                + ("waiting for the initial lists" if snap.state is None
+                   else f"applying revision {snap.current_revision}")
+                + (f"; the kernel keeps serving revision {snap.held_revision}"
+                   if snap.held_revision else "")
+            )  # fmt: skip
         return json_response(200 if snap.ready else 503, body)
 
 

@@ -1,10 +1,13 @@
 """`--dataplane auto|ebpf|iptables|none`: probe the kernel, build the dataplane, say why it
-was chosen, and remove what the other kernel dataplane left on this node."""
+was chosen, and remove what the other kernel dataplane left on this node once the chosen
+one has programmed its first state (until then the other one keeps serving: a restart
+that switches dataplanes while the API server is unreachable must not blank the node)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -21,6 +24,23 @@ EBPF_PROBES_PASSED = "eBPF probes passed"
 
 class DataplaneStartError(Exception):
     """The requested dataplane failed to start here; the message says why."""
+
+
+@dataclass
+class Selection:
+    """The chosen dataplane, why, and what the other kernel dataplane left behind, to
+    remove after the chosen one's first successful apply (`take_over`)."""
+
+    dataplane: Dataplane
+    reason: str
+    other: str | None = None  # "ebpf" | "iptables": whose leftovers take_over removes
+    _remove: Callable[[], list[str]] | None = None
+
+    def take_over(self) -> None:
+        """Remove the other dataplane's leftovers (once; best effort, logged)."""
+        remove, self._remove = self._remove, None
+        if remove is not None and self.other is not None:
+            remove_leftovers(self.other, remove)
 
 
 def build_ebpf(settings: Settings) -> Dataplane:
@@ -74,25 +94,28 @@ def build_iptables(settings: Settings) -> Dataplane:
         raise DataplaneError("start", str(err)) from err
 
 
-def select_dataplane(settings: Settings) -> tuple[Dataplane, str]:
-    """(dataplane, reason). `auto`: eBPF when every probe passes, else iptables, else the
-    dry run, the reason naming the probe that failed and why. Raises DataplaneStartError
-    when an explicitly requested dataplane cannot start here."""
+def select_dataplane(settings: Settings) -> Selection:
+    """The dataplane and the reason. `auto`: eBPF when every probe passes, else iptables,
+    else the dry run, the reason naming the probe that failed and why. Raises
+    DataplaneStartError when an explicitly requested dataplane cannot start here."""
     requested = settings.dataplane
+
+    def without_ebpf() -> list[str]:
+        return remove_ebpf_leftovers(settings)
+
     if requested == "none":
-        return NoneDataplane(), "requested"
+        return Selection(NoneDataplane(), "requested")
     if requested == "iptables":
         try:
             dataplane = build_iptables(settings)
         except DataplaneError as err:
             raise DataplaneStartError(f"--dataplane iptables: {err}") from err
-        remove_leftovers("ebpf", lambda: remove_ebpf_leftovers(settings))
-        return dataplane, "requested"
+        return Selection(dataplane, "requested", "ebpf", without_ebpf)
 
     ebpf, results = probe.probe_ebpf(lambda: build_ebpf(settings))
     if ebpf is not None:
-        remove_leftovers("iptables", remove_iptables_leftovers)
-        return ebpf, "requested" if requested == "ebpf" else EBPF_PROBES_PASSED
+        reason = "requested" if requested == "ebpf" else EBPF_PROBES_PASSED
+        return Selection(ebpf, reason, "iptables", remove_iptables_leftovers)
     failure = results[-1]
     if requested == "ebpf":
         raise DataplaneStartError(f"--dataplane ebpf: {failure.name}: {failure.detail}")
@@ -104,15 +127,16 @@ def select_dataplane(settings: Settings) -> tuple[Dataplane, str]:
         reason = f"{ebpf_reason}; iptables unavailable: {err}"
         log.warning("--dataplane auto: %s; running as a dry run (none): nothing is programmed",
                     reason)  # fmt: skip
-        return NoneDataplane(), reason
+        return Selection(NoneDataplane(), reason)
     log.warning("--dataplane auto: %s; falling back to iptables", ebpf_reason)
-    remove_leftovers("ebpf", lambda: remove_ebpf_leftovers(settings))
-    return dataplane, ebpf_reason
+    return Selection(dataplane, ebpf_reason, "ebpf", without_ebpf)
 
 
 # Switching dataplanes leaves nothing of the other behind (as kube-proxy removes other
 # modes' rules when it starts): left in place, stale eBPF filters would translate pod
 # traffic before iptables saw it, and stale KBP- chains would keep answering for Services.
+# It happens after the chosen dataplane's first apply, not at start: until then the other
+# one's rules are what serves the node.
 
 
 def remove_ebpf_leftovers(settings: Settings) -> list[str]:

@@ -154,7 +154,9 @@ class KubernetesSource:
         self.backoff_max = backoff_max
         self._rng = rng or random.Random()
         self._on_reachability = on_reachability
-        self._reachable = False  # reported from the first time every resource is up
+        # None until first known: a server that never answers at start-up is reported
+        # unreachable at the first failure, not left unknown.
+        self._reachable: bool | None = None
         self._reachability_lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -182,12 +184,15 @@ class KubernetesSource:
             store.register_source(watcher.resource.source)
             metrics.api_up.labels(watcher.resource.name).set(0)
 
-    def _report_reachability(self) -> None:
+    def _report_reachability(self, failed: bool = False) -> None:
+        """Reachable once every resource is up; unreachable when one fails (`failed`), or
+        stops after having been up. Resources still listing at start-up report nothing."""
         if self._on_reachability is None:
             return
         with self._reachability_lock:
             reachable = all(w.up for w in self._watchers)
-            if reachable == self._reachable:
+            if reachable == self._reachable or (not reachable and self._reachable is None
+                                                 and not failed):  # fmt: skip
                 return
             self._reachable = reachable
         self._on_reachability(reachable)
@@ -308,7 +313,7 @@ class _Watcher:
                     failures = 0  # a watch that worked for a while: a fresh failure
                 failures += 1
                 relist = True
-                self._set_up(False)
+                self._set_up(False, failed=True)
                 delay = source._backoff(failures)
                 if isinstance(err, OpenApiException | urllib3.exceptions.HTTPError | OSError):
                     log.warning(
@@ -340,10 +345,10 @@ class _Watcher:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def _set_up(self, up: bool) -> None:
+    def _set_up(self, up: bool, failed: bool = False) -> None:
         self.up = up
         self._up_gauge.set(1 if up else 0)
-        self.source._report_reachability()
+        self.source._report_reachability(failed)
 
     # --- list -----------------------------------------------------------------------
     def _list(self) -> str:

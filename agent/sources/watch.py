@@ -53,9 +53,11 @@ class ManifestSource:
         self._thread: threading.Thread | None = None
         self._seen: tuple[tuple[str, int, int], ...] = ()
         self.loads = 0
+        # Registered now, not at start(): the store must know of this source before a
+        # sync loop can run, or it would apply the empty state it holds until then.
+        store.register_source(SOURCE)
 
     def start(self) -> None:
-        self.store.register_source(SOURCE)
         self.load()
         self.store.mark_synced(SOURCE)
         self._thread = threading.Thread(target=self._run, name="manifest-watch", daemon=True)

@@ -164,7 +164,7 @@ class SyncLoop:
         self, state: NodeState, started: float, writes: int, triggers: list[float]
     ) -> None:
         self._failures = 0
-        self.applied = state
+        first, self.applied = self.applied is None, state
         now = self._wall()
         m = self.metrics
         m.kernel_writes.labels(self.dataplane.name).inc(writes)
@@ -179,7 +179,16 @@ class SyncLoop:
                 follower.sync(state)
             except Exception:
                 log.exception("sync: %s failed to follow the new state", type(follower).__name__)
-        if writes:
+        if not writes and first:
+            log.info(
+                "sync: the kernel already holds revision %s: %d services, %d backends, "
+                "nothing to write (%.1f ms)",
+                state.revision[:19],
+                len(state.services),
+                state.backend_count(),
+                (self._clock() - started) * 1000,
+            )  # fmt: skip
+        elif writes:
             log.info(
                 "sync: applied revision %s: %d services, %d backends, %d writes in %.1f ms",
                 state.revision[:19],

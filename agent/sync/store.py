@@ -4,7 +4,9 @@ Sources call `upsert`/`delete`/`replace` from their own threads; every call take
 lock, records only real changes (the model compares previous and current values) and
 wakes the listeners when something changed. The sync loop reads under the same lock.
 Nothing may be applied before every registered source has finished its initial list
-(kpng's "never a partial state"): `synced` says when that is.
+(kpng's "never a partial state"): `synced` says when that is. A store that no source
+has registered with is not synced: an empty ClusterState is applied only when a source
+said the cluster is empty, never because no source was there yet to say otherwise.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class StateStore:
 
     def mark_synced(self, name: str) -> None:
         with self.lock:
+            if name not in self._sources:
+                raise ValueError(f"source {name!r} marked synced but never registered")
             was = self.synced
             self._sources[name] = True
             now = self.synced
@@ -70,8 +74,9 @@ class StateStore:
 
     @property
     def synced(self) -> bool:
+        """Every registered source finished its initial list, and there is at least one."""
         with self.lock:
-            return all(self._sources.values())
+            return bool(self._sources) and all(self._sources.values())
 
     def upsert(self, value: Value) -> bool:
         with self.lock:

@@ -239,4 +239,17 @@ struct kbp_sock_rev {
 	__u32 service_id;
 };
 
+/* kbp_meta (array, one entry at index 0): which NodeState the maps hold, written by the
+ * agent only (no program reads it). A restarted agent reports it as the held revision
+ * until it has the cluster's state again. Zeroed before an apply starts writing and set
+ * after it completed, so an apply cut short (agent killed) leaves "unknown", never a
+ * revision the maps do not wholly hold. */
+struct kbp_meta {
+	__u8 revision[32];  /* sha256 of the NodeState's services (its `revision`); all zero:
+			       none, or an apply did not complete */
+	__u64 applied_ns;   /* when that apply completed, Unix time in ns */
+	__u32 services;     /* NodeState service entries it held, for `inspect` */
+	__u32 backends;     /* NodeState backends it held */
+};
+
 #endif /* KBP_ABI_H */

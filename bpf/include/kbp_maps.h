@@ -106,4 +106,7 @@ BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_
  * maps live (removed backends' flows still drain; a stale bit costs one lookup). */
 BPF_TABLE_PINNED("array", __u32, __u8, kbp_ports, 65536, KBP_PIN(kbp_ports));
 
+/* Index 0: the NodeState revision the maps hold (struct kbp_meta); the agent's alone. */
+BPF_TABLE_PINNED("array", __u32, struct kbp_meta, kbp_meta, 1, KBP_PIN(kbp_meta));
+
 #endif /* KBP_MAPS_H */

@@ -17,12 +17,18 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from agent.dataplane.iptables import dataplane as iptables_dataplane
-from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup, unavailable_reason
+from agent.dataplane.iptables.dataplane import (
+    IptablesDataplane,
+    cleanup,
+    kernel_marker,
+    unavailable_reason,
+)
 from agent.dataplane.iptables.render import (
     FAMILIES,
     IPV4,
     IPV6,
     NAT_BASE_CHAINS,
+    STATE,
     RenderOptions,
     interface_patterns,
     render,
@@ -141,16 +147,23 @@ def expected_tables(node_state: NodeState, family: str) -> Ruleset:
 
 
 def assert_kernel_holds(ns: str, node_state: NodeState) -> None:
+    markers = []
     for family in FAMILIES:
         kernel = Ruleset()
         kernel.restore(save(ns, family))
         expected = expected_tables(node_state, family)
+        markers.append(kernel_marker(family, ns))
+        assert markers[-1] is not None, f"{family}: no KBP-STATE marker"
         for table in ("nat", "filter"):
             held, wanted = kernel.chains(table), expected.chains(table)
+            held.pop(STATE, None)  # the marker: checked above
             differing = sorted(
                 c for c in held.keys() | wanted.keys() if held.get(c) != wanted.get(c)
             )
             assert not differing, f"{family} {table}: chains differ from a full render: {differing}"
+    # A family that the last apply did not change keeps its older marker; the newest
+    # names the revision.
+    assert max(markers, key=lambda m: m[2])[0] == node_state.revision  # type: ignore[index]
 
 
 class RecordingRestores:
@@ -239,6 +252,49 @@ def test_a_partial_sync_rewrites_only_the_changed_services_chains(iptables_ns, m
 
     # a restarted agent's first apply is a full rewrite and converges to the same tables
     IptablesDataplane(POD_INTERFACES, netns=iptables_ns).apply(first)
+    assert_kernel_holds(iptables_ns, first)
+
+
+def test_a_restarted_agent_adopts_what_it_would_write_and_writes_nothing(
+    iptables_ns, monkeypatch
+):
+    restores = RecordingRestores(monkeypatch)
+    first = state(BEFORE)
+    IptablesDataplane(POD_INTERFACES, netns=iptables_ns).apply(first)
+    restores.take()
+
+    restarted = IptablesDataplane(POD_INTERFACES, netns=iptables_ns)
+    assert restarted.held_revision == first.revision  # read from the kernel's marker
+    assert restarted.apply(first, full=True) == 0
+    assert restores.take() == {}, "the kernel holds what this state renders"
+    assert restarted.held_revision == first.revision
+    assert_kernel_holds(iptables_ns, first)
+
+    # the next change is a partial sync over the adopted rules
+    second = state(AFTER)
+    assert restarted.apply(second) > 0
+    assert list(restores.take()) == ["iptables-restore"]
+    assert_kernel_holds(iptables_ns, second)
+
+    # a restart onto a changed cluster rewrites, and a marker from other rules (here:
+    # other pod CIDRs, which change every EXT chain) is not adopted either
+    again = IptablesDataplane(POD_INTERFACES, netns=iptables_ns)
+    assert again.held_revision == second.revision
+    other = state(AFTER, pod_cidrs=("10.240.0.0/12",))
+    assert other.revision == second.revision  # node settings are not in the revision
+    assert again.apply(other) > 0
+    assert set(restores.take()) == set(RESTORE.values())
+    assert_kernel_holds(iptables_ns, other)
+
+
+def test_without_its_jump_rules_a_restart_rewrites_even_when_the_marker_matches(iptables_ns):
+    first = state(BEFORE)
+    IptablesDataplane(POD_INTERFACES, netns=iptables_ns).apply(first)
+    jump = ["-m", "comment", "--comment", "kube-bpf-proxy service portals", "-j", "KBP-SERVICES"]
+    subprocess.run(["nsenter", f"--net=/run/netns/{iptables_ns}", "iptables", "-t", "nat",
+                    "-D", "PREROUTING", *jump], check=True)  # fmt: skip
+    assert IptablesDataplane(POD_INTERFACES, netns=iptables_ns).apply(first) > 0
+    assert "-A PREROUTING" in save(iptables_ns, IPV4)
     assert_kernel_holds(iptables_ns, first)
 
 
@@ -412,5 +468,8 @@ def test_a_periodic_resync_after_our_rules_were_removed_rewrites_them_at_once(ip
         kernel.restore(save(iptables_ns, family))
         wanted.restore(expected[family])
         for table in ("nat", "filter"):
-            assert kernel.chains(table) == wanted.chains(table), (family, table)
+            held, expected_chains = kernel.chains(table), wanted.chains(table)
+            assert held.pop(STATE, None) is not None or table == "nat"  # rewritten with
+            expected_chains.pop(STATE, None)  # the rules, its time differs
+            assert held == expected_chains, (family, table)
     assert dp.apply(state(BEFORE), full=True) == 0  # rules in place: nothing to write

@@ -254,7 +254,39 @@ def test_healthy_and_not_ready_before_the_first_nodestate(health_server: HealthS
     assert health(health_server, "/livez")[0] == 200
     code, body = health(health_server, "/readyz")
     assert code == 503
-    assert body == {"ready": False, "firstProgrammedTime": None, "heldRevision": None}
+    assert body == {
+        "ready": False,
+        "firstProgrammedTime": None,
+        "heldRevision": None,
+        "apiReachable": None,
+        "reason": "not yet programmed from the cluster's state: waiting for the initial lists",
+    }
+
+
+def test_a_restarted_agent_serves_what_the_kernel_holds_and_is_not_ready_until_it_synced(
+    health_server: HealthServer, metrics_server: MetricsServer, status: AgentStatus,
+    clock: FakeClock,
+) -> None:  # fmt: skip
+    """The kernel holds an earlier agent's revision and the API server is unreachable:
+    /state and /readyz say both; ready only once this agent applied the cluster's state."""
+    held = web_state()
+    status.set_adopted(held.revision)
+    status.set_api_reachable(False)
+    code, body = health(health_server, "/readyz")
+    assert code == 503
+    assert body["heldRevision"] == held.revision
+    assert body["apiReachable"] is False
+    assert f"the kernel keeps serving revision {held.revision}" in body["reason"]
+    assert health(health_server, "/livez")[0] == 200  # not a reason to restart the agent
+    code, body = get_json(metrics_server.url + "/state")
+    assert code == 503
+    assert body["heldRevision"] == held.revision
+    assert body["status"]["adoptedRevision"] == held.revision
+    assert body["status"]["apiReachable"] is False
+    assert body["status"]["ready"] is False
+    status.set_api_reachable(True)
+    synced(status, clock, held)  # the cluster did not change: the same revision, applied
+    assert health(health_server, "/readyz")[0] == 200
 
 
 def test_healthy_after_a_recent_sync_with_the_current_revision_held(
@@ -408,6 +440,7 @@ def test_readyz_turns_200_when_the_first_full_state_is_programmed(
         "ready": True,
         "firstProgrammedTime": "2027-01-15T08:00:01.000Z",
         "heldRevision": state.revision,
+        "apiReachable": None,
     }
 
 

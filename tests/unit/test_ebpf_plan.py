@@ -1084,6 +1084,7 @@ class ModelDataplane(EbpfDataplane):
         self._lock = threading.Lock()
         self._held = None
         self._pending_writes = 0
+        self._serving = True  # nothing attached to take over
         self._range_index = external.SourceRangeIndex()
         self.kernel = Kernel(EMPTY)
         self.current = self._read_kernel()
@@ -1098,6 +1099,9 @@ class ModelDataplane(EbpfDataplane):
         pass
 
     def _write_external(self, state: object, ranges: object, before: bool) -> None:
+        pass
+
+    def _write_meta(self, state: object) -> None:
         pass
 
     def _follow_node(self, state: object, full: bool) -> None:

@@ -278,9 +278,12 @@ SELECTION_CASES = {
 def test_dataplane_selection(kernel: FakeKernel, case: SelectionCase) -> None:
     for name, value in case.kernel.items():
         setattr(kernel, name, value)
-    dataplane, reason = select.select_dataplane(Settings(dataplane=case.requested,
-                                                         bpffs=PIN_DIR))  # fmt: skip
-    assert (dataplane.name, reason) == (case.chosen, case.reason)
+    selection = select.select_dataplane(Settings(dataplane=case.requested, bpffs=PIN_DIR))
+    assert (selection.dataplane.name, selection.reason) == (case.chosen, case.reason)
+    # The other dataplane's leftovers go only once the chosen one has applied.
+    assert not any(call.startswith("remove") for call in kernel.calls)
+    selection.take_over()
+    selection.take_over()  # once
     assert kernel.calls == case.calls
 
 
@@ -335,6 +338,39 @@ def test_the_agent_publishes_the_reason_in_the_metric_and_state(kernel: FakeKern
         assert agent.status.snapshot().to_dict()["dataplaneReason"] == reason
         labels = {"dataplane": "iptables", "reason": reason}
         assert agent.metrics.registry.get_sample_value("kbp_dataplane_info", labels) == 1.0
+    finally:
+        agent.stop()
+
+
+def test_an_agent_whose_api_server_does_not_answer_applies_nothing(tmp_path: Path) -> None:
+    """Restarted during an API outage: the source is registered before the sync loop
+    runs, so the loop never applies the empty store; /readyz stays 503 and the API is
+    reported unreachable."""
+    with socket.socket() as listener:  # accepts nothing: connections are refused
+        listener.bind(("127.0.0.1", 0))
+        server = f"https://127.0.0.1:{listener.getsockname()[1]}"
+    config = tmp_path / "kubeconfig"
+    config.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters: [{{name: c, cluster: {{server: '{server}'}}}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
+    )
+    agent = Agent(Settings(dataplane="none", kubeconfig=str(config), node="node-a",
+                           metrics_bind_address="127.0.0.1:0",
+                           healthz_bind_address="127.0.0.1:0"))  # fmt: skip
+    try:
+        agent.start()
+        deadline = time.monotonic() + 10
+        while agent.status.snapshot().api_reachable is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the loop has run meanwhile (it runs once at start)
+        snapshot = agent.status.snapshot()
+        assert snapshot.api_reachable is False
+        assert agent.loop.runner.runs >= 1
+        assert agent.dataplane.held_revision is None  # nothing applied
+        assert agent.loop.applied is None and snapshot.state is None
+        assert snapshot.ready is False
     finally:
         agent.stop()
 

@@ -86,6 +86,29 @@ def test_nothing_is_applied_before_every_initial_list_completed(loop: SyncLoop) 
     assert fake(loop).held_revision == loop.state.revision  # type: ignore[union-attr]
 
 
+def test_a_store_no_source_has_registered_with_applies_nothing() -> None:
+    """A restarted agent's loop may run before its source has registered: the empty
+    store it sees then is not the cluster's state, and applying it would blank the node."""
+    store = StateStore()
+    loop = SyncLoop(store, "node-a", CompileOptions(), FakeDataplane(), Metrics(), status=Status())
+    assert store.synced is False
+    assert loop.sync() is False
+    assert loop.sync(periodic=True) is False
+    assert fake(loop).attempts == 0
+    store.register_source("kubernetes/services")
+    assert loop.sync() is False  # registered, still listing
+    store.mark_synced("kubernetes/services")
+    assert loop.sync() is True  # the source said the cluster is empty: apply that
+    assert fake(loop).held is not None and fake(loop).held.services == ()
+
+
+def test_a_source_that_never_registered_cannot_mark_the_store_synced() -> None:
+    store = StateStore()
+    with pytest.raises(ValueError, match="never registered"):
+        store.mark_synced("kubernetes/services")
+    assert store.synced is False
+
+
 def test_the_first_apply_is_a_full_one_then_changes_are_incremental(loop: SyncLoop) -> None:
     loop.store.mark_synced("test")
     loop.sync()

@@ -125,6 +125,12 @@ def _pinned_hooks(pin_dir: Path) -> list[str]:
     )
 
 
+def socket_hooks_pinned(pin_dir: Path) -> list[str]:
+    """The hooks whose links an agent pinned under `pin_dir` (attached, or left by one
+    that died)."""
+    return _pinned_hooks(pin_dir)
+
+
 def _open_cgroup(cgroup: Path) -> tuple[int, int]:
     """(fd, cgroup id) of a cgroup2 directory; the id is its inode number."""
     try:

@@ -121,3 +121,24 @@ def read_content(services: Map, slots: Map, backends: Map) -> KernelContent:
                 sets[set_id] = (_BROKEN, *sets[set_id])
     ends = {_U32.unpack(k)[0]: decode_backend(v) for k, v in backends.items()}
     return KernelContent(services=frontends, slots=sets, backends=ends)
+
+
+# --- kbp_meta: which NodeState the maps hold -------------------------------------------
+
+_META = packer("kbp_meta")
+REVISION_PREFIX = "sha256:"
+NO_META = bytes(_META.size)  # "unknown": nothing applied, or an apply did not complete
+
+
+def meta_value(revision: str, applied_ns: int, services: int, backends: int) -> bytes:
+    """kbp_meta for a NodeState revision (`sha256:<64 hex>`)."""
+    digest = bytes.fromhex(revision.removeprefix(REVISION_PREFIX))
+    return _META.pack(digest, applied_ns, services, backends)
+
+
+def meta_revision(raw: bytes | None) -> str | None:
+    """The revision a kbp_meta value names; None when it names none."""
+    if not raw or raw[:32] == bytes(32):
+        return None
+    digest, _applied, _services, _backends = _META.unpack(raw[: _META.size])
+    return REVISION_PREFIX + digest.hex()

@@ -3,10 +3,18 @@ keeps the programs attached to every pod interface, and to the node's external
 interfaces (tc, plus XDP where it can be attached) for traffic from outside.
 
 Start-up compiles the C programs (bcc), opens or creates the pins, reads what the maps
-hold (a restarted agent adopts the previous agent's ids and sets), attaches to the pod
-interfaces and watches netlink for new ones. Each apply translates the NodeState to map
-contents (plan.py), diffs against the kernel's, checks capacity, and writes only the
-differences, in the order that keeps every intermediate state whole for packets.
+hold (a restarted agent adopts the previous agent's ids and sets, and reports the
+revision kbp_meta names), attaches to the pod interfaces and watches netlink for new
+ones. Each apply translates the NodeState to map contents (plan.py), diffs against the
+kernel's, checks capacity, and writes only the differences, in the order that keeps
+every intermediate state whole for packets.
+
+Taking over from an earlier agent: where its programs are attached (tc, XDP, the
+socket hooks' pinned links), they keep serving from their maps until this agent's first
+apply has completed; only then are they replaced. Until then this agent may not have the
+cluster's state (the API server unreachable at start), and after an ABI change its maps
+start empty: replacing the programs at start-up would blank the node. Interfaces with no
+program of ours are attached at once (nothing serves them either way).
 """
 
 from __future__ import annotations
@@ -28,7 +36,13 @@ from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
 from . import codec, external
 from .abi import DROP_REASONS, MAP_NAMES, const, versioned
-from .cgroup import CgroupAttachError, attach_socket_hooks, detach_socket_hooks, netns_cookie
+from .cgroup import (
+    CgroupAttachError,
+    attach_socket_hooks,
+    detach_socket_hooks,
+    netns_cookie,
+    socket_hooks_pinned,
+)
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
@@ -104,10 +118,22 @@ class EbpfDataplane:
         self._mark_ports(const.KBP_PORT_F_FRONTEND, (k.port for k in content.services))
         self._ranges = self._read_ranges()
         self._config = self.programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
+        # The revision an earlier agent's last complete apply left in the maps (None: none,
+        # or that apply was cut short): reported as held until this agent applies.
+        self._meta_revision = codec.meta_revision(self.programs.map("kbp_meta").lookup(bytes(4)))
+        self._held = self._meta_revision
         self.attacher = TcAttacher(netns)
         self._netns_cookie = netns_cookie(netns)
         self.cgroup = cgroup
-        if cgroup is not None:
+        # Where an earlier agent's programs are attached, they serve until our first apply
+        # completed (see the module doc): those interfaces wait in _deferred.
+        self._serving = False
+        self._takeover_lock = threading.Lock()
+        self._deferred: dict[int, Link] = {}
+        self._earlier = {a.index for a in self.attacher.attached()}
+        self._earlier |= {x.index for x in self.attacher.xdp() if is_ours(x.prog_id)}
+        self._cgroup_deferred = cgroup is not None and bool(socket_hooks_pinned(self.pin_dir))
+        if cgroup is not None and not self._cgroup_deferred:
             try:
                 attach_socket_hooks(self.programs, cgroup, self.pin_dir)
             except CgroupAttachError as err:
@@ -124,6 +150,14 @@ class EbpfDataplane:
                 if PodInterfaces(watched).matches(link.name):
                     self._on_link(link)
         attached = len(self._attached)
+        if self._deferred or self._cgroup_deferred:
+            log.info(
+                "ebpf: an earlier agent's programs keep serving %s until the first apply "
+                "(the maps hold revision %s)",
+                ", ".join([*(link.name for link in self._deferred.values()),
+                           *(["the socket hooks"] if self._cgroup_deferred else [])]),
+                (self._meta_revision or "unknown")[:19],
+            )  # fmt: skip
         log.info(
             "ebpf: datapath loaded in %.1f s (compile %.1f s), maps in %s hold %d frontends and "
             "%d backends, attached to %d pod interface(s) matching %s; external interfaces: %s, "
@@ -159,6 +193,8 @@ class EbpfDataplane:
             try:
                 change.check_capacity(self.sizes)
                 self._check_range_capacity(ranges)
+                if change.writes.count:
+                    self._write_meta(None)  # "unknown" until every write below is done
                 self._write_external(state, ranges, before=True)
                 w = change.writes
                 self._mark_ports(const.KBP_PORT_F_BACKEND,
@@ -166,6 +202,7 @@ class EbpfDataplane:
                 self._mark_ports(const.KBP_PORT_F_FRONTEND, (k.port for k in w.services_to_upsert))
                 self._write(change.writes)
                 self._write_external(state, ranges, before=False)
+                self._write_meta(state)
             except CapacityError as err:  # nothing was written
                 self.current = change.rollback()
                 raise DataplaneError("capacity", str(err)) from err
@@ -180,6 +217,8 @@ class EbpfDataplane:
             self._held = state.revision
             writes = change.writes.count + self._pending_writes
             self._pending_writes = 0
+        if not self._serving:
+            self._take_over()
         self._follow_node(state, full)
         return writes
 
@@ -281,7 +320,35 @@ class EbpfDataplane:
 
     # --- interfaces ----------------------------------------------------------------------
 
+    def _take_over(self) -> None:
+        """After the first complete apply: replace the earlier agent's programs where they
+        were left to serve. A failure here is logged; the earlier programs keep serving
+        there and the maps are already this agent's."""
+        with self._takeover_lock:
+            self._serving = True
+            deferred, self._deferred = list(self._deferred.values()), {}
+        for link in deferred:
+            try:
+                self._on_link(link)
+            except DataplaneError as err:
+                log.error("ebpf: replacing the programs on %s: %s", link.name, err)
+        if self._cgroup_deferred and self.cgroup is not None:
+            self._cgroup_deferred = False
+            try:
+                attach_socket_hooks(self.programs, self.cgroup, self.pin_dir)
+            except CgroupAttachError as err:
+                log.error("ebpf: replacing the socket hooks: %s; the node's own processes "
+                          "reach Services only through the routes", err)  # fmt: skip
+        if deferred:
+            names = ", ".join(link.name for link in deferred)
+            log.info("ebpf: the first state is programmed: this agent's programs replaced "
+                     "the earlier agent's on %s", names)  # fmt: skip
+
     def _on_link(self, link: Link) -> None:
+        with self._takeover_lock:
+            if not self._serving and link.index in self._earlier:
+                self._deferred[link.index] = link  # the earlier program serves until then
+                return
         if self._pods.matches(link.name):
             hooks = HOOKS
         elif self._external is not None and self._external.matches(link.name):
@@ -392,6 +459,20 @@ class EbpfDataplane:
         }
 
     # --- external maps -----------------------------------------------------------------------
+
+    def _write_meta(self, state: NodeState | None) -> None:
+        """kbp_meta: the revision the maps now hold wholly (None: an apply is under way)."""
+        revision = state.revision if state is not None else None
+        if revision == self._meta_revision:
+            return
+        if state is None:
+            value = codec.NO_META
+        else:
+            value = codec.meta_value(state.revision, time.time_ns(), len(state.services),
+                                     state.backend_count())  # fmt: skip
+        self.programs.map("kbp_meta").update(bytes(4), value)
+        self._meta_revision = revision
+        self._pending_writes += 1
 
     def _check_range_capacity(self, ranges: frozenset[SourceRange]) -> None:
         size = self.programs.map("kbp_src_ranges").info.max_entries

@@ -6,11 +6,18 @@ only the dispatch chains and the chains of the Service entries whose digest chan
 (kube-proxy's partial sync, KEP-3453). Each family's document is one restore: the kernel
 switches from the old rules to the new ones in one commit. Rules of other programs are
 never flushed: only our chains are declared, and our jump rules are inserted once.
+
+Every document ends with the KBP-STATE marker: the revision written and a digest of all
+of the family's rules. A restarted agent reports the marker's revision as held until it
+applies, and its first apply writes nothing when the rules it would write have the
+digest the kernel's marker names and the jump rules are in place (kube-proxy rewrites
+everything at start; at 10k Services that is seconds of iptables-restore for nothing).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import time
@@ -30,11 +37,16 @@ from .render import (
     POSTROUTING,
     PREFIX,
     SERVICES,
+    STATE,
     EntryRules,
     RenderOptions,
     assemble,
+    entry_digest,
     entry_rules,
     interface_patterns,
+    marker,
+    parse_marker,
+    rules_digest,
 )
 
 log = logging.getLogger(__name__)
@@ -113,6 +125,22 @@ def _saved(family: str, netns: str | None) -> dict[str, list[str]]:
     return out
 
 
+_MARKER_RULE = re.compile(rf'^-A {STATE} -m comment --comment "?([^"]*)"? -j RETURN$')
+
+
+def kernel_marker(family: str, netns: str | None = None) -> tuple[str, str, int] | None:
+    """(revision, rules digest, written at, Unix ns) of the KBP-STATE marker the kernel
+    holds for a family; None when there is none."""
+    proc = _run(netns, [SAVE[family], "-t", "filter"])
+    if proc.returncode != 0:
+        return None
+    for line in proc.stdout.splitlines():
+        match = _MARKER_RULE.match(line)
+        if match:
+            return parse_marker(match.group(1))
+    return None
+
+
 def kernel_chains(family: str, netns: str | None = None) -> dict[str, set[str]]:
     """The KBP- chains the kernel holds, per table."""
     return {
@@ -164,6 +192,7 @@ class _Held:
     options: RenderOptions
     entries: dict[tuple[str, ...], ServiceEntry]
     rules: dict[tuple[str, ...], EntryRules]
+    digests: dict[tuple[str, ...], bytes]  # entry_digest of each entry's rules
 
 
 class IptablesDataplane:
@@ -185,6 +214,16 @@ class IptablesDataplane:
         self._last_full = 0.0
         self._conntrack = shutil.which("conntrack")
         self.last_writes: dict[str, int] = {}  # per family, of the last apply (benchmarks)
+        # What an earlier agent left (per family: revision, rules digest, written at):
+        # reported as held, and adopted by the first apply if it is what it would write.
+        self._found: dict[str, tuple[str, str, int]] = {}
+        for family in FAMILIES:
+            found = kernel_marker(family, netns) if shutil.which(SAVE[family]) else None
+            if found is not None:
+                self._found[family] = found
+        if self._found:  # the newest write names the revision (a family unchanged by
+            # later applies keeps an older marker that still describes its rules)
+            self._revision = max(self._found.values(), key=lambda f: f[2])[0]
 
     @property
     def held_revision(self) -> str | None:
@@ -205,6 +244,11 @@ class IptablesDataplane:
         by_family: dict[str, list[ServiceEntry]] = {family: [] for family in FAMILIES}
         for entry in state.services:
             by_family[entry.ip_family].append(entry)
+        if self._found:
+            found, self._found = self._found, {}  # adopted once, at the first apply
+            if self._adopt(state, by_family, found):
+                self._last_full = now
+                return 0
         writes = 0
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
         try:
@@ -216,7 +260,7 @@ class IptablesDataplane:
             for family in FAMILIES:
                 options = self._options(state, family)
                 writes += self._apply_family(
-                    family, options, by_family[family], rewrite_all, removed_udp
+                    family, options, by_family[family], rewrite_all, removed_udp, state.revision
                 )
             if rewrite_all or full:
                 writes += self._ensure_jumps()
@@ -230,6 +274,38 @@ class IptablesDataplane:
         self._clear_udp_conntrack(removed_udp)
         return writes
 
+    def _adopt(
+        self,
+        state: NodeState,
+        by_family: dict[str, list[ServiceEntry]],
+        found: dict[str, tuple[str, str, int]],
+    ) -> bool:
+        """Take what an earlier agent wrote as held, writing nothing, when every family's
+        marker names the digest of the rules this state renders and no jump rule is
+        missing. The per-entry rules are rendered either way (a rewrite needs them too)."""
+        held: dict[str, _Held] = {}
+        for family in FAMILIES:
+            options = self._options(state, family)
+            entries = {e.sort_key: e for e in by_family[family]}
+            rules = {key: entry_rules(e, options) for key, e in entries.items()}
+            digests = {key: entry_digest(r) for key, r in rules.items()}
+            marker_found = found.get(family)
+            if marker_found is None or marker_found[1] != rules_digest(options, digests.values()):
+                return False
+            held[family] = _Held(options, entries, rules, digests)
+        try:
+            if self._missing_jumps():
+                return False
+        except DataplaneError:
+            return False
+        self._held = held
+        self._needs_full = False
+        self._revision = state.revision
+        self.last_writes = dict.fromkeys(FAMILIES, 0)
+        log.info("iptables: the tables already hold revision %s (written by an earlier agent): "
+                 "nothing to write", state.revision[:19])  # fmt: skip
+        return True
+
     def _options(self, state: NodeState, family: str) -> RenderOptions:
         cidrs = tuple(c for c in state.node.cluster_cidrs if ip_family(c.split("/")[0]) == family)
         return RenderOptions(family, cidrs, self._patterns)
@@ -241,6 +317,7 @@ class IptablesDataplane:
         entries: list[ServiceEntry],
         rewrite_all: bool,
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]],
+        revision: str = "",
     ) -> int:
         held = self._held.get(family)
         if held is not None and held.options != options:
@@ -248,14 +325,18 @@ class IptablesDataplane:
         new_entries = {e.sort_key: e for e in entries}
         old_entries = held.entries if held is not None else {}
         old_rules = held.rules if held is not None else {}
+        old_digests = held.digests if held is not None else {}
         rules: dict[tuple[str, ...], EntryRules] = {}
+        digests: dict[tuple[str, ...], bytes] = {}
         rewritten: list[EntryRules] = []
         for key, entry in new_entries.items():
             old = old_entries.get(key)
             if not rewrite_all and old is not None and old.digest == entry.digest:
                 rules[key] = old_rules[key]
+                digests[key] = old_digests[key]
                 continue
             rules[key] = entry_rules(entry, options)
+            digests[key] = entry_digest(rules[key])
             rewritten.append(rules[key])
             if old is not None and old.protocol == "UDP":
                 removed_udp.append((old, entry))
@@ -278,11 +359,12 @@ class IptablesDataplane:
                     continue
                 previous.update(old_rules[key].chains)
             stale = previous - desired
-        document = assemble(options, rules.values(), rewritten, stale)
+        state_marker = marker(revision, rules_digest(options, digests.values()), time.time_ns())
+        document = assemble(options, rules.values(), rewritten, stale, state_marker)
         proc = _run(self.netns, [RESTORE[family], "-w", LOCK_WAIT, "--noflush"], document.text)
         if proc.returncode != 0:
             raise DataplaneError("iptables-restore", _restore_error(family, proc, document.text))
-        self._held[family] = _Held(options, new_entries, rules)
+        self._held[family] = _Held(options, new_entries, rules, digests)
         self.last_writes[family] = document.rules + document.chains_deleted
         log.debug(
             "iptables %s: %d rules in %d chains written, %d chains deleted%s",

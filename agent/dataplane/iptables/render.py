@@ -23,6 +23,9 @@ Structure (nat table unless noted; every name starts with `KBP-`):
                          REJECT when the Service has no endpoints at all, DROP when policy
                          leaves none for this node or the source range refuses the client
     filter KBP-FORWARD   accepts marked and established Service traffic under a DROP policy
+    filter KBP-STATE     never jumped to: one rule whose comment names the NodeState revision
+                         and a digest of every rule written with it (`marker`), committed
+                         last, so a restarted agent knows what the tables hold
 
 A frontend that nat does not translate keeps its Service address, so the filter table can
 decide it; translated packets no longer match those rules (kube-proxy's split).
@@ -57,6 +60,8 @@ MASQ_NON_POD = "KBP-MASQ-NON-POD"
 FORWARD = "KBP-FORWARD"
 NAT_BASE_CHAINS = (SERVICES, MARK_MASQ, MASQ_NON_POD, POSTROUTING)
 FILTER_BASE_CHAINS = (SERVICES, FORWARD)
+STATE = "KBP-STATE"
+MARKER_PREFIX = "kube-bpf-proxy holds"
 
 # Bit 14, as kube-proxy's default --iptables-masquerade-bit: a node that ran kube-proxy
 # before keeps meaning the same thing by it.
@@ -341,14 +346,55 @@ class Document:
     chains_deleted: int
 
 
+def entry_digest(rules: EntryRules) -> bytes:
+    """A digest of every rule an entry contributes (what `rules_digest` combines)."""
+    h = hashlib.sha256()
+    for line in (*rules.dispatch, *rules.filter):
+        h.update(line.encode())
+        h.update(b"\n")
+    for chain, lines in rules.chains.items():
+        h.update(chain.encode())
+        h.update(b"\n".join(line.encode() for line in lines))
+        h.update(b"\n")
+    return h.digest()
+
+
+def rules_digest(options: RenderOptions, entry_digests: Iterable[bytes]) -> str:
+    """What one family's tables hold when written from these entries, as 32 hex digits:
+    equal digests mean equal rules (the base chains' included)."""
+    nat, filt = base_rules(options)
+    h = hashlib.sha256("\n".join((*nat, *filt)).encode())
+    for digest in entry_digests:
+        h.update(digest)
+    return h.hexdigest()[:32]
+
+
+def marker(revision: str, digest: str, written_ns: int) -> str:
+    """The comment of the KBP-STATE rule (well under iptables' 256-character limit)."""
+    return f"{MARKER_PREFIX} {revision} rules {digest} at {written_ns}"
+
+
+def parse_marker(comment: str) -> tuple[str, str, int] | None:
+    """(revision, rules digest, when written in Unix ns) from a KBP-STATE comment; None
+    when it is not one."""
+    words = comment.split()
+    if (len(words) != 7 or " ".join(words[:2]) != MARKER_PREFIX or words[3] != "rules"
+            or words[5] != "at" or not words[6].isdigit()):  # fmt: skip
+        return None
+    return words[2], words[4], int(words[6])
+
+
 def assemble(
     options: RenderOptions,
     all_rules: Iterable[EntryRules],
     rewritten: Iterable[EntryRules],
     stale_chains: Iterable[str],
+    state_marker: str | None = None,
 ) -> Document:
     """The restore input (for `--noflush`): the dispatch and filter chains from every
-    entry, the nat chains of the `rewritten` entries, and deletes of `stale_chains`."""
+    entry, the nat chains of the `rewritten` entries, and deletes of `stale_chains`.
+    `state_marker` (see `marker`) goes into KBP-STATE at the end of the filter table, the
+    last table committed, so it is in the kernel only if everything before it is."""
     nat_base, filter_base = base_rules(options)
     dispatch: list[str] = []
     filtering: list[str] = []
@@ -377,13 +423,17 @@ def assemble(
     lines.extend(f":{chain} - [0:0]" for chain in FILTER_BASE_CHAINS)
     lines.extend(filter_base)
     lines.extend(filtering)
+    if state_marker is not None:
+        lines.append(f":{STATE} - [0:0]")
+        lines.append(f"-A {STATE} -m comment --comment {_quote(state_marker)} -j RETURN")
     lines.append("COMMIT")
     lines.append("")
     rule_count = len(nat_base) + len(dispatch) + len(body) + len(filter_base) + len(filtering)
+    extra = 1 if state_marker is not None else 0
     return Document(
         "\n".join(lines),
-        rules=rule_count,
-        chains_written=len(declared) + len(FILTER_BASE_CHAINS),
+        rules=rule_count + extra,
+        chains_written=len(declared) + len(FILTER_BASE_CHAINS) + extra,
         chains_deleted=len(stale),
     )
 
