@@ -66,9 +66,19 @@ class _QuickStopServer(aiohttp.test_utils.RawTestServer):
 class KmockApi:
     """A kmock KubernetesEmulator served over HTTP from its own event-loop thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, netns: str | None = None) -> None:
+        """`netns`: serve from inside that network namespace (its loopback), for an agent
+        that runs there (the kernel tests); the event-loop thread enters it first."""
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="kmock", daemon=True)
+
+        def serve() -> None:
+            if netns is not None:
+                from agent.dataplane.ebpf.netlink import enter_netns
+
+                enter_netns(netns)  # this thread only: its sockets live in netns
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=serve, name="kmock", daemon=True)
         self.thread.start()
         self.emulator: kmock.KubernetesEmulator = self.call(self._make_emulator())
         self.server: kmock.Server | None = None

@@ -33,12 +33,13 @@ LOG_TIMEOUT = 90.0
 EXIT_GRACE = 2.0
 
 
-def run_argv(manifests: Path, node: str, dataplane: str, *flags: str) -> list[str]:
-    """`kube-bpf-proxy run` on manifest files as `node`, with the settings every lab agent
-    shares (its pods' interfaces, servers on ephemeral loopback ports, small maps) and
-    then `flags` (later flags win)."""
+def run_argv(manifests: Path | None, node: str, dataplane: str, *flags: str) -> list[str]:
+    """`kube-bpf-proxy run` on manifest files (None: give --kubeconfig in `flags`) as
+    `node`, with the settings every lab agent shares (its pods' interfaces, servers on
+    ephemeral loopback ports, small maps) and then `flags` (later flags win)."""
+    source = ["--manifests", str(manifests)] if manifests is not None else []
     return [
-        sys.executable, "-m", "agent", "run", "--manifests", str(manifests),
+        sys.executable, "-m", "agent", "run", *source,
         "--node", node, "--dataplane", dataplane, "--pod-interfaces", POD_INTERFACES,
         "--metrics-bind-address", "127.0.0.1:0", "--healthz-bind-address", "127.0.0.1:0",
         *MAP_SIZES, *flags,
@@ -112,14 +113,22 @@ class AgentProcess:
                     )
                 self._cond.wait(0.2)
 
-    def url(self, path: str) -> str:
-        """http://ADDRESS/path on the agent's metrics server (it logs where it listens)."""
-        line = self.lines[self.wait_for_line("metrics server listening on")]
+    def url(self, path: str, server: str = "metrics server") -> str:
+        """http://ADDRESS/path on the agent's metrics (or health) server (it logs where it
+        listens)."""
+        line = self.lines[self.wait_for_line(f"{server} listening on")]
         return f"http://{line.rsplit(' ', 1)[-1]}{path}"
 
     def get(self, path: str) -> str:
         """GET path from the agent's metrics server, fetched inside its namespace."""
         return run(in_netns(self.ns, ["curl", "-sf", "-m", "5", self.url(path)]))
+
+    def ask(self, path: str, server: str = "metrics server") -> tuple[int, dict]:
+        """GET path (JSON) whatever the status, from inside the agent's namespace:
+        (HTTP status, decoded body)."""
+        argv = ["curl", "-s", "-m", "5", "-w", "\n%{http_code}", self.url(path, server)]
+        body, _, code = run(in_netns(self.ns, argv)).rstrip("\n").rpartition("\n")
+        return int(code), json.loads(body)
 
     def state(self) -> dict:
         """GET /state, decoded."""
