@@ -65,11 +65,16 @@ FROM runtime AS agent
 COPY pyproject.toml README.md /opt/kube-bpf-proxy/src/
 COPY agent /opt/kube-bpf-proxy/src/agent
 COPY bpf /opt/kube-bpf-proxy/src/bpf
+# The bytecode stays, compiled for this image's Python and valid whatever the files'
+# times (unchecked-hash: the sources never change in the image): without it every start
+# compiles the agent and its libraries again (imports 1.9 s cold against 0.7 s warm),
+# which is time a restarted node waits for its first apply.
 RUN set -eu; \
     python3 -m venv --system-site-packages /opt/kube-bpf-proxy/venv; \
     /opt/kube-bpf-proxy/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
         -e /opt/kube-bpf-proxy/src; \
-    find /opt/kube-bpf-proxy -name __pycache__ -type d -prune -exec rm -rf {} +
+    /opt/kube-bpf-proxy/venv/bin/python -m compileall -q -j 0 \
+        --invalidation-mode unchecked-hash /opt/kube-bpf-proxy
 
 # The image: runtime packages, the fallback headers, the agent.
 FROM runtime
