@@ -22,6 +22,8 @@ from pathlib import Path
 import kmock
 import pytest
 
+from agent.dataplane.ebpf import abi
+
 from ..api.conftest import SERVICES, KmockApi
 from ..builders import make_endpoint, make_node, make_service, make_slice
 from ..conftest import BPFFS
@@ -181,3 +183,81 @@ def test_restarts_during_api_trouble_never_take_the_service_away(node: Node, dat
     finally:
         _, error = stream.close()
     assert error is None, f"the open connection broke: {error}"
+
+
+def new_connections_work(node: Node, during: float = 0.0) -> None:
+    """Every new connection through the Service is answered, checked once a second for
+    `during` seconds (at least once)."""
+    deadline = time.monotonic() + during
+    while True:
+        result = node.client.connect_many(CLUSTER_IP, 80, "tcp", NEW_CONNECTIONS)
+        assert result.errors == {} and set(result.counts) <= {"be1", "be2"}, result
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(1.0)
+
+
+def test_an_abi_change_during_an_outage_keeps_the_old_programs_serving(node: Node):
+    """The new agent's maps start empty (another layout version): the earlier agent's
+    programs, still attached with their own maps, serve until the new agent has applied
+    the cluster's state; only then are they replaced."""
+    first = node.start("ebpf")
+    first.wait_for_line("sync: applied revision")
+    stream = node.client.stream(CLUSTER_IP, 80)
+    try:
+        first.stop(signal.SIGKILL)
+        node.api.stop()
+        # What an agent of the previous layout version left: the same maps under the
+        # previous version's pin names (the programs hold the maps themselves).
+        old = abi.const.KBP_ABI_VERSION - 1
+        for name in abi.MAP_NAMES:
+            pin = node.pin_dir / abi.versioned(name)
+            pin.rename(node.pin_dir / f"{name}_v{old}")
+        second = node.start("ebpf")
+        second.wait_for_line("an earlier agent's programs keep serving")
+        second.wait_for_line("removed the pins of another ABI version")
+        second.wait_for_line("keeping the last known state, retrying")
+        node.serving(stream, during=3)  # the old programs, the old conntrack
+        assert not list(node.pin_dir.glob(f"kbp_*_v{old}"))
+        assert ready(second)[0] == 503
+        node.api.start()
+        second.wait_for_line("sync: applied revision")  # into the new, empty maps
+        second.wait_for_line("this agent's programs replaced the earlier agent's")
+        assert ready(second)[0] == 200
+        new_connections_work(node)
+    finally:
+        stream.close()  # established flows lose their old conntrack here (documented)
+
+
+@pytest.mark.parametrize("before, after", [("iptables", "ebpf"), ("ebpf", "iptables")])
+def test_switching_dataplanes_during_an_outage_keeps_the_old_one_serving(
+    node: Node, before: str, after: str
+):
+    """`--dataplane` changed across a restart while the API server is down: the old
+    dataplane's rules or programs stay until the new one has applied."""
+    first = node.start(before)
+    first.wait_for_line("sync: applied revision")
+    first.stop(signal.SIGKILL)
+    node.api.stop()
+    second = node.start(after)
+    second.wait_for_line("keeping the last known state, retrying")
+    second.wait_for_line("dataplane: ")
+    new_connections_work(node, during=3)
+    assert_left_behind(node, before, present=True)
+    node.api.start()
+    second.wait_for_line("sync: applied revision")
+    second.wait_for_line(f"removed what the {before} dataplane left behind")
+    assert_left_behind(node, before, present=False)
+    new_connections_work(node)
+
+
+def assert_left_behind(node: Node, dataplane: str, present: bool) -> None:
+    """Whether `dataplane`'s kernel state is on the node: KBP- chains, or our tc filters
+    on the client's host interface and our pins."""
+    if dataplane == "iptables":
+        found = "KBP-SERVICES" in node.lab.run_in_node("iptables-save", "-t", "nat")
+    else:
+        ifname = node.client.host_ifname
+        found = "kbp_" in node.lab.run_in_node("tc", "filter", "show", "dev", ifname, "ingress")
+        assert found == node.pin_dir.exists(), "the filters and the pins go together"
+    assert found == present, f"{dataplane}'s state {'missing' if present else 'left behind'}"
