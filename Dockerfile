@@ -1,11 +1,12 @@
-# syntax=docker/dockerfile:1
 # The kube-bpf-proxy node image: the agent, bcc, bpftool, iptables and conntrack on Debian 12,
 # the same Debian packages `make setup` installs (deps/debian.txt is the one list).
 #
 #   docker build -t kube-bpf-proxy:0.1.0 .
 #
 # linux/amd64 only: the kernel-header fallback is Debian's linux-headers-amd64.
-# BuildKit is needed (the entrypoint below is a heredoc); Docker 23+ uses it by default.
+# Plain Dockerfile syntax, no BuildKit features (no heredocs, no COPY --chmod, no syntax
+# directive that would fetch a frontend): the classic builder, buildah and podman from
+# Debian 12 and Ubuntu 22.04, and offline builders all build it.
 
 ARG BASE=debian:bookworm-slim
 
@@ -65,6 +66,9 @@ FROM runtime AS agent
 COPY pyproject.toml README.md /opt/kube-bpf-proxy/src/
 COPY agent /opt/kube-bpf-proxy/src/agent
 COPY bpf /opt/kube-bpf-proxy/src/bpf
+# `kube-bpf-proxy lab` runs these when started from /opt/kube-bpf-proxy/src (or finds
+# them next to agent/ from anywhere).
+COPY examples /opt/kube-bpf-proxy/src/examples
 # The bytecode stays, compiled for this image's Python and valid whatever the files'
 # times (unchecked-hash: the sources never change in the image): without it every start
 # compiles the agent and its libraries again (imports 1.9 s cold against 0.7 s warm),
@@ -93,22 +97,11 @@ COPY --from=agent /opt/kube-bpf-proxy /opt/kube-bpf-proxy
 
 # `kube-bpf-proxy` picks the kernel headers for bcc, then runs the agent: the host's
 # (/lib/modules and /usr/src mounted from the node; an exact match), else the kernel's
-# own /sys/kernel/kheaders.tar.xz (bcc unpacks it itself), else the image's.
+# own /sys/kernel/kheaders.tar.xz (bcc unpacks it with xz), else the image's.
 # bcc's own lookup uses /lib/modules/<release>/source when it is a directory, else
 # /lib/modules/<release>/build; kconfig.h is the file it checks for.
-COPY --chmod=0755 <<'EOF' /usr/local/bin/kube-bpf-proxy
-#!/bin/sh
-set -eu
-modules="/lib/modules/$(uname -r)"
-if [ -z "${BCC_KERNEL_SOURCE:-}" ] \
-    && [ ! -e "$modules/source/include/linux/kconfig.h" ] \
-    && [ ! -e "$modules/build/include/linux/kconfig.h" ] \
-    && [ ! -e /sys/kernel/kheaders.tar.xz ]; then
-    BCC_KERNEL_SOURCE=/usr/lib/kube-bpf-proxy/kernel-headers
-    export BCC_KERNEL_SOURCE
-fi
-exec /opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy "$@"
-EOF
+COPY scripts/image-entrypoint.sh /usr/local/bin/kube-bpf-proxy
+RUN chmod 0755 /usr/local/bin/kube-bpf-proxy
 
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["kube-bpf-proxy"]

@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         "Services lose their translation.",
     )
     add_arguments(cleanup_parser, CLEANUP_SETTINGS)
+    cleanup_parser.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="list every interface, pin, rule and chain removed (default: counts per kind)",
+    )  # fmt: skip
     lab_parser = commands.add_parser(
         "lab",
         help="build the example cluster in network namespaces and check every Service",
@@ -191,11 +195,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         print(f"kube-bpf-proxy cleanup: ebpf: {err}", file=sys.stderr)
         ok = False
     else:
-        print(
-            f"ebpf: detached from {len(interfaces)} interface(s)"
-            + (f" ({', '.join(interfaces)})" if interfaces else "")
-            + f"; removed {len(pins)} pin(s) under {settings.bpffs}"
-        )
+        print(f"ebpf: detached from {len(interfaces)} interface(s); removed {len(pins)} pin(s) "
+              f"under {settings.bpffs}")  # fmt: skip
+        if args.verbose:
+            print(*(f"  interface {name}" for name in interfaces), sep="\n")
+            print(*(f"  pin {pin}" for pin in pins), sep="\n")
     try:
         from .dataplane.iptables.dataplane import cleanup as cleanup_iptables
 
@@ -204,11 +208,25 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         print(f"kube-bpf-proxy cleanup: iptables: {err}", file=sys.stderr)
         ok = False
     else:
-        print(
-            f"iptables: removed {len(removed)} rule(s)/chain(s)"
-            + (f" ({', '.join(removed)})" if removed else "")
-        )
+        print(f"iptables: removed {iptables_summary(removed)}")
+        if args.verbose:
+            print(*(f"  {item}" for item in removed), sep="\n")
     return 0 if ok else 1
+
+
+def iptables_summary(removed: list[str]) -> str:
+    """What iptables cleanup removed ("IPv4 nat PREROUTING -j KBP-SERVICES", "IPv4 nat
+    KBP-SVC-…"), counted per family and table: jump rules and chains."""
+    counts: dict[str, list[int]] = {}
+    for item in removed:
+        family, table, rest = [*item.split(" ", 2), "", ""][:3]
+        jump = " -j " in rest or " -g " in rest
+        counts.setdefault(f"{family} {table}", [0, 0])[0 if jump else 1] += 1
+    if not counts:
+        return "nothing"
+    parts = [f"{where}: {jumps} jump rule(s), {chains} chain(s)"
+             for where, (jumps, chains) in counts.items()]  # fmt: skip
+    return "; ".join(parts)
 
 
 def cmd_lab(args: argparse.Namespace) -> int:

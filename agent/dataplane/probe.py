@@ -3,6 +3,7 @@ each says, under a short stable name, whether one thing eBPF needs works here an
 
 In order: `bpf-syscall` (the bpf(2) syscall loads a two-instruction tc program),
 `clsact` (a clsact qdisc with a bpf filter on `lo` of a throw-away network namespace),
+`bpffs` (the pin directory is on a BPF filesystem, mounted at its parent if it was not),
 `bcc-compile` (bcc compiles and loads our programs: building the eBPF dataplane itself).
 """
 
@@ -18,9 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .base import DataplaneError
+from .mounts import BpffsError, ensure_bpffs
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +31,9 @@ _T = TypeVar("_T")
 
 BPF_SYSCALL = "bpf-syscall"
 CLSACT = "clsact"
+BPFFS = "bpffs"
 BCC_COMPILE = "bcc-compile"
-PROBE_NAMES = (BPF_SYSCALL, CLSACT, BCC_COMPILE)
+PROBE_NAMES = (BPF_SYSCALL, CLSACT, BPFFS, BCC_COMPILE)
 
 # A failure's reason goes into a metric label and /state: one line, bounded.
 MAX_REASON_CHARS = 200
@@ -236,6 +240,23 @@ def probe_clsact() -> ProbeResult:
     return ProbeResult(CLSACT)
 
 
+# --- bpffs -------------------------------------------------------------------------------
+
+
+def probe_bpffs(pin_dir: Path) -> ProbeResult:
+    """The pins will be on a bpffs: when `pin_dir`'s parent is on none (no systemd to
+    mount it, or `ip netns exec`, which remounts /sys), one is mounted there. Pins in a
+    bpffs this process mounted outlive it only if the mount is shared with the host."""
+    try:
+        done = ensure_bpffs(pin_dir)
+    except BpffsError as err:
+        return failed(BPFFS, str(err))
+    if done:
+        log.warning("probe bpffs: %s; pins outlive this agent only if that mount is the "
+                    "node's (shared mount propagation)", done)  # fmt: skip
+    return ProbeResult(BPFFS)
+
+
 # --- bcc compile -------------------------------------------------------------------------
 
 
@@ -246,6 +267,9 @@ def probe_bcc_compile(build: Callable[[], _T]) -> tuple[ProbeResult, _T | None]:
         dataplane = build()
     except DataplaneError as err:
         return failed(BCC_COMPILE, f"{err.reason}: {err}"), None
+    except OSError as err:  # a path of ours: say which and what the kernel answered
+        where = f"{err.filename}: " if err.filename else ""
+        return failed(BCC_COMPILE, f"{where}{describe_os_error(err)}"), None
     except Exception as err:
         return failed(BCC_COMPILE, f"{type(err).__name__}: {err}"), None
     return ProbeResult(BCC_COMPILE), dataplane
@@ -254,13 +278,18 @@ def probe_bcc_compile(build: Callable[[], _T]) -> tuple[ProbeResult, _T | None]:
 # --- all of them ---------------------------------------------------------------------------
 
 
-def probe_ebpf(build: Callable[[], _T]) -> tuple[_T | None, tuple[ProbeResult, ...]]:
+def probe_ebpf(
+    build: Callable[[], _T], pin_dir: Path | None = None
+) -> tuple[_T | None, tuple[ProbeResult, ...]]:
     """Run the probes in order, stopping at the first failure. Returns the dataplane
     `build` made (None when a probe failed) and the results so far: the last one is the
-    failure, if any."""
+    failure, if any. `pin_dir`: where the maps will be pinned (the bpffs probe)."""
     results: list[ProbeResult] = []
     # Looked up at call time, so tests can replace a probe.
-    for probe in (probe_bpf_syscall, probe_clsact):
+    probes: list[Callable[[], ProbeResult]] = [probe_bpf_syscall, probe_clsact]
+    if pin_dir is not None:
+        probes.append(lambda: probe_bpffs(pin_dir))
+    for probe in probes:
         started = time.perf_counter()
         result = probe()
         _log(result, started)

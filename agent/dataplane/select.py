@@ -14,6 +14,7 @@ from types import ModuleType
 from ..config import Settings
 from . import probe
 from .base import Dataplane, DataplaneError
+from .mounts import cgroup_for_hooks
 from .none import NoneDataplane
 
 log = logging.getLogger(__name__)
@@ -46,19 +47,13 @@ class Selection:
 def build_ebpf(settings: Settings) -> Dataplane:
     """The eBPF dataplane on this network namespace's pod interfaces."""
     try:
-        from .ebpf.cgroup import cgroup2_mount
         from .ebpf.dataplane import EbpfDataplane
         from .ebpf.plan import MapSizes
     except ImportError as err:  # bcc, cffi or pyroute2 missing
         raise DataplaneError("import", f"{err}; install python3-bpfcc and the agent") from err
-    cgroup: Path | None = None
-    if settings.cgroup_root == "auto":
-        cgroup = cgroup2_mount()
-        if cgroup is None:
-            log.warning("ebpf: no cgroup2 mount: the node's own processes reach Services "
-                        "only through the routes (set --cgroup-root)")  # fmt: skip
-    elif settings.cgroup_root != "none":
-        cgroup = Path(settings.cgroup_root)
+    cgroup, why = cgroup_for_hooks(settings.cgroup_root)
+    if why:
+        log.warning("ebpf: %s", why)
     return EbpfDataplane(
         settings.bpffs,
         settings.pod_interfaces,
@@ -96,8 +91,8 @@ def build_iptables(settings: Settings) -> Dataplane:
 
 def select_dataplane(settings: Settings) -> Selection:
     """The dataplane and the reason. `auto`: eBPF when every probe passes, else iptables,
-    else the dry run, the reason naming the probe that failed and why. Raises
-    DataplaneStartError when an explicitly requested dataplane cannot start here."""
+    the reason naming the probe that failed and why. Raises DataplaneStartError when an
+    explicitly requested dataplane cannot start here, or with `auto` when neither can."""
     requested = settings.dataplane
 
     def without_ebpf() -> list[str]:
@@ -112,7 +107,7 @@ def select_dataplane(settings: Settings) -> Selection:
             raise DataplaneStartError(f"--dataplane iptables: {err}") from err
         return Selection(dataplane, "requested", "ebpf", without_ebpf)
 
-    ebpf, results = probe.probe_ebpf(lambda: build_ebpf(settings))
+    ebpf, results = probe.probe_ebpf(lambda: build_ebpf(settings), Path(settings.bpffs))
     if ebpf is not None:
         reason = "requested" if requested == "ebpf" else EBPF_PROBES_PASSED
         return Selection(ebpf, reason, "iptables", remove_iptables_leftovers)
@@ -124,10 +119,12 @@ def select_dataplane(settings: Settings) -> Selection:
     try:
         dataplane = build_iptables(settings)
     except DataplaneError as err:
-        reason = f"{ebpf_reason}; iptables unavailable: {err}"
-        log.warning("--dataplane auto: %s; running as a dry run (none): nothing is programmed",
-                    reason)  # fmt: skip
-        return Selection(NoneDataplane(), reason)
+        # Running as a dry run would program nothing while looking healthy and ready:
+        # refuse to start, so the node's state shows it (use --dataplane none on purpose).
+        raise DataplaneStartError(
+            f"--dataplane auto: neither dataplane can run here: {ebpf_reason}; "
+            f"iptables unavailable: {err}"
+        ) from err
     log.warning("--dataplane auto: %s; falling back to iptables", ebpf_reason)
     return Selection(dataplane, ebpf_reason, "ebpf", without_ebpf)
 

@@ -123,8 +123,96 @@ def test_a_build_that_cannot_pin_fails_the_bcc_compile_probe(
         lambda: EbpfDataplane(not_bpffs, POD_INTERFACES, SMALL_MAPS, netns=node, watch=False)
     )
     assert dataplane is None
-    assert [r.name for r in results] == list(probe.PROBE_NAMES)
+    assert [r.name for r in results] == [probe.BPF_SYSCALL, probe.CLSACT, probe.BCC_COMPILE]
     assert str(results[-1]).startswith("bcc-compile: load: "), results[-1]
+
+
+# --- the filesystems under the dataplane: bpffs and cgroup2 -------------------------------
+#
+# Each case runs in a private mount namespace (unshare --mount --propagation private) whose
+# changes (a tmpfs over /sys/fs/bpf, a cgroup2 mount somewhere unusual, no cgroup2 at
+# all) vanish with it; the machine's own mounts never change.
+
+PROBE_BPFFS = """import json, sys
+from pathlib import Path
+from agent.dataplane import mounts, probe
+pin_dir = Path(sys.argv[1])
+result = probe.probe_bpffs(pin_dir)
+print(json.dumps({"result": str(result), "fstype": mounts.filesystem_of(pin_dir).fstype}))
+"""
+
+
+def in_private_mounts(
+    setup: str, *argv: str, teardown: str = ":", netns: str | None = None
+) -> dict:
+    """Run the shell `setup`, then argv, then `teardown` in a new private mount namespace
+    (and in netns, if given); argv's last line of output is JSON."""
+    script = f'{setup} || exit 97\n"$@"\nstatus=$?\n{teardown}\nexit $status'
+    command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+               *argv]  # fmt: skip
+    if netns is not None:
+        command = ["nsenter", f"--net=/run/netns/{netns}", "--", *command]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_without_a_bpffs_the_probe_mounts_one_at_the_pin_directorys_parent() -> None:
+    """As under `ip netns exec` (which remounts /sys) or on a host without systemd."""
+    setup = "mount -t tmpfs kbp-test /sys/fs/bpf"
+    report = in_private_mounts(setup, sys.executable, "-c", PROBE_BPFFS, "/sys/fs/bpf/kbp-test")
+    assert report == {"result": "bpffs: ok", "fstype": "bpf"}
+
+
+def test_a_bpffs_that_cannot_be_mounted_fails_the_probe_with_what_to_mount() -> None:
+    setup = "mount -t tmpfs kbp-test /sys/fs/bpf"
+    no_sys_admin = ["setpriv", "--bounding-set", "-sys_admin", "--inh-caps", "-sys_admin"]
+    report = in_private_mounts(setup, *no_sys_admin, sys.executable, "-c", PROBE_BPFFS,
+                               "/sys/fs/bpf/kbp-test")  # fmt: skip
+    assert report["fstype"] == "tmpfs"
+    assert report["result"] == (
+        "bpffs: /sys/fs/bpf is not a BPF filesystem (it is tmpfs mounted at /sys/fs/bpf) and "
+        "mounting one there failed with EPERM (no CAP_SYS_ADMIN?): mount it on the node with "
+        "`mount -t bpf bpf /sys/fs/bpf`"
+    )
+
+
+BUILD_EBPF = """import json, sys
+from agent.config import Settings
+from agent.dataplane.select import build_ebpf
+settings = Settings(dataplane="ebpf", bpffs=sys.argv[1], pod_interfaces=["vethkbp*"],
+                    cgroup_root=sys.argv[2], map_size_services=1024, map_size_slots=4096,
+                    map_size_backends=1024, map_size_ct=4096, map_size_affinity=1024)
+dataplane = build_ebpf(settings)
+try:
+    print(json.dumps(dataplane.status_details()["socketHooks"]))
+finally:
+    dataplane.cleanup()
+"""
+
+
+def test_socket_hooks_attach_to_a_cgroup2_mounted_at_an_unusual_path(
+    netns: Callable[[], str], bpf_pin_dir: Path, tmp_path: Path
+) -> None:
+    mount, cgroup = tmp_path / "cgroups", tmp_path / "cgroups" / "unified" / "kbp-test"
+    setup = (f"mkdir -p {mount} && mount -t tmpfs kbp-test {mount} && "
+             f"mkdir {mount}/unified && mount -t cgroup2 none {mount}/unified && "
+             f"mkdir {cgroup}")  # fmt: skip
+    report = in_private_mounts(setup, sys.executable, "-c", BUILD_EBPF, str(bpf_pin_dir),
+                               str(cgroup), teardown=f"rmdir {cgroup}", netns=netns())  # fmt: skip
+    assert report == {"cgroup": str(cgroup), "state": "attached"}
+
+
+def test_without_any_cgroup2_the_ebpf_dataplane_runs_without_socket_hooks(
+    netns: Callable[[], str], bpf_pin_dir: Path
+) -> None:
+    """A cgroup v1 node: the rest of the eBPF dataplane runs; only the socket hooks
+    (the node's own processes) are off, and /state says so."""
+    hide = "for m in $(awk '$3 == \"cgroup2\" {print $2}' /proc/self/mounts); do umount -l $m; done"
+    report = in_private_mounts(hide, sys.executable, "-c", BUILD_EBPF, str(bpf_pin_dir), "auto",
+                               netns=netns())  # fmt: skip
+    assert report == {"cgroup": None, "state": "off"}
 
 
 # --- the agent: selection end to end, and cleanup ----------------------------------------
@@ -225,7 +313,7 @@ def test_cleanup_removes_what_either_dataplane_installed(
 
     done = in_netns(node, sys.executable, "-m", "agent", "cleanup", "--bpffs", str(bpf_pin_dir))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"ebpf: detached from 1 interface(s) (lo); removed 1 pin(s) under {bpf_pin_dir}" in (
+    assert f"ebpf: detached from 1 interface(s); removed 1 pin(s) under {bpf_pin_dir}" in (
         done.stdout
     )
     assert "iptables: removed" in done.stdout

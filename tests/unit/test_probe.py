@@ -5,6 +5,7 @@ one bounded line, the probes stop at the first failure, and each catches its own
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 
@@ -121,10 +122,18 @@ def test_all_probes_passing_hand_back_the_built_dataplane(
     built = object()
     monkeypatch.setattr(probe, "probe_bpf_syscall", lambda: probe.ProbeResult(probe.BPF_SYSCALL))
     monkeypatch.setattr(probe, "probe_clsact", lambda: probe.ProbeResult(probe.CLSACT))
-    dataplane, results = probe.probe_ebpf(lambda: built)
+    checked: list[Path] = []
+
+    def bpffs(pin_dir: Path) -> probe.ProbeResult:
+        checked.append(pin_dir)
+        return probe.ProbeResult(probe.BPFFS)
+
+    monkeypatch.setattr(probe, "probe_bpffs", bpffs)
+    dataplane, results = probe.probe_ebpf(lambda: built, Path("/sys/fs/bpf/kube-bpf-proxy"))
     assert dataplane is built
     assert [r.name for r in results] == list(probe.PROBE_NAMES)
     assert all(r.passed for r in results)
+    assert checked == [Path("/sys/fs/bpf/kube-bpf-proxy")]
 
 
 def test_a_namespace_that_cannot_be_made_is_reported_not_raised_as_an_os_error(

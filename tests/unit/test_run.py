@@ -144,6 +144,7 @@ EPERM = "EPERM: Operation not permitted (no CAP_BPF?)"
 class FakeKernel:
     bpf_syscall: str | None = None  # a probe's failure, or None: it passes
     clsact: str | None = None
+    bpffs: str | None = None
     bcc_compile: str | None = None  # the eBPF build raises DataplaneError("load", this)
     iptables: str | None = None  # unavailable_reason()
     iptables_importable: bool = True
@@ -199,13 +200,15 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
     monkeypatch.setattr(probe, "probe_bpf_syscall",
                         lambda: probe_result(probe.BPF_SYSCALL, fake.bpf_syscall))  # fmt: skip
     monkeypatch.setattr(probe, "probe_clsact", lambda: probe_result(probe.CLSACT, fake.clsact))
+    monkeypatch.setattr(probe, "probe_bpffs",
+                        lambda pin_dir: probe_result(probe.BPFFS, fake.bpffs))  # fmt: skip
     monkeypatch.setattr(select, "build_ebpf", build_ebpf)
     monkeypatch.setattr(select, "iptables_module", iptables_module)
     monkeypatch.setattr(select, "remove_ebpf_leftovers", remove_ebpf_leftovers)
     return fake
 
 
-EBPF_PROBES = ["probe bpf-syscall", "probe clsact", "build ebpf"]
+EBPF_PROBES = ["probe bpf-syscall", "probe clsact", "probe bpffs", "build ebpf"]
 PIN_DIR = "/sys/fs/bpf/kbp-unit-test"  # never touched: the leftover removal is faked
 
 
@@ -236,6 +239,16 @@ SELECTION_CASES = {
         ["probe bpf-syscall", "probe clsact", "build iptables",
          f"remove ebpf leftovers under {PIN_DIR}"],
     ),
+    "auto falls back to iptables when no bpffs is there and none can be mounted": (
+        SelectionCase(
+            "auto", {"bpffs": "/sys/fs/bpf is not a BPF filesystem (it is sysfs mounted at "
+                              "/sys) and mounting one there failed with EPERM"},
+            "iptables", "eBPF unavailable: bpffs: /sys/fs/bpf is not a BPF filesystem (it is "
+                        "sysfs mounted at /sys) and mounting one there failed with EPERM",
+            ["probe bpf-syscall", "probe clsact", "probe bpffs", "build iptables",
+             f"remove ebpf leftovers under {PIN_DIR}"],
+        )
+    ),
     "auto falls back to iptables when bcc cannot compile, with the first line of why": (
         SelectionCase(
             "auto", {"bcc_compile": "compiling tc_from_pod.c: error: no kernel headers\n"
@@ -244,18 +257,6 @@ SELECTION_CASES = {
                         "no kernel headers",
             [*EBPF_PROBES, "build iptables", f"remove ebpf leftovers under {PIN_DIR}"],
         )
-    ),
-    "auto runs as a dry run with both reasons when iptables is unavailable too": SelectionCase(
-        "auto", {"bpf_syscall": EPERM, "iptables": "iptables-restore not found"}, "none",
-        f"eBPF unavailable: bpf-syscall: {EPERM}; iptables unavailable: "
-        "iptables-restore not found",
-        ["probe bpf-syscall"],
-    ),
-    "auto runs as a dry run when the iptables dataplane cannot be imported": SelectionCase(
-        "auto", {"clsact": "no clsact", "iptables_importable": False}, "none",
-        "eBPF unavailable: clsact: no clsact; iptables unavailable: cannot import the iptables "
-        "dataplane: No module named 'agent.dataplane.iptables'",
-        ["probe bpf-syscall", "probe clsact"],
     ),
     "ebpf when requested and the probes pass": SelectionCase(
         "ebpf", {}, "ebpf", "requested", [*EBPF_PROBES, "remove iptables leftovers"],
@@ -308,6 +309,19 @@ START_ERRORS = {
     "ebpf requested but bcc fails: the whole compiler message": (
         "ebpf", {"bcc_compile": "compiling: error\n  line 2"},
         "--dataplane ebpf: bcc-compile: load: compiling: error\n  line 2", EBPF_PROBES,
+    ),
+    "auto, when neither dataplane can run: both reasons, not a dry run that looks ready": (
+        "auto", {"bpf_syscall": EPERM, "iptables": "iptables-restore not found"},
+        f"--dataplane auto: neither dataplane can run here: eBPF unavailable: bpf-syscall: "
+        f"{EPERM}; iptables unavailable: iptables-restore not found",
+        ["probe bpf-syscall"],
+    ),
+    "auto, when the iptables dataplane cannot even be imported": (
+        "auto", {"clsact": "no clsact", "iptables_importable": False},
+        "--dataplane auto: neither dataplane can run here: eBPF unavailable: clsact: no "
+        "clsact; iptables unavailable: cannot import the iptables dataplane: No module named "
+        "'agent.dataplane.iptables'",
+        ["probe bpf-syscall", "probe clsact"],
     ),
     "iptables requested but unavailable": (
         "iptables", {"iptables": "iptables-restore not found (install the iptables package)"},
@@ -409,10 +423,19 @@ def test_cleanup_removes_what_either_dataplane_installed(
 ) -> None:
     assert main(["cleanup", "--bpffs", PIN_DIR]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == [
-        f"ebpf: detached from 1 interface(s) (vethkbp1); removed 2 pin(s) under {PIN_DIR}",
-        "iptables: removed 2 rule(s)/chain(s) (IPv4 nat PREROUTING -j KBP-SERVICES, "
-        "IPv4 nat KBP-SERVICES)",
+    assert out == [  # counts per kind: a node's cleanup removes thousands of chains
+        f"ebpf: detached from 1 interface(s); removed 2 pin(s) under {PIN_DIR}",
+        "iptables: removed IPv4 nat: 1 jump rule(s), 1 chain(s)",
+    ]
+    assert main(["cleanup", "--bpffs", PIN_DIR, "-v"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"ebpf: detached from 1 interface(s); removed 2 pin(s) under {PIN_DIR}",
+        "  interface vethkbp1",
+        "  pin kbp_services_v1",
+        "  pin kbp_backends_v1",
+        "iptables: removed IPv4 nat: 1 jump rule(s), 1 chain(s)",
+        "  IPv4 nat PREROUTING -j KBP-SERVICES",
+        "  IPv4 nat KBP-SERVICES",
     ]
 
 

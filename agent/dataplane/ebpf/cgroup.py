@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ..mounts import MOUNTS, cgroup2_mounts, mount_table
 from . import libbpf
 from .kernel import PROGRAMS, LoadedPrograms
 from .netlink import enter_netns
@@ -55,25 +56,11 @@ def socket_programs() -> dict[str, tuple[str, int]]:
     return hooks
 
 
-def _unescape_mount_field(field: str) -> str:
-    """/proc/self/mounts writes space, tab, newline and backslash as octal escapes."""
-    for code in ("040", "011", "012", "134"):
-        field = field.replace(f"\\{code}", chr(int(code, 8)))
-    return field
-
-
-def cgroup2_mount(mounts: Path = Path("/proc/self/mounts")) -> Path | None:
+def cgroup2_mount(mounts: Path = MOUNTS) -> Path | None:
     """Where the cgroup2 hierarchy is mounted (first mount listed), or None. On hybrid
     systems that is /sys/fs/cgroup/unified rather than /sys/fs/cgroup."""
-    try:
-        text = mounts.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and fields[2] == "cgroup2":
-            return Path(_unescape_mount_field(fields[1]))
-    return None
+    found = cgroup2_mounts(mount_table(mounts))
+    return found[0] if found else None
 
 
 def _cookie_of_this_netns() -> int:

@@ -133,13 +133,13 @@ class EbpfDataplane:
         self._earlier = {a.index for a in self.attacher.attached()}
         self._earlier |= {x.index for x in self.attacher.xdp() if is_ours(x.prog_id)}
         self._cgroup_deferred = cgroup is not None and bool(socket_hooks_pinned(self.pin_dir))
-        if cgroup is not None and not self._cgroup_deferred:
-            try:
-                attach_socket_hooks(self.programs, cgroup, self.pin_dir)
-            except CgroupAttachError as err:
-                self.attacher.close()
-                self.programs.close()
-                raise DataplaneError("cgroup", str(err)) from err
+        # What /state says of the socket hooks: attached, off, failed: why, or that the
+        # earlier agent's serve until the first apply.
+        self.socket_hooks = "off" if cgroup is None else "attached"
+        if self._cgroup_deferred:
+            self.socket_hooks = "the earlier agent's, until the first apply"
+        elif cgroup is not None:
+            self._attach_socket_hooks()
         self._attached: set[int] = set()
         watched = self.pod_interfaces + self.external_globs
         if watch:  # the watcher's start-up scan attaches to the existing interfaces
@@ -332,17 +332,26 @@ class EbpfDataplane:
                 self._on_link(link)
             except DataplaneError as err:
                 log.error("ebpf: replacing the programs on %s: %s", link.name, err)
-        if self._cgroup_deferred and self.cgroup is not None:
+        if self._cgroup_deferred:
             self._cgroup_deferred = False
-            try:
-                attach_socket_hooks(self.programs, self.cgroup, self.pin_dir)
-            except CgroupAttachError as err:
-                log.error("ebpf: replacing the socket hooks: %s; the node's own processes "
-                          "reach Services only through the routes", err)  # fmt: skip
+            self._attach_socket_hooks()
         if deferred:
             names = ", ".join(link.name for link in deferred)
             log.info("ebpf: the first state is programmed: this agent's programs replaced "
                      "the earlier agent's on %s", names)  # fmt: skip
+
+    def _attach_socket_hooks(self) -> None:
+        """The socket hooks on --cgroup-root. A failure leaves the rest of the dataplane
+        running (pods and outside clients do not use them) and says so."""
+        assert self.cgroup is not None
+        try:
+            attach_socket_hooks(self.programs, self.cgroup, self.pin_dir)
+        except CgroupAttachError as err:
+            self.socket_hooks = f"failed: {err}"
+            log.error("ebpf: the socket hooks are off, so the node's own processes reach "
+                      "Services only through the routes: %s", err)  # fmt: skip
+            return
+        self.socket_hooks = "attached"
 
     def _on_link(self, link: Link) -> None:
         with self._takeover_lock:
@@ -450,6 +459,10 @@ class EbpfDataplane:
         XDP mode on each."""
         names = sorted(self._external_attached.values())
         return {
+            "socketHooks": {
+                "cgroup": str(self.cgroup) if self.cgroup is not None else None,
+                "state": self.socket_hooks,
+            },
             "externalInterfaces": names,
             "xdp": {
                 "enabled": self.xdp != "off",
