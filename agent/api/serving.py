@@ -17,7 +17,7 @@ docs/operations.md):
   open-files limit): a new one closes the oldest connection of the address that holds
   the most.
 
-An idle connection costs a few hundred bytes and no thread, so thousands of them do not
+An idle connection costs about 2 KB and no thread, so thousands of them do not
 slow anyone else's request. Handlers that may block (rendering a large document) run on
 a few worker threads per server; those that only read memory run on the loop itself.
 """
