@@ -12,6 +12,7 @@ from typing import Protocol
 
 from .api.healthcheck import HealthCheckServers
 from .api.server import AgentStatus, HealthServer, MetricsServer
+from .api.serving import raise_open_files_limit
 from .config import Settings
 from .dataplane.select import DataplaneStartError, select_dataplane
 from .metrics import Metrics
@@ -86,6 +87,7 @@ class Agent:
         gc_timer.start()
         self._stoppers.append(gc_timer.cancel)
         self._stoppers.append(gc.enable)
+        raise_open_files_limit()  # every connection the HTTP servers hold is an open file
         try:
             metrics_server = MetricsServer(s.metrics_bind_address, self.status, self.metrics)
             self._stoppers.append(metrics_server.close)

@@ -145,6 +145,7 @@ class HealthCheckServers:
                 {},
                 default=lambda request: self._answer(entry, request),
                 name=f"healthcheck {port}",
+                workers=0,  # answered on the event loop: it only reads memory
             )
         except (OSError, ValueError) as err:
             message = str(err)

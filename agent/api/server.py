@@ -52,6 +52,7 @@ from ..metrics import Metrics
 from ..model.nodestate import API_VERSION, KIND, NodeState
 from ..render import dump_json, dump_yaml
 from .serving import (
+    WORKERS,
     Handler,
     Request,
     Response,
@@ -338,8 +339,8 @@ class _RoutedServer:
 
     server: Server
 
-    def _start(self, bind: str, routes: dict[str, Handler], name: str) -> None:
-        self.server = serve(bind, routes, name=name)
+    def _start(self, bind: str, routes: dict[str, Handler], name: str, workers: int) -> None:
+        self.server = serve(bind, routes, name=name, workers=workers)
         log.info("%s listening on %s", name, self.server.address)
 
     @property
@@ -380,6 +381,7 @@ class MetricsServer(_RoutedServer):
             bind,
             {"/metrics": self._metrics, "/state": self._state, "/proxyMode": self._proxy_mode},
             "metrics server",
+            workers=WORKERS,  # rendering /state or /metrics may take a while
         )
 
     def _metrics(self, request: Request) -> Response:
@@ -470,6 +472,7 @@ class HealthServer(_RoutedServer):
             bind,
             {"/healthz": self._healthz, "/livez": self._livez, "/readyz": self._readyz},
             "health server",
+            workers=0,  # answered on the event loop: they only read AgentStatus
         )
 
     def is_healthy(self) -> bool:

@@ -1,36 +1,71 @@
-"""Small HTTP servers for the agent's local API, on the standard library's http.server.
+"""Small HTTP servers for the agent's local API, all on one asyncio event-loop thread.
 
-`serve(bind, routes)` parses a `host:port` bind address, binds, and answers requests in
-daemon threads until `Server.close()`, which stops at once (no polling interval), drops
-open connections and joins every thread it started. Request logs go to `logging` at
-debug level, never to stderr.
+`serve(bind, routes)` parses a `host:port` bind address, binds, and answers GET and HEAD,
+one request per connection, until `Server.close()`, which stops at once and drops open
+connections. Request logs go to `logging` at debug level, never to stderr.
+
+The health port binds every address by default, so these servers must outlast clients
+that connect and never finish. Three limits do that (module constants, documented in
+docs/operations.md):
+
+* a whole request head must arrive within `REQUEST_DEADLINE` of the connection being
+  accepted (a deadline, not a per-byte idle timeout), and the client has
+  `RESPONSE_DEADLINE` (plus a second per MiB) to take the answer;
+* one client address (an IPv6 client: its /64) holds at most `MAX_PER_ADDRESS`
+  connections on one port: a new one closes that address's oldest;
+* all servers together hold at most `MAX_CONNECTIONS` (and never more than half the
+  open-files limit): a new one closes the oldest connection of the address that holds
+  the most.
+
+An idle connection costs about 2 KB and no thread, so thousands of them do not
+slow anyone else's request. Handlers that may block (rendering a large document) run on
+a few worker threads per server; those that only read memory run on the loop itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import ipaddress
 import json
 import logging
-import selectors
+import queue
+import re
+import resource
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.message import Message
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from socketserver import TCPServer
-from typing import Any
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 log = logging.getLogger(__name__)
 
-IDLE_TIMEOUT = 10.0  # seconds a connection may stay silent before it is dropped
+REQUEST_DEADLINE = 10.0  # seconds from accept until the request line and headers are in
+RESPONSE_DEADLINE = 10.0  # seconds the client has to read the answer and close, plus:
+MIN_READ_RATE = 1 << 20  # bytes a second: a large answer (/state) gets size / rate more
+MAX_PER_ADDRESS = 64  # connections one client address (IPv6: one /64) may hold per port
+MAX_CONNECTIONS = 4096  # connections all servers hold together (also ≤ half of ulimit -n)
+MAX_REQUEST_LINE = 8192  # bytes; a longer request line is answered 414
+MAX_HEAD = 32768  # bytes of request line and headers; more is answered 431
+MAX_HEADERS = 100  # header fields; more is answered 431
+WORKERS = 2  # default threads per server for handlers that may block
 CLOSE_TIMEOUT = 5.0  # seconds close() waits for the threads it started
-MAX_CONNECTIONS = 256  # per server; more concurrent connections are closed at once
-_RESOURCE_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+BACKLOG = 1024  # listen queue, and connections accepted per loop iteration
+OPEN_FILES_WANTED = 65536  # soft RLIMIT_NOFILE the agent asks for at start
+ALLOWED_METHODS = ("GET", "HEAD")
+
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VERSION = re.compile(r"HTTP/(\d)\.(\d)")
+_WARN_EVERY = 60.0  # seconds between warnings about dropped connections, per server
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,203 +151,397 @@ def _family_of(host: str, port: int) -> tuple[socket.AddressFamily, str]:
     return (socket.AF_INET6 if version == 6 else socket.AF_INET), host
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer that tracks its connection threads and stops without polling."""
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to `wanted` (or the hard limit, if lower); never lower
+    it. Each connection the servers hold is an open file. Returns (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return soft, soft
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    after = max(soft, target)
+    if after > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (after, hard))
+        log.info("open files limit raised from %d to %d", soft, after)
+    if after < 2 * MAX_CONNECTIONS:
+        log.warning(
+            "open files limit is %d (hard limit %s): the HTTP servers will hold at most %d "
+            "connections, not %d",
+            after, "unlimited" if hard == resource.RLIM_INFINITY else hard,
+            max(1, after // 2), MAX_CONNECTIONS,
+        )  # fmt: skip
+    return soft, after
 
-    daemon_threads = True
-    block_on_close = False  # close() joins the connection threads itself, with a deadline
-    request_queue_size = 128
 
-    def __init__(
-        self,
-        address: tuple[str, int],
-        family: socket.AddressFamily,
-        v6only: bool | None,
-        routes: Mapping[str, Handler],
-        default: Handler | None,
-        name: str,
-    ) -> None:
-        self.address_family = family
-        self.v6only = v6only
-        self.routes = dict(routes)
-        self.default = default
-        self.name = name
-        self.connections: dict[threading.Thread, socket.socket] = {}
-        self.connections_lock = threading.Lock()
-        self.stopping = False
-        self._wake_r, self._wake_w = socket.socketpair()
+def connection_cap() -> int:
+    """How many connections all servers hold together: `MAX_CONNECTIONS`, but at most half
+    the soft open-files limit, so that accepting never fails for want of descriptors."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, soft // 2))
+
+
+def client_key(host: str) -> str:
+    """What the per-address limit counts by: the IPv4 address (also IPv4-mapped IPv6),
+    an IPv6 client's /64 (one host usually owns a whole /64)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+# --- the event loop -----------------------------------------------------------------------
+
+
+class _Loop:
+    """The event-loop thread every server shares, with the table of their connections.
+    The first `serve` starts it; the last `Server.close` stops it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.users = 0
+        self.table = _Table()
+        self.thread = threading.Thread(target=self._run, name="kbp-http loop", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
         try:
-            super().__init__(address, _RequestHandler)
-        except BaseException:
-            self._wake_r.close()
-            self._wake_w.close()
-            raise
-
-    def server_bind(self) -> None:
-        if self.address_family == socket.AF_INET6 and self.v6only is not None:
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(self.v6only))
-        # Not HTTPServer.server_bind: it also resolves the host's FQDN, a DNS lookup per bind.
-        TCPServer.server_bind(self)
-        self.server_name = str(self.server_address[0])
-        self.server_port = int(self.server_address[1])
-
-    def run(self) -> None:
-        """Accept connections until `stop()`; each one is handled in its own thread."""
-        self.socket.setblocking(False)
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.socket, selectors.EVENT_READ)
-            selector.register(self._wake_r, selectors.EVENT_READ)
-            while not self.stopping:
-                for key, _ in selector.select():
-                    if key.fileobj is self._wake_r or self.stopping:
-                        return
-                    try:
-                        request, client = self.socket.accept()
-                    except OSError as err:  # the client went away, or a spurious wake-up
-                        if err.errno in _RESOURCE_ERRORS:  # out of fds or memory: back off
-                            log.warning("%s: accept failed: %s", self.name, err)
-                            time.sleep(0.1)
-                        continue
-                    request.setblocking(True)
-                    with self.connections_lock:
-                        full = len(self.connections) >= MAX_CONNECTIONS
-                    if full:  # a flood must not start unbounded threads
-                        log.debug(
-                            "%s: %d connections open, dropping %s",
-                            self.name,
-                            MAX_CONNECTIONS,
-                            client,
-                        )
-                        self.shutdown_request(request)
-                        continue
-                    try:
-                        self.process_request(request, client)
-                    except Exception:
-                        self.handle_error(request, client)
-                        self.shutdown_request(request)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        thread = threading.Thread(
-            target=self._connection,
-            args=(request, client_address),
-            name=f"{self.name} connection",
-            daemon=True,
-        )
-        with self.connections_lock:
-            self.connections[thread] = request
-        try:
-            thread.start()
-        except BaseException:  # e.g. no more threads: forget it, run() closes the socket
-            with self.connections_lock:
-                self.connections.pop(thread, None)
-            raise
-
-    def _connection(self, request: socket.socket, client_address: Any) -> None:
-        try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
+            self.loop.run_forever()
+            left = asyncio.all_tasks(self.loop)  # connections accepted as the last one closed
+            for task in left:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         finally:
-            self.shutdown_request(request)
-            with self.connections_lock:
-                self.connections.pop(threading.current_thread(), None)
+            self.loop.close()
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("%s: error serving %s", self.name, client_address, exc_info=True)
+    def call(self, function: Callable[[], _T], timeout: float = CLOSE_TIMEOUT) -> _T:
+        """Run `function` on the loop thread and return its result (from any other thread)."""
+        if threading.current_thread() is self.thread:
+            return function()
+        done: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
-    def stop(self) -> None:
-        """Make `run` return (from any thread but its own connection threads)."""
-        self.stopping = True
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"x")
+        def run() -> None:
+            try:
+                done.set_result(function())
+            except BaseException as err:
+                done.set_exception(err)
 
-    def finish_stop(self, deadline: float) -> None:
-        """After `run` returned: close the sockets, drop connections, join their threads."""
-        self.server_close()
-        self._wake_r.close()
-        self._wake_w.close()
-        with self.connections_lock:
-            open_connections = list(self.connections.items())
-        for _, request in open_connections:  # wake threads blocked reading a silent client
-            with contextlib.suppress(OSError):
-                request.shutdown(socket.SHUT_RDWR)
-        for thread, _ in open_connections:
+        self.loop.call_soon_threadsafe(run)
+        return done.result(timeout)
+
+
+_loop_lock = threading.Lock()
+_current: _Loop | None = None
+
+
+def _acquire_loop() -> _Loop:
+    global _current
+    with _loop_lock:
+        if _current is None:
+            _current = _Loop()
+        _current.users += 1
+        return _current
+
+
+def _release_loop(shared: _Loop, deadline: float) -> None:
+    global _current
+    with _loop_lock:
+        shared.users -= 1
+        if shared.users > 0:
+            return
+        if _current is shared:
+            _current = None
+        shared.loop.call_soon_threadsafe(shared.loop.stop)
+        shared.thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Table:
+    """Every open connection of every server, grouped by (server, client key) in accept
+    order: whom to close when a limit is reached. Used on the loop thread only."""
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple[int, str], dict[_Connection, None]] = {}
+        self.total = 0
+
+    def add(self, conn: _Connection) -> None:
+        group = self.groups.setdefault(conn.group, {})
+        group[conn] = None
+        self.total += 1
+        if len(group) > MAX_PER_ADDRESS:
+            oldest = next(iter(group))
+            oldest.server.dropped(f"{MAX_PER_ADDRESS} connections from {conn.client}")
+            oldest.abort()
+        if self.total > connection_cap():
+            fattest = max(self.groups.values(), key=len)
+            oldest = next(iter(fattest))
+            conn.server.dropped(f"{self.total - 1} connections open in all")
+            oldest.abort()
+
+    def remove(self, conn: _Connection) -> None:
+        group = self.groups.get(conn.group)
+        if group is None or conn not in group:
+            return
+        del group[conn]
+        self.total -= 1
+        if not group:
+            del self.groups[conn.group]
+
+
+class _Workers:
+    """Threads that run the handlers which may block, so that the loop never waits."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._count = count
+        self._name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            while len(self._threads) < self._count:  # started with the first request
+                thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def close(self, deadline: float) -> None:
+        with self._lock:
+            threads, self._count = list(self._threads), 0
+        for _ in threads:
+            self._jobs.put(None)
+        for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-class _RequestHandler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-    server_version = "kube-bpf-proxy"
-    sys_version = ""
-    timeout = IDLE_TIMEOUT
+# --- one connection -----------------------------------------------------------------------
 
-    def do_GET(self) -> None:
-        self._dispatch(head=False)
+_READING, _HANDLING, _ANSWERED, _CLOSED = range(4)
 
-    def do_HEAD(self) -> None:
-        self._dispatch(head=True)
 
-    def _not_allowed(self) -> None:
-        self._send(
-            json_response(
-                405, {"error": f"method {self.command} not allowed"}, {"Allow": "GET, HEAD"}
-            ),
-            head=False,
-        )
+class _Connection(asyncio.Protocol):
+    """One client connection: read one request head within the deadline, answer, close."""
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.client = "?"
+        self.group: tuple[int, str] = (id(server), "?")
+        self.stage = _READING
+        self.buffer = bytearray()
+        self.scanned = 0  # bytes of `buffer` known not to end the head
+        self.peer_closed = False
+        self.timer: asyncio.TimerHandle | None = None
 
-    def _dispatch(self, head: bool) -> None:
-        url = urlsplit(self.path)
-        request = Request(self.command, url.path, parse_qs(url.query), self.headers)
-        handler = self.server.routes.get(url.path, self.server.default)
-        if handler is None:
-            response = json_response(
-                404, {"error": f"no such path {url.path!r}", "paths": sorted(self.server.routes)}
-            )
+    # asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.client = str(peer[0]) if peer else "?"
+        self.group = (id(self.server), client_key(self.client))
+        loop = self.server.shared.loop
+        self.timer = loop.call_later(REQUEST_DEADLINE, self._request_timed_out)
+        self.server.connections.add(self)
+        self.server.shared.table.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.stage != _READING:
+            return  # one request per connection: the rest is read and dropped
+        self.buffer += data
+        self._parse()
+
+    def eof_received(self) -> bool:
+        self.peer_closed = True
+        return self.stage == _HANDLING  # keep the write side open for the answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stage = _CLOSED
+        if self.timer is not None:
+            self.timer.cancel()
+        self.server.connections.discard(self)
+        self.server.shared.table.remove(self)
+
+    def abort(self) -> None:
+        """Drop the connection now (a limit was reached, or the server closes)."""
+        self.server.shared.table.remove(self)
+        if self.transport is not None:
+            self.transport.abort()
+
+    # reading
+    def _request_timed_out(self) -> None:
+        if self.stage != _READING:
+            return
+        if self.buffer.strip():
+            self._error(408, f"the request was not complete within {REQUEST_DEADLINE:g}s")
         else:
-            try:
-                response = handler(request)
-            except Exception as err:
-                log.exception("%s: %s %s failed", self.server.name, self.command, url.path)
-                response = json_response(500, {"error": f"{type(err).__name__}: {err}"})
-        self._send(response, head)
+            self.abort()
 
-    def _send(self, response: Response, head: bool) -> None:
+    def _parse(self) -> None:
+        buf = self.buffer
+        while buf[:1] in (b"\r", b"\n"):  # blank lines before a request line are allowed
+            del buf[:1]
+        line_end = buf.find(b"\n", 0, MAX_REQUEST_LINE + 1)
+        if line_end < 0 and len(buf) > MAX_REQUEST_LINE:
+            self._error(414, f"request line longer than {MAX_REQUEST_LINE} bytes")
+            return
+        found = _HEAD_END.search(buf, max(0, self.scanned - 3))
+        if found is None:
+            self.scanned = len(buf)
+            if len(buf) > MAX_HEAD:
+                self._error(431, f"request headers longer than {MAX_HEAD} bytes")
+            return
+        if found.end() > MAX_HEAD:
+            self._error(431, f"request headers longer than {MAX_HEAD} bytes")
+            return
+        head = bytes(buf[: found.start()]).decode("latin-1")
+        self.buffer = bytearray()
+        self.stage = _HANDLING
+        if self.timer is not None:
+            self.timer.cancel()
+        self._dispatch(head)
+
+    def _dispatch(self, head: str) -> None:
+        request_line, *header_lines = [line.rstrip("\r") for line in head.split("\n")]
+        words = request_line.split()
+        if len(words) != 3:
+            self._error(400, f"bad request line {request_line[:100]!r}", request_line)
+            return
+        method, target, version = words
+        matched = _VERSION.fullmatch(version)
+        if matched is None or not _TOKEN.fullmatch(method):
+            self._error(400, f"bad request line {request_line[:100]!r}", request_line)
+            return
+        if matched.group(1) != "1":
+            self._error(505, f"{version} is not supported: use HTTP/1.1", request_line)
+            return
+        if len(header_lines) > MAX_HEADERS:
+            self._error(431, f"more than {MAX_HEADERS} header fields", request_line)
+            return
+        headers = Message()
+        for line in header_lines:
+            name, colon, value = line.partition(":")
+            if not colon or not _TOKEN.fullmatch(name):  # also obsolete line folding
+                self._error(400, f"bad header line {line[:100]!r}", request_line)
+                return
+            headers[name] = value.strip(" \t")
+        if method not in ALLOWED_METHODS:
+            self._answer(
+                request_line,
+                json_response(
+                    405,
+                    {"error": f"method {method} not allowed"},
+                    {"Allow": ", ".join(ALLOWED_METHODS)},
+                ),
+            )
+            return
         try:
-            self.send_response(response.status)
-            self.send_header("Content-Type", response.content_type)
-            self.send_header("Content-Length", str(len(response.body)))
-            self.send_header("X-Content-Type-Options", "nosniff")
-            self.send_header("Cache-Control", "no-store")
-            for name, value in response.headers.items():
-                self.send_header(name, value)
-            self.end_headers()
-            if not head:
-                self.wfile.write(response.body)
-        except OSError as err:  # the client went away
-            log.debug("%s: client %s: %s", self.server.name, self.client_address, err)
+            url = urlsplit(target)
+            query = parse_qs(url.query)
+        except ValueError:  # e.g. an unclosed "[" in an absolute target
+            url = None
+        if url is None or not (target.startswith("/") or url.scheme):
+            self._error(400, f"bad request target {target[:100]!r}", request_line)
+            return
+        request = Request(method, url.path or "/", query, headers)
+        self.server.handle(self, request_line, request)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s: %s %s", self.server.name, self.address_string(), format % args)
+    # answering
+    def _error(self, status: int, message: str, request_line: str = "-") -> None:
+        self.stage = _HANDLING
+        if self.timer is not None:
+            self.timer.cancel()
+        self._answer(request_line, json_response(status, {"error": message}))
+
+    def _answer(self, request_line: str, response: Response, head: bool = False) -> None:
+        """Send `response` (only its head for HEAD), then close once the client has it."""
+        if self.stage != _HANDLING or self.transport is None or self.transport.is_closing():
+            return  # dropped while the handler ran
+        self.stage = _ANSWERED
+        status = response.status
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = ""
+        lines = [
+            f"HTTP/1.1 {status} {phrase}",
+            "Server: kube-bpf-proxy",
+            f"Date: {formatdate(usegmt=True)}",
+            f"Content-Type: {response.content_type}",
+            f"Content-Length: {len(response.body)}",
+            "X-Content-Type-Options: nosniff",
+            "Cache-Control: no-store",
+            "Connection: close",
+            *(f"{name}: {value}" for name, value in response.headers.items()),
+        ]
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        if not head:
+            data += response.body
+        self.transport.write(data)
+        log.debug(
+            '%s: %s "%s" %d %d',
+            self.server.name, self.client, request_line, status, len(response.body),
+        )  # fmt: skip
+        if self.peer_closed:
+            self.transport.close()  # sends what is buffered, then closes
+            return
+        # Half-close and wait for the client's close: closing at once with unread input
+        # would send a reset that can destroy the answer before the client reads it.
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        deadline = RESPONSE_DEADLINE + len(data) / MIN_READ_RATE
+        self.timer = self.server.shared.loop.call_later(deadline, self.abort)
+
+
+# --- servers ------------------------------------------------------------------------------
 
 
 class Server:
-    """One listening HTTP server, started by `serve`; `close()` stops it and its threads."""
+    """One listening HTTP server, started by `serve`; `close()` stops it."""
 
-    def __init__(self, httpd: _HTTPServer) -> None:
-        self._httpd = httpd
+    def __init__(
+        self,
+        listener: socket.socket,
+        routes: Mapping[str, Handler],
+        default: Handler | None,
+        name: str,
+        workers: int,
+    ) -> None:
+        self.name = name
+        self.routes = dict(routes)
+        self.default = default
+        self.connections: set[_Connection] = set()  # used on the loop thread only
+        self._workers = _Workers(workers, f"{name} worker") if workers > 0 else None
         self._lock = threading.Lock()
         self._closed = False
-        host, port = httpd.server_address[:2]
+        self._last_warning = 0.0
+        host, port = listener.getsockname()[:2]
         self.host: str = str(host)
         self.port: int = int(port)
-        self._thread = threading.Thread(target=httpd.run, name=httpd.name, daemon=True)
-        self._thread.start()
-
-    @property
-    def name(self) -> str:
-        return self._httpd.name
+        self._v6only = listener.family == socket.AF_INET6 and bool(
+            listener.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+        )
+        self.shared = _acquire_loop()
+        try:
+            start = self.shared.loop.create_server(
+                lambda: _Connection(self), sock=listener, backlog=BACKLOG
+            )
+            future = asyncio.run_coroutine_threadsafe(start, self.shared.loop)
+            self._server = future.result(CLOSE_TIMEOUT)
+        except BaseException:
+            listener.close()
+            _release_loop(self.shared, time.monotonic() + CLOSE_TIMEOUT)
+            raise
 
     @property
     def address(self) -> str:
@@ -323,7 +552,7 @@ class Server:
     def url(self) -> str:
         """A URL that reaches this server from this host (loopback for wildcard binds)."""
         host = self.host
-        if host == "0.0.0.0" or (host == "::" and not self._httpd.v6only):
+        if host == "0.0.0.0" or (host == "::" and not self._v6only):
             host = "127.0.0.1"
         elif host == "::":
             host = "::1"
@@ -333,6 +562,49 @@ class Server:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def open_connections(self) -> int:
+        """How many connections this server holds now (for tests and benchmarks)."""
+        return len(self.connections)
+
+    def handle(self, conn: _Connection, request_line: str, request: Request) -> None:
+        """Run the handler for `request` (on the loop, or on a worker) and answer."""
+        handler = self.routes.get(request.path, self.default)
+        head = request.method == "HEAD"
+        if handler is None:
+            response = json_response(
+                404, {"error": f"no such path {request.path!r}", "paths": sorted(self.routes)}
+            )
+            conn._answer(request_line, response, head)
+            return
+        if self._workers is None:
+            conn._answer(request_line, self._call(handler, request), head)
+            return
+        loop = self.shared.loop
+
+        def job() -> None:
+            response = self._call(handler, request)
+            with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
+                loop.call_soon_threadsafe(conn._answer, request_line, response, head)
+
+        self._workers.submit(job)
+
+    def _call(self, handler: Handler, request: Request) -> Response:
+        try:
+            return handler(request)
+        except Exception as err:
+            log.exception("%s: %s %s failed", self.name, request.method, request.path)
+            return json_response(500, {"error": f"{type(err).__name__}: {err}"})
+
+    def dropped(self, why: str) -> None:
+        """A connection was closed to keep a limit: say so, at most once a minute."""
+        now = time.monotonic()
+        level = logging.DEBUG
+        if now - self._last_warning >= _WARN_EVERY:
+            self._last_warning = now
+            level = logging.WARNING
+        log.log(level, "%s %s: %s: closing the oldest", self.name, self.address, why)
+
     def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
         """Stop accepting, drop open connections, join every thread. Idempotent."""
         with self._lock:
@@ -340,9 +612,18 @@ class Server:
                 return
             self._closed = True
         deadline = time.monotonic() + timeout
-        self._httpd.stop()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
-        self._httpd.finish_stop(deadline)
+
+        def stop() -> None:
+            self._server.close()  # closes the listening socket now
+            for conn in list(self.connections):
+                conn.abort()
+
+        try:
+            self.shared.call(stop, max(0.0, deadline - time.monotonic()))
+        finally:
+            if self._workers is not None:
+                self._workers.close(deadline)
+            _release_loop(self.shared, deadline)
         log.debug("%s: closed %s", self.name, self.address)
 
     def __enter__(self) -> Server:
@@ -355,33 +636,51 @@ class Server:
         return f"<Server {self.name} {self.address}{' closed' if self._closed else ''}>"
 
 
+def _listen(
+    address: tuple[str, int], family: socket.AddressFamily, v6only: bool | None
+) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and v6only is not None:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
+        sock.bind(address)
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(
     bind: str,
     routes: Mapping[str, Handler],
     *,
     default: Handler | None = None,
     name: str = "kbp-http",
+    workers: int = WORKERS,
 ) -> Server:
-    """Bind `bind` (`host:port`) and serve `routes` (path → handler) in daemon threads.
+    """Bind `bind` (`host:port`) and serve `routes` (path → handler).
 
-    `default` answers paths not in `routes` (else 404). Hosts: an IPv4 address binds
-    that family only; an IPv6 address (`[::]:p` too) binds IPv6 only; an empty host
-    (`:p`) binds every address of both families (IPv4 alone where the kernel has no
-    IPv6); a name is resolved once. Raises ValueError for a malformed address and
-    OSError when the address cannot be bound (e.g. EADDRINUSE).
+    `default` answers paths not in `routes` (else 404). `workers`: threads that run the
+    handlers; 0 runs them on the event loop, for handlers that only read memory and
+    never block. Hosts: an IPv4 address binds that family only; an IPv6 address (`[::]:p`
+    too) binds IPv6 only; an empty host (`:p`) binds every address of both families
+    (IPv4 alone where the kernel has no IPv6); a name is resolved once. Raises ValueError
+    for a malformed address and OSError when the address cannot be bound (EADDRINUSE).
     """
     host, port = parse_bind(bind)
     if host == "":
         try:
-            httpd = _HTTPServer(("::", port), socket.AF_INET6, False, routes, default, name)
+            listener = _listen(("::", port), socket.AF_INET6, False)
         except OSError as err:
             if err.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT):
                 raise
-            httpd = _HTTPServer(("0.0.0.0", port), socket.AF_INET, None, routes, default, name)
+            listener = _listen(("0.0.0.0", port), socket.AF_INET, None)
     else:
         family, address = _family_of(host, port)
-        v6only = True if family == socket.AF_INET6 else None
-        httpd = _HTTPServer((address, port), family, v6only, routes, default, name)
-    server = Server(httpd)
+        listener = _listen((address, port), family, True if family == socket.AF_INET6 else None)
+    server = Server(listener, routes, default, name, workers)
     log.debug("%s: listening on %s", name, server.address)
     return server

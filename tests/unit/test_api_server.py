@@ -7,7 +7,6 @@ import gzip
 import json
 import logging
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -44,15 +43,7 @@ class FakeClock:
         self.now += seconds
 
 
-@pytest.fixture(autouse=True)
-def no_thread_leak() -> Iterator[None]:
-    """Every test must stop every thread it started (servers and their connections)."""
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 2
-    while (leaked := set(threading.enumerate()) - before) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not leaked, f"threads left running: {sorted(t.name for t in leaked)}"
+pytestmark = pytest.mark.usefixtures("no_thread_leak")  # tests/unit/conftest.py
 
 
 @pytest.fixture

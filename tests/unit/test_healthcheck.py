@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,14 +21,7 @@ from ..builders import Obj, default_nodes, make_endpoint, make_service, make_sli
 LOCAL = ["127.0.0.1"]
 
 
-@pytest.fixture(autouse=True)
-def no_thread_leak() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    deadline = time.monotonic() + 2
-    while (leaked := set(threading.enumerate()) - before) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not leaked, f"threads left running: {sorted(t.name for t in leaked)}"
+pytestmark = pytest.mark.usefixtures("no_thread_leak")  # tests/unit/conftest.py
 
 
 @pytest.fixture
@@ -40,11 +31,13 @@ def servers() -> Iterator[HealthCheckServers]:
 
 
 def free_ports(count: int) -> list[int]:
-    """Ports free on 127.0.0.1 right now (held open together so they differ)."""
+    """Ports free on every address right now (held open together so they differ). Bound
+    on the wildcard: a port free on 127.0.0.1 alone may still be held elsewhere, e.g. by a
+    client's TIME_WAIT on another loopback address, and then `[::]:port` fails."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for s in sockets:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("0.0.0.0", 0))
         return [s.getsockname()[1] for s in sockets]
     finally:
         for s in sockets:

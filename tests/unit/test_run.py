@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from agent.api.serving import OPEN_FILES_WANTED
 from agent.cli import main
 from agent.config import Settings
 from agent.daemon import Agent
@@ -104,6 +106,31 @@ def test_run_serves_the_compiled_state_and_stops_on_sigterm(
     assert document["status"]["dataplaneReason"] == "requested"
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=10) == 0
+
+
+def test_the_agent_raises_its_open_files_limit_at_start() -> None:
+    """Started with `ulimit -n 1024`, it asks for 65,536 (or the hard limit): each HTTP
+    connection it holds is an open file."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(OPEN_FILES_WANTED, hard)
+    health = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--manifests", str(ROOT / "examples"),
+         "--node", "node-a", "--dataplane", "none", "--metrics-bind-address", "127.0.0.1:0",
+         "--healthz-bind-address", f"127.0.0.1:{health}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard)),
+    )  # fmt: skip
+    try:
+        wait_ready(f"http://127.0.0.1:{health}", process)
+        limits = Path(f"/proc/{process.pid}/limits").read_text()
+        (line,) = [line for line in limits.splitlines() if line.startswith("Max open files")]
+        assert int(line.split()[3]) == max(wanted, min(1024, hard))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=10)
+    if wanted > 1024:
+        assert f"open files limit raised from 1024 to {wanted}" in stderr
 
 
 def test_no_kubeconfig_is_a_clear_startup_error(tmp_path: Path) -> None:
