@@ -299,7 +299,9 @@ class KubernetesSource:
             if problem is None:
                 answered = now
                 continue
-            silent = [w for w in silent if w.heard() <= now]  # still silent, same request
+            # Every watch silent since before the probe is suspect, not only the one
+            # whose idle time ran out first; one that spoke meanwhile is not.
+            silent = [w for w in self._watchers if w.heard() <= now]
             if not silent:
                 continue
             names = ", ".join(w.resource.name for w in silent)
