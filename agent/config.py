@@ -523,7 +523,7 @@ def parse_duration(text: str | float) -> float:
     """Seconds from a number or a Go-style duration ("500ms", "30s", "1m30s", "2h");
     ValueError for anything else, a negative or a non-finite (nan, inf) value."""
     if isinstance(text, bool):
-        raise ValueError(f"{text!r} is not a duration (e.g. 500ms, 30s, 1m)")
+        raise ValueError(f"{_show(text)} is not a duration (e.g. 500ms, 30s, 1m)")
     if isinstance(text, int):
         seconds = float(text) if abs(text) < 10**300 else math.inf
     elif isinstance(text, float):
@@ -580,29 +580,34 @@ def _convert(f: Field[Any], raw: Any, where: str, *, text: bool, split: bool = F
         if kind.startswith("list"):
             items = raw if isinstance(raw, list) else [raw]
             if not all(isinstance(item, str) for item in items):
-                raise ValueError(f"{raw!r} is not a list of strings")
+                raise ValueError(f"{_show(raw)} is not a list of strings")
             return _split(items) if split or not text or f.metadata.get("comma") else items
         if kind == "bool":
             if isinstance(raw, bool):
                 return raw
             if text and str(raw).strip().lower() in _TRUE + _FALSE:
                 return str(raw).strip().lower() in _TRUE
-            raise ValueError(f"{raw!r} is not a boolean (true or false)")
+            raise ValueError(f"{_show(raw)} is not a boolean (true or false)")
         if kind == "int":
             if text and isinstance(raw, str) and _INTEGER.fullmatch(raw.strip()):
                 return int(raw.strip())
             if not text and type(raw) is int:
                 return raw
-            raise ValueError(f"{raw!r} is not an integer")
+            raise ValueError(f"{_show(raw)} is not an integer")
         if kind == "float":  # the durations
             if not text or isinstance(raw, str):
                 return parse_duration(raw)
-            raise ValueError(f"{raw!r} is not a duration")
+            raise ValueError(f"{_show(raw)} is not a duration")
         if not isinstance(raw, str):
-            raise ValueError(f"{raw!r} is not a string (quote it in YAML)")
+            raise ValueError(f"{_show(raw)} is not a string (quote it in YAML)")
         return raw
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+def _show(raw: Any) -> str:
+    """A value as the user wrote it: YAML's true/false, else Python's repr."""
+    return str(raw).lower() if isinstance(raw, bool) else repr(raw)
 
 
 def _read_config(path: str, names: list[str]) -> dict[str, tuple[Any, str]]:

@@ -264,11 +264,11 @@ def test_a_large_prime_maglev_table_size_is_refused_at_once() -> None:
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("map-size-ct: true\n", "map-size-ct: True is not an integer"),
+        ("map-size-ct: true\n", "map-size-ct: true is not an integer"),
         ("map-size-ct: 1.9\n", "map-size-ct: 1.9 is not an integer"),
         ("map-size-ct: '2048'\n", "map-size-ct: '2048' is not an integer"),
         ("sync-period: .nan\n", "sync-period: nan is not a finite duration"),
-        ("sync-period: true\n", "sync-period: True is not a duration"),
+        ("sync-period: true\n", "sync-period: true is not a duration"),
         ("min-sync-period: 1e400\n", "min-sync-period: '1e400' is not a"),
         ("node: 123\n", "node: 123 is not a string"),
         ("node-ip: [1]\n", "node-ip: [1] is not a list of strings"),
