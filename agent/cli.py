@@ -31,6 +31,8 @@ COMPILE_SETTINGS = ["manifests", *NODE_SETTINGS, "output", "strict", "log_level"
 RUN_SETTINGS = [
     "manifests",
     "kubeconfig",
+    "api_idle_timeout",
+    "api_request_timeout",
     *NODE_SETTINGS,
     "dataplane",
     "bpffs",

@@ -1,15 +1,20 @@
 """Settings: one documented dataclass; every field is a CLI flag and a KBP_* env var.
 
-Precedence: command-line flag, then environment variable, then default. List-valued
-settings take comma-separated values in the environment.
+Precedence: command-line flag, then environment variable, then the --config file, then
+default. List-valued settings take comma-separated values in the environment. Every
+setting has a type and a range, checked at start: a value that is out of range, or of
+another type (`true` or `1.9` for a number), stops the command with one line naming the
+setting and where the value came from. Nothing is coerced.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
@@ -30,8 +35,39 @@ DEFAULT_POD_INTERFACES: tuple[str, ...] = (
 )
 
 
+def default_node_name() -> str:
+    """The hostname, lower-cased as kube-proxy does (Node names are lower-case)."""
+    return socket.gethostname().lower()
+
+
 def _opt(flag: str, help: str, *, short: str | None = None, **kwargs: Any) -> dict[str, Any]:
     return {"flag": flag, "short": short, "help": help, **kwargs}
+
+
+# eBPF map sizes, (fewest, most) entries. The floor is Cilium's smallest table (1024);
+# the ceilings keep a map's memory within what a node can give (a hash map preallocates
+# every entry: 2^24 conntrack entries took 3.1 GB here; the per-CPU counters hold one
+# entry per service id on every CPU). BPF's own limit, 2^32, is far beyond them.
+MAP_SIZE_RANGES: dict[str, tuple[int, int]] = {
+    "services": (1024, 1 << 20),
+    "slots": (1024, 1 << 24),
+    "backends": (1024, 1 << 24),
+    "ct": (1024, 1 << 24),
+    "affinity": (1024, 1 << 24),
+}
+# Cilium's choice of Maglev table sizes spans these primes (its default is ours, 16381).
+MAGLEV_TABLE_SIZE_RANGE = (251, 131071)
+
+
+def _between(low: float, high: float, *, duration: bool = False) -> Callable[[Any], None]:
+    """A check that a number lies within [low, high]."""
+
+    def check(value: float) -> None:
+        show = format_duration if duration else str
+        if not low <= value <= high:
+            raise ValueError(f"{show(value)} is out of range: {show(low)} to {show(high)}")
+
+    return check
 
 
 @dataclass
@@ -43,11 +79,17 @@ class Settings:
             "manifest files or directories (searched recursively)",
             nargs="+",
             metavar="PATH",
+            check=lambda paths: _each(paths, _nonempty),
         ),
     )
     node: str = field(
-        default_factory=socket.gethostname,
-        metadata=_opt("--node", "name of this node (default: the hostname)", metavar="NAME"),
+        default_factory=default_node_name,
+        metadata=_opt(
+            "--node",
+            "name of this node (default: the hostname, lower-cased)",
+            metavar="NAME",
+            check=lambda name: _dns_subdomain(name),
+        ),
     )
     node_ip: list[str] = field(
         default_factory=list,
@@ -56,6 +98,7 @@ class Settings:
             "this node's address; repeat for dual-stack; replaces the Node object's addresses",
             action="append",
             metavar="IP",
+            check=lambda ips: _one_per_family(ips, parse_ip, "address"),
         ),
     )
     node_label: list[str] = field(
@@ -65,6 +108,7 @@ class Settings:
             "a label of this node, added to (or overriding) the Node object's labels",
             action="append",
             metavar="KEY=VALUE",
+            check=lambda items: _each(items, _label),
         ),
     )
     nodeport_addresses: list[str] = field(
@@ -75,6 +119,7 @@ class Settings:
             "primary IPs; default: every node address (kube-proxy's flag)",
             metavar="CIDR,...",
             comma=True,
+            check=lambda cidrs: _nodeport_addresses(cidrs),
         ),
     )
     cluster_cidr: list[str] = field(
@@ -84,6 +129,7 @@ class Settings:
             "pod CIDRs of the cluster (one per family)",
             metavar="CIDR,...",
             comma=True,
+            check=lambda cidrs: _one_per_family(cidrs, parse_cidr, "CIDR"),
         ),
     )
     cluster_name: str | None = field(
@@ -93,6 +139,7 @@ class Settings:
             "this cluster's name in a multi-cluster set; slices whose "
             "multicluster.kubernetes.io/source-cluster differs are remote",
             metavar="NAME",
+            check=lambda name: _label_value(name, empty=False),
         ),
     )
     service_proxy_name: str | None = field(
@@ -102,6 +149,7 @@ class Settings:
             "handle only Services labelled service.kubernetes.io/service-proxy-name=NAME; "
             "default: only Services without that label",
             metavar="NAME",
+            check=lambda name: _label_value(name, empty=False),
         ),
     )
     kubeconfig: str | None = field(
@@ -111,6 +159,7 @@ class Settings:
             "kubeconfig file; default: in-cluster service account, else $KUBECONFIG, "
             "else ~/.kube/config",
             metavar="FILE",
+            check=lambda path: _nonempty(path),
         ),
     )
     dataplane: str = field(
@@ -128,6 +177,7 @@ class Settings:
             "--bpffs",
             "directory on a bpffs where the eBPF dataplane pins its maps (kbp_*_v<N>)",
             metavar="DIR",
+            check=lambda path: _absolute(path),
         ),
     )
     pod_interfaces: list[str] = field(
@@ -138,6 +188,7 @@ class Settings:
             f"(default: {','.join(DEFAULT_POD_INTERFACES)}, the common CNI prefixes)",
             metavar="GLOB,...",
             comma=True,
+            check=lambda globs: _interface_globs(globs, required=True),
         ),
     )
     external_interfaces: list[str] = field(
@@ -149,6 +200,7 @@ class Settings:
             "default: the interfaces that carry the node's --nodeport-addresses",
             metavar="GLOB,...",
             comma=True,
+            check=lambda globs: _interface_globs(globs, required=False),
         ),
     )
     xdp: str = field(
@@ -168,6 +220,7 @@ class Settings:
             "and sendmsg() of the node's own processes to a Service go straight to a "
             "backend; auto: the cgroup2 mount's root (every process); none: off",
             metavar="DIR|auto|none",
+            check=lambda path: None if path in ("auto", "none") else _absolute(path),
         ),
     )
     snat_port_range: str = field(
@@ -178,6 +231,7 @@ class Settings:
             "other nodes (SNAT to this node's address); keep it outside the node's "
             "net.ipv4.ip_local_port_range and the NodePort range",
             metavar="LOW-HIGH",
+            check=lambda text: parse_port_range(text),
         ),
     )
     maglev_table_size: int = field(
@@ -186,14 +240,17 @@ class Settings:
             "--maglev-table-size",
             "slots of each Maglev table (a prime larger than a Service's backend count; "
             "more slots spread load more evenly and cost more map entries)",
-            type=int,
             metavar="PRIME",
+            check=lambda size: _maglev_table_size(size),
         ),
     )
     map_size_services: int = field(
         default=65536,
         metadata=_opt(
-            "--map-size-services", "frontend entries (and service ids)", type=int, metavar="N"
+            "--map-size-services",
+            "frontend entries (and service ids)",
+            metavar="N",
+            check=_between(*MAP_SIZE_RANGES["services"]),
         ),
     )
     map_size_slots: int = field(
@@ -201,14 +258,17 @@ class Settings:
         metadata=_opt(
             "--map-size-slots",
             "backend slots over all Services, Maglev tables included",
-            type=int,
             metavar="N",
+            check=_between(*MAP_SIZE_RANGES["slots"]),
         ),
     )
     map_size_backends: int = field(
         default=262144,
         metadata=_opt(
-            "--map-size-backends", "(Service port, endpoint) pairs", type=int, metavar="N"
+            "--map-size-backends",
+            "(Service port, endpoint) pairs",
+            metavar="N",
+            check=_between(*MAP_SIZE_RANGES["backends"]),
         ),
     )
     map_size_ct: int = field(
@@ -216,8 +276,8 @@ class Settings:
         metadata=_opt(
             "--map-size-ct",
             "conntrack entries (two per connection; LRU)",
-            type=int,
             metavar="N",
+            check=_between(*MAP_SIZE_RANGES["ct"]),
         ),
     )
     map_size_affinity: int = field(
@@ -225,8 +285,8 @@ class Settings:
         metadata=_opt(
             "--map-size-affinity",
             "sessionAffinity ClientIP entries (LRU)",
-            type=int,
             metavar="N",
+            check=_between(*MAP_SIZE_RANGES["affinity"]),
         ),
     )
     min_sync_period: float = field(
@@ -236,7 +296,7 @@ class Settings:
             "minimum time between syncs (e.g. 1s); 0 applies changes at once, coalescing "
             "those that arrive during a sync",
             metavar="DURATION",
-            type=lambda text: parse_duration(text),
+            check=_between(0.0, 3600.0, duration=True),
         ),
     )
     sync_period: float = field(
@@ -245,13 +305,37 @@ class Settings:
             "--sync-period",
             "full resync period (e.g. 30s); a resync writes nothing when the kernel matches",
             metavar="DURATION",
-            type=lambda text: parse_duration(text),
+            check=_between(1.0, 86400.0, duration=True),
+        ),
+    )
+    api_idle_timeout: float = field(
+        default=30.0,
+        metadata=_opt(
+            "--api-idle-timeout",
+            "a watch of the API server silent this long gets a liveness probe (GET /version); "
+            "like the HTTP/2 ping of kube-proxy's client",
+            metavar="DURATION",
+            check=_between(1.0, 600.0, duration=True),
+        ),
+    )
+    api_request_timeout: float = field(
+        default=15.0,
+        metadata=_opt(
+            "--api-request-timeout",
+            "longest wait for the API server: to connect, to answer a request (each read of "
+            "a list, a watch's headers) and a liveness probe; a frozen server is reported "
+            "unreachable after --api-idle-timeout plus this",
+            metavar="DURATION",
+            check=_between(1.0, 300.0, duration=True),
         ),
     )
     metrics_bind_address: str = field(
         default="127.0.0.1:10249",
         metadata=_opt(
-            "--metrics-bind-address", "address of /metrics and /state", metavar="HOST:PORT"
+            "--metrics-bind-address",
+            "address of /metrics and /state",
+            metavar="HOST:PORT",
+            check=lambda bind: _bind_address(bind),
         ),
     )
     healthz_bind_address: str = field(
@@ -260,6 +344,7 @@ class Settings:
             "--healthz-bind-address",
             "address of /healthz, /livez and /readyz",
             metavar="HOST:PORT",
+            check=lambda bind: _bind_address(bind),
         ),
     )
     log_format: str = field(
@@ -272,8 +357,8 @@ class Settings:
             "--v",
             "log verbosity like kube-proxy's -v: 0-1 info, 2+ debug",
             short="-v",
-            type=int,
             metavar="N",
+            check=_between(0, 10),
         ),
     )
     config: str | None = field(
@@ -283,6 +368,7 @@ class Settings:
             "YAML file with any of these settings (keys as the flags without dashes, "
             "e.g. sync-period or sync_period); flags and env vars win over it",
             metavar="FILE",
+            check=lambda path: _nonempty(path),
         ),
     )
     output: str = field(
@@ -315,19 +401,10 @@ class Settings:
 
     def snat_ports(self) -> tuple[int, int]:
         """--snat-port-range as (low, high); ValueError naming the flag."""
-        low, sep, high = self.snat_port_range.strip().partition("-")
         try:
-            first, last = int(low), int(high if sep else low)
-        except ValueError:
-            raise ValueError(
-                f"--snat-port-range: {self.snat_port_range!r} is not LOW-HIGH"
-            ) from None
-        if not 1024 <= first <= last <= 65535:
-            raise ValueError(
-                f"--snat-port-range: {self.snat_port_range!r} must lie within 1024-65535, "
-                "low <= high"
-            )
-        return first, last
+            return parse_port_range(self.snat_port_range)
+        except ValueError as err:
+            raise ValueError(f"--snat-port-range: {err}") from None
 
     def compile_options(self) -> CompileOptions:
         labels = {}
@@ -344,59 +421,26 @@ class Settings:
         )
 
     def validate(self) -> None:
-        """Raise ValueError naming the setting that is wrong."""
-        for f in fields(self):  # flags are checked by argparse, env vars only here
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(
-                    f"{f.metadata['flag']}: {getattr(self, f.name)!r} is not one of "
-                    f"{', '.join(choices)}"
-                )
-        for ip in self.node_ip:
-            try:
-                parse_ip(ip)
-            except ValueError as err:
-                raise ValueError(f"--node-ip: {err}") from None
-        for item in self.node_label:
-            if "=" not in item or not item.partition("=")[0]:
-                raise ValueError(f"--node-label: {item!r} is not KEY=VALUE")
-        for name in (
-            "map_size_services",
-            "map_size_slots",
-            "map_size_backends",
-            "map_size_ct",
-            "map_size_affinity",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: must be at least 1")
-        if self.maglev_table_size < 3 or any(
-            self.maglev_table_size % d == 0 for d in range(2, int(self.maglev_table_size**0.5) + 1)
-        ):
-            raise ValueError(f"--maglev-table-size: {self.maglev_table_size} is not a prime")
-        if not self.pod_interfaces:
-            raise ValueError("--pod-interfaces: at least one glob is required")
-        self.snat_ports()
-        if PRIMARY in self.nodeport_addresses and self.nodeport_addresses != [PRIMARY]:
-            raise ValueError("--nodeport-addresses: 'primary' cannot be combined with CIDRs")
-        for name in ("nodeport_addresses", "cluster_cidr"):
-            for cidr in getattr(self, name):
-                if cidr == PRIMARY and name == "nodeport_addresses":
-                    continue
-                try:
-                    parse_cidr(cidr)
-                except ValueError as err:
-                    raise ValueError(f"--{name.replace('_', '-')}: {err}") from None
+        """Check every setting's range and the settings that depend on each other;
+        ValueError naming the setting that is wrong."""
+        for f in fields(self):
+            check_value(f, getattr(self, f.name), f.metadata["flag"])
+        check_together(self, {})
 
 
 SETTINGS_FIELDS = {f.name: f for f in fields(Settings)}
 
 
 def add_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:
-    """Add the flags of the named settings; help texts show the env var and default."""
+    """Add the flags of the named settings; help texts show the env var and default.
+
+    Flags stay text here: `settings_from` converts and checks them as it does env vars,
+    so every bad value gets the same one-line error naming where it came from."""
     for name in names:
         f = SETTINGS_FIELDS[name]
         meta = dict(f.metadata)
         flag, short, help_text = meta.pop("flag"), meta.pop("short"), meta.pop("help")
+        meta.pop("check", None)
         if meta.pop("comma", False):
             meta["action"] = "append"
         env = ENV_PREFIX + name.upper()
@@ -410,36 +454,80 @@ def settings_from(
     args: argparse.Namespace, names: list[str], environ: dict[str, str] | None = None
 ) -> Settings:
     """Settings from parsed flags, then KBP_* env vars, then the --config file, then
-    defaults. Raises ValueError naming the setting (and its source) that is wrong."""
+    defaults, each converted without coercion and checked against its range. Raises
+    ValueError naming the setting and where its value came from (`--sync-period`,
+    `KBP_SYNC_PERIOD`, `--config FILE: sync-period`, `--node (default)`)."""
     environ = dict(os.environ) if environ is None else environ
-    file_values: dict[str, Any] = {}
+    file_values: dict[str, tuple[Any, str]] = {}
     if "config" in names:
         path = getattr(args, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
         if path:
             file_values = _read_config(path, names)
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for name in names:
         f = SETTINGS_FIELDS[name]
+        flag = f.metadata["flag"]
+        env = ENV_PREFIX + name.upper()
         value = getattr(args, name, None)
-        if isinstance(value, list) and f.metadata.get("comma"):
-            value = _split(value)
-        if value is None or value is False:
-            raw = environ.get(ENV_PREFIX + name.upper())
-            if raw is not None:
-                value = _convert(f, raw, f"{ENV_PREFIX}{name.upper()}")
-            elif name in file_values:
-                value = file_values[name]
+        if value is not None and value is not False:
+            where = flag
+            if isinstance(value, list) and f.metadata.get("comma"):
+                value = _split(value)
+            value = _convert(f, value, where, text=True)
+        elif env in environ:
+            where = env
+            value = _convert(f, environ[env], where, text=True, split=True)
+        elif name in file_values:
+            value, where = file_values[name]
+        else:
+            value, where = None, f"{flag} (default)"
         if value is not None:
             values[name] = value
+        sources[name] = where
     settings = Settings(**values)
-    settings.validate()
+    for name in names:
+        check_value(SETTINGS_FIELDS[name], getattr(settings, name), sources[name])
+    check_together(settings, sources)
     return settings
 
 
+def check_value(f: Field[Any], value: Any, where: str) -> None:
+    """Check one setting's value against its choices and range; ValueError naming `where`."""
+    choices = f.metadata.get("choices")
+    try:
+        if choices and value not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        check = f.metadata.get("check")
+        if check is not None and value is not None:
+            check(value)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+def check_together(settings: Settings, sources: dict[str, str]) -> None:
+    """The checks that involve two settings; `sources` says where each value came from."""
+
+    def where(name: str) -> str:
+        return sources.get(name, SETTINGS_FIELDS[name].metadata["flag"])
+
+    if settings.min_sync_period > settings.sync_period:
+        raise ValueError(
+            f"{where('min_sync_period')}: {format_duration(settings.min_sync_period)} is "
+            f"longer than the full resync period ({where('sync_period')}: "
+            f"{format_duration(settings.sync_period)})"
+        )
+
+
 def parse_duration(text: str | float) -> float:
-    """Seconds from a number or a Go-style duration ("500ms", "30s", "1m30s", "2h")."""
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        seconds = float(text)
+    """Seconds from a number or a Go-style duration ("500ms", "30s", "1m30s", "2h");
+    ValueError for anything else, a negative or a non-finite (nan, inf) value."""
+    if isinstance(text, bool):
+        raise ValueError(f"{_show(text)} is not a duration (e.g. 500ms, 30s, 1m)")
+    if isinstance(text, int):
+        seconds = float(text) if abs(text) < 10**300 else math.inf
+    elif isinstance(text, float):
+        seconds = text
     else:
         stripped = str(text).strip()
         try:
@@ -449,52 +537,205 @@ def parse_duration(text: str | float) -> float:
             if not parts or "".join(n + u for n, u in parts) != stripped:
                 raise ValueError(f"{text!r} is not a duration (e.g. 500ms, 30s, 1m)") from None
             seconds = sum(float(n) * _UNITS[u] for n, u in parts)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{text!r} is not a finite duration")
     if seconds < 0:
         raise ValueError(f"{text!r} is negative")
     return seconds
 
 
+def format_duration(seconds: float) -> str:
+    """A duration as it is written in a flag: 0s, 500ms, 30s, 1m30s, 2h."""
+    if not math.isfinite(seconds):
+        return str(seconds)
+    if seconds and seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    whole, rest = divmod(seconds, 1)
+    if rest:
+        return f"{seconds:g}s"
+    hours, remainder = divmod(int(whole), 3600)
+    minutes, secs = divmod(remainder, 60)
+    text = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "")
+    return text + (f"{secs}s" if secs or not text else "")
+
+
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _split(items: list[str]) -> list[str]:
     return [v.strip() for item in items for v in str(item).split(",") if v.strip()]
 
 
-def _convert(f: Field[Any], raw: Any, source: str) -> Any:
-    """A value from the environment (text) or the config file (YAML) as the setting's type."""
+def _convert(f: Field[Any], raw: Any, where: str, *, text: bool, split: bool = False) -> Any:
+    """A value as the setting's type, from text (a flag or env var; `split` a list at
+    commas) or from YAML (the config file, whose types must already match). No coercion:
+    `true` or `1.9` is not a number, `5` is not a name."""
     kind = str(f.type)
     try:
+        if raw is None:
+            return None  # a config file key left empty: the default
         if kind.startswith("list"):
-            return _split(raw if isinstance(raw, list) else [raw])
+            items = raw if isinstance(raw, list) else [raw]
+            if not all(isinstance(item, str) for item in items):
+                raise ValueError(f"{_show(raw)} is not a list of strings")
+            return _split(items) if split or not text or f.metadata.get("comma") else items
         if kind == "bool":
             if isinstance(raw, bool):
                 return raw
-            return str(raw).strip().lower() in ("1", "true", "yes", "on")
-        if f.metadata.get("type") is not None:
-            return f.metadata["type"](raw)
+            if text and str(raw).strip().lower() in _TRUE + _FALSE:
+                return str(raw).strip().lower() in _TRUE
+            raise ValueError(f"{_show(raw)} is not a boolean (true or false)")
         if kind == "int":
-            return int(raw)
-        return None if raw is None else str(raw)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{source}: {err}") from None
+            if text and isinstance(raw, str) and _INTEGER.fullmatch(raw.strip()):
+                return int(raw.strip())
+            if not text and type(raw) is int:
+                return raw
+            raise ValueError(f"{_show(raw)} is not an integer")
+        if kind == "float":  # the durations
+            if not text or isinstance(raw, str):
+                return parse_duration(raw)
+            raise ValueError(f"{_show(raw)} is not a duration")
+        if not isinstance(raw, str):
+            raise ValueError(f"{_show(raw)} is not a string (quote it in YAML)")
+        return raw
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
-def _read_config(path: str, names: list[str]) -> dict[str, Any]:
+def _show(raw: Any) -> str:
+    """A value as the user wrote it: YAML's true/false, else Python's repr."""
+    return str(raw).lower() if isinstance(raw, bool) else repr(raw)
+
+
+def _read_config(path: str, names: list[str]) -> dict[str, tuple[Any, str]]:
+    """The settings of a --config file: name → (value, where it came from)."""
     try:
         with open(path, encoding="utf-8") as stream:
             document = yaml.safe_load(stream)
     except (OSError, yaml.YAMLError) as err:
-        raise ValueError(f"--config {path}: {err}") from None
+        message = " ".join(str(err).split())  # YAML errors span several lines
+        raise ValueError(f"--config {path}: {message}") from None
     if document is None:
         return {}
     if not isinstance(document, dict):
         raise ValueError(f"--config {path}: expected a mapping of settings")
-    values: dict[str, Any] = {}
+    values: dict[str, tuple[Any, str]] = {}
     for key, raw in document.items():
         name = str(key).replace("-", "_")
         if name not in names or name == "config":
             raise ValueError(f"--config {path}: unknown setting {key!r}")
-        values[name] = _convert(SETTINGS_FIELDS[name], raw, f"--config {path}: {key}")
+        where = f"--config {path}: {key}"
+        values[name] = (_convert(SETTINGS_FIELDS[name], raw, where, text=False), where)
     return values
+
+
+# --- the checks of single settings (ValueError without the setting's name) -------------
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
+def _nonempty(text: str) -> None:
+    if not text.strip():
+        raise ValueError("must not be empty")
+
+
+def _each(items: list[str], check: Callable[[str], None]) -> None:
+    for item in items:
+        check(item)
+
+
+def _absolute(path: str) -> None:
+    if not os.path.isabs(path):
+        raise ValueError(f"{path!r} is not an absolute path")
+
+
+def _dns_subdomain(name: str) -> None:
+    """A Kubernetes object name (RFC 1123 subdomain), as Node names are."""
+    if not 0 < len(name) <= 253 or not all(_DNS_LABEL.fullmatch(p) for p in name.split(".")):
+        raise ValueError(
+            f"{name!r} is not a node name (lower-case letters, digits, '-' and '.', "
+            "at most 253 characters)"
+        )
+
+
+def _label_value(value: str, *, empty: bool = True) -> None:
+    if not value and not empty:
+        raise ValueError("must not be empty")
+    if value and (len(value) > 63 or not _LABEL_NAME.fullmatch(value)):
+        raise ValueError(
+            f"{value!r} is not a label value (at most 63 letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit)"
+        )
+
+
+def _label(item: str) -> None:
+    """KEY=VALUE with a label key ([prefix/]name) and a label value."""
+    key, sep, value = item.partition("=")
+    prefix, slash, name = key.rpartition("/")
+    if not sep or not name:
+        raise ValueError(f"{item!r} is not KEY=VALUE")
+    if slash:
+        try:
+            _dns_subdomain(prefix)
+        except ValueError:
+            raise ValueError(f"{item!r}: {prefix!r} is not a DNS subdomain") from None
+    if len(name) > 63 or not _LABEL_NAME.fullmatch(name):
+        raise ValueError(f"{item!r}: {name!r} is not a label name")
+    _label_value(value)
+
+
+def _one_per_family(items: list[str], parse: Callable[[str], tuple[str, str]], what: str) -> None:
+    seen: dict[str, str] = {}
+    for item in items:
+        family, _ = parse(item)
+        if family in seen:
+            raise ValueError(
+                f"one {what} per family: {seen[family]!r} and {item!r} are both {family}"
+            )
+        seen[family] = item
+
+
+def _nodeport_addresses(items: list[str]) -> None:
+    if PRIMARY in items:
+        if items != [PRIMARY]:
+            raise ValueError("'primary' cannot be combined with CIDRs")
+        return
+    for item in items:
+        parse_cidr(item)
+
+
+def _interface_globs(globs: list[str], *, required: bool) -> None:
+    if required and not globs:
+        raise ValueError("at least one glob is required")
+    for glob in globs:
+        if not glob or "/" in glob or any(c.isspace() for c in glob):
+            raise ValueError(f"{glob!r} is not an interface name glob")
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """LOW-HIGH (or one port) within 1024-65535 as (low, high)."""
+    low, sep, high = text.strip().partition("-")
+    if not _INTEGER.fullmatch(low) or (sep and not _INTEGER.fullmatch(high)):
+        raise ValueError(f"{text!r} is not LOW-HIGH")
+    first, last = int(low), int(high if sep else low)
+    if not 1024 <= first <= last <= 65535:
+        raise ValueError(f"{text!r} must lie within 1024-65535, low <= high")
+    return first, last
+
+
+def _maglev_table_size(size: int) -> None:
+    low, high = MAGLEV_TABLE_SIZE_RANGE
+    if not low <= size <= high:  # first: a large prime would take long to test
+        raise ValueError(f"{size} is out of range: {low} to {high}")
+    if any(size % d == 0 for d in range(2, math.isqrt(size) + 1)):
+        raise ValueError(f"{size} is not a prime")
+
+
+def _bind_address(bind: str) -> None:
+    from .api.serving import parse_bind  # the HTTP layer owns the syntax
+
+    parse_bind(bind)

@@ -142,6 +142,8 @@ class Agent:
             self.metrics,
             self.settings.node,
             self.settings.service_proxy_name,
+            idle_timeout=self.settings.api_idle_timeout,
+            request_timeout=self.settings.api_request_timeout,
             on_reachability=self.status.set_api_reachable,
         )
 

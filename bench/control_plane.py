@@ -54,7 +54,7 @@ from kubernetes import client
 
 import agent.k8s.source as source_module
 from agent.dataplane.fake import FakeDataplane
-from agent.k8s import KubernetesSource
+from agent.k8s import KubernetesSource, make_client
 from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState, ServiceEntry
@@ -701,7 +701,7 @@ class Agent:
         self.dataplane = RecordingDataplane(self.probe)
         configuration = client.Configuration()
         configuration.host = kmock_process.url
-        self.api_client = client.ApiClient(configuration)
+        self.api_client = make_client(configuration)
         # kmock never ends a watch (it ignores timeoutSeconds) and replays every object
         # on each new one: long timeouts keep the watches open for the whole run.
         self.source = KubernetesSource(
@@ -712,7 +712,8 @@ class Agent:
             None,
             watch_timeout=3600,
             read_timeout=3600,
-            list_timeout=300,
+            idle_timeout=3600,
+            request_timeout=300,
         )
         # min_sync_period 0 (the default); no periodic resync during the run: it is
         # time-driven, not caused by events, and would blur the per-event counts.

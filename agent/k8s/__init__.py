@@ -3,7 +3,7 @@
 This package is the only code that imports the `kubernetes` client.
 """
 
-from .config import ConfigError, load_config
+from .config import ConfigError, load_config, make_client
 from .source import RESOURCES, KubernetesSource, Resource, service_selector
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "KubernetesSource",
     "Resource",
     "load_config",
+    "make_client",
     "service_selector",
 ]

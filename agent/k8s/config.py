@@ -45,14 +45,14 @@ def load_config(
     environ = os.environ if environ is None else environ
     if kubeconfig:
         try:
-            return _client(_from_kubeconfig(kubeconfig))
+            return make_client(_from_kubeconfig(kubeconfig))
         except Exception as err:
             raise ConfigError(f"--kubeconfig {kubeconfig}: {_reason(err)}") from None
 
     tried: list[str] = []
     if environ.get(SERVICE_HOST_ENV_NAME) and environ.get(SERVICE_PORT_ENV_NAME):
         try:
-            return _client(_in_cluster(environ, service_account_dir))
+            return make_client(_in_cluster(environ, service_account_dir))
         except Exception as err:
             tried.append(f"in-cluster service account ({service_account_dir}): {_reason(err)}")
     else:
@@ -64,7 +64,7 @@ def load_config(
     env_path = environ.get("KUBECONFIG")
     if env_path:
         try:
-            return _client(_from_kubeconfig(env_path))
+            return make_client(_from_kubeconfig(env_path))
         except Exception as err:
             tried.append(f"$KUBECONFIG={env_path}: {_reason(err)}")
     else:
@@ -73,7 +73,7 @@ def load_config(
     default = os.path.join(home or os.path.expanduser("~"), ".kube", "config")
     if os.path.exists(default):
         try:
-            return _client(_from_kubeconfig(default))
+            return make_client(_from_kubeconfig(default))
         except Exception as err:
             tried.append(f"{default}: {_reason(err)}")
     else:
@@ -104,7 +104,11 @@ def _in_cluster(environ: Mapping[str, str], directory: str) -> client.Configurat
     return configuration
 
 
-def _client(configuration: client.Configuration) -> client.ApiClient:
+def make_client(configuration: client.Configuration) -> client.ApiClient:
+    """An ApiClient that tries each request once: urllib3's default (three more tries
+    after a timeout or a reset) would keep a frozen API server unnoticed four times as
+    long; the source retries with its own backoff."""
+    configuration.retries = False
     api = client.ApiClient(configuration)
     api.user_agent = USER_AGENT
     return api

@@ -13,6 +13,19 @@ jitter (not reset by a list that works while the watch keeps failing) and relist
 changed, so the dataplane does not flap. The store is never cleared on errors: the last
 known state stays in force.
 
+Liveness. Every request is tried once (urllib3 would retry a timed-out one three more
+times) and bounded: `request_timeout` to connect, for each read of a list and for a
+watch's response headers. An open watch may stay quiet for long (API servers send a
+BOOKMARK about once a minute), so its silence is not an error by itself: when a watch
+has heard nothing for `idle_timeout`, one probe (`GET /version`, on another connection,
+at most one per `idle_timeout` for all watches) asks whether the server still answers,
+as client-go's HTTP/2 ping does for kube-proxy. A probe without an answer within
+`request_timeout` reports the API unreachable (`kbp_api_up` 0, `on_reachability`) and
+cuts the silent watches; each resumes from its resourceVersion (a server that froze
+and comes back replays what was missed, or says 410 and the resource is relisted). A
+frozen server is thus reported within `idle_timeout + request_timeout` (45 s by
+default); a dead connection to a live server ends at the watch's `read_timeout`.
+
 Selection. Services: `!service.kubernetes.io/service-proxy-name`, or
 `service.kubernetes.io/service-proxy-name=NAME` with `--service-proxy-name NAME`.
 EndpointSlices: `!service.kubernetes.io/headless` only; slices are *not* filtered by the
@@ -66,6 +79,7 @@ ListFunction = Callable[..., Any]
 
 GONE = 410
 HEALTHY_WATCH = 10.0  # seconds a watch must last for its failure to restart the backoff
+ALIVE_BELOW = 500  # a probe answered with a status below this: the server answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +110,16 @@ class WatchError(Exception):
     """The server reported an error in the watch stream, or sent something unreadable."""
 
 
+class Silent(Exception):
+    """The server did not answer in time (a watch's headers, or a liveness probe while a
+    request was open): reconnect, resuming from `version`, the last resourceVersion seen
+    ("" when none: relist)."""
+
+    def __init__(self, message: str, version: str = "") -> None:
+        super().__init__(message)
+        self.version = version
+
+
 def service_selector(service_proxy_name: str | None) -> str:
     """The label selector for the Services this proxy handles (conventions §5.4)."""
     if service_proxy_name:
@@ -122,9 +146,9 @@ class KubernetesSource:
         service_proxy_name: str | None,
         *,
         watch_timeout: float = 300,
-        read_timeout: float = 150,
-        connect_timeout: float = 10,
-        list_timeout: float = 60,
+        read_timeout: float = 90,
+        idle_timeout: float = 30,
+        request_timeout: float = 15,
         page_size: int = 500,
         backoff_base: float = 0.5,
         backoff_max: float = 30,
@@ -135,20 +159,28 @@ class KubernetesSource:
         for every resource or stops being reachable for one (the local API reports it).
         `watch_timeout` is the server-side watch duration (`timeoutSeconds`, spread over
         1 to 2 times it, as client-go does). `read_timeout` is the longest silence accepted
-        on a watch (`list_timeout` on a list): API servers send a BOOKMARK about once a
-        minute, so a longer silence means a dead connection (or a server that ignores
-        `timeoutSeconds`) and the watch is resumed from its resourceVersion. Backoff after
-        an error starts at `backoff_base` seconds and doubles up to `backoff_max`, with
-        jitter (each wait is 50 to 100 % of the nominal one). `page_size` is the list
-        `limit` (0: unpaged)."""
+        on a watch's connection: API servers send a BOOKMARK about once a minute, so a
+        longer silence means a dead connection (or a server that ignores
+        `timeoutSeconds`) and the watch is resumed from its resourceVersion.
+        `idle_timeout` is the silence after which the server is probed, and
+        `request_timeout` bounds connecting, each read of a list, a watch's response
+        headers and the probe (see the module's docstring). The client must make one
+        attempt per request (`make_client` builds it so). Backoff after an error starts
+        at `backoff_base` seconds and doubles up to `backoff_max`, with jitter (each wait
+        is 50 to 100 % of the nominal one). `page_size` is the list `limit` (0: unpaged)."""
+        if api_client.configuration.retries is not False:
+            raise ValueError(
+                "the ApiClient retries requests (a frozen API server would go unnoticed "
+                "four times as long): build it with agent.k8s.make_client"
+            )
         self.store = store
         self.metrics = metrics
         self.node_name = node_name
         self.service_proxy_name = service_proxy_name or None
         self.watch_timeout = watch_timeout
         self.read_timeout = read_timeout
-        self.connect_timeout = connect_timeout
-        self.list_timeout = list_timeout
+        self.idle_timeout = idle_timeout
+        self.request_timeout = request_timeout
         self.page_size = page_size
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
@@ -162,6 +194,7 @@ class KubernetesSource:
         self._threads: list[threading.Thread] = []
         core = client.CoreV1Api(api_client)
         discovery = client.DiscoveryV1Api(api_client)
+        self._version_api = client.VersionApi(api_client)
         proxy_label = c.LABEL_SERVICE_PROXY_NAME
         self._watchers = [
             _Watcher(
@@ -209,6 +242,11 @@ class KubernetesSource:
             )
             self._threads.append(thread)
             thread.start()
+        monitor = threading.Thread(
+            target=self._check_liveness, name="kbp-k8s-liveness", daemon=True
+        )
+        self._threads.append(monitor)
+        monitor.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop promptly: wake the backoff waits, cut the open streams, join the threads."""
@@ -247,6 +285,64 @@ class KubernetesSource:
         nominal = min(self.backoff_max, self.backoff_base * 2 ** max(0, failures - 1))
         return nominal * self._rng.uniform(0.5, 1.0)
 
+    # --- liveness -------------------------------------------------------------------
+    def _check_liveness(self) -> None:
+        """Probe the server when a watch has been silent for `idle_timeout`; cut the
+        silent watches when the probe gets no answer (the kbp-k8s-liveness thread)."""
+        tick = min(1.0, self.idle_timeout / 4)
+        answered = time.monotonic()  # the start of the last probe the server answered
+        while not self._wait(tick):
+            now = time.monotonic()
+            silent = [
+                w for w in self._watchers if now - max(w.heard(), answered) >= self.idle_timeout
+            ]
+            if not silent:
+                continue
+            problem = self._probe()
+            if self.stopping:
+                return
+            if problem is None:
+                answered = now
+                continue
+            # Every watch silent since before the probe is suspect, not only the one
+            # whose idle time ran out first; one that spoke meanwhile is not.
+            silent = [w for w in self._watchers if w.heard() <= now]
+            if not silent:
+                continue
+            names = ", ".join(w.resource.name for w in silent)
+            log.warning(
+                "API server: no answer to a liveness probe within %g s (%s) after %g s "
+                "without a word on the watches of %s; reporting it unreachable and reconnecting",
+                self.request_timeout,
+                problem,
+                self.idle_timeout,
+                names,
+            )
+            for watcher in silent:
+                watcher.cut("the API server did not answer a liveness probe")
+
+    def _probe(self) -> str | None:
+        """None when the API server answers `GET /version` (any status below 500) within
+        `request_timeout`; else why not."""
+        try:
+            response = self._version_api.get_code(
+                _preload_content=False, _request_timeout=self.request_timeout
+            )
+        except OpenApiException as err:
+            status = getattr(err, "status", None)
+            if isinstance(status, int) and 0 < status < ALIVE_BELOW:
+                return None
+            return _describe(err)
+        except Exception as err:  # timeouts, refused or reset connections
+            return _describe(err)
+        try:
+            response.read()
+        except Exception as err:
+            return _describe(err)
+        finally:
+            response.release_conn()
+        return None
+
 
 class _Watcher:
     """List + watch of one resource, run in its own thread."""
@@ -273,6 +369,8 @@ class _Watcher:
         self._reported: dict[Key, str] = {}  # last problem logged per object
         self._response_lock = threading.Lock()
         self._response: urllib3.BaseHTTPResponse | None = None
+        self._heard = math.inf  # when the open response last said something (inf: none open)
+        self._cut_reason: str | None = None  # set by cut(), taken by the watcher thread
         self._node_missing_reported = False
 
     # --- main loop ------------------------------------------------------------------
@@ -312,10 +410,22 @@ class _Watcher:
                 if started is not None and time.monotonic() - started >= HEALTHY_WATCH:
                     failures = 0  # a watch that worked for a while: a fresh failure
                 failures += 1
-                relist = True
+                if isinstance(err, Silent) and err.version:
+                    version = err.version
+                else:
+                    relist = True
                 self._set_up(False, failed=True)
                 delay = source._backoff(failures)
-                if isinstance(err, OpenApiException | urllib3.exceptions.HTTPError | OSError):
+                if isinstance(err, Silent):
+                    log.warning(
+                        "%s: %s; keeping the last known state, %s in %.1f s (attempt %d)",
+                        name,
+                        err,
+                        "relisting" if relist else f"resuming from resourceVersion {version}",
+                        delay,
+                        failures,
+                    )
+                elif isinstance(err, OpenApiException | urllib3.exceptions.HTTPError | OSError):
                     log.warning(
                         "%s: %s; keeping the last known state, retrying in %.1f s (attempt %d)",
                         name,
@@ -332,6 +442,25 @@ class _Watcher:
                 if source._wait(delay):
                     break
         self._set_up(False)
+
+    def heard(self) -> float:
+        """When the open request or watch last said something; inf when none is open."""
+        return self._heard
+
+    def cut(self, reason: str) -> None:
+        """End the open request or watch because the server is silent (from the liveness
+        thread); the watcher reports it and resumes."""
+        with self._response_lock:
+            if self._response is None:
+                return
+            self._cut_reason = reason
+        self.interrupt()
+
+    def _silenced(self, what: str, version: str = "") -> Silent | None:
+        """A Silent error when cut() ended the request, else None."""
+        with self._response_lock:
+            reason, self._cut_reason = self._cut_reason, None
+        return None if reason is None else Silent(f"{what} cut: {reason}", version)
 
     def interrupt(self) -> None:
         """Unblock a read in progress (called from `stop()` on another thread)."""
@@ -400,7 +529,7 @@ class _Watcher:
             if token:
                 kwargs["_continue"] = token
             try:
-                body = self._request(self.source.list_timeout, **kwargs)
+                body = self._request(**kwargs)
             except OpenApiException as err:
                 if getattr(err, "status", None) == GONE and token:
                     # The continue token expired mid-list: start again, in one piece.
@@ -416,34 +545,48 @@ class _Watcher:
             if not token:
                 return items, str(meta.get("resourceVersion") or "")
 
-    def _request(self, read_timeout: float, **kwargs: Any) -> Any:
-        response = self._call(read_timeout, **kwargs)
+    def _request(self, **kwargs: Any) -> Any:
+        response = self._call(**kwargs)
         complete = False
         try:
             data = response.data
             complete = True
+        except Exception:
+            silent = self._silenced("list")
+            if silent is not None:
+                raise silent from None
+            raise
         finally:
             self._finish(response, complete)
         return json.loads(data)
 
-    def _call(self, read_timeout: float, **kwargs: Any) -> urllib3.BaseHTTPResponse:
+    def _call(self, **kwargs: Any) -> urllib3.BaseHTTPResponse:
+        """Send a list or watch request; return the response once its headers are in.
+        Connecting and each read are bounded by `request_timeout`."""
+        timeout = self.source.request_timeout
         response = self.list_function(
             label_selector=self.label_selector,
             _preload_content=False,
-            _request_timeout=(self.source.connect_timeout, read_timeout),
+            _request_timeout=(timeout, timeout),
             **kwargs,
         )
         with self._response_lock:
             self._response = response
+            self._heard = time.monotonic()
+            self._cut_reason = None
         if self.source.stopping:  # stop() ran before the response was registered
             self.interrupt()
         return response
+
+    def _hear(self) -> None:
+        self._heard = time.monotonic()
 
     def _finish(self, response: urllib3.BaseHTTPResponse, complete: bool) -> None:
         """Unregister a response; a connection with unread data is closed, not reused."""
         with self._response_lock:
             if self._response is response:
                 self._response = None
+                self._heard = math.inf
         if not complete:
             response.close()
         response.release_conn()
@@ -473,14 +616,22 @@ class _Watcher:
         if version:
             kwargs["resource_version"] = version
         try:
-            response = self._call(source.read_timeout, **kwargs)
+            response = self._call(**kwargs)
         except OpenApiException as err:
             if getattr(err, "status", None) == GONE:
                 raise Gone(f"watch from resourceVersion {version}: 410 Gone") from None
             raise
+        except urllib3.exceptions.ReadTimeoutError:
+            raise Silent(
+                f"no answer to a watch request within {source.request_timeout:g} s", version
+            ) from None
+        if not self.up:
+            log.info("%s: watching again from resourceVersion %s", self.resource.name, version)
+            self._set_up(True)
+        _set_read_timeout(response, source.read_timeout)  # a watch may be quiet for long
         received = 0
         try:
-            for line in _lines(response):
+            for line in _lines(response, self._hear):
                 if source.stopping:
                     break
                 try:
@@ -493,8 +644,16 @@ class _Watcher:
             # Silent for read_timeout: the server ignored timeoutSeconds, or the connection
             # died quietly. Resume; if the server is gone, the next request fails.
             log.debug("%s: watch read timeout; resuming", self.resource.name)
+        except Exception:
+            silent = self._silenced("watch", version)
+            if silent is not None:
+                raise silent from None
+            raise
         finally:
             self._finish(response, complete=False)  # watches are long-lived: never reused
+        silent = self._silenced("watch", version)  # a cut stream may also just end
+        if silent is not None and not source.stopping:
+            raise silent
         return version, received
 
     def _handle(self, event: Any, version: str) -> str:
@@ -595,10 +754,20 @@ def _key(resource: Resource, meta: object) -> Key | None:
     return (namespace if isinstance(namespace, str) and namespace else "default", name)
 
 
-def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
-    """The non-empty lines of a streamed (chunked) response, as they arrive."""
+def _set_read_timeout(response: urllib3.BaseHTTPResponse, seconds: float) -> None:
+    """Change the read timeout of a response's connection (urllib3 applies one timeout
+    to the headers and the body alike)."""
+    sock = getattr(getattr(response, "connection", None), "sock", None)
+    if sock is not None:
+        sock.settimeout(seconds)
+
+
+def _lines(response: urllib3.BaseHTTPResponse, heard: Callable[[], None]) -> Iterator[bytes]:
+    """The non-empty lines of a streamed (chunked) response, as they arrive; `heard()`
+    is called for each chunk received."""
     buffer = bytearray()
     for chunk in response.stream(amt=None, decode_content=True):
+        heard()
         buffer += chunk
         start = 0
         while (end := buffer.find(b"\n", start)) != -1:
@@ -625,6 +794,8 @@ def _describe(err: Exception) -> str:
             except (ValueError, AttributeError):
                 message = ""
         return f"HTTP {status} {reason}".strip() + (f": {message}" if message else "")
+    if isinstance(err, urllib3.exceptions.ReadTimeoutError):
+        return "read timed out"  # (urllib3's text names the pool and a float of seconds)
     reason = getattr(err, "reason", None)
     text = str(reason if reason is not None else err) or type(err).__name__
     return text.splitlines()[0]

@@ -13,6 +13,8 @@ ADDED, then streams changes; lists carry `resourceVersion: "..."`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +28,7 @@ import kmock
 import pytest
 from kubernetes import client
 
-from agent.k8s import KubernetesSource
+from agent.k8s import KubernetesSource, make_client
 from agent.metrics import Metrics
 from agent.sync.store import StateStore, Value, key_of, kind_of
 
@@ -210,6 +212,115 @@ class KmockApi:
         self.call(arm())
 
 
+class SilentServer:
+    """A TCP server on loopback that accepts connections and never answers: it reads
+    nothing and sends nothing, as a hung API server whose kernel still accepts."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.port: int = self.listener.getsockname()[1]
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, name="silent-server", daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            self.held.append(connection)
+
+    @property
+    def accepted(self) -> int:
+        return len(self.held)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        self.thread.join(DEADLINE)
+        for connection in self.held:
+            connection.close()
+
+
+class FreezableRelay:
+    """A TCP relay on loopback in front of a server. `freeze()` makes the server look
+    frozen (a stopped or deadlocked API server): connections are still accepted and
+    requests still sent, but no byte goes through, either way, until `thaw()`, which
+    lets everything held go on."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.closed = False
+        self.sockets: list[socket.socket] = []
+        self.threads: list[threading.Thread] = []
+        self._start(self._accept, "relay-accept")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def freeze(self) -> None:
+        self.flowing.clear()
+
+    def thaw(self) -> None:
+        self.flowing.set()
+
+    def _start(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client_side, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            try:
+                server_side = socket.create_connection(("127.0.0.1", self.target_port), DEADLINE)
+            except OSError:
+                client_side.close()
+                continue
+            server_side.settimeout(None)
+            self.sockets += [client_side, server_side]
+            self._start(self._pump, "relay-up", client_side, server_side)
+            self._start(self._pump, "relay-down", server_side, client_side)
+
+    def _pump(self, source: socket.socket, destination: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                self.flowing.wait()
+                if self.closed:
+                    return
+                destination.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, destination):  # one side gone: end the other
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        for end in self.sockets:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+        self.flowing.set()
+        for thread in self.threads:
+            thread.join(DEADLINE)
+        for end in self.sockets:
+            end.close()
+
+
 def status_event(code: int, reason: str, message: str = "injected by the test") -> dict[str, Any]:
     """A watch ERROR event carrying a Status, as the API server sends it."""
     return {
@@ -321,7 +432,7 @@ def kmock_api() -> Iterator[KmockApi]:
 def api_client(kmock_api: KmockApi) -> Iterator[client.ApiClient]:
     configuration = client.Configuration()
     configuration.host = kmock_api.url
-    api = client.ApiClient(configuration)
+    api = make_client(configuration)
     try:
         yield api
     finally:
@@ -336,19 +447,24 @@ def make_harness(
     a resumed kmock watch would miss deletions), a fast backoff."""
     made: list[Harness] = []
 
-    def make(service_proxy_name: str | None = None, **kwargs: Any) -> Harness:
+    def make(
+        service_proxy_name: str | None = None, api: client.ApiClient | None = None, **kwargs: Any
+    ) -> Harness:
+        """A source on `api` (default: the kmock server's client) with test timings,
+        overridden by `kwargs`."""
         store = RecordingStore()
         metrics = Metrics()
         options: dict[str, Any] = {
             "watch_timeout": 60,
             "read_timeout": 30,
-            "connect_timeout": 1,
-            "list_timeout": 2,
+            "request_timeout": 2,
             "backoff_base": 0.02,
             "backoff_max": 0.1,
         }
         options.update(kwargs)
-        source = KubernetesSource(api_client, store, metrics, NODE, service_proxy_name, **options)
+        source = KubernetesSource(
+            api or api_client, store, metrics, NODE, service_proxy_name, **options
+        )
         harness = Harness(kmock_api, store, metrics, source)
         made.append(harness)
         return harness

@@ -119,7 +119,7 @@ def test_an_env_var_outside_the_choices_is_a_usage_error(
     monkeypatch.setenv("KBP_OUTPUT", "table")
     code, out, err = run(capsys, "compile", "--manifests", EXAMPLES, "--node", "node-a")
     assert (code, out) == (2, "")
-    assert "--output: 'table' is not one of yaml, json" in err
+    assert "KBP_OUTPUT: 'table' is not one of yaml, json" in err
 
 
 def test_no_manifests_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import urllib.error
 import urllib.request
 from dataclasses import MISSING, Field, fields
@@ -19,7 +18,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from agent import cli
 from agent.api import AgentStatus, HealthServer, MetricsServer
-from agent.config import ENV_PREFIX, Settings
+from agent.config import ENV_PREFIX, Settings, default_node_name
 from agent.dataplane.ebpf.abi import DROP_REASONS
 from agent.dataplane.ebpf.dataplane import _DropCollector
 from agent.dataplane.probe import PROBE_NAMES
@@ -58,7 +57,7 @@ def env_var(setting: Field[Any]) -> str:
 
 def documented_default(setting: Field[Any]) -> str:
     """How the settings table writes a setting's default."""
-    if setting.default_factory is socket.gethostname:
+    if setting.default_factory is default_node_name:
         return "the hostname"
     has_value = setting.default is not MISSING
     value = setting.default if has_value else setting.default_factory()  # type: ignore[misc]
