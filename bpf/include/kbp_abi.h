@@ -37,6 +37,8 @@
 #define KBP_SVC_F_MAGLEV 4        /* slots are a Maglev table: pick by flow hash */
 #define KBP_SVC_F_SOURCE_RANGES 8 /* LoadBalancer frontend with loadBalancerSourceRanges:
 				     clients outside its kbp_src_ranges prefixes are dropped */
+#define KBP_SVC_F_RANDOM 16       /* pick a random slot (lb-algorithm random); without it
+				     and KBP_SVC_F_MAGLEV: the slot of the flow hash */
 
 /* Bits of struct kbp_src_range_key before the client address: the frontend key. */
 #define KBP_SRC_RANGE_FRONTEND_BITS 160

@@ -691,15 +691,47 @@ def test_maglev_sends_the_same_flow_to_the_same_backend_without_conntrack(datapa
     assert len(chosen) == 1
 
 
-def test_random_selection_spreads_new_flows_over_all_backends(datapath):
-    datapath.service(4, UDP, backends=4)
+def test_random_selection_spreads_one_tuple_over_all_backends_only_when_asked(datapath):
+    # lb-algorithm random: the same tuple, its entries gone each time, lands anywhere.
+    datapath.service(4, UDP, backends=4, flags=C.KBP_SVC_F_HAS_ENDPOINTS | C.KBP_SVC_F_RANDOM)
+    frame = client_frame(4, UDP)
 
-    chosen = {
-        P.parse(datapath.from_pod(client_frame(4, UDP, sport=CLIENT_PORT + n)).data_out).dst
-        for n in range(200)
-    }
+    chosen = set()
+    for _ in range(200):
+        chosen.add(P.parse(datapath.from_pod(frame).data_out).dst)
+        datapath.clear_conntrack()
 
     assert chosen == set(BACKENDS[4])
+
+
+def test_by_default_a_new_flow_takes_the_slot_of_its_flow_hash(datapath):
+    ids = datapath.service(4, TCP, backends=4)
+
+    seen = set()
+    for n in range(64):
+        sport = CLIENT_PORT + n
+        out = P.parse(datapath.from_pod(client_frame(4, TCP, sport=sport)).data_out)
+        slot = flow_hash(CLIENT[4], CLUSTER_IP[4], sport, FRONTEND_PORT, TCP) % len(ids)
+        assert out.dst == BACKENDS[4][slot], f"source port {sport}"
+        seen.add(out.dst)
+    assert seen == set(BACKENDS[4])
+
+
+@pytest.mark.parametrize("family", [4, 6], ids=["IPv4", "IPv6"])
+def test_a_segment_whose_entries_were_lost_reaches_the_same_backend(datapath, family):
+    # Recovery: an established flow's entries deleted by hand (as an eviction would);
+    # its next segment is sent to the backend it had, and both entries are back.
+    datapath.service(family, TCP, backends=4)
+    for n in range(16):
+        sport = CLIENT_PORT + n
+        first = _backend_of(datapath, client_frame(family, TCP, sport=sport))
+        datapath.clear_conntrack()
+
+        ack = client_frame(family, TCP, sport=sport, flags="A", payload=b"still here")
+        assert _backend_of(datapath, ack) == first, f"source port {sport}"
+        reply = backend_reply(family, TCP, first, dport=sport, flags="A")
+        out = P.parse(datapath.to_pod(reply).data_out)
+        assert (out.src, out.sport) == (CLUSTER_IP[family], FRONTEND_PORT)
 
 
 # Conntrack
