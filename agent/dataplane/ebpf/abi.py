@@ -82,6 +82,7 @@ MAP_NAMES = (
     "kbp_xdp_stats",
     "kbp_sock_rev",
     "kbp_ports",
+    "kbp_ct_stats",
 )
 
 
