@@ -27,6 +27,7 @@ def build_ebpf(settings: Settings) -> Dataplane:
     """The eBPF dataplane on this network namespace's pod interfaces."""
     try:
         from .ebpf.cgroup import cgroup2_mount
+        from .ebpf.conntrack import Timeouts
         from .ebpf.dataplane import EbpfDataplane
         from .ebpf.plan import MapSizes
     except ImportError as err:  # bcc, cffi or pyroute2 missing
@@ -49,6 +50,8 @@ def build_ebpf(settings: Settings) -> Dataplane:
         xdp=settings.xdp,
         snat_ports=settings.snat_ports(),
         cgroup=cgroup,
+        ct_timeouts=Timeouts(**settings.conntrack_timeouts()),
+        ct_sweep_interval=settings.conntrack_sweep_interval,
     )
 
 

@@ -8,9 +8,9 @@ stream IP PORT: one TCP connection; prints `backend NAME`, then every --interval
   numbered line, checks its echo and prints `ok SEQ`; on the first failure prints
   `error CLASS DETAIL` and exits 1. SIGTERM closes the connection cleanly and exits 0.
 idle IP PORT -n N: N TCP connections opened and left idle; prints one JSON line
-  {"backends": [name, ...]} once all have answered, waits for a line on stdin (the caller
-  does its worst meanwhile), then sends a line on each connection and prints
-  {"echoed": n, "errors": {class: n}, "details": [..]}.
+  {"backends": [name, ...], "ports": [client port, ...]} once all have answered, waits
+  for a line on stdin (the caller does its worst meanwhile), then sends a line on each
+  connection and prints {"echoed": n, "errors": {class: n}, "details": [..]}.
 pair IP1 IP2 PORT -n N: N pairs of TCP connections, both of a pair from one source port
   (SO_REUSEADDR; from --first-port on, below the ephemeral range) to two addresses at the
   same time, each then echoing a line; prints
@@ -174,7 +174,8 @@ def run_idle(args: argparse.Namespace) -> int:
         sock.connect((args.ip, args.port))
         names.append(read_line(sock).decode().strip())
         socks.append(sock)
-    print(json.dumps({"backends": names}), flush=True)
+    ports = [sock.getsockname()[1] for sock in socks]
+    print(json.dumps({"backends": names, "ports": ports}), flush=True)
     sys.stdin.readline()
     echoed, errors, details = 0, Counter(), []
     for n, sock in enumerate(socks):

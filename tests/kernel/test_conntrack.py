@@ -12,6 +12,7 @@ holds 2048 entries (1024 flows); the iptables dataplane uses the kernel's conntr
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -70,7 +71,9 @@ class IdleClient:
                                      stderr=subprocess.PIPE, text=True)  # fmt: skip
         try:
             line = read_line(self.proc, timeout=30)
-            self.backends: list[str] = json.loads(line)["backends"]
+            opened = json.loads(line)
+            self.backends: list[str] = opened["backends"]
+            self.ports: list[int] = opened["ports"]
         except Exception:
             stop_process(self.proc)
             raise
@@ -85,10 +88,22 @@ class IdleClient:
         stop_process(self.proc)
 
 
-def test_idle_connections_survive_thousands_of_short_ones(env: Env) -> None:
+def held_flows(env: Env, ports: list[int]) -> int:
+    """How many of the flows from these client ports still have their forward entry."""
+    table = env.dataplane.programs.map("kbp_ct")  # type: ignore[union-attr]
+    stored = table.keys()
+    forward = [key for key in stored if key[38] == 0]
+    return sum(int.from_bytes(key[32:34], "big") in ports for key in forward)
+
+
+def test_idle_connections_survive_thousands_of_short_ones(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
     # 20 idle connections, then 3,000 short ones through a 2048-entry map: every idle
     # connection's entries are evicted on eBPF, and its next segment must still reach
     # its backend (the flow hash picks it again); iptables keeps them in its conntrack.
+    # On eBPF the next sweep says that live flows lost their entries, and the fill ratio
+    # it reports is what the map holds.
     objects, ip4, _ = service(env, "idle", backends(env, *BACKENDS))
     env.program(*objects)
     idle = IdleClient(env, ip4, 20)
@@ -97,10 +112,23 @@ def test_idle_connections_survive_thousands_of_short_ones(env: Env) -> None:
         short = env.pod("client1").connect_many(ip4, 80, "tcp", 3000, timeout=5.0)
         assert short.errors == {}, short.details
         assert short.answered == 3000
+        evicted_kept = held_flows(env, idle.ports) if env.kind == "ebpf" else 0
         after = idle.resume()
     finally:
         idle.close()
     assert after["echoed"] == 20, after
+    if env.kind == "ebpf":
+        collector = env.dataplane.conntrack  # type: ignore[union-attr]
+        with caplog.at_level(logging.WARNING, logger="agent.dataplane.ebpf.conntrack"):
+            report = collector.run_once()
+        # every idle flow whose entries were gone sent a segment that found none
+        lost = collector.lost_total()
+        assert lost >= 20 - evicted_kept, (lost, evicted_kept)
+        warned = any("evicted live flows" in r.getMessage() for r in caplog.records)
+        assert warned == (lost > 0)
+        held = len(collector.table.keys())
+        assert collector.fill_ratio() == pytest.approx(held / CT_ENTRIES, abs=0.01)
+        assert 0 < report.entries <= CT_ENTRIES
 
 
 def test_one_client_port_for_two_services_sharing_their_only_backend(env: Env) -> None:
@@ -132,4 +160,3 @@ def test_a_connection_whose_entries_were_deleted_keeps_its_backend(env: Env) -> 
     finally:
         idle.close()
     assert after["echoed"] == 12, after
-
