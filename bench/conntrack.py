@@ -4,7 +4,8 @@ Per dataplane, one namespace lab (tests/kernel/lab.py): a client pod and three b
 pods (lab podserver, TCP 8080) behind one ClusterIP (10.96.0.10:80). The client opens
 N idle connections, then makes short connections (connect, read the greeting, close) at
 a steady rate for a fixed time, then sends a line on every idle connection. The eBPF
-conntrack map holds 1/8 of the entries the run's flows would need (two per flow), the
+conntrack map holds 1/8 (--ct-fraction) of the entries the run's flows would need (two
+per flow), the
 agent's collector sweeping it every --sweep seconds with the default timeouts; iptables
 uses the kernel's conntrack as it is. Reported: idle connections that still echo
 (target: all), short connections that failed (target: 0), the fill ratio sampled every
@@ -97,7 +98,8 @@ def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
     from tests.builders import default_nodes, make_endpoint, make_service, make_slice, state_of
     from tests.kernel.lab import PODCLIENT, Lab, in_netns, read_line, stop_process
 
-    ct_entries = max(256, flows * 2 // 8)
+    ct_entries = max(256, flows * 2 // args.ct_fraction)
+    lost = None
     with Lab() as lab:
         client = lab.add_pod("client")
         names = ("be1", "be2", "be3")
@@ -169,6 +171,8 @@ def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
                 idle.stdin.write("go\n")
                 idle.stdin.flush()
                 after = json.loads(read_line(idle, timeout=120))
+                if kind == "ebpf":  # idle flows whose entries the LRU had evicted
+                    lost = dataplane.conntrack.lost_total()
             finally:
                 stop_process(idle)
         finally:
@@ -187,6 +191,7 @@ def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
         "fill_samples": [round(x, 3) for x in sampler.samples],
         "sweeps": len(sweeps),
         "collected": sum(r.collected for r in sweeps),
+        "lost": lost,
         "collector_cpu_ms_per_100k": round(cpu / swept * 1e5 * 1e3, 1) if swept else None,
     }
 
@@ -200,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     header("bench/conntrack.py (PB-10)", info)
     flows = args.idle + int(args.rate * args.seconds)
     print(f"{args.idle} idle connections, short ones at {args.rate}/s for {args.seconds} s "
-          f"(~{flows} flows); eBPF kbp_ct at 1/8 of their entries, sweep every "
+          f"(~{flows} flows); eBPF kbp_ct at 1/{args.ct_fraction} of their entries, sweep every "
           f"{args.sweep} s", flush=True)  # fmt: skip
     results = []
     for kind in [d for d in DATAPLANES if d in args.dataplanes.split(",")]:
@@ -212,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
               f"({result['short_rate']}/s), fill max {max(samples, default=0):.3f} "
               f"mean {sum(samples) / max(1, len(samples)):.3f}"
               + (f", kbp_ct {result['ct_entries']} entries, {result['sweeps']} sweeps "
-                 f"collected {result['collected']}, collector CPU "
+                 f"collected {result['collected']}, segments that found no entry "
+                 f"{result['lost']}, collector CPU "
                  f"{result['collector_cpu_ms_per_100k']} ms per 100k entries"
                  if kind == "ebpf" else ""), flush=True)  # fmt: skip
     tag = time.strftime("%Y%m%dT%H%M%S")
@@ -229,6 +235,8 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=200.0)
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--sweep", type=float, default=2.0, help="collector interval, s")
+    parser.add_argument("--ct-fraction", type=int, default=8,
+                        help="kbp_ct holds 1/this of the entries the run's flows need")  # fmt: skip
     parser.add_argument("--dataplanes", default="ebpf,iptables")
     args = parser.parse_args()
     if args.pod_short:
