@@ -40,14 +40,14 @@ TCP_SYN = "syn-sent"  # TCP: no reply yet
 TCP_ESTABLISHED = "established"  # TCP: a reply seen, no FIN/RST
 TCP_CLOSE_WAIT = "close-wait"  # TCP: FIN seen in one direction (half closed)
 TCP_TIME_WAIT = "time-wait"  # TCP: FIN seen both ways, or a RST
-UDP_UNREPLIED = "unreplied"  # UDP (and SCTP before a reply): one way so far
+UDP_UNREPLIED = "unreplied"  # UDP: one way so far
 UDP_ASSURED = "assured"  # UDP: a reply seen
 STATES = (TCP_SYN, TCP_ESTABLISHED, TCP_CLOSE_WAIT, TCP_TIME_WAIT, UDP_UNREPLIED, UDP_ASSURED)
 
 
-def _field(struct: str, name: str) -> slice:
+def _field(struct_name: str, name: str) -> slice:
     """Where a field of an ABI struct sits in its bytes (from cffi's layout of the header)."""
-    offset, size = next((o, n) for f, o, n in layout(struct) if f == name)
+    offset, size = next((o, n) for f, o, n in layout(struct_name) if f == name)
     return slice(offset, offset + size)
 
 
