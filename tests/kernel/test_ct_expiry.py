@@ -9,6 +9,7 @@ backend 10.244.1.5:8080).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -183,3 +184,24 @@ def test_established_segments_without_entries_are_counted_as_lost(dp: Datapath) 
     _from_client(dp, TCP, CLIENT_PORT + 1, "S")  # a new flow is not lost
 
     assert collector.lost_total() == 1
+
+
+def test_a_nearly_full_map_after_collecting_is_reported(
+    dp: Datapath, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Live flows fill kbp_ct beyond 90 % even after the sweep: the LRU is evicting.
+    dp.service(4, TCP)
+    size = dp.loaded.map("kbp_ct").info.max_entries
+    for sport in range(CLIENT_PORT, CLIENT_PORT + int(size * 0.95) // 2):
+        make_flow(dp, sport, TCP, "S", "SA", "")
+    collector = Collector(dp.loaded.map("kbp_ct"), dp.loaded.map("kbp_ct_stats"), TIMEOUTS,
+                          interval=0)  # fmt: skip
+
+    with caplog.at_level(logging.WARNING, logger="agent.dataplane.ebpf.conntrack"):
+        report = collector.run_once()
+        collector.run_once()  # not repeated within the minute
+
+    assert report.collected == 0
+    assert collector.fill_ratio() > 0.9
+    warnings = [r.getMessage() for r in caplog.records if "Raise --map-size-ct" in r.getMessage()]
+    assert len(warnings) == 1, warnings

@@ -203,6 +203,11 @@ def _still_expired(table: Map, flow: Flow) -> bool:
     return True
 
 
+# Fill ratio after a sweep above which the LRU is taken to be evicting (it starts before
+# the map is full: each CPU keeps a share of the free elements).
+FULL = 0.9
+
+
 class Collector:
     """The periodic sweep of kbp_ct in a thread, its figures for /metrics, and the warning
     when established flows lost their entries (LRU evictions)."""
@@ -219,6 +224,7 @@ class Collector:
         self.last: SweepReport | None = None
         self.collected_total = 0
         self._lost_seen = self.lost_total()
+        self._full_warned = 0.0  # time.monotonic() of the last "nearly full" warning
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -261,6 +267,16 @@ class Collector:
                 report.collected,
             )  # fmt: skip
         self._lost_seen = lost
+        held = report.entries - report.collected
+        if held >= FULL * self.capacity and time.monotonic() - self._full_warned > 60:
+            self._full_warned = time.monotonic()
+            log.warning(
+                "ebpf: kbp_ct holds %d of %d entries after collecting %d: the LRU is making "
+                "room by evicting the least recently used flows (idle TCP connections find "
+                "their backend again by the flow hash; idle UDP flows may move if their "
+                "Service's backends change). Raise --map-size-ct.",
+                held, self.capacity, report.collected,
+            )  # fmt: skip
         return report
 
     def _stat(self, index: int) -> int:
