@@ -14,7 +14,7 @@ from .api.server import AgentStatus, HealthServer, MetricsServer
 from .config import Settings
 from .dataplane.select import DataplaneStartError, select_dataplane
 from .metrics import Metrics
-from .sources.watch import ManifestSource
+from .sources.watch import ManifestPathError, ManifestSource
 from .sync.loop import SyncLoop
 from .sync.store import StateStore
 
@@ -106,7 +106,10 @@ class Agent:
     def _load_manifests(self) -> None:
         """The file source: the files' full state now, and again when they change."""
         source = ManifestSource(self.settings.manifests, self.store)
-        source.start()
+        try:
+            source.start()
+        except ManifestPathError as err:
+            raise StartupError(str(err)) from err
         self._stoppers.append(source.stop)
 
     def _start_kubernetes_source(self) -> None:
