@@ -291,7 +291,7 @@ class FileLoad:
     reports: list[Report] = field(default_factory=list)
     documents: int = 0  # non-empty YAML documents (or JSON values) found
     broken: set[str] = field(default_factory=set)  # refs of named objects that failed
-    unnamed: int = 0  # objects that failed to decode and name nothing to keep
+    unnamed: list[Report] = field(default_factory=list)  # errors naming no object
 
     @property
     def problem(self) -> Report | None:
@@ -314,9 +314,10 @@ def load_file(path: Path) -> FileLoad:
             for warning in decoded.warnings:
                 load.reports.append(Report(where, decoded.ref, warning, error=False))
             if decoded.error is not None:
-                load.reports.append(Report(where, decoded.ref, decoded.error))
+                report = Report(where, decoded.ref, decoded.error)
+                load.reports.append(report)
                 if decoded.name is None or decoded.kind == "<unknown>":
-                    load.unnamed += 1
+                    load.unnamed.append(report)
                 else:
                     load.broken.add(decoded.ref)
             elif decoded.skipped is not None:

@@ -174,9 +174,6 @@ class ManifestSource:
                     else:
                         log.warning("%s", report)
             return _File(key, load, previous)
-        if fresh:
-            for report in load.reports:
-                log.warning("%s", report)
         entries = list(load.entries)
         defined = {e.ref for e in entries}
         for ref in sorted(load.broken - defined):  # a malformed object keeps its last version
@@ -187,15 +184,22 @@ class ManifestSource:
                 entries.append(Entry(path, ref, self._values[ref]))
             defined.add(ref)
         gone = [e for e in previous if e.ref not in defined]
+        keep = bool(gone and load.unnamed)  # any object gone may be a broken document
+        if fresh:
+            for report in load.reports:
+                if not (keep and report in load.unnamed):
+                    log.warning("%s", report)
+            if keep:
+                more = len(load.unnamed) - 1
+                log.warning(
+                    "%s%s; keeping the %s the file no longer defines (%s) until it is fixed",
+                    load.unnamed[0],
+                    f" (and {more} more document(s) naming no object)" if more else "",
+                    _objects(len(gone)), _names(gone),
+                )  # fmt: skip
         if not gone:
             return _File(key, load, entries)
-        if load.unnamed:
-            if fresh:
-                log.warning(
-                    "%s: %d document(s) name no object; keeping the %s it no longer defines "
-                    "(%s) until it is fixed",
-                    path, load.unnamed, _objects(len(gone)), _names(gone),
-                )  # fmt: skip
+        if keep:
             return _File(key, load, entries + gone)
         if not stable:
             log.debug("%s: %s gone; removing them if it stays so", path, _objects(len(gone)))
