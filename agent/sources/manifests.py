@@ -168,10 +168,11 @@ def read_objects(
 
 
 def _why(err: BaseException) -> str:
+    """A parser's complaint on one line (YAML's span several)."""
     text = str(err)
-    if isinstance(err, yaml.YAMLError | json.JSONDecodeError | _Syntax):
-        return text
-    return f"{type(err).__name__}: {text}"
+    if not isinstance(err, yaml.YAMLError | json.JSONDecodeError | _Syntax):
+        text = f"{type(err).__name__}: {text}"
+    return one_line(text, LINE_CHARS // 2)
 
 
 def iter_objects(document: Any, where: str) -> Iterator[tuple[str, Any]]:
