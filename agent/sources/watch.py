@@ -95,6 +95,7 @@ class ManifestSource:
         self._seen: tuple[tuple[str, StatKey], ...] = ()
         self._files: dict[str, _File] = {}
         self._values: dict[str, Value] = {}  # ref → value, as last handed to the store
+        self._missing: set[str] = set()  # named directories found missing (logged once)
         self.loads = 0
 
     def start(self) -> None:
@@ -121,8 +122,11 @@ class ManifestSource:
         first = not self.loads
         files: dict[str, _File] = {}
         fresh_paths: set[str] = set()
+        missing = {str(Path(p)) for p in self.paths if not os.path.lexists(p)}
         for path, key in self._seen:
             old = self._files.get(path)
+            if old is None and path in missing and self.loads:
+                continue  # a named directory that went away: its files are kept below
             if old is not None and old.key == key:
                 # unchanged: a pending removal is now due (the file stayed as it was)
                 files[path] = self._settle(path, key, old, old.load, True) if old.pending else old
@@ -130,11 +134,25 @@ class ManifestSource:
             load = load_file(Path(path))
             fresh_paths.add(path)
             files[path] = self._settle(path, key, old, load, stable=first)
+        gone_roots: dict[str, list[Entry]] = {}
         for path, old in self._files.items():
-            if path not in files:
-                kept = self._vanished(path, old)
-                if kept is not None:
-                    files[path] = kept
+            if path in files:
+                continue
+            root = next((p for p in missing if Path(path).is_relative_to(p)), None)
+            if root is not None:  # not deleted on purpose: the whole path went away
+                gone_roots.setdefault(root, []).extend(old.entries)
+                files[path] = _File(old.key, old.load, old.entries, kept=root)
+                continue
+            kept = self._vanished(path, old)
+            if kept is not None:
+                files[path] = kept
+        for root, entries in gone_roots.items():
+            if root not in self._missing:
+                log.warning(
+                    "--manifests %s: no such file or directory; keeping the %s of its files "
+                    "until it is back", root, _objects(len(entries)),
+                )  # fmt: skip
+        self._missing = set(gone_roots)
         self._files = files
         state = ClusterState()
         duplicates = merge((f.entries for f in files.values()), state)
@@ -220,10 +238,6 @@ class ManifestSource:
         why = None
         if os.path.lexists(path):  # still there, as something else (e.g. a directory)
             why = unreadable(Path(path)) or "no longer a manifest file"
-        else:
-            root = next((p for p in self.paths if path.startswith(p.rstrip("/") + "/")), None)
-            if root is not None and not os.path.exists(root):
-                why = f"{root} is missing"
         if why is None:
             if old.entries:
                 log.warning(

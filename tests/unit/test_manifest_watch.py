@@ -243,3 +243,26 @@ def test_only_changed_files_are_read_again(tmp_path: Path, monkeypatch: pytest.M
     write(tmp_path / "b.yaml", SERVICE.format(name="other", ip="10.96.0.12", port=9090))
     source.load()
     assert read == ["b.yaml"]
+
+
+def test_a_named_directory_that_disappears_keeps_its_objects(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    named = tmp_path / "manifests"
+    named.mkdir()
+    write(named / "a.yaml", TWO)
+    store = StateStore()
+    source = ManifestSource([f"{named}/"], store)  # the trailing slash as a shell adds it
+    source.load()
+    (named / "a.yaml").unlink()
+    named.rmdir()
+    with caplog.at_level(logging.WARNING, logger="agent.sources.watch"):
+        source.load()
+        source.load()
+    assert ports(store) == {"web": 80, "api": 443}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert (
+        "no such file or directory; keeping the 2 objects of its files until it is back"
+        in (lines[0])
+    )
