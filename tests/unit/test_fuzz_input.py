@@ -11,7 +11,8 @@ surrogates, a megabyte string, integers past the interpreter's digit limit, NaN)
 Files are written with such objects, with raw bytes, cut short, or turned into FIFOs,
 symlink loops, dangling symlinks and directories.
 
-Bounded for `make test` (KBP_FUZZ_EXAMPLES, default 60 per test: a few seconds);
+Bounded for `make test` (KBP_FUZZ_EXAMPLES, default 60 per test, 30 reload sequences:
+a few seconds);
 `make fuzz` runs thousands.
 """
 
@@ -247,7 +248,7 @@ def apply_fault(path: Path, fault: str, content: str | bytes) -> None:
 FAULTS = ("content", "content", "content", "fifo", "directory", "loop", "dangling", "deleted")
 
 
-@FUZZ
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 2))  # each example is up to four reloads
 @given(data=st.data())
 def test_a_reload_never_loses_an_unrelated_change(data: st.DataObject, tmp_path_factory) -> None:
     directory = tmp_path_factory.mktemp("reload")
