@@ -156,8 +156,8 @@ class ManifestSource:
         self._files = files
         state = ClusterState()
         duplicates = merge((f.entries for f in files.values()), state)
-        for report in duplicates:
-            if report.where.partition(" ")[0] in fresh_paths:
+        for report in duplicates:  # logged when a file involved was read again
+            if any(report.where == p or report.where.startswith(f"{p} ") for p in fresh_paths):
                 log.warning("%s", report)
         self._values = {e.ref: e.value for f in files.values() for e in f.entries}
         self.loads += 1
