@@ -3,8 +3,8 @@
 Sources call `upsert`/`delete`/`replace` from their own threads; every call takes the
 lock, records only real changes (the model compares previous and current values) and
 wakes the listeners when something changed. The sync loop reads under the same lock.
-Nothing may be applied before every registered source has finished its initial list
-(kpng's "never a partial state"): `synced` says when that is.
+Nothing may be applied before a source has registered and every registered source has
+finished its initial list (kpng's "never a partial state"): `synced` says when that is.
 """
 
 from __future__ import annotations
@@ -70,8 +70,11 @@ class StateStore:
 
     @property
     def synced(self) -> bool:
+        """Every registered source has finished its initial list, and there is one: the
+        sync loop starts before the sources register, and an empty store it took for
+        synced was once programmed (0 services) over a restarted agent's kernel state."""
         with self.lock:
-            return all(self._sources.values())
+            return bool(self._sources) and all(self._sources.values())
 
     def upsert(self, value: Value) -> bool:
         with self.lock:

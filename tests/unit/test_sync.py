@@ -86,6 +86,14 @@ def test_nothing_is_applied_before_every_initial_list_completed(loop: SyncLoop) 
     assert fake(loop).held_revision == loop.state.revision  # type: ignore[union-attr]
 
 
+def test_nothing_is_applied_before_any_source_registered() -> None:
+    """The daemon starts the loop before its source: an empty store is not synced (an
+    agent restarted over live kernel state once programmed 0 services first)."""
+    loop = SyncLoop(StateStore(), "node-a", CompileOptions(), FakeDataplane(), Metrics())
+    assert loop.sync() is False
+    assert fake(loop).attempts == 0
+
+
 def test_the_first_apply_is_a_full_one_then_changes_are_incremental(loop: SyncLoop) -> None:
     loop.store.mark_synced("test")
     loop.sync()
