@@ -1,0 +1,73 @@
+"""An agent killed in the middle of an eBPF apply leaves, per Service, the old or the new
+state in the maps, never neither, and the next agent converges (issue 14; the trial is
+tests/kernel/killapply.py, bench/restart.py runs it 100 times at a larger size).
+
+Every boundary between two map writes of an apply is tried once (the agent kills itself
+with SIGKILL right after its K-th write call, K = 1, 2, ... until one completes the apply
+first), alternating the direction (A to B, then B to A), then two kills at random points
+of the apply.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from agent.dataplane.ebpf.dataplane import remove_pins
+from agent.dataplane.ebpf.kernel import load_programs
+
+from ..conftest import BPFFS
+from .killapply import Cluster, Trial, apply_whole, exact, kill_delays, map_sizes, read_maps, trial
+
+SERVICES, ENDPOINTS = 300, 10
+MAX_WRITE_CALLS = 40  # an apply between A and B makes about ten
+
+
+@pytest.fixture
+def pins() -> Iterator[Path]:
+    """A pin directory of this test, removed afterwards (also on failure)."""
+    pin_dir = BPFFS / f"kbp-test-kill-{os.getpid()}"
+    try:
+        yield pin_dir
+    finally:
+        remove_pins(pin_dir)
+
+
+def _check(t: Trial) -> None:
+    assert not t.verdict.violations, (t.old, t.cut, t.verdict.violations[:5])
+    assert not t.converge_problems, (t.old, t.cut, t.converge_problems)
+
+
+def test_killed_apply_leaves_old_or_new_and_next_agent_converges(
+    netns: Callable[[], str], pins: Path
+) -> None:
+    ns = netns()
+    cluster = Cluster(SERVICES, ENDPOINTS)
+    sizes = map_sizes(cluster)
+    cluster.build(sizes)
+    load_programs(pins, asdict(sizes)).close()  # creates the pins; the agents open them
+    apply_whole(cluster, "A", pins, ns)
+    assert exact(*read_maps(pins), *cluster.side("A")) == []
+    timing = apply_whole(cluster, "B", pins, ns)  # the kind of apply the trials cut
+    assert timing["writes"] > 5000
+
+    old, outcomes = "B", []
+    for k in range(1, MAX_WRITE_CALLS + 1):
+        t = trial(cluster, old, pins, ns, die_after_write=k)
+        _check(t)
+        outcomes.append(t.verdict.outcome)
+        old = "B" if old == "A" else "A"
+        if t.finished:
+            break
+    else:
+        pytest.fail(f"no apply completed within {MAX_WRITE_CALLS} write calls: {outcomes}")
+    # The first write leaves the old state (kbp_meta "unknown" only); the last, the new.
+    assert outcomes[0] == "old" and outcomes[-1] == "new", outcomes
+
+    for delay in kill_delays(2, timing["apply_s"], seed=14):
+        _check(trial(cluster, old, pins, ns, delay=delay))
+        old = "B" if old == "A" else "A"
