@@ -12,9 +12,11 @@ states and its checks are tests/kernel/killapply.py (the kernel test runs a few)
 agent processes run the real EbpfDataplane on the pins (no bcc compile per process, see
 there).
 
-`sync` (§3): see `sync_main`.
+`sync` (§3): the first sync of an agent restarted while the cluster did not change, at
+10k Services x 10 endpoints served by kmock, on both dataplanes (see `sync_main`).
 
     .venv/bin/python -m bench.restart kill [--trials 100] [--services 5000] [--endpoints 10]
+    .venv/bin/python -m bench.restart sync [--services 10000] [--dataplanes ebpf iptables]
 """
 
 from __future__ import annotations
@@ -22,9 +24,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
+import signal
 import statistics
 import sys
+import tempfile
+import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -34,27 +41,36 @@ from typing import Any
 if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agent.dataplane.ebpf.dataplane import cleanup as ebpf_cleanup
 from agent.dataplane.ebpf.dataplane import remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
-from bench.compile import RESULTS
+from agent.dataplane.ebpf.netlink import TcAttacher
+from agent.dataplane.iptables.dataplane import cleanup as iptables_cleanup
+from bench.compile import RESULTS, THIS_NODE, Workload, mark
+from bench.control_plane import KmockProcess
 from bench.datapath import (
     BENCH_PREFIX,
     BPFFS,
     bench_netns,
     header,
+    inside_netns,
     leftovers,
     machine,
     terminate_as_interrupt,
     write_results,
 )
+from tests.kernel.agentproc import AgentProcess
 from tests.kernel.killapply import (
     Cluster,
     Trial,
     apply_whole,
     kill_delays,
     map_sizes,
+    read_maps,
+    resolve,
     trial,
 )
+from tests.kernel.lab import in_netns, ip_batch, run
 
 MAX_WRITE_CALLS = 60
 
@@ -177,6 +193,284 @@ def kill_main(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# --- sync: the first sync after a restart, at 10k Services -------------------------------
+
+POD_VETH = "kbpr0"  # a pod interface in the bench namespace, so the eBPF programs attach
+SAMPLE_PAUSE = 0.05  # seconds between the end of one sample and the next
+_JUMP = re.compile(r" -[jg] (KBP-[\w-]+)")
+_DNAT = re.compile(r"--to-destination (\S+)")
+
+
+class EbpfView:
+    """What the eBPF dataplane serves now: each frontend's view (killapply.resolve), the
+    frontends that do not resolve, and whether our programs are on both hooks of the
+    pod interface."""
+
+    def __init__(self, pin_dir: Path, ns: str) -> None:
+        self.pin_dir = pin_dir
+        self.attacher = TcAttacher(ns)
+
+    def snapshot(self) -> tuple[dict[Any, Any], list[str]]:
+        problems = []
+        hooks = {(a.ifname, a.direction) for a in self.attacher.attached()}
+        for direction in ("ingress", "egress"):
+            if (POD_VETH, direction) not in hooks:
+                problems.append(f"no kbp_ program on {POD_VETH} {direction}")
+        content, _meta = read_maps(self.pin_dir)
+        resolved = resolve(content)
+        return resolved.views, problems + resolved.broken
+
+    def close(self) -> None:
+        self.attacher.close()
+
+
+class IptablesView:
+    """What the iptables dataplane serves now (IPv4, nat table): each KBP-SERVICES rule with
+    the DNAT destinations reachable from it through KBP- chains, and whether PREROUTING
+    and OUTPUT jump to KBP-SERVICES."""
+
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+
+    def snapshot(self) -> tuple[dict[Any, Any], list[str]]:
+        text = run(in_netns(self.ns, ["iptables-save", "-t", "nat"]))
+        chains: dict[str, list[str]] = {}
+        for line in text.splitlines():
+            if line.startswith("-A "):
+                chain, _, rule = line[3:].partition(" ")
+                chains.setdefault(chain, []).append(rule)
+        problems = [f"no jump from {base} to KBP-SERVICES" for base in ("PREROUTING", "OUTPUT")
+                    if not any("-j KBP-SERVICES" in r for r in chains.get(base, []))]  # fmt: skip
+        memo: dict[str, frozenset[str]] = {}
+
+        def destinations(chain: str, seen: frozenset[str] = frozenset()) -> frozenset[str]:
+            if chain in memo:
+                return memo[chain]
+            found: set[str] = set()
+            for rule in chains.get(chain, []):
+                found.update(_DNAT.findall(rule))
+                for target in _JUMP.findall(rule):
+                    if target not in seen:
+                        found |= destinations(target, seen | {chain})
+            memo[chain] = frozenset(found)
+            return memo[chain]
+
+        views = {rule: destinations(_JUMP.findall(rule)[0]) if _JUMP.findall(rule) else None
+                 for rule in chains.get("KBP-SERVICES", [])}  # fmt: skip
+        return views, problems
+
+    def close(self) -> None:
+        pass
+
+
+class Sampler:
+    """Samples a view again and again on a thread: a sample finds a Service unserved when
+    the kernel lacks what the node served before the restart for it (its frontend, or
+    dispatch rule, is missing, does not resolve, or resolves to other backends), or when
+    the programs or jump rules that lead to them are missing. The time any Service is
+    unserved is the sum of the intervals from a sample that found one to the next sample."""
+
+    def __init__(self, view: EbpfView | IptablesView, baseline: dict[Any, Any]) -> None:
+        self.view = view
+        self.baseline = baseline
+        self.samples: list[tuple[float, float, int, str]] = []  # start, end, unserved, why
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.perf_counter()
+            views, problems = self.view.snapshot()
+            wrong = [k for k, v in self.baseline.items() if views.get(k) != v]
+            unserved = len(self.baseline) if problems else len(wrong)
+            why = "; ".join(problems[:2]) or (f"e.g. {wrong[0]}" if wrong else "")
+            self.samples.append((began, time.perf_counter(), unserved, why))
+            self._stop.wait(SAMPLE_PAUSE)
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(60)
+        s = self.samples
+        unserved_s = sum(s[i + 1][0] - s[i][0] for i in range(len(s) - 1) if s[i][2])
+        gaps = [s[i + 1][0] - s[i][0] for i in range(len(s) - 1)]
+        bad = [x for x in s if x[2]]
+        return {
+            "samples": len(s),
+            "sample_seconds_median": statistics.median(x[1] - x[0] for x in s) if s else None,
+            "largest_gap_s": max(gaps, default=None),
+            "samples_with_unserved": len(bad),
+            "unserved_s": unserved_s,
+            "most_unserved": max((x[2] for x in s), default=0),
+            "first_unserved_why": bad[0][3] if bad else None,
+        }
+
+
+def ready_after(ns: str, url: str, began: float, limit: float) -> float | None:
+    """Seconds from `began` until GET url answers 200 (polled every 20 ms from inside
+    namespace ns); None when it does not within `limit` s."""
+    result: list[float] = []
+
+    def poll() -> None:
+        with inside_netns(ns):
+            while time.perf_counter() - began < limit:
+                with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        result.append(time.perf_counter() - began)
+                        return
+                time.sleep(0.02)
+
+    thread = threading.Thread(target=poll, name="readyz")
+    thread.start()
+    thread.join()
+    return result[0] if result else None
+
+
+def health_url(agent: AgentProcess) -> str:
+    line = agent.lines[agent.wait_for_line("health server listening on")]
+    return f"http://{line.rsplit(' ', 1)[-1]}/readyz"
+
+
+def first_sync(agent: AgentProcess, after: int, timeout: float) -> dict[str, Any]:
+    """The agent's first sync, from its log: writes (0 when the kernel already held it)."""
+    n = agent.wait_for_line("sync: ", after, timeout)
+    while not re.search(r"sync: (applied revision|the kernel already holds)", agent.lines[n]):
+        n = agent.wait_for_line("sync: ", n + 1, timeout)
+    line = agent.lines[n]
+    writes = re.search(r"(\d+) writes in ([\d.]+) ms", line)
+    nothing = re.search(r"nothing to write \(([\d.]+) ms\)", line)
+    return {
+        "log": line.split("sync: ", 1)[1],
+        "writes": int(writes.group(1)) if writes else 0,
+        "apply_ms": float(writes.group(2))
+        if writes
+        else float(nothing.group(1))
+        if nothing
+        else None,
+    }
+
+
+def agent_argv(dataplane: str, kubeconfig: Path, pin_dir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "agent", "run", "--kubeconfig", str(kubeconfig),
+        "--node", THIS_NODE, "--dataplane", dataplane, "--pod-interfaces", POD_VETH,
+        "--bpffs", str(pin_dir), "--cgroup-root", "none", "--xdp", "false",
+        "--metrics-bind-address", "127.0.0.1:0", "--healthz-bind-address", "127.0.0.1:0",
+    ]  # fmt: skip
+
+
+def restart_once(dataplane: str, ns: str, kubeconfig: Path, pin_dir: Path) -> dict[str, Any]:
+    """An agent syncs from kmock; it is SIGKILLed and a second one started: its first sync,
+    its time to ready, and what the kernel served meanwhile."""
+    argv = agent_argv(dataplane, kubeconfig, pin_dir)
+    limit = 600.0
+    began = time.perf_counter()
+    first = AgentProcess(ns, argv, f"first {dataplane} agent")
+    second: AgentProcess | None = None
+    view: EbpfView | IptablesView | None = None
+    try:
+        cold = first_sync(first, 0, limit)
+        cold_ready = ready_after(ns, health_url(first), began, limit)
+        print(f"  first agent: {cold['log']}; ready {cold_ready:.1f} s after its start",
+              flush=True)  # fmt: skip
+        view = EbpfView(pin_dir, ns) if dataplane == "ebpf" else IptablesView(ns)
+        baseline, problems = view.snapshot()
+        if problems:
+            raise RuntimeError(f"the first agent's state does not serve: {problems[:3]}")
+        sampler = Sampler(view, baseline)
+        sampler.start()
+        time.sleep(0.5)
+        killed = time.perf_counter()
+        first.stop(signal.SIGKILL)
+        second = AgentProcess(ns, argv, f"second {dataplane} agent")
+        restarted = time.perf_counter()
+        warm = first_sync(second, 0, limit)
+        warm_ready = ready_after(ns, health_url(second), restarted, limit)
+        time.sleep(2.0)  # and a little after
+        sampling = sampler.stop()
+        held = [line for line in second.lines if "the kernel holds revision" in line
+                or "keep serving" in line]  # fmt: skip
+    finally:
+        if view is not None:
+            view.close()
+        for agent in (first, second):
+            if agent is not None:
+                agent.stop(signal.SIGKILL if agent is first else signal.SIGTERM)
+    print(f"  second agent: {warm['log']}; ready {warm_ready:.2f} s after its start "
+          f"({restarted - killed:.3f} s after the SIGKILL)", flush=True)  # fmt: skip
+    print(f"  sampled {sampling['samples']} times ({len(baseline)} "
+          f"{'frontends' if dataplane == 'ebpf' else 'dispatch rules'} each, a sample "
+          f"{sampling['sample_seconds_median'] * 1000:.0f} ms, largest gap "
+          f"{sampling['largest_gap_s'] * 1000:.0f} ms): time with any Service unserved "
+          f"{sampling['unserved_s']:.3f} s ({sampling['samples_with_unserved']} samples)",
+          flush=True)  # fmt: skip
+    return {
+        "dataplane": dataplane,
+        "first_agent": {**cold, "ready_s": cold_ready},
+        "second_agent": {**warm, "ready_s": warm_ready, "log_on_adoption": held},
+        "served": sampling,
+        "baseline_entries": len(baseline),
+    }
+
+
+def sync_main(args: argparse.Namespace) -> dict[str, Any]:
+    """§3: kmock serves N Services x E endpoints (bench/compile.py's cluster) inside a
+    namespace of this run; `kube-bpf-proxy run` (a real agent process, in that namespace,
+    with a pod veth there) syncs it; it is SIGKILLed and a second agent started. Printed:
+    the second agent's first-sync writes (0 when it found the kernel already holding the
+    cluster's state), the time from its start to /readyz 200, and the time any Service
+    was unserved between the kill and 2 s after the second agent was ready (see Sampler;
+    it must be 0). Then the same with --dataplane iptables."""
+    workload = Workload(args.services, args.endpoints, 0)
+    results = []
+    with contextlib.ExitStack() as stack:
+        ns = stack.enter_context(bench_netns())
+        ip_batch(ns, ["link set lo up", f"link add {POD_VETH} type veth peer name {POD_VETH}p",
+                      f"link set {POD_VETH} up", f"link set {POD_VETH}p up"])  # fmt: skip
+        log = stack.enter_context(tempfile.NamedTemporaryFile("w+", suffix="-kmock.log"))
+        kmock = KmockProcess(workload, log, prefix=in_netns(ns, []))
+        stack.callback(kmock.close)
+        print(f"kmock: {workload.label} loaded in {kmock.load_s:.1f} s", flush=True)
+        home = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        kubeconfig = home / "kubeconfig"
+        kubeconfig.write_text(KUBECONFIG.format(server=kmock.url))
+        for dataplane in args.dataplanes:
+            print(f"\n### --dataplane {dataplane}", flush=True)
+            pin_dir = BPFFS / f"{BENCH_PREFIX}{os.getpid()}-sync"
+            try:
+                results.append(restart_once(dataplane, ns, kubeconfig, pin_dir))
+            finally:
+                with TcAttacher(ns) as attacher:
+                    ebpf_cleanup(pin_dir, attacher)
+                iptables_cleanup(netns=ns)
+    print(f"\n## PB-13 sync: restart with an unchanged cluster, {workload.label}")
+    for r in results:
+        w, s = r["second_agent"], r["served"]
+        print(f"{r['dataplane']:>8}: first sync after the restart {w['writes']} writes "
+              f"{mark(w['writes'] == 0)} (a cold start wrote {r['first_agent']['writes']}); "
+              f"start to /readyz 200 {w['ready_s']:.2f} s (cold {r['first_agent']['ready_s']:.2f}"
+              f" s); time with any Service unserved {s['unserved_s']:.3f} s "
+              f"{mark(s['unserved_s'] == 0)} ({s['samples']} samples)")  # fmt: skip
+    return {"workload": asdict(workload), "runs": results}
+
+
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters:
+- name: kmock
+  cluster: {{server: "{server}"}}
+users:
+- name: bench
+  user: {{token: bench}}
+contexts:
+- name: bench
+  context: {{cluster: kmock, user: bench}}
+current-context: bench
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="PB-13: restarts (not a test; exits 0).")
     sub = parser.add_subparsers(dest="scenario", required=True)
@@ -186,13 +480,19 @@ def main(argv: list[str] | None = None) -> int:
     kill.add_argument("--endpoints", type=int, default=10)
     kill.add_argument("--seed", type=int, default=14)
     kill.add_argument("--json", type=Path)
+    sync = sub.add_parser("sync", help="the first sync after a restart at 10k (kmock)")
+    sync.add_argument("--services", type=int, default=10_000)
+    sync.add_argument("--endpoints", type=int, default=10)
+    sync.add_argument("--dataplanes", nargs="+", default=["ebpf", "iptables"],
+                      choices=["ebpf", "iptables"])  # fmt: skip
+    sync.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     terminate_as_interrupt()
     info = machine()
     header(f"bench/restart.py {args.scenario} (PB-13)", info)
     began = time.perf_counter()
     try:
-        report = kill_main(args)
+        report = kill_main(args) if args.scenario == "kill" else sync_main(args)
     except KeyboardInterrupt:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
         return 130
