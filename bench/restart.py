@@ -67,6 +67,7 @@ from tests.kernel.killapply import (
     kill_delays,
     map_sizes,
     read_maps,
+    read_tables,
     resolve,
     trial,
 )
@@ -104,47 +105,59 @@ def trial_json(t: Trial) -> dict[str, Any]:
 
 
 def kill_main(args: argparse.Namespace) -> dict[str, Any]:
-    cluster = Cluster(args.services, args.endpoints)
+    cluster = Cluster(args.services, args.endpoints, dataplane=args.dataplane)
     sizes = map_sizes(cluster)
-    began = time.perf_counter()
-    cluster.build(sizes)
-    a, b = cluster.states["A"], cluster.states["B"]
-    print(f"states: A {len(a.services)} entries / {a.backend_count()} backends, "
-          f"B {len(b.services)} / {b.backend_count()}, {len(cluster.views['A'])} and "
-          f"{len(cluster.views['B'])} frontends (built in {time.perf_counter() - began:.1f} s)",
-          flush=True)  # fmt: skip
+    ebpf = args.dataplane == "ebpf"
     trials: list[Trial] = []
-    with bench_netns() as ns, bench_pins() as pins:
-        load_programs(pins, asdict(sizes)).close()
-        apply_whole(cluster, "A", pins, ns)
-        calibration = [apply_whole(cluster, w, pins, ns) for w in ("B", "A", "B", "A")]
+    sweep: list[Trial] = []
+    with contextlib.ExitStack() as stack:
+        ns = stack.enter_context(bench_netns())
+        pins = stack.enter_context(bench_pins())
+        home = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        began = time.perf_counter()
+        cluster.build(sizes, home)
+        a, b = cluster.states["A"], cluster.states["B"]
+        print(f"states: A {len(a.services)} entries / {a.backend_count()} backends, "
+              f"B {len(b.services)} / {b.backend_count()}, {len(cluster.views['A'])} and "
+              f"{len(cluster.views['B'])} frontends (built in "
+              f"{time.perf_counter() - began:.1f} s)", flush=True)  # fmt: skip
+        if ebpf:
+            load_programs(pins, asdict(sizes)).close()
+        else:
+            stack.callback(iptables_cleanup, ns)
+        calibration = []
+        for which in ("A", "B", "A", "B", "A"):
+            calibration.append(apply_whole(cluster, which, pins, ns))
+            if not ebpf:
+                cluster.tables[which] = read_tables(ns)
+        calibration = calibration[1:]  # the first apply started from nothing
         apply_s = statistics.median(r["apply_s"] for r in calibration)
-        first = statistics.median(r["first_write_s"] for r in calibration)
-        last = statistics.median(r["last_write_s"] for r in calibration)
-        calls = statistics.median(r["write_calls"] for r in calibration)
-        print(f"a whole apply A<->B: {apply_s * 1000:.0f} ms (median of 4), "
-              f"{statistics.median(r['writes'] for r in calibration):.0f} writes in {calls:.0f} "
-              f"write calls, the first ending at {first * 1000:.0f} ms, the last at "
-              f"{last * 1000:.0f} ms", flush=True)  # fmt: skip
+        print(
+            f"a whole apply A<->B: {apply_s * 1000:.0f} ms (median of 4), "
+            f"{statistics.median(r['writes'] for r in calibration):.0f} writes",
+            end="",
+        )
+        if ebpf:
+            first = statistics.median(r["first_write_s"] for r in calibration)
+            last = statistics.median(r["last_write_s"] for r in calibration)
+            calls = statistics.median(r["write_calls"] for r in calibration)
+            print(f" in {calls:.0f} write calls, the first ending at {first * 1000:.0f} ms, "
+                  f"the last at {last * 1000:.0f} ms", end="")  # fmt: skip
+        print(flush=True)
 
         old = "A"
-        sweep: list[Trial] = []
-        for direction in ("A", "B"):
-            old = direction
-            for k in range(1, MAX_WRITE_CALLS + 1):
-                t = trial(cluster, old, pins, ns, die_after_write=k)
-                sweep.append(t)
-                old = flip(old)
-                if t.finished:
-                    break
-                # back to `direction` for the next boundary: the trial left the new state
-                apply_whole(cluster, direction, pins, ns)
-                old = direction
-        print(f"every write boundary ({len(sweep)} trials): outcomes "
-              f"{' '.join(f'{t.verdict.outcome[0]}' for t in sweep)} "
-              f"(o old, m mixed, n new), violations "
-              f"{sum(len(t.verdict.violations) for t in sweep)}, convergence failures "
-              f"{sum(bool(t.converge_problems) for t in sweep)}", flush=True)  # fmt: skip
+        for k in range(1, MAX_WRITE_CALLS + 1 if ebpf else 1):
+            t = trial(cluster, old, pins, ns, die_after_write=k)
+            sweep.append(t)
+            old = flip(old)
+            if t.finished:
+                break
+        if sweep:
+            print(f"every write boundary ({len(sweep)} trials, alternating A->B, B->A): "
+                  f"outcomes {' '.join(t.verdict.outcome[0] for t in sweep)} "
+                  f"(o old, m mixed, n new), violations "
+                  f"{sum(len(t.verdict.violations) for t in sweep)}, convergence failures "
+                  f"{sum(bool(t.converge_problems) for t in sweep)}", flush=True)  # fmt: skip
 
         delays = kill_delays(args.trials, apply_s, args.seed)
         for n, delay in enumerate(delays, 1):
@@ -152,7 +165,8 @@ def kill_main(args: argparse.Namespace) -> dict[str, Any]:
             trials.append(t)
             old = flip(old)
             if n % 10 == 0:
-                print(f"  {n} trials: {dict(Counter(t.verdict.outcome for t in trials))}",
+                print(f"  {n} trials: {dict(Counter(t.verdict.outcome for t in trials))}, "
+                      f"violations {sum(len(t.verdict.violations) for t in trials)}",
                       flush=True)  # fmt: skip
 
     outcomes = Counter(t.verdict.outcome for t in trials)
@@ -162,22 +176,25 @@ def kill_main(args: argparse.Namespace) -> dict[str, Any]:
     conv_writes = [t.converge["writes"] for t in trials]
     conv_s = [t.converge["open_s"] + t.converge["apply_s"] for t in trials]
     metas = Counter(t.verdict.meta for t in trials)
+    what = "kbp_meta" if ebpf else "tables (4/6 family, n/f nat/filter: o old, n new)"
     print(
-        f"\n## PB-13 kill: {args.trials} SIGKILLs at uniformly random points of an apply "
-        f"({cluster.services} Services x {cluster.endpoints} endpoints, A<->B)"
+        f"\n## PB-13 kill, {args.dataplane}: {args.trials} SIGKILLs at uniformly random points "
+        f"of an apply ({cluster.services} Services x {cluster.endpoints} endpoints, A<->B)"
     )
     print(f"outcomes: old {outcomes['old']}, mixed per Service but whole {outcomes['mixed']}, "
           f"new {outcomes['new']} (of which the apply had completed before the signal: "
-          f"{finished}); kbp_meta after the kill: {dict(metas)}")  # fmt: skip
-    print(
-        f"violations (a frontend neither old nor new, unresolvable, or kbp_meta naming a "
-        f"state the maps do not hold): {violations}; convergence failures: {failures}"
-    )
-    print(f"convergence (a new agent: open the maps, plan, write): writes median "
+          f"{finished}); {what} after the kill: {dict(metas)}")  # fmt: skip
+    rule = (
+        "a frontend neither old nor new, unresolvable, or kbp_meta naming a state the maps "
+        "do not hold" if ebpf else "a table neither old nor new"
+    )  # fmt: skip
+    print(f"violations ({rule}): {violations}; convergence failures: {failures}")
+    print(f"convergence (a new agent: start, read the kernel, plan, write): writes median "
           f"{statistics.median(conv_writes):.0f} (min {min(conv_writes)}, max "
           f"{max(conv_writes)}), time median {statistics.median(conv_s) * 1000:.0f} ms "
           f"(max {max(conv_s) * 1000:.0f} ms)")  # fmt: skip
     return {
+        "dataplane": args.dataplane,
         "services": cluster.services,
         "endpoints": cluster.endpoints,
         "map_sizes": asdict(sizes),
@@ -479,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     kill.add_argument("--services", type=int, default=5000)
     kill.add_argument("--endpoints", type=int, default=10)
     kill.add_argument("--seed", type=int, default=14)
+    kill.add_argument("--dataplane", choices=("ebpf", "iptables"), default="ebpf")
     kill.add_argument("--json", type=Path)
     sync = sub.add_parser("sync", help="the first sync after a restart at 10k (kmock)")
     sync.add_argument("--services", type=int, default=10_000)
@@ -497,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
         return 130
     seconds = time.perf_counter() - began
-    out = args.json or RESULTS / f"restart-{args.scenario}.json"
+    suffix = f"-{args.dataplane}" if args.scenario == "kill" else ""
+    out = args.json or RESULTS / f"restart-{args.scenario}{suffix}.json"
     write_results(out, {
         "benchmark": "bench/restart.py",
         "id": "PB-13",

@@ -1,31 +1,37 @@
-"""SIGKILL in the middle of an eBPF apply: the trial behind tests/kernel/test_restart_kill.py
-and bench/restart.py (issue 14: "afterwards the kernel holds, per Service, either the old
-or the new state, never neither; the next agent converges").
+"""SIGKILL in the middle of an apply: the trial behind tests/kernel/test_restart_kill.py and
+bench/restart.py (issue 14: "afterwards the kernel holds, per Service, either the old or
+the new state, never neither; the next agent converges").
 
-Two NodeStates of the same cluster, A and B, compiled from generated Service and
-EndpointSlice objects: B moves most Services' backends (some keep a few, some lose or gain
-some), removes every tenth Service, adds as many new ones, and leaves the rest alone. A
-trial starts from maps that hold one of them wholly, starts an agent process (`python -m
-tests.kernel.killapply apply`) that applies the other, and SIGKILLs it at a random point
-of that apply. Then, reading the pins:
+Two NodeStates of the same cluster, A and B, compiled once by the runner from generated
+Service and EndpointSlice objects: B moves most Services' backends (some keep a few, some
+lose or gain some), removes every tenth Service, adds as many new ones, and leaves the
+rest alone. A trial starts from a kernel that holds one of them wholly, starts an agent
+process (`python -m tests.kernel.killapply apply`) that applies the other, and SIGKILLs
+it at a random point of that apply. Then another agent process applies the new state,
+and the kernel must hold exactly it. The next trial goes back the other way.
 
+eBPF, reading the pins after the kill:
   * every frontend the maps hold resolves completely (each slot of its sets exists, each
     slot's backend exists) to what the old or the new state gives it;
   * a frontend of both states is there; one of a single state may be there or not;
   * nothing else is there;
   * kbp_meta names the old revision only if every frontend is old, the new one only if
-    every frontend is new, or nothing (an apply was under way).
+    every frontend is new, or nothing (an apply was under way);
+and after the next agent's apply: exactly the new state, no set or backend left over,
+kbp_meta naming it.
 
-Then another agent process applies the new state and the maps must hold exactly it (no
-set or backend left over) with kbp_meta naming it. The next trial goes back the other way.
+iptables (one iptables-restore per family, committed table by table): each table of each
+family is the old or the new one as a whole apply left it (KBP-STATE marker included),
+and after the next agent's apply exactly the new one. The kill takes the agent's whole
+process group, its iptables-restore included, as a container's end would.
 
-The agent processes run the real EbpfDataplane (__init__ reads the maps and kbp_meta as a
-restarted agent does, apply plans and writes through its own path) with one difference:
-they open the pinned maps instead of compiling the programs with bcc, which takes 10-20 s
-a time and would make 100 trials an hour; the maps are what a crash can leave half
-written, and the programs attach nowhere here (`--pod-interfaces` matches nothing, in a
-namespace the caller made). The trial runner compiles once, to create the pins.
-"""
+The eBPF agent processes run the real EbpfDataplane (__init__ reads the maps and
+kbp_meta as a restarted agent does; apply plans and writes through its own path) with one
+difference: they open the pinned maps instead of compiling the programs with bcc, which
+takes 10-20 s a time on a loaded machine and would make 100 trials an hour; the maps are
+what a crash can leave half written, and the programs attach nowhere here
+(`--pod-interfaces` matches nothing, in a namespace the caller made). The runner compiles
+once, to create the pins."""
 
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import random
+import re
 import select
 import signal
 import subprocess
@@ -282,6 +290,61 @@ def exact(content: KernelContent, meta: str | None, rev: str, views: dict) -> li
     return problems
 
 
+# --- the same for the iptables dataplane -----------------------------------------------------
+
+Tables = dict[tuple[str, str], dict[str, tuple[str, ...]]]  # (family, table) → chain → rules
+_SAVE = {"IPv4": "iptables-save", "IPv6": "ip6tables-save"}
+_WRITTEN_AT = re.compile(r" at \d+(\"? -j RETURN)$")
+
+
+def read_tables(netns: str) -> Tables:
+    """The nat and filter tables of both families, chain by chain, in rule order (the
+    time in the KBP-STATE marker left out: it differs between two writes of a state)."""
+    tables: Tables = {}
+    for family, save in _SAVE.items():
+        for table in ("nat", "filter"):
+            argv = ["nsenter", f"--net=/run/netns/{netns}", "--", save, "-t", table]
+            text = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+            chains: dict[str, list[str]] = {}
+            for line in text.splitlines():
+                if line.startswith(":"):
+                    chains.setdefault(line[1:].split()[0], [])
+                elif line.startswith("-A "):
+                    chain, _, rule = line[3:].partition(" ")
+                    chains.setdefault(chain, []).append(_WRITTEN_AT.sub(r"\1", rule))
+            tables[family, table] = {c: tuple(r) for c, r in chains.items()}
+    return tables
+
+
+def judge_tables(held: Tables, old: Tables, new: Tables) -> Verdict:
+    """Each table of each family must be the old or the new one, whole: one
+    iptables-restore per family commits table by table."""
+    violations, words = [], []
+    for key in sorted(held.keys() | old.keys() | new.keys()):
+        h = held.get(key)
+        if h == old.get(key):
+            words.append("old" if h != new.get(key) else "both")
+        elif h == new.get(key):
+            words.append("new")
+        else:
+            differ = [c for c in (h or {}) if (h or {}).get(c) not in (
+                old.get(key, {}).get(c), new.get(key, {}).get(c))]  # fmt: skip
+            violations.append(f"{' '.join(key)}: neither the old nor the new table; chains "
+                              f"unlike both: {differ[:3]}")  # fmt: skip
+            words.append("neither")
+    outcome = ("new" if set(words) <= {"new", "both"} else
+               "old" if set(words) <= {"old", "both"} else "mixed")  # fmt: skip
+    keys = sorted(held.keys() | old.keys() | new.keys())
+    tables = " ".join(f"{f[-1]}{t[0]}:{w[0]}" for (f, t), w in zip(keys, words, strict=True))
+    return Verdict(outcome, violations, sum(len(c) for c in held.values()),
+                   words.count("old"), words.count("new"), tables)  # fmt: skip
+
+
+def exact_tables(held: Tables, state: Tables) -> list[str]:
+    keys = sorted(held.keys() | state.keys())
+    return [f"{' '.join(k)} differs from the state's" for k in keys if held.get(k) != state.get(k)]
+
+
 # --- the agent process -----------------------------------------------------------------------
 
 
@@ -317,10 +380,16 @@ def agent_main(args: argparse.Namespace) -> int:
     call that writes a map (one syscall, or one batch of them) has returned."""
     from agent.dataplane.ebpf import dataplane as module
 
-    state = nodestate(args.state, args.services, args.endpoints, args.ports)
+    state = pickle.loads(args.state_file.read_bytes())
     module.load_programs = _PinnedPrograms  # type: ignore[assignment]
     began = time.perf_counter()
-    dp = module.EbpfDataplane(args.pin_dir, [NO_INTERFACES], netns=args.netns, watch=False)
+    dp: Any
+    if args.dataplane == "iptables":
+        from agent.dataplane.iptables.dataplane import IptablesDataplane
+
+        dp = IptablesDataplane([NO_INTERFACES], netns=args.netns)
+    else:
+        dp = module.EbpfDataplane(args.pin_dir, [NO_INTERFACES], netns=args.netns, watch=False)
     opened = time.perf_counter()
     writes_at: list[float] = []
     for name in WRITE_CALLS:
@@ -359,14 +428,22 @@ class Cluster:
     services: int
     endpoints: int
     ports: int = 1
+    dataplane: str = "ebpf"
     states: dict[str, NodeState] = field(default_factory=dict)
     views: dict[str, dict[FrontendKey, View]] = field(default_factory=dict)
+    tables: dict[str, Tables] = field(default_factory=dict)  # iptables: as a whole apply left them
 
-    def build(self, sizes: MapSizes) -> None:
+    files: dict[str, Path] = field(default_factory=dict)  # the states, pickled for the agents
+
+    def build(self, sizes: MapSizes, directory: Path) -> None:
+        """Compile both states, once: the agent processes unpickle them from `directory`
+        (five times faster than compiling them again at 5k Services)."""
         for which in ("A", "B"):
             state = nodestate(which, self.services, self.endpoints, self.ports)
             self.states[which] = state
             self.views[which] = expected(state, sizes)
+            self.files[which] = directory / f"nodestate-{which}.pickle"
+            self.files[which].write_bytes(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
 
     def side(self, which: str) -> tuple[str, dict[FrontendKey, View]]:
         return self.states[which].revision, self.views[which]
@@ -378,13 +455,17 @@ class AgentRun:
     def __init__(
         self, cluster: Cluster, which: str, pin_dir: Path, netns: str, die_after_write: int = 0
     ) -> None:
-        argv = [sys.executable, "-m", "tests.kernel.killapply", "apply", "--state", which,
-                "--services", str(cluster.services), "--endpoints", str(cluster.endpoints),
-                "--ports", str(cluster.ports), "--pin-dir", str(pin_dir), "--netns", netns,
-                "--die-after-write", str(die_after_write)]  # fmt: skip
+        argv = [sys.executable, "-m", "tests.kernel.killapply", "apply",
+                "--state-file", str(cluster.files[which]), "--pin-dir", str(pin_dir),
+                "--netns", netns,
+                "--die-after-write", str(die_after_write),
+                "--dataplane", cluster.dataplane]  # fmt: skip
+        # A session of its own: the kill takes its iptables-restore too, as a container's
+        # end takes every process in it.
         self.proc = subprocess.Popen(
-            argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+            argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
 
     def line(self, timeout: float = TIMEOUT) -> str:
         """The next line it prints ("" once it exited)."""
@@ -415,9 +496,11 @@ class AgentRun:
         return any(line.startswith("done") for line in iter(self.line, ""))
 
     def kill(self) -> None:
-        """SIGKILL it if it runs (the process this runner started, by its handle)."""
+        """SIGKILL it and what it runs (its process group: the session it leads, which
+        this runner started), if it has not exited yet."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     def errors(self) -> str:
@@ -477,11 +560,16 @@ def trial(
         finished = run.finished()
     finally:
         run.close()
-    content, meta = read_maps(pin_dir)
-    verdict = judge(content, meta, cluster.side(old), cluster.side(new))
-    report = apply_whole(cluster, new, pin_dir, netns)
-    content, meta = read_maps(pin_dir)
-    problems = exact(content, meta, *cluster.side(new))
+    if cluster.dataplane == "iptables":
+        verdict = judge_tables(read_tables(netns), cluster.tables[old], cluster.tables[new])
+        report = apply_whole(cluster, new, pin_dir, netns)
+        problems = exact_tables(read_tables(netns), cluster.tables[new])
+    else:
+        content, meta = read_maps(pin_dir)
+        verdict = judge(content, meta, cluster.side(old), cluster.side(new))
+        report = apply_whole(cluster, new, pin_dir, netns)
+        content, meta = read_maps(pin_dir)
+        problems = exact(content, meta, *cluster.side(new))
     cut = f"after write call {die_after_write}" if die_after_write else f"after {delay:.3f} s"
     return Trial(old, cut, finished, verdict, report, problems)
 
@@ -509,13 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.kernel.killapply")
     sub = parser.add_subparsers(dest="command", required=True)
     apply = sub.add_parser("apply", help="an agent process of the trial (see the module doc)")
-    apply.add_argument("--state", choices=("A", "B"), required=True)
-    apply.add_argument("--services", type=int, required=True)
-    apply.add_argument("--endpoints", type=int, required=True)
-    apply.add_argument("--ports", type=int, default=1)
+    apply.add_argument("--state-file", type=Path, required=True, help="a pickled NodeState")
     apply.add_argument("--pin-dir", type=Path, required=True)
     apply.add_argument("--netns", required=True)
     apply.add_argument("--die-after-write", type=int, default=0, metavar="K")
+    apply.add_argument("--dataplane", choices=("ebpf", "iptables"), default="ebpf")
     args = parser.parse_args(argv)
     return agent_main(args)
 

@@ -1,11 +1,11 @@
-"""An agent killed in the middle of an eBPF apply leaves, per Service, the old or the new
-state in the maps, never neither, and the next agent converges (issue 14; the trial is
+"""An agent killed in the middle of an apply leaves, per Service, the old or the new state in
+the kernel, never neither, and the next agent converges (issue 14; the trial is
 tests/kernel/killapply.py, bench/restart.py runs it 100 times at a larger size).
 
-Every boundary between two map writes of an apply is tried once (the agent kills itself
-with SIGKILL right after its K-th write call, K = 1, 2, ... until one completes the apply
-first), alternating the direction (A to B, then B to A), then two kills at random points
-of the apply.
+eBPF: every boundary between two map writes of an apply is tried once (the agent kills
+itself with SIGKILL right after its K-th write call, K = 1, 2, ... until one completes the
+apply first), alternating the direction (A to B, then B to A), then two kills at random
+points of the apply. iptables: four kills at random points of the apply.
 """
 
 from __future__ import annotations
@@ -19,9 +19,20 @@ import pytest
 
 from agent.dataplane.ebpf.dataplane import remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
+from agent.dataplane.iptables.dataplane import cleanup, unavailable_reason
 
-from ..conftest import BPFFS
-from .killapply import Cluster, Trial, apply_whole, exact, kill_delays, map_sizes, read_maps, trial
+from ..conftest import BPFFS, kernel_required
+from .killapply import (
+    Cluster,
+    Trial,
+    apply_whole,
+    exact,
+    kill_delays,
+    map_sizes,
+    read_maps,
+    read_tables,
+    trial,
+)
 
 SERVICES, ENDPOINTS = 300, 10
 MAX_WRITE_CALLS = 40  # an apply between A and B makes about ten
@@ -42,13 +53,17 @@ def _check(t: Trial) -> None:
     assert not t.converge_problems, (t.old, t.cut, t.converge_problems)
 
 
-def test_killed_apply_leaves_old_or_new_and_next_agent_converges(
-    netns: Callable[[], str], pins: Path
+def _flip(which: str) -> str:
+    return "B" if which == "A" else "A"
+
+
+def test_killed_ebpf_apply_leaves_old_or_new_and_next_agent_converges(
+    netns: Callable[[], str], pins: Path, tmp_path: Path
 ) -> None:
     ns = netns()
     cluster = Cluster(SERVICES, ENDPOINTS)
     sizes = map_sizes(cluster)
-    cluster.build(sizes)
+    cluster.build(sizes, tmp_path)
     load_programs(pins, asdict(sizes)).close()  # creates the pins; the agents open them
     apply_whole(cluster, "A", pins, ns)
     assert exact(*read_maps(pins), *cluster.side("A")) == []
@@ -60,7 +75,7 @@ def test_killed_apply_leaves_old_or_new_and_next_agent_converges(
         t = trial(cluster, old, pins, ns, die_after_write=k)
         _check(t)
         outcomes.append(t.verdict.outcome)
-        old = "B" if old == "A" else "A"
+        old = _flip(old)
         if t.finished:
             break
     else:
@@ -70,4 +85,29 @@ def test_killed_apply_leaves_old_or_new_and_next_agent_converges(
 
     for delay in kill_delays(2, timing["apply_s"], seed=14):
         _check(trial(cluster, old, pins, ns, delay=delay))
-        old = "B" if old == "A" else "A"
+        old = _flip(old)
+
+
+def test_killed_iptables_apply_leaves_old_or_new_tables_and_next_agent_converges(
+    netns: Callable[[], str], tmp_path: Path
+) -> None:
+    ns = netns()
+    reason = unavailable_reason(ns)
+    if reason is not None:
+        if kernel_required():
+            pytest.fail(f"iptables unavailable: {reason} (KBP_REQUIRE_KERNEL=1)")
+        pytest.skip(f"iptables unavailable: {reason}")
+    try:
+        cluster = Cluster(SERVICES // 2, ENDPOINTS, dataplane="iptables")
+        cluster.build(map_sizes(cluster), tmp_path)
+        nowhere = tmp_path / "no-pins"  # the iptables agents have none
+        for which in ("A", "B"):
+            timing = apply_whole(cluster, which, nowhere, ns)
+            cluster.tables[which] = read_tables(ns)
+        assert timing["writes"] > 3000
+        old = "B"
+        for delay in kill_delays(4, timing["apply_s"], seed=14):
+            _check(trial(cluster, old, nowhere, ns, delay=delay))
+            old = _flip(old)
+    finally:
+        cleanup(ns)
