@@ -41,9 +41,12 @@ from typing import Any
 if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agent.dataplane.ebpf import codec
+from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.dataplane import cleanup as ebpf_cleanup
 from agent.dataplane.ebpf.dataplane import remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
+from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.netlink import TcAttacher
 from agent.dataplane.iptables.dataplane import cleanup as iptables_cleanup
 from bench.compile import RESULTS, THIS_NODE, Workload, mark
@@ -219,37 +222,76 @@ _DNAT = re.compile(r"--to-destination (\S+)")
 
 
 class EbpfView:
-    """What the eBPF dataplane serves now: each frontend's view (killapply.resolve), the
-    frontends that do not resolve, and whether our programs are on both hooks of the
-    pod interface."""
+    """The eBPF dataplane's service now, against what it served before the restart. A
+    sample checks that our programs are on both hooks of the pod interface and that
+    WINDOW frontends, a window that moves on at each sample so that consecutive samples
+    go round them all, resolve completely (kbp_services → every slot of its sets →
+    every slot's backend, by point lookups) to the backends they had. (Reading the whole
+    maps takes seconds at 10k Services on this machine: too coarse a clock.)"""
+
+    WINDOW = 500
 
     def __init__(self, pin_dir: Path, ns: str) -> None:
-        self.pin_dir = pin_dir
         self.attacher = TcAttacher(ns)
-
-    def snapshot(self) -> tuple[dict[Any, Any], list[str]]:
-        problems = []
-        hooks = {(a.ifname, a.direction) for a in self.attacher.attached()}
-        for direction in ("ingress", "egress"):
-            if (POD_VETH, direction) not in hooks:
-                problems.append(f"no kbp_ program on {POD_VETH} {direction}")
-        content, _meta = read_maps(self.pin_dir)
+        self.maps = {name: Map.pinned(str(pin_dir / versioned(name)))
+                     for name in ("kbp_services", "kbp_slots", "kbp_backends")}  # fmt: skip
+        content, _meta = read_maps(pin_dir)
         resolved = resolve(content)
-        return resolved.views, problems + resolved.broken
+        self.baseline = resolved.views
+        self.problems = resolved.broken
+        self.keys = sorted(self.baseline, key=str)
+        self.cursor = 0
+
+    def _members(self, set_id: int, count: int) -> tuple[Any, ...] | None:
+        out = []
+        for index in range(count):
+            slot = self.maps["kbp_slots"].lookup(codec.slot_key(set_id, index))
+            if slot is None:
+                return None
+            raw = self.maps["kbp_backends"].lookup(slot[:4])  # a slot holds the backend key
+            if raw is None:
+                return None
+            b = codec.decode_backend(raw)
+            out.append((b.addr, b.port, b.family, b.flags))
+        return tuple(sorted(out))
+
+    def view_of(self, key: Any) -> Any:
+        raw = self.maps["kbp_services"].lookup(codec.frontend_key(key))
+        if raw is None:
+            return None
+        v = codec.decode_service(raw)
+        return (v.flags, v.type, v.affinity_timeout, self._members(v.set_id, v.count),
+                self._members(v.internal_set_id, v.internal_count))  # fmt: skip
+
+    def check(self) -> tuple[int, int, str]:
+        """(Services checked, unserved among them, why)."""
+        hooks = {(a.ifname, a.direction) for a in self.attacher.attached()}
+        missing = [d for d in ("ingress", "egress") if (POD_VETH, d) not in hooks]
+        window = [self.keys[(self.cursor + i) % len(self.keys)]
+                  for i in range(min(self.WINDOW, len(self.keys)))]  # fmt: skip
+        self.cursor = (self.cursor + len(window)) % len(self.keys)
+        wrong = [k for k in window if self.view_of(k) != self.baseline[k]]
+        if missing:
+            return len(window), len(self.keys), f"no kbp_ program on {POD_VETH} {missing}"
+        return len(window), len(wrong), f"e.g. {wrong[0]}" if wrong else ""
 
     def close(self) -> None:
         self.attacher.close()
+        for m in self.maps.values():
+            m.close()
 
 
 class IptablesView:
-    """What the iptables dataplane serves now (IPv4, nat table): each KBP-SERVICES rule with
-    the DNAT destinations reachable from it through KBP- chains, and whether PREROUTING
-    and OUTPUT jump to KBP-SERVICES."""
+    """The iptables dataplane's service now (IPv4, nat table) against what it served
+    before the restart: each KBP-SERVICES rule with the DNAT destinations reachable from
+    it through KBP- chains, and the jumps from PREROUTING and OUTPUT to KBP-SERVICES. A
+    sample is one iptables-save of the nat table and checks every Service."""
 
     def __init__(self, ns: str) -> None:
         self.ns = ns
+        self.baseline, self.problems = self.snapshot()
 
-    def snapshot(self) -> tuple[dict[Any, Any], list[str]]:
+    def snapshot(self) -> tuple[dict[str, frozenset[str] | None], list[str]]:
         text = run(in_netns(self.ns, ["iptables-save", "-t", "nat"]))
         chains: dict[str, list[str]] = {}
         for line in text.splitlines():
@@ -276,21 +318,29 @@ class IptablesView:
                  for rule in chains.get("KBP-SERVICES", [])}  # fmt: skip
         return views, problems
 
+    def check(self) -> tuple[int, int, str]:
+        views, problems = self.snapshot()
+        if problems:
+            return len(self.baseline), len(self.baseline), problems[0]
+        wrong = [k for k, v in self.baseline.items() if views.get(k) != v]
+        return len(self.baseline), len(wrong), f"e.g. {wrong[0]}" if wrong else ""
+
     def close(self) -> None:
         pass
 
 
 class Sampler:
-    """Samples a view again and again on a thread: a sample finds a Service unserved when
-    the kernel lacks what the node served before the restart for it (its frontend, or
-    dispatch rule, is missing, does not resolve, or resolves to other backends), or when
-    the programs or jump rules that lead to them are missing. The time any Service is
-    unserved is the sum of the intervals from a sample that found one to the next sample."""
+    """Samples a view (EbpfView, IptablesView) again and again on a thread. A Service is
+    unserved in a sample when the kernel lacks what served it before the restart: its
+    frontend (or dispatch rule) is missing, does not resolve, or resolves to other
+    backends, or the programs (jump rules) that lead to it are missing. The time any
+    Service is unserved is the sum of the intervals from a sample that found one to the
+    next sample."""
 
-    def __init__(self, view: EbpfView | IptablesView, baseline: dict[Any, Any]) -> None:
+    def __init__(self, view: EbpfView | IptablesView) -> None:
         self.view = view
-        self.baseline = baseline
-        self.samples: list[tuple[float, float, int, str]] = []  # start, end, unserved, why
+        self.samples: list[tuple[float, float, int, int, str]] = []  # start, end, checked,
+        # unserved, why
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
@@ -300,28 +350,26 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             began = time.perf_counter()
-            views, problems = self.view.snapshot()
-            wrong = [k for k, v in self.baseline.items() if views.get(k) != v]
-            unserved = len(self.baseline) if problems else len(wrong)
-            why = "; ".join(problems[:2]) or (f"e.g. {wrong[0]}" if wrong else "")
-            self.samples.append((began, time.perf_counter(), unserved, why))
+            checked, unserved, why = self.view.check()
+            self.samples.append((began, time.perf_counter(), checked, unserved, why))
             self._stop.wait(SAMPLE_PAUSE)
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
         self._thread.join(60)
         s = self.samples
-        unserved_s = sum(s[i + 1][0] - s[i][0] for i in range(len(s) - 1) if s[i][2])
+        unserved_s = sum(s[i + 1][0] - s[i][0] for i in range(len(s) - 1) if s[i][3])
         gaps = [s[i + 1][0] - s[i][0] for i in range(len(s) - 1)]
-        bad = [x for x in s if x[2]]
+        bad = [x for x in s if x[3]]
         return {
             "samples": len(s),
+            "services_checked": sum(x[2] for x in s),
             "sample_seconds_median": statistics.median(x[1] - x[0] for x in s) if s else None,
             "largest_gap_s": max(gaps, default=None),
             "samples_with_unserved": len(bad),
             "unserved_s": unserved_s,
-            "most_unserved": max((x[2] for x in s), default=0),
-            "first_unserved_why": bad[0][3] if bad else None,
+            "most_unserved": max((x[3] for x in s), default=0),
+            "first_unserved_why": bad[0][4] if bad else None,
         }
 
 
@@ -393,10 +441,10 @@ def restart_once(dataplane: str, ns: str, kubeconfig: Path, pin_dir: Path) -> di
         print(f"  first agent: {cold['log']}; ready {cold_ready:.1f} s after its start",
               flush=True)  # fmt: skip
         view = EbpfView(pin_dir, ns) if dataplane == "ebpf" else IptablesView(ns)
-        baseline, problems = view.snapshot()
-        if problems:
-            raise RuntimeError(f"the first agent's state does not serve: {problems[:3]}")
-        sampler = Sampler(view, baseline)
+        if view.problems:
+            raise RuntimeError(f"the first agent's state does not serve: {view.problems[:3]}")
+        baseline = view.baseline
+        sampler = Sampler(view)
         sampler.start()
         time.sleep(0.5)
         killed = time.perf_counter()
@@ -417,8 +465,9 @@ def restart_once(dataplane: str, ns: str, kubeconfig: Path, pin_dir: Path) -> di
                 agent.stop(signal.SIGKILL if agent is first else signal.SIGTERM)
     print(f"  second agent: {warm['log']}; ready {warm_ready:.2f} s after its start "
           f"({restarted - killed:.3f} s after the SIGKILL)", flush=True)  # fmt: skip
-    print(f"  sampled {sampling['samples']} times ({len(baseline)} "
-          f"{'frontends' if dataplane == 'ebpf' else 'dispatch rules'} each, a sample "
+    what = "frontends" if dataplane == "ebpf" else "dispatch rules"
+    print(f"  sampled {sampling['samples']} times ({sampling['services_checked']} {what} "
+          f"checked, of {len(baseline)}; a sample "
           f"{sampling['sample_seconds_median'] * 1000:.0f} ms, largest gap "
           f"{sampling['largest_gap_s'] * 1000:.0f} ms): time with any Service unserved "
           f"{sampling['unserved_s']:.3f} s ({sampling['samples_with_unserved']} samples)",
