@@ -21,9 +21,11 @@ and after the next agent's apply: exactly the new state, no set or backend left 
 kbp_meta naming it.
 
 iptables (one iptables-restore per family, committed table by table): each table of each
-family is the old or the new one as a whole apply left it (KBP-STATE marker included),
-and after the next agent's apply exactly the new one. The kill takes the agent's whole
-process group, its iptables-restore included, as a container's end would.
+family is the old or the new one as a whole apply left it; the family's KBP-STATE marker
+names the old state only if its tables are old, the new one only if they are new, or is
+empty (an apply under way); after the next agent's apply, exactly the new tables. The
+kill takes the agent's whole process group, its iptables-restore included, as a
+container's end would.
 
 The eBPF agent processes run the real EbpfDataplane (__init__ reads the maps and
 kbp_meta as a restarted agent does; apply plans and writes through its own path) with one
@@ -56,6 +58,7 @@ from agent.dataplane.ebpf import codec
 from agent.dataplane.ebpf.abi import MAP_NAMES, versioned
 from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.plan import FrontendKey, KernelContent, MapSizes, desired_content
+from agent.dataplane.iptables.render import STATE
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState
 
@@ -316,28 +319,50 @@ def read_tables(netns: str) -> Tables:
     return tables
 
 
+def _marker(tables: Tables, family: str) -> tuple[str, ...]:
+    return tables.get((family, "filter"), {}).get(STATE, ())
+
+
+def _unmarked(tables: Tables, key: tuple[str, str]) -> dict[str, tuple[str, ...]] | None:
+    table = tables.get(key)
+    return None if table is None else {c: r for c, r in table.items() if c != STATE}
+
+
 def judge_tables(held: Tables, old: Tables, new: Tables) -> Verdict:
-    """Each table of each family must be the old or the new one, whole: one
-    iptables-restore per family commits table by table."""
+    """Each table of each family must be the old or the new one, whole (one
+    iptables-restore per family commits table by table); the family's KBP-STATE marker
+    may name the old state only if its tables are old, the new one only if they are
+    new, or be empty (an apply was under way)."""
     violations, words = [], []
-    for key in sorted(held.keys() | old.keys() | new.keys()):
-        h = held.get(key)
-        if h == old.get(key):
-            words.append("old" if h != new.get(key) else "both")
-        elif h == new.get(key):
+    keys = sorted(held.keys() | old.keys() | new.keys())
+    for key in keys:
+        h, o, n = _unmarked(held, key), _unmarked(old, key), _unmarked(new, key)
+        if h == o:
+            words.append("old" if h != n else "both")
+        elif h == n:
             words.append("new")
         else:
             differ = [c for c in (h or {}) if (h or {}).get(c) not in (
-                old.get(key, {}).get(c), new.get(key, {}).get(c))]  # fmt: skip
+                (o or {}).get(c), (n or {}).get(c))]  # fmt: skip
             violations.append(f"{' '.join(key)}: neither the old nor the new table; chains "
                               f"unlike both: {differ[:3]}")  # fmt: skip
             words.append("neither")
+    markers = []
+    for family in sorted({f for f, _ in keys}):
+        said = {w for (f, _), w in zip(keys, words, strict=True) if f == family}
+        m = _marker(held, family)
+        word = ("none" if not m else "old" if m == _marker(old, family) else
+                "new" if m == _marker(new, family) else "other")  # fmt: skip
+        markers.append(f"{family[-1]}:{word[0]}")
+        if word != "none" and not said <= {word, "both"}:
+            violations.append(f"{family}: the KBP-STATE marker names the {word} state, the "
+                              f"tables are {sorted(said)}")  # fmt: skip
     outcome = ("new" if set(words) <= {"new", "both"} else
                "old" if set(words) <= {"old", "both"} else "mixed")  # fmt: skip
-    keys = sorted(held.keys() | old.keys() | new.keys())
     tables = " ".join(f"{f[-1]}{t[0]}:{w[0]}" for (f, t), w in zip(keys, words, strict=True))
     return Verdict(outcome, violations, sum(len(c) for c in held.values()),
-                   words.count("old"), words.count("new"), tables)  # fmt: skip
+                   words.count("old"), words.count("new"),
+                   f"{tables}; markers {' '.join(markers)}")  # fmt: skip
 
 
 def exact_tables(held: Tables, state: Tables) -> list[str]:

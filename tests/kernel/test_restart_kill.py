@@ -19,16 +19,21 @@ import pytest
 
 from agent.dataplane.ebpf.dataplane import remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
-from agent.dataplane.iptables.dataplane import cleanup, unavailable_reason
+from agent.dataplane.iptables import dataplane as iptables_dataplane
+from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup, unavailable_reason
+from agent.dataplane.iptables.render import IPV4
 
 from ..conftest import BPFFS, kernel_required
 from .killapply import (
+    NO_INTERFACES,
     Cluster,
     Trial,
     apply_whole,
     exact,
+    exact_tables,
     kill_delays,
     map_sizes,
+    nodestate,
     read_maps,
     read_tables,
     trial,
@@ -109,5 +114,48 @@ def test_killed_iptables_apply_leaves_old_or_new_tables_and_next_agent_converges
         for delay in kill_delays(4, timing["apply_s"], seed=14):
             _check(trial(cluster, old, nowhere, ns, delay=delay))
             old = _flip(old)
+    finally:
+        cleanup(ns)
+
+
+def test_iptables_agent_killed_between_table_commits_is_not_adopted(
+    netns: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One iptables-restore commits the nat table, then the filter table that ends with
+    the KBP-STATE marker. An agent killed between the two leaves new nat rules beside
+    the old marker; the next agent must not take those tables for the old state (if the
+    cluster went back to it, it would write nothing and keep the new nat rules)."""
+    ns = netns()
+    reason = unavailable_reason(ns)
+    if reason is not None:
+        if kernel_required():
+            pytest.fail(f"iptables unavailable: {reason} (KBP_REQUIRE_KERNEL=1)")
+        pytest.skip(f"iptables unavailable: {reason}")
+    old, new = nodestate("A", 20, 3), nodestate("B", 20, 3)
+    try:
+        IptablesDataplane([NO_INTERFACES], netns=ns).apply(old)
+        old_tables = read_tables(ns)
+
+        real_run = iptables_dataplane._run
+
+        class Killed(BaseException):
+            """The agent's end, right after its IPv4 restore committed the nat table."""
+
+        def killed_after_first_commit(netns_, argv, stdin=None):
+            if stdin is not None and "restore" in argv[0]:
+                nat_committed = stdin.index("COMMIT\n", stdin.index("*nat\n")) + len("COMMIT\n")
+                real_run(netns_, argv, stdin[:nat_committed])
+                raise Killed
+            return real_run(netns_, argv, stdin)
+
+        monkeypatch.setattr(iptables_dataplane, "_run", killed_after_first_commit)
+        with pytest.raises(Killed):
+            IptablesDataplane([NO_INTERFACES], netns=ns).apply(new)
+        monkeypatch.undo()
+        assert read_tables(ns)[IPV4, "nat"] != old_tables[IPV4, "nat"]  # the cut took effect
+
+        writes = IptablesDataplane([NO_INTERFACES], netns=ns).apply(old)
+        assert writes > 0
+        assert exact_tables(read_tables(ns), old_tables) == []
     finally:
         cleanup(ns)
