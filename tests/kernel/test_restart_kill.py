@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.dataplane.ebpf.dataplane import remove_pins
+from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
+from agent.dataplane.ebpf.plan import MapSizes
 from agent.dataplane.iptables import dataplane as iptables_dataplane
 from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup, unavailable_reason
 from agent.dataplane.iptables.render import IPV4
@@ -159,3 +160,30 @@ def test_iptables_agent_killed_between_table_commits_is_not_adopted(
         assert exact_tables(read_tables(ns), old_tables) == []
     finally:
         cleanup(ns)
+
+
+def test_restarted_ebpf_agent_reads_the_maps_once_before_its_first_apply(
+    netns: Callable[[], str], pins: Path
+) -> None:
+    """Its first apply is a full one (the sync loop's first is), yet it compares with the
+    content read at start-up instead of reading the maps a second time; later full
+    applies (the periodic resync) read them again."""
+    ns = netns()
+    state = nodestate("A", 50, 3)
+    sizes = MapSizes(1024, 4096, 4096, 4096, 1024)
+    first = EbpfDataplane(pins, [NO_INTERFACES], sizes, netns=ns, watch=False)
+    try:
+        assert first.apply(state) > 0
+    finally:
+        first.close()
+    restarted = EbpfDataplane(pins, [NO_INTERFACES], sizes, netns=ns, watch=False)
+    try:
+        reads = []
+        read = restarted._read_kernel
+        restarted._read_kernel = lambda: reads.append(1) or read()  # type: ignore[method-assign]
+        assert restarted.apply(state, full=True) == 0
+        assert reads == []
+        assert restarted.apply(state, full=True) == 0
+        assert reads == [1]
+    finally:
+        restarted.cleanup()
