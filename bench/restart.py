@@ -179,7 +179,11 @@ def kill_main(args: argparse.Namespace) -> dict[str, Any]:
     conv_writes = [t.converge["writes"] for t in trials]
     conv_s = [t.converge["open_s"] + t.converge["apply_s"] for t in trials]
     metas = Counter(t.verdict.meta for t in trials)
-    what = "kbp_meta" if ebpf else "tables (4/6 family, n/f nat/filter: o old, n new)"
+    what = (
+        "kbp_meta"
+        if ebpf
+        else "tables (4/6 family, n/f nat/filter: o old, n new, b both; markers: - empty)"
+    )
     print(
         f"\n## PB-13 kill, {args.dataplane}: {args.trials} SIGKILLs at uniformly random points "
         f"of an apply ({cluster.services} Services x {cluster.endpoints} endpoints, A<->B)"

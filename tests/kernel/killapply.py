@@ -353,7 +353,7 @@ def judge_tables(held: Tables, old: Tables, new: Tables) -> Verdict:
         m = _marker(held, family)
         word = ("none" if not m else "old" if m == _marker(old, family) else
                 "new" if m == _marker(new, family) else "other")  # fmt: skip
-        markers.append(f"{family[-1]}:{word[0]}")
+        markers.append(f"{family[-1]}:{'-' if word == 'none' else word[0]}")
         if word != "none" and not said <= {word, "both"}:
             violations.append(f"{family}: the KBP-STATE marker names the {word} state, the "
                               f"tables are {sorted(said)}")  # fmt: skip
