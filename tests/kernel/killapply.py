@@ -30,8 +30,8 @@ container's end would.
 The eBPF agent processes run the real EbpfDataplane (__init__ reads the maps and
 kbp_meta as a restarted agent does; apply plans and writes through its own path) with one
 difference: they open the pinned maps instead of compiling the programs with bcc, which
-takes 10-20 s a time on a loaded machine and would make 100 trials an hour; the maps are
-what a crash can leave half written, and the programs attach nowhere here
+takes 2-10 s a time here (more under load) and would add two compiles to every trial; the
+maps are what a crash can leave half written, and the programs attach nowhere here
 (`--pod-interfaces` matches nothing, in a namespace the caller made). The runner compiles
 once, to create the pins."""
 
