@@ -221,8 +221,11 @@ class IptablesDataplane:
             found = kernel_marker(family, netns) if shutil.which(SAVE[family]) else None
             if found is not None:
                 self._found[family] = found
-        if self._found:  # the newest write names the revision (a family unchanged by
-            # later applies keeps an older marker that still describes its rules)
+        # Held: the newest marker's revision (a family unchanged by later applies keeps
+        # an older marker that still describes its rules), but only when every family
+        # has one: an apply cut short leaves its family's marker empty, and what the
+        # tables then hold is unknown.
+        if len(self._found) == len(FAMILIES):
             self._revision = max(self._found.values(), key=lambda f: f[2])[0]
 
     @property
