@@ -380,6 +380,7 @@ class _Connection(asyncio.Protocol):
 
     # reading
     def _request_timed_out(self) -> None:
+        self.timer = None  # this handle is running: nothing to cancel any more
         if self.stage != _READING:
             return
         if self.buffer.strip():
@@ -498,7 +499,15 @@ class _Connection(asyncio.Protocol):
         # Half-close and wait for the client's close: closing at once with unread input
         # would send a reset that can destroy the answer before the client reads it.
         if self.transport.can_write_eof():
-            self.transport.write_eof()
+            try:
+                self.transport.write_eof()
+            except OSError as err:
+                # The client's close crossed the answer before the loop saw it: its kernel
+                # answered the write with a reset (on loopback, before this call), and
+                # shutdown() fails with ENOTCONN. There is nobody left to answer.
+                log.debug("%s: %s left before its answer: %s", self.server.name, self.client, err)
+                self.abort()
+                return
         deadline = RESPONSE_DEADLINE + len(data) / MIN_READ_RATE
         self.timer = self.server.shared.loop.call_later(deadline, self.abort)
 

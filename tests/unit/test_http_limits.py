@@ -18,6 +18,7 @@ import resource
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -151,6 +152,67 @@ def test_a_silent_connection_is_closed_at_the_deadline(monkeypatch: pytest.Monke
         assert closed_by_server(silent, 5.0)
         assert 0.4 < time.monotonic() - started < 3.0
         assert silent.recv(1) == b""  # closed without an answer: there was no request
+
+
+# --- clients that leave before the loop notices ---------------------------------------------
+
+
+def leave_while_the_loop_is_busy(
+    server: serving.Server, sock: socket.socket, busy: float, then: Callable[[], None]
+) -> None:
+    """Keep the server's event loop busy for `busy` seconds (after calling `then` on it);
+    `sock` is closed with a FIN at the start of the loop's next round of callbacks, which
+    also runs whatever fell due meanwhile, before the loop polls its sockets again. The
+    server then writes its answer to a client that has gone: the client's kernel answers
+    with a reset, which on loopback is back before the server half-closes."""
+    loop = server.shared.loop
+
+    def hold() -> None:
+        loop.call_soon(sock.close)
+        then()
+        time.sleep(busy)
+
+    loop.call_soon_threadsafe(hold)
+
+
+def errors_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_deadline_answer_to_a_client_that_has_just_left_is_dropped_quietly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 408 of the request deadline goes out in the same round as the client's close:
+    once logged as "Exception in callback None()" with a cancelled TimerHandle."""
+    monkeypatch.setattr(serving, "REQUEST_DEADLINE", 0.3)
+    with serve("127.0.0.1:0", {"/": ok}) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # closes: FIN
+        sock.sendall(b"GET / HTTP/1.1\r\nX-Slow: a")
+        assert wait_until(lambda: server.open_connections == 1)
+        leave_while_the_loop_is_busy(server, sock, 0.6, lambda: None)  # past the deadline
+        assert wait_until(lambda: server.open_connections == 0)
+    assert errors_logged(caplog) == []
+
+
+def test_a_worker_answer_to_a_client_that_has_just_left_is_dropped_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same for an answer a worker thread hands back (/metrics, /state)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(request: Request) -> Response:
+        entered.set()
+        release.wait(5)
+        return ok(request)
+
+    with serve("127.0.0.1:0", {"/slow": slow}, workers=1) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # closes: FIN
+        sock.sendall(b"GET /slow HTTP/1.1\r\n\r\n")
+        assert entered.wait(5)
+        # The worker hands its answer over while the loop is busy, after the close.
+        leave_while_the_loop_is_busy(server, sock, 0.5, release.set)
+        assert wait_until(lambda: server.open_connections == 0)
+    assert errors_logged(caplog) == []
 
 
 # --- connection limits ---------------------------------------------------------------------
