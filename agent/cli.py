@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import add_arguments, settings_from
+from .config import CONNTRACK_SETTINGS, CONNTRACK_TIMEOUTS, add_arguments, settings_from
 from .logs import setup_logging
 from .model.compile import compile
 from .render import render
@@ -47,6 +47,7 @@ RUN_SETTINGS = [
     "map_size_backends",
     "map_size_ct",
     "map_size_affinity",
+    *CONNTRACK_SETTINGS,
     "min_sync_period",
     "sync_period",
     "metrics_bind_address",
@@ -57,7 +58,8 @@ RUN_SETTINGS = [
     "config",
 ]
 
-INSPECT_SETTINGS = ["bpffs", "inspect_output", "log_level"]
+# inspect conntrack shows each flow's time left by the same timeouts as the agent's.
+INSPECT_SETTINGS = ["bpffs", "inspect_output", *CONNTRACK_TIMEOUTS.values(), "log_level"]
 LAB_SETTINGS = ["manifests", "dataplane"]
 CLEANUP_SETTINGS = ["bpffs", "log_level"]
 INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp")
@@ -171,9 +173,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     settings = settings_from(args, INSPECT_SETTINGS)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
     from .dataplane.ebpf import inspect  # cffi and libbpf only: no compiler needed
+    from .dataplane.ebpf.conntrack import Timeouts
 
     try:
-        rows = inspect.VIEWS[args.view](Path(settings.bpffs))
+        if args.view == "conntrack":
+            timeouts = Timeouts(**settings.conntrack_timeouts())
+            rows = inspect.conntrack(Path(settings.bpffs), timeouts)
+        else:
+            rows = inspect.VIEWS[args.view](Path(settings.bpffs))
     except inspect.InspectError as err:
         print(f"kube-bpf-proxy inspect: {err}", file=sys.stderr)
         return 1

@@ -289,6 +289,77 @@ class Settings:
             check=_between(*MAP_SIZE_RANGES["affinity"]),
         ),
     )
+    conntrack_tcp_timeout_syn: float = field(
+        default=120.0,
+        metadata=_opt(
+            "--conntrack-tcp-timeout-syn",
+            "eBPF conntrack: idle timeout of a TCP flow whose SYN got no answer yet "
+            "(netfilter's SYN_SENT)",
+            metavar="DURATION",
+            check=_between(1.0, 3600.0, duration=True),
+        ),
+    )
+    conntrack_tcp_timeout_established: float = field(
+        default=86400.0,
+        metadata=_opt(
+            "--conntrack-tcp-timeout-established",
+            "eBPF conntrack: idle timeout of an established TCP flow (kube-proxy's flag "
+            "and default)",
+            metavar="DURATION",
+            check=_between(60.0, 7 * 86400.0, duration=True),
+        ),
+    )
+    conntrack_tcp_timeout_close_wait: float = field(
+        default=3600.0,
+        metadata=_opt(
+            "--conntrack-tcp-timeout-close-wait",
+            "eBPF conntrack: idle timeout of a TCP flow with a FIN seen one way (half "
+            "closed; kube-proxy's flag and default)",
+            metavar="DURATION",
+            check=_between(1.0, 86400.0, duration=True),
+        ),
+    )
+    conntrack_tcp_timeout_time_wait: float = field(
+        default=10.0,
+        metadata=_opt(
+            "--conntrack-tcp-timeout-time-wait",
+            "eBPF conntrack: how long a TCP flow stays after FINs both ways or a RST "
+            "(the entries only translate: a late segment still reaches its backend by the "
+            "flow hash)",
+            metavar="DURATION",
+            check=_between(1.0, 3600.0, duration=True),
+        ),
+    )
+    conntrack_udp_timeout: float = field(
+        default=30.0,
+        metadata=_opt(
+            "--conntrack-udp-timeout",
+            "eBPF conntrack: idle timeout of a UDP flow that got no reply yet (kube-proxy's "
+            "flag; the kernel's default)",
+            metavar="DURATION",
+            check=_between(1.0, 3600.0, duration=True),
+        ),
+    )
+    conntrack_udp_timeout_stream: float = field(
+        default=120.0,
+        metadata=_opt(
+            "--conntrack-udp-timeout-stream",
+            "eBPF conntrack: idle timeout of a UDP flow that got a reply (kube-proxy's "
+            "flag; the kernel's default)",
+            metavar="DURATION",
+            check=_between(1.0, 86400.0, duration=True),
+        ),
+    )
+    conntrack_sweep_interval: float = field(
+        default=10.0,
+        metadata=_opt(
+            "--conntrack-sweep-interval",
+            "eBPF conntrack: how often the agent removes expired and closed flows from "
+            "kbp_ct (0: never; the LRU alone then makes room)",
+            metavar="DURATION",
+            check=_between(0.0, 3600.0, duration=True),
+        ),
+    )
     min_sync_period: float = field(
         default=0.0,
         metadata=_opt(
@@ -399,6 +470,11 @@ class Settings:
             for name in ("services", "slots", "backends", "ct", "affinity")
         }
 
+    def conntrack_timeouts(self) -> dict[str, float]:
+        """The eBPF conntrack's idle timeouts in seconds, by state (the fields of
+        agent.dataplane.ebpf.conntrack.Timeouts)."""
+        return {state: getattr(self, name) for state, name in CONNTRACK_TIMEOUTS.items()}
+
     def snat_ports(self) -> tuple[int, int]:
         """--snat-port-range as (low, high); ValueError naming the flag."""
         try:
@@ -429,6 +505,17 @@ class Settings:
 
 
 SETTINGS_FIELDS = {f.name: f for f in fields(Settings)}
+
+# The eBPF conntrack's timeouts: Timeouts field -> setting.
+CONNTRACK_TIMEOUTS = {
+    "tcp_syn": "conntrack_tcp_timeout_syn",
+    "tcp_established": "conntrack_tcp_timeout_established",
+    "tcp_close_wait": "conntrack_tcp_timeout_close_wait",
+    "tcp_time_wait": "conntrack_tcp_timeout_time_wait",
+    "udp": "conntrack_udp_timeout",
+    "udp_stream": "conntrack_udp_timeout_stream",
+}
+CONNTRACK_SETTINGS = [*CONNTRACK_TIMEOUTS.values(), "conntrack_sweep_interval"]
 
 
 def add_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:

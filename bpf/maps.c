@@ -95,6 +95,11 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key)
 	return kbp_sock_rev.delete(key);
 }
 
+static __always_inline __u64 *map_lookup_ct_stats(__u32 *what)
+{
+	return kbp_ct_stats.lookup(what);
+}
+
 /* Has `port` (network order) ever been used as KBP_PORT_F_* `what`? See kbp_ports. */
 static __always_inline int map_port_used(__be16 port, __u8 what)
 {

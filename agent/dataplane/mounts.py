@@ -76,15 +76,26 @@ def mount_bpffs(target: Path) -> None:
         raise OSError(code, f"mount -t bpf bpf {target}: {os.strerror(code)}")
 
 
+# Where the kernel offers a bpffs mount point (an empty sysfs directory made for it).
+BPFFS_MOUNT_POINT = Path("/sys/fs/bpf")
+
+
 def ensure_bpffs(pin_dir: Path, table: list[Mount] | None = None) -> str | None:
     """Make sure `pin_dir` will be on a bpffs: when its parent is not on one, mount a
-    bpffs at the parent. Returns what was done (None: nothing was needed); raises
-    BpffsError with a sentence saying what to mount when that is impossible."""
+    bpffs at the parent, but only where that hides nothing: /sys/fs/bpf (the kernel's own
+    mount point for it) or an empty directory. Returns what was done (None: nothing was
+    needed); raises BpffsError with a sentence saying what to mount otherwise."""
     found = filesystem_of(pin_dir, table)
     if found is not None and found.fstype == BPFFS:
         return None
     parent = Path(os.path.abspath(pin_dir)).parent
     where = f"{found.fstype} mounted at {found.point}" if found is not None else "unknown"
+    advice = f"mount it on the node with `mount -t bpf bpf {parent}`"
+    if parent != BPFFS_MOUNT_POINT and not _empty_or_missing(parent):
+        raise BpffsError(
+            f"{parent} is not a BPF filesystem (it is {where}) and is not empty, so no bpffs "
+            f"is mounted over it: {advice}, or give --bpffs a directory on a bpffs"
+        )
     try:
         mount_bpffs(parent)
     except OSError as err:
@@ -92,9 +103,18 @@ def ensure_bpffs(pin_dir: Path, table: list[Mount] | None = None) -> str | None:
         name = errno.errorcode.get(err.errno or 0, str(err.errno))
         raise BpffsError(
             f"{parent} is not a BPF filesystem (it is {where}) and mounting one there "
-            f"failed with {name}{hint}: mount it on the node with `mount -t bpf bpf {parent}`"
+            f"failed with {name}{hint}: {advice}"
         ) from err
     return f"mounted a bpffs at {parent} (it was {where})"
+
+
+def _empty_or_missing(directory: Path) -> bool:
+    try:
+        return not any(directory.iterdir())
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 class BpffsError(Exception):

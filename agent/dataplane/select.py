@@ -47,6 +47,7 @@ class Selection:
 def build_ebpf(settings: Settings) -> Dataplane:
     """The eBPF dataplane on this network namespace's pod interfaces."""
     try:
+        from .ebpf.conntrack import Timeouts
         from .ebpf.dataplane import EbpfDataplane
         from .ebpf.plan import MapSizes
     except ImportError as err:  # bcc, cffi or pyroute2 missing
@@ -64,6 +65,8 @@ def build_ebpf(settings: Settings) -> Dataplane:
         xdp=settings.xdp,
         snat_ports=settings.snat_ports(),
         cgroup=cgroup,
+        ct_timeouts=Timeouts(**settings.conntrack_timeouts()),
+        ct_sweep_interval=settings.conntrack_sweep_interval,
     )
 
 

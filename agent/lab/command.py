@@ -508,7 +508,7 @@ def _notes(entry: ServiceEntry) -> list[str]:
         notes.append("externalTrafficPolicy Local")
     if entry.topology != "None":
         notes.append(f"topology {entry.topology}")
-    if entry.lb_algorithm != "random":
+    if entry.lb_algorithm != "hash":
         notes.append(f"lbAlgorithm {entry.lb_algorithm}")
     backends = (entry.cluster_backends or ()) + (entry.local_backends or ())
     if backends and all(b.terminating for b in backends):

@@ -33,11 +33,14 @@ UNKNOWN_CLUSTER = "unknown"
 # Service annotations defined by this project.
 ANNOTATION_TOPOLOGY_KEYS = "kube-bpf-proxy.io/topology-keys"
 ANNOTATION_MULTI_CLUSTER = "kube-bpf-proxy.io/multi-cluster"
-# How the eBPF dataplane picks a backend for a new flow: random (default) or maglev.
+# How the eBPF dataplane picks a backend for a new flow: hash (default: a hash of the
+# flow's tuple over the slots, so a flow whose conntrack entry was lost finds its backend
+# again), maglev (the same hash into a Maglev table), or random (only when asked).
 ANNOTATION_LB_ALGORITHM = "kube-bpf-proxy.io/lb-algorithm"
+LB_HASH = "hash"
 LB_RANDOM = "random"
 LB_MAGLEV = "maglev"
-LB_ALGORITHMS = (LB_RANDOM, LB_MAGLEV)
+LB_ALGORITHMS = (LB_HASH, LB_MAGLEV, LB_RANDOM)
 # Cilium's equivalent of LocalFirst, honoured when ours is absent.
 ANNOTATION_CILIUM_AFFINITY = "service.cilium.io/affinity"
 

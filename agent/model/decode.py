@@ -391,15 +391,15 @@ def _topology_keys(annotations: Mapping[str, str], warnings: list[str]) -> tuple
 def _lb_algorithm(annotations: Mapping[str, str], warnings: list[str]) -> str:
     raw = annotations.get(c.ANNOTATION_LB_ALGORITHM)
     if raw is None:
-        return c.LB_RANDOM
+        return c.LB_HASH
     value = raw.strip().lower()
     if value in c.LB_ALGORITHMS:
         return value
     warnings.append(
         f"annotation {c.ANNOTATION_LB_ALGORITHM}={raw!r} is not one of "
-        f"{', '.join(c.LB_ALGORITHMS)}; using {c.LB_RANDOM}"
+        f"{', '.join(c.LB_ALGORITHMS)}; using {c.LB_HASH}"
     )
-    return c.LB_RANDOM
+    return c.LB_HASH
 
 
 def _multi_cluster(annotations: Mapping[str, str], warnings: list[str]) -> str:

@@ -83,7 +83,7 @@ class ServiceEntry:
     has_endpoints: bool
     cluster_backends: tuple[Backend, ...] | None
     local_backends: tuple[Backend, ...] | None
-    lb_algorithm: str = "random"  # random | maglev (kube-bpf-proxy.io/lb-algorithm)
+    lb_algorithm: str = "hash"  # hash | maglev | random (kube-bpf-proxy.io/lb-algorithm)
     digest: bytes = field(default=b"", compare=False, repr=False)
 
     @property

@@ -39,7 +39,7 @@ class Service:
     proxy_name: str | None = None  # value of service.kubernetes.io/service-proxy-name
     topology_keys: tuple[str, ...] = ()  # kube-bpf-proxy.io/topology-keys, in order
     multi_cluster: str = "RemoteAndLocal"  # or LocalFirst
-    lb_algorithm: str = "random"  # kube-bpf-proxy.io/lb-algorithm: random | maglev
+    lb_algorithm: str = "hash"  # kube-bpf-proxy.io/lb-algorithm: hash | maglev | random
 
     @property
     def key(self) -> ServiceKey:

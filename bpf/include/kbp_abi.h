@@ -37,6 +37,8 @@
 #define KBP_SVC_F_MAGLEV 4        /* slots are a Maglev table: pick by flow hash */
 #define KBP_SVC_F_SOURCE_RANGES 8 /* LoadBalancer frontend with loadBalancerSourceRanges:
 				     clients outside its kbp_src_ranges prefixes are dropped */
+#define KBP_SVC_F_RANDOM 16       /* pick a random slot (lb-algorithm random); without it
+				     and KBP_SVC_F_MAGLEV: the slot of the flow hash */
 
 /* Bits of struct kbp_src_range_key before the client address: the frontend key. */
 #define KBP_SRC_RANGE_FRONTEND_BITS 160
@@ -61,6 +63,20 @@
  * rewritten to this node's address and a port of the SNAT range (forward entry: nat_addr/
  * nat_port are that source; reply entry: they are the client to restore). */
 #define KBP_CT_F_SNAT 16
+/* The client's source port clashed: the reply tuple its port would give was held by a
+ * live flow to another frontend (one client port used for two Services that share a
+ * backend), so the port was remapped to a free one of the SNAT range, the client's
+ * address kept (forward entry: nat_addr/nat_port are the client and the port it is
+ * sent with; reply entry: the client and the port to restore), as netfilter's NAT does. */
+#define KBP_CT_F_SPORT 32
+#define KBP_CT_F_RST 64 /* a TCP RST was seen (KBP_CT_F_CLOSING is set too) */
+
+/* Indexes of the kbp_ct_stats map (per-CPU __u64): conntrack events the agent reports. */
+#define KBP_CT_STAT_LOST 0   /* a TCP segment other than a SYN found no forward entry (its
+				 flow's entries were evicted or expired): the flow hash chose
+				 its backend again */
+#define KBP_CT_STAT_REMAPPED 1 /* a new flow's source port was remapped (KBP_CT_F_SPORT) */
+#define KBP_CT_STATS 2
 
 /* Indexes of the kbp_drops map: why the datapath dropped or rejected a packet. */
 #define KBP_DROP_NO_BACKEND 0    /* empty set, hasEndpoints true: dropped */

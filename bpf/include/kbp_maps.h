@@ -97,6 +97,10 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_xdp_stats,
 BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_rev,
 		 KBP_MAX_SOCK_REV, KBP_PIN(kbp_sock_rev));
 
+/* Per KBP_CT_STAT_* event: how often (per CPU). */
+BPF_TABLE_PINNED("percpu_array", __u32, __u64, kbp_ct_stats, KBP_CT_STATS,
+		 KBP_PIN(kbp_ct_stats));
+
 /* Port (host order) -> KBP_PORT_F_*: which ports a backend ever served on, and which a
  * frontend ever used. Every reply entry of kbp_ct has a backend's port as its source
  * port and every frontend key its own port, so a packet from another source port skips

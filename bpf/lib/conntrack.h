@@ -76,12 +76,33 @@ static __always_inline int ct_forward_is_usable(const struct kbp_ct_entry *entry
 	return ct_backend_is_current(entry, svc);
 }
 
-/* Note a packet of the flow: time (coarsely, see KBP_CT_TOUCH_NS) and FIN/RST. */
+/* Count a conntrack event (KBP_CT_STAT_*). */
+static __always_inline void ct_count(__u32 what)
+{
+	__u64 *n = map_lookup_ct_stats(&what);
+
+	if (n)
+		*n += 1;
+}
+
+/* A TCP segment other than a SYN that found no forward entry belongs to a flow whose
+ * entries were evicted or expired: counted, so the agent can say so. */
+static __always_inline void ct_note_lost(const struct kbp_tuple *t,
+					 const struct kbp_ct_entry *flow)
+{
+	if (!flow && t->proto == IPPROTO_TCP && !(t->tcp_flags & KBP_TCP_SYN))
+		ct_count(KBP_CT_STAT_LOST);
+}
+
+/* Note a packet of the flow: time (coarsely, see KBP_CT_TOUCH_NS) and FIN/RST. The agent's
+ * collector reads both to decide when the flow has expired. */
 static __always_inline void ct_touch(struct kbp_ct_entry *entry, const struct kbp_tuple *t,
 				     __u64 now, __u8 flags)
 {
 	if (t->tcp_flags & (KBP_TCP_FIN | KBP_TCP_RST))
 		flags |= KBP_CT_F_CLOSING;
+	if (t->tcp_flags & KBP_TCP_RST)
+		flags |= KBP_CT_F_RST;
 	if ((entry->flags & flags) != flags)
 		entry->flags |= flags;
 	if (now - entry->last_seen > KBP_CT_TOUCH_NS)
@@ -137,43 +158,99 @@ static __always_inline void ct_forget_reply_of(const struct kbp_tuple *t,
 	struct kbp_ct_key key = {};
 
 	__ct_reply_key(t, old->addr, old->port, old->flags & KBP_CT_F_HAIRPIN, &key);
-	if (old->flags & KBP_CT_F_SNAT) { /* the backend answered the SNAT address */
+	/* The backend answered the SNAT address, or the client at its remapped port. */
+	if (old->flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
 		__builtin_memcpy(key.daddr, old->nat_addr, sizeof(key.daddr));
 		key.dport = old->nat_port;
 	}
 	map_delete_ct(&key);
 }
 
-/* Record a new flow to `backend`: forward entry (backend to use) and reply entry
- * (frontend to restore). Returns 0, or -1 when the map refused an entry. */
-static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp_service *svc,
-				     __u32 backend_id, const struct kbp_backend *backend,
-				     int hairpin, __u64 now)
-{
-	struct kbp_ct_key key = {};
-	struct kbp_ct_entry entry = {};
-
-	entry.backend_id = backend_id;
-	entry.service_id = svc->service_id;
-	entry.flags = hairpin ? KBP_CT_F_HAIRPIN : 0;
-	if (!hairpin && svc->type != KBP_FE_CLUSTER_IP)
-		entry.flags |= KBP_CT_F_REPLY_AT_CLIENT;
-	entry.last_seen = now;
-
-	__ct_reply_key(t, backend->addr, backend->port, hairpin, &key);
-	__builtin_memcpy(entry.addr, t->daddr, sizeof(entry.addr));
-	entry.port = t->dport;
-	if (map_update_ct(&key, &entry))
-		return -1;
-
-	ct_key_of_packet(t, KBP_CT_FORWARD, &key);
-	__builtin_memcpy(entry.addr, backend->addr, sizeof(entry.addr));
-	entry.port = backend->port;
-	return map_update_ct(&key, &entry) ? -1 : 0;
-}
-
 /* Tries at a free SNAT port before the flow is refused (KBP_DROP_NO_SNAT_PORT). */
 #define KBP_SNAT_TRIES 16
+
+/* Is the reply entry `held`, found under the reply key of a new flow to frontend
+ * t->daddr:t->dport, another flow's? It restores another frontend (the same client port
+ * went to two frontends that share this backend), or it is a remapped flow's, whose
+ * port this one happens to use. Otherwise it is this tuple's earlier flow. */
+static __always_inline int __ct_reply_is_other_flow(const struct kbp_ct_entry *held,
+						    const struct kbp_tuple *t)
+{
+	return (held->flags & KBP_CT_F_SPORT) || held->port != t->dport ||
+	       !lb_addr_equal(held->addr, t->daddr);
+}
+
+/* Claim a free port of the SNAT range for a clashing flow's reply entry (key->dport),
+ * the client's address kept: the first try derived from the flow hash, so the same flow
+ * re-created after its entries were lost tends to get the same port, then random ones.
+ * `entry` is the reply entry, already marked KBP_CT_F_SPORT. 0 on success. */
+static __always_inline int __ct_claim_client_port(const struct kbp_tuple *t,
+						  struct kbp_ct_key *key,
+						  struct kbp_ct_entry *entry)
+{
+	struct kbp_config *cfg = map_lookup_config();
+	__u32 candidate = lb_flow_hash(t);
+	__u32 span;
+
+	if (!cfg || cfg->snat_port_min == 0 || cfg->snat_port_max < cfg->snat_port_min)
+		return -1;
+	span = (__u32)cfg->snat_port_max - cfg->snat_port_min + 1;
+	for (int i = 0; i < KBP_SNAT_TRIES; i++) {
+		key->dport = bpf_htons((__u16)(cfg->snat_port_min + candidate % span));
+		if (map_insert_ct(key, entry) == 0)
+			return 0;
+		candidate = bpf_get_prandom_u32();
+	}
+	return -1;
+}
+
+/* Record a new flow to `backend`: reply entry (frontend to restore) and forward entry
+ * (backend to use). The reply entry is created only where no other flow holds its key:
+ * a live flow of another frontend there (a clash) keeps it, and this flow's source port
+ * is remapped (KBP_CT_F_SPORT); an entry of the same frontend is this tuple's earlier
+ * flow and is replaced. *sport is the source port to send the packet with (network
+ * order). Returns 0, or -1 when the map refused an entry or no port was free. */
+static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp_service *svc,
+				     __u32 backend_id, const struct kbp_backend *backend,
+				     int hairpin, __u64 now, __be16 *sport)
+{
+	struct kbp_ct_key key = {};
+	struct kbp_ct_entry stored = {}, *entry = &stored;
+	struct kbp_ct_entry *held;
+
+	entry->backend_id = backend_id;
+	entry->service_id = svc->service_id;
+	entry->flags = hairpin ? KBP_CT_F_HAIRPIN : 0;
+	if (!hairpin && svc->type != KBP_FE_CLUSTER_IP)
+		entry->flags |= KBP_CT_F_REPLY_AT_CLIENT;
+	entry->last_seen = now;
+	*sport = t->sport;
+
+	__ct_reply_key(t, backend->addr, backend->port, hairpin, &key);
+	__builtin_memcpy(entry->addr, t->daddr, sizeof(entry->addr));
+	entry->port = t->dport;
+	if (map_insert_ct(&key, entry)) {
+		held = map_lookup_ct(&key);
+		if (hairpin || !held || !__ct_reply_is_other_flow(held, t)) {
+			if (map_update_ct(&key, entry))
+				return -1;
+		} else {
+			entry->flags |= KBP_CT_F_SPORT;
+			__builtin_memcpy(entry->nat_addr, t->saddr, sizeof(entry->nat_addr));
+			entry->nat_port = t->sport;
+			if (__ct_claim_client_port(t, &key, entry))
+				return -1;
+			*sport = key.dport;
+			entry->nat_port = key.dport; /* the forward entry's: the port sent with */
+			ct_count(KBP_CT_STAT_REMAPPED);
+		}
+	}
+
+	ct_key_of_packet(t, KBP_CT_FORWARD, &key);
+	__builtin_memcpy(entry->addr, backend->addr, sizeof(entry->addr));
+	entry->port = backend->port;
+	return map_update_ct(&key, entry) ? -1 : 0;
+}
 
 /* Record a new flow from outside to a backend on another node, with its source rewritten
  * to `snat_addr` and a free port of the range. The port is claimed by creating the reply
@@ -188,17 +265,17 @@ static __always_inline int ct_create_snat(const struct kbp_tuple *t, const struc
 					  __u64 now, __be16 *snat_port)
 {
 	struct kbp_ct_key key = {};
-	struct kbp_ct_entry entry = {};
+	struct kbp_ct_entry stored = {}, *entry = &stored;
 	__u32 span = (__u32)port_max - port_min + 1;
 	__u32 candidate = lb_flow_hash(t);
 	int claimed = 0;
 
 	if (port_max < port_min)
 		return -1;
-	entry.backend_id = backend_id;
-	entry.service_id = svc->service_id;
-	entry.flags = KBP_CT_F_SNAT;
-	entry.last_seen = now;
+	entry->backend_id = backend_id;
+	entry->service_id = svc->service_id;
+	entry->flags = KBP_CT_F_SNAT;
+	entry->last_seen = now;
 	/* Reply entry: backend -> snat address; restores frontend (source) and client. */
 	__builtin_memcpy(key.saddr, backend->addr, sizeof(key.saddr));
 	__builtin_memcpy(key.daddr, snat_addr, sizeof(key.daddr));
@@ -206,13 +283,13 @@ static __always_inline int ct_create_snat(const struct kbp_tuple *t, const struc
 	key.proto = t->proto;
 	key.family = t->family;
 	key.dir = KBP_CT_REPLY;
-	__builtin_memcpy(entry.addr, t->daddr, sizeof(entry.addr));
-	entry.port = t->dport;
-	__builtin_memcpy(entry.nat_addr, t->saddr, sizeof(entry.nat_addr));
-	entry.nat_port = t->sport;
+	__builtin_memcpy(entry->addr, t->daddr, sizeof(entry->addr));
+	entry->port = t->dport;
+	__builtin_memcpy(entry->nat_addr, t->saddr, sizeof(entry->nat_addr));
+	entry->nat_port = t->sport;
 	for (int i = 0; i < KBP_SNAT_TRIES; i++) {
 		key.dport = bpf_htons((__u16)(port_min + candidate % span));
-		if (map_insert_ct(&key, &entry) == 0) {
+		if (map_insert_ct(&key, entry) == 0) {
 			claimed = 1;
 			break;
 		}
@@ -225,11 +302,11 @@ static __always_inline int ct_create_snat(const struct kbp_tuple *t, const struc
 	/* The forward entry reuses the key's stack slot (the stack is 512 bytes, and this is
 	 * inlined into the whole external path); the reply key is rebuilt to undo. */
 	ct_key_of_packet(t, KBP_CT_FORWARD, &key);
-	__builtin_memcpy(entry.addr, backend->addr, sizeof(entry.addr));
-	entry.port = backend->port;
-	__builtin_memcpy(entry.nat_addr, snat_addr, sizeof(entry.nat_addr));
-	entry.nat_port = *snat_port;
-	if (map_update_ct(&key, &entry) == 0)
+	__builtin_memcpy(entry->addr, backend->addr, sizeof(entry->addr));
+	entry->port = backend->port;
+	__builtin_memcpy(entry->nat_addr, snat_addr, sizeof(entry->nat_addr));
+	entry->nat_port = *snat_port;
+	if (map_update_ct(&key, entry) == 0)
 		return 0;
 	__builtin_memcpy(key.saddr, backend->addr, sizeof(key.saddr));
 	__builtin_memcpy(key.daddr, snat_addr, sizeof(key.daddr));

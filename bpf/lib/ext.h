@@ -58,7 +58,9 @@ static __always_inline void __ext_target(const struct kbp_tuple *t, const struct
 					 struct kbp_ext_verdict *v)
 {
 	nat_target_of_packet(t, &v->to);
-	if (flow->flags & KBP_CT_F_SNAT) {
+	/* A remapped client port (KBP_CT_F_SPORT) is a SNAT that keeps the client address:
+	 * the forward entry's nat_addr is the client's own. */
+	if (flow->flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
 		nat_target_snat(t, flow, &v->to);
 	} else {
 		__builtin_memcpy(v->to.daddr, flow->addr, sizeof(v->to.daddr));
@@ -107,10 +109,11 @@ static __always_inline int __ext_new_flow(const struct kbp_tuple *t, const struc
 	__builtin_memcpy(v->to.daddr, backend->addr, sizeof(v->to.daddr));
 	v->to.dport = backend->port;
 	if (backend->flags & KBP_BE_F_LOCAL) {
-		if (ct_create(t, svc, backend_id, backend, 0, now)) {
+		if (ct_create(t, svc, backend_id, backend, 0, now, &snat_port)) {
 			v->reason = KBP_DROP_NAT_FAILED;
 			return KBP_EXT_DROP;
 		}
+		v->to.sport = snat_port;
 	} else {
 		snat_addr = ext_snat_addr(cfg, t->family);
 		if (!snat_addr) {
@@ -151,6 +154,7 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 		__ext_target(t, flow, v);
 		return (flow->flags & KBP_CT_F_SNAT) ? KBP_EXT_FORWARD : KBP_EXT_LOCAL;
 	}
+	ct_note_lost(t, flow);
 	return __ext_new_flow(t, svc, cfg, flow, now, v);
 }
 

@@ -212,8 +212,11 @@ static __always_inline void lb_remember_affinity(const struct kbp_tuple *t,
 }
 
 /* Pick a backend for a new flow from a non-empty set (count > 0): affinity, else the
- * Maglev table slot of the flow hash, else a random slot. NULL when the slot or backend
- * is missing, which ordered agent writes rule out (counted KBP_DROP_BACKEND_GONE). */
+ * slot of the flow hash (the set's slots, or its Maglev table), else, only for Services
+ * that ask for it, a random slot. The hash makes the choice repeatable: a TCP segment
+ * whose conntrack entry was evicted or expired reaches the backend it had, as long as
+ * the set is unchanged. NULL when the slot or backend is missing, which ordered agent
+ * writes rule out (counted KBP_DROP_BACKEND_GONE). */
 static __always_inline struct kbp_backend *lb_select_backend(const struct kbp_tuple *t,
 							     const struct kbp_service *svc,
 							     __u32 set_id, __u32 count, __u64 now,
@@ -225,10 +228,10 @@ static __always_inline struct kbp_backend *lb_select_backend(const struct kbp_tu
 	backend = lb_affinity_backend(t, svc, now, backend_id);
 	if (backend)
 		return backend;
-	if (svc->flags & KBP_SVC_F_MAGLEV)
-		index = lb_flow_hash(t) % count;
-	else
+	if (svc->flags & KBP_SVC_F_RANDOM)
 		index = bpf_get_prandom_u32() % count;
+	else
+		index = lb_flow_hash(t) % count;
 	if (__lb_slot_backend(set_id, index, backend_id) < 0)
 		return NULL;
 	return lb_backend_of_service(*backend_id, svc->service_id);

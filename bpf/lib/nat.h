@@ -176,25 +176,29 @@ static __always_inline void nat_target_snat_reply(const struct kbp_ct_entry *rep
 	to->dport = reply->nat_port;
 }
 
-/* Client -> frontend becomes client -> backend. Hairpin (the client is its own
- * backend): the source becomes the frontend address too, source port kept; otherwise
- * the pod would get a packet from itself and answer it locally, unseen by us. */
+/* Client -> frontend becomes client -> backend, from source port `sport` (the client's,
+ * or the one a clash remapped it to). Hairpin (the client is its own backend): the source
+ * becomes the frontend address too, source port kept; otherwise the pod would get a
+ * packet from itself and answer it locally, unseen by us. */
 static __always_inline int nat_dnat(struct __sk_buff *skb, const struct kbp_tuple *t,
-				    const __be32 *backend_addr, __be16 backend_port, int hairpin)
+				    const __be32 *backend_addr, __be16 backend_port, __be16 sport,
+				    int hairpin)
 {
 	struct kbp_nat_target to;
 
 	nat_target_of_packet(t, &to);
 	__builtin_memcpy(to.daddr, backend_addr, sizeof(to.daddr));
 	to.dport = backend_port;
+	to.sport = sport;
 	if (hairpin)
 		__builtin_memcpy(to.saddr, t->daddr, sizeof(to.saddr));
 	return nat_rewrite(skb, t, &to);
 }
 
-/* Backend -> client becomes frontend -> client. For hairpin the reply went to the
- * frontend address (see nat_dnat) and goes back to the pod itself, which is the
- * backend address, the reply's own source. */
+/* Backend -> client becomes frontend -> client, to the client's own port when a clash
+ * had remapped it (KBP_CT_F_SPORT). For hairpin the reply went to the frontend address
+ * (see nat_dnat) and goes back to the pod itself, which is the backend address, the
+ * reply's own source. */
 static __always_inline int nat_reverse_reply(struct __sk_buff *skb, const struct kbp_tuple *t,
 					     const struct kbp_ct_entry *entry)
 {
@@ -203,6 +207,8 @@ static __always_inline int nat_reverse_reply(struct __sk_buff *skb, const struct
 	nat_target_of_packet(t, &to);
 	__builtin_memcpy(to.saddr, entry->addr, sizeof(to.saddr));
 	to.sport = entry->port;
+	if (entry->flags & KBP_CT_F_SPORT)
+		to.dport = entry->nat_port;
 	if (entry->flags & KBP_CT_F_HAIRPIN)
 		__builtin_memcpy(to.daddr, t->saddr, sizeof(to.daddr));
 	return nat_rewrite(skb, t, &to);

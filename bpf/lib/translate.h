@@ -83,7 +83,7 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 	struct kbp_backend *backend;
 	__u32 backend_id = 0, set_id, count;
 	__be32 addr[4];
-	__be16 port;
+	__be16 port, sport = t->sport;
 	int hairpin;
 
 	if (flow && ct_forward_is_usable(flow, svc, t)) {
@@ -91,7 +91,10 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 		__builtin_memcpy(addr, flow->addr, sizeof(addr));
 		port = flow->port;
 		hairpin = flow->flags & KBP_CT_F_HAIRPIN;
+		if (flow->flags & KBP_CT_F_SPORT)
+			sport = flow->nat_port;
 	} else {
+		ct_note_lost(t, flow);
 		if (!lb_source_admitted(t, svc))
 			return drop_service_packet(bytes, service_id, KBP_DROP_SOURCE_RANGE);
 		lb_set_for_pods(svc, &set_id, &count);
@@ -108,14 +111,14 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 		hairpin = lb_addr_equal(t->saddr, backend->addr);
 		/* Without its reply entry the flow's answers would reach the client from the
 		 * backend address, which it would reset; better not to start it. */
-		if (ct_create(t, svc, backend_id, backend, hairpin, now))
+		if (ct_create(t, svc, backend_id, backend, hairpin, now, &sport))
 			return drop_service_packet(bytes, service_id, KBP_DROP_NAT_FAILED);
 		lb_remember_affinity(t, svc, now, backend_id);
 		count_new_flow(service_id);
 		__builtin_memcpy(addr, backend->addr, sizeof(addr));
 		port = backend->port;
 	}
-	if (nat_dnat(skb, t, addr, port, hairpin))
+	if (nat_dnat(skb, t, addr, port, sport, hairpin))
 		return drop_service_packet(bytes, service_id, KBP_DROP_NAT_FAILED);
 	count_service_packet(service_id, bytes);
 	if (hairpin)

@@ -7,6 +7,14 @@ many IP PORT --proto tcp|udp -n N: N exchanges, each on a new socket (so a new f
 stream IP PORT: one TCP connection; prints `backend NAME`, then every --interval sends a
   numbered line, checks its echo and prints `ok SEQ`; on the first failure prints
   `error CLASS DETAIL` and exits 1. SIGTERM closes the connection cleanly and exits 0.
+idle IP PORT -n N: N TCP connections opened and left idle; prints one JSON line
+  {"backends": [name, ...], "ports": [client port, ...]} once all have answered, waits
+  for a line on stdin (the caller does its worst meanwhile), then sends a line on each
+  connection and prints {"echoed": n, "errors": {class: n}, "details": [..]}.
+pair IP1 IP2 PORT -n N: N pairs of TCP connections, both of a pair from one source port
+  (SO_REUSEADDR; from --first-port on, below the ephemeral range) to two addresses at the
+  same time, each then echoing a line; prints
+  {"pairs": n_both_worked, "errors": {...}, "details": [..]}.
 
 Error classes: refused, timeout, reset, unreachable, other.
 """
@@ -144,6 +152,69 @@ def run_stream(args: argparse.Namespace) -> int:
     return 0
 
 
+def _echo(sock: socket.socket, message: bytes) -> None:
+    sock.sendall(message)
+    echoed = read_line(sock)
+    if echoed != message:
+        raise EOFError(f"echo {echoed!r} for {message!r}")
+
+
+def _report(errors: Counter[str], details: list[str], exc: BaseException) -> None:
+    errors[classify(exc)] += 1
+    if len(details) < 5 and describe(exc) not in details:
+        details.append(describe(exc))
+
+
+def run_idle(args: argparse.Namespace) -> int:
+    socks = []
+    names = []
+    for _ in range(args.n):
+        sock = socket.socket(family_of(args.ip), socket.SOCK_STREAM)
+        sock.settimeout(args.timeout)
+        sock.connect((args.ip, args.port))
+        names.append(read_line(sock).decode().strip())
+        socks.append(sock)
+    ports = [sock.getsockname()[1] for sock in socks]
+    print(json.dumps({"backends": names, "ports": ports}), flush=True)
+    sys.stdin.readline()
+    echoed, errors, details = 0, Counter(), []
+    for n, sock in enumerate(socks):
+        try:
+            _echo(sock, f"still there {n}\n".encode())
+            echoed += 1
+        except (OSError, EOFError) as exc:
+            _report(errors, details, exc)
+        sock.close()
+    print(json.dumps({"echoed": echoed, "errors": errors, "details": details}), flush=True)
+    return 0
+
+
+def run_pair(args: argparse.Namespace) -> int:
+    pairs, errors, details = 0, Counter(), []
+    for n in range(args.n):
+        port = args.first_port + n
+        socks = []
+        try:
+            for ip in (args.ip1, args.ip2):
+                sock = new_socket(ip, socket.SOCK_STREAM, args.timeout, None)
+                socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("::" if family_of(ip) == socket.AF_INET6 else "0.0.0.0", port))
+                sock.connect((ip, args.port))
+            for sock in socks:  # both open at once, then both used
+                read_line(sock)
+            for sock in socks:
+                _echo(sock, f"pair {n}\n".encode())
+            pairs += 1
+        except (OSError, EOFError) as exc:
+            _report(errors, details, exc)
+        finally:
+            for sock in socks:
+                sock.close()
+    print(json.dumps({"pairs": pairs, "errors": errors, "details": details}), flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_subparsers(dest="mode", required=True)
@@ -160,7 +231,23 @@ def main() -> int:
     stream.add_argument("port", type=int)
     stream.add_argument("--interval", type=float, default=0.05)
     stream.add_argument("--timeout", type=float, default=2.0)
+    idle = modes.add_parser("idle")
+    idle.add_argument("ip")
+    idle.add_argument("port", type=int)
+    idle.add_argument("-n", type=int, default=1)
+    idle.add_argument("--timeout", type=float, default=5.0)
+    pair = modes.add_parser("pair")
+    pair.add_argument("ip1")
+    pair.add_argument("ip2")
+    pair.add_argument("port", type=int)
+    pair.add_argument("-n", type=int, default=1)
+    pair.add_argument("--first-port", type=int, default=20000)
+    pair.add_argument("--timeout", type=float, default=5.0)
     args = parser.parse_args()
+    if args.mode == "idle":
+        return run_idle(args)
+    if args.mode == "pair":
+        return run_pair(args)
     if args.mode == "many":
         if args.same_socket and args.proto != "udp":
             parser.error("--same-socket is for UDP")

@@ -66,7 +66,10 @@ class Agent(AgentProcess):
     started: list[Agent] = []
 
     def __init__(self, lab: Lab, manifests: Path, pin_dir: Path, dataplane: str = "ebpf") -> None:
-        argv = run_argv(manifests, "node-a", dataplane, "--bpffs", str(pin_dir))
+        # Closed test flows stay in conntrack for inspect to show (the collector would
+        # remove them after the default 10 s).
+        argv = run_argv(manifests, "node-a", dataplane, "--bpffs", str(pin_dir),
+                        "--conntrack-tcp-timeout-time-wait", "5m")  # fmt: skip
         super().__init__(lab.node_ns, argv, "node-a")
         Agent.started.append(self)
 
@@ -111,6 +114,12 @@ def test_run_balances_and_inspect_and_bpftool_show_the_maps(setup) -> None:
         rows = json.loads(cli(lab, "inspect", "conntrack", "-o", "json", "--bpffs",
                               str(pin_dir)).stdout)  # fmt: skip
         assert any(r["destination"] == f"{CLUSTER_IP}:80" for r in rows), rows
+        # closed connections, with the time they have left under inspect's own timeouts
+        closed = [r for r in rows if r["state"] == "time-wait"]
+        assert closed and all(0 <= r["secondsLeft"] <= 10 for r in closed), rows
+        longer = json.loads(cli(lab, "inspect", "conntrack", "-o", "json", "--bpffs", str(pin_dir),
+                                "--conntrack-tcp-timeout-time-wait", "5m").stdout)  # fmt: skip
+        assert all(r["secondsLeft"] > 200 for r in longer if r["state"] == "time-wait"), longer
         counters = json.loads(cli(lab, "inspect", "counters", "-o", "json", "--bpffs",
                                   str(pin_dir)).stdout)  # fmt: skip
         assert any(r.get("newFlows", 0) >= 30 for r in counters), counters

@@ -49,8 +49,11 @@ UDP_SOURCE_PORT = 40123  # fixed, so two clients one after the other are one UDP
 class Env:
     """One lab with its pods and the dataplane under test programming it."""
 
-    def __init__(self, lab: Lab, kind: str, pin_dir: Path) -> None:
+    def __init__(
+        self, lab: Lab, kind: str, pin_dir: Path, sizes: MapSizes | None = None
+    ) -> None:
         self.lab = lab
+        self.sizes = sizes or MapSizes(4096, 65536, 4096, 4096, 1024)
         self.kind = kind
         self.pin_dir = pin_dir  # eBPF only
         self.pods = lab.pods
@@ -64,8 +67,7 @@ class Env:
         """A new dataplane object on this lab: the first one, or a restarted agent's (the
         eBPF one reopens the pinned maps and replaces the programs in place)."""
         if self.kind == "ebpf":
-            sizes = MapSizes(4096, 65536, 4096, 4096, 1024)
-            return EbpfDataplane(self.pin_dir, POD_INTERFACES, sizes, netns=self.lab.node_ns)
+            return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns)
         from agent.dataplane.iptables.dataplane import IptablesDataplane
 
         return IptablesDataplane(POD_INTERFACES, netns=self.lab.node_ns)

@@ -10,6 +10,7 @@ Address plan (nothing here is configured on an interface; frames only):
   client pod       10.244.0.2      fd00:244::2       source port 40000 (+n)
   backends         10.244.1.5-8    fd00:244:1::5-8   port 8080
   ClusterIP        10.96.0.10      fd00:96::10       port 80 (TCP and UDP)
+  second ClusterIP 10.96.0.20      fd00:96::20       port 80, same backend (clashes)
   other addresses  10.244.9.9      fd00:244:9::9     not services
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from agent.dataplane.ebpf import abi, kernel, libbpf
+from agent.dataplane.ebpf import abi, external, kernel, libbpf
 
 from . import packets as P
 
@@ -38,6 +39,7 @@ BACKENDS = {
     6: [f"fd00:244:1::{n}" for n in (5, 6, 7, 8)],
 }
 CLUSTER_IP = {4: "10.96.0.10", 6: "fd00:96::10"}
+CLUSTER_IP_2 = {4: "10.96.0.20", 6: "fd00:96::20"}  # a second Service on the same backend
 OTHER = {4: "10.244.9.9", 6: "fd00:244:9::9"}
 FRONTEND_PORT, BACKEND_PORT, CLIENT_PORT = 80, 8080, 40000
 
@@ -102,9 +104,10 @@ class Datapath:
         count: int,
         flags: int = C.KBP_SVC_F_HAS_ENDPOINTS,
         affinity_timeout: int = 0,
+        frontend: str = "",
     ) -> None:
         key = abi.new("kbp_frontend_key", port=abi.be16(FRONTEND_PORT), proto=proto, family=family)
-        abi.set_addr(key.addr, CLUSTER_IP[family])
+        abi.set_addr(key.addr, frontend or CLUSTER_IP[family])
         value = abi.new(
             "kbp_service",
             service_id=service_id,
@@ -135,6 +138,17 @@ class Datapath:
         self.write_set(set_id, ids)
         self.write_service(service_id, family, proto, set_id, len(ids), flags, affinity_timeout)
         return ids
+
+    def write_config(self, snat_ports: tuple[int, int] = (61000, 65535)) -> None:
+        """kbp_config as the agent writes it at its first apply (the SNAT port range is
+        where clashing client ports are remapped to)."""
+        value = external.config_value(["192.168.0.1"], ["10.244.0.0/16"], 0, snat_ports)
+        self.loaded.map("kbp_config").update(bytes(4), value)
+
+    def ct_stat(self, index: int) -> int:
+        raw = self.loaded.map("kbp_ct_stats").lookup(struct.pack("=I", index))
+        assert raw is not None
+        return sum(struct.unpack(f"={len(raw) // 8}Q", raw))
 
     def write_affinity(self, client: str, service_id: int, backend_id: int, last_used: int) -> None:
         key = abi.new("kbp_affinity_key", service_id=service_id, family=abi.family_of(client))
@@ -691,15 +705,92 @@ def test_maglev_sends_the_same_flow_to_the_same_backend_without_conntrack(datapa
     assert len(chosen) == 1
 
 
-def test_random_selection_spreads_new_flows_over_all_backends(datapath):
-    datapath.service(4, UDP, backends=4)
+def test_random_selection_spreads_one_tuple_over_all_backends_only_when_asked(datapath):
+    # lb-algorithm random: the same tuple, its entries gone each time, lands anywhere.
+    datapath.service(4, UDP, backends=4, flags=C.KBP_SVC_F_HAS_ENDPOINTS | C.KBP_SVC_F_RANDOM)
+    frame = client_frame(4, UDP)
 
-    chosen = {
-        P.parse(datapath.from_pod(client_frame(4, UDP, sport=CLIENT_PORT + n)).data_out).dst
-        for n in range(200)
-    }
+    chosen = set()
+    for _ in range(200):
+        chosen.add(P.parse(datapath.from_pod(frame).data_out).dst)
+        datapath.clear_conntrack()
 
     assert chosen == set(BACKENDS[4])
+
+
+def test_by_default_a_new_flow_takes_the_slot_of_its_flow_hash(datapath):
+    ids = datapath.service(4, TCP, backends=4)
+
+    seen = set()
+    for n in range(64):
+        sport = CLIENT_PORT + n
+        out = P.parse(datapath.from_pod(client_frame(4, TCP, sport=sport)).data_out)
+        slot = flow_hash(CLIENT[4], CLUSTER_IP[4], sport, FRONTEND_PORT, TCP) % len(ids)
+        assert out.dst == BACKENDS[4][slot], f"source port {sport}"
+        seen.add(out.dst)
+    assert seen == set(BACKENDS[4])
+
+
+@pytest.mark.parametrize("family", [4, 6], ids=["IPv4", "IPv6"])
+def test_a_segment_whose_entries_were_lost_reaches_the_same_backend(datapath, family):
+    # Recovery: an established flow's entries deleted by hand (as an eviction would);
+    # its next segment is sent to the backend it had, and both entries are back.
+    datapath.service(family, TCP, backends=4)
+    for n in range(16):
+        sport = CLIENT_PORT + n
+        first = _backend_of(datapath, client_frame(family, TCP, sport=sport))
+        datapath.clear_conntrack()
+
+        ack = client_frame(family, TCP, sport=sport, flags="A", payload=b"still here")
+        assert _backend_of(datapath, ack) == first, f"source port {sport}"
+        reply = backend_reply(family, TCP, first, dport=sport, flags="A")
+        out = P.parse(datapath.to_pod(reply).data_out)
+        assert (out.src, out.sport) == (CLUSTER_IP[family], FRONTEND_PORT)
+
+
+@pytest.mark.parametrize(("family", "proto"), FAMILIES_AND_PROTOCOLS)
+def test_one_client_port_to_two_services_sharing_a_backend_gets_a_remapped_port(
+    datapath, family, proto
+):
+    # Both flows would reach the backend as client:40000 -> backend:8080. The second
+    # keeps the first's reply entry alone and is sent from a port of the SNAT range;
+    # each backend reply gets its own frontend and the client's own port back.
+    datapath.write_config()
+    datapath.service(family, proto)
+    backend = BACKENDS[family][0]
+    datapath.write_set(2, [datapath.add_backend(2, backend)])  # ids are per (service, endpoint)
+    datapath.write_service(2, family, proto, 2, 1, frontend=CLUSTER_IP_2[family])
+
+    first = P.parse(datapath.from_pod(client_frame(family, proto)).data_out)
+    second_frame = client_frame(family, proto, dst=CLUSTER_IP_2[family])
+    second = P.parse(datapath.from_pod(second_frame).data_out)
+
+    assert (first.dst, first.sport) == (backend, CLIENT_PORT)
+    assert second.dst == backend
+    assert 61000 <= second.sport <= 65535
+    assert_checksums_valid(second)
+    assert datapath.ct_stat(C.KBP_CT_STAT_REMAPPED) == 1
+    # later packets of the second flow keep the remapped port
+    again = P.parse(datapath.from_pod(client_frame(family, proto, dst=CLUSTER_IP_2[family],
+                                                   flags="A")).data_out)  # fmt: skip
+    assert again.sport == second.sport
+    for dport, frontend in ((CLIENT_PORT, CLUSTER_IP), (second.sport, CLUSTER_IP_2)):
+        answer = backend_reply(family, proto, backend, dport=dport)
+        reply = P.parse(datapath.to_pod(answer).data_out)
+        assert (reply.src, reply.sport) == (frontend[family], FRONTEND_PORT)
+        assert (reply.dst, reply.dport) == (CLIENT[family], CLIENT_PORT)
+        assert_checksums_valid(reply)
+
+
+def test_a_flow_reusing_its_own_tuple_to_the_same_service_is_not_remapped(datapath):
+    datapath.write_config()
+    datapath.service(4, TCP)
+
+    for _ in range(3):
+        out = P.parse(datapath.from_pod(client_frame(4, TCP)).data_out)
+        assert out.sport == CLIENT_PORT
+
+    assert datapath.ct_stat(C.KBP_CT_STAT_REMAPPED) == 0
 
 
 # Conntrack

@@ -378,6 +378,35 @@ def test_a_local_backends_reply_leaves_ext0_from_the_node_port(node, family):
     assert reply_entry.flags & C.KBP_CT_F_SEEN_REPLY
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_outside_clients_port_used_for_two_frontends_of_one_local_backend_is_remapped(
+    node, family
+):
+    # The NodePort and the LoadBalancer VIP are two Services sharing the local backend:
+    # one client port to both would be one tuple at the pod. The second flow leaves with a
+    # port of the SNAT range, its reply comes back from the VIP to the client's own port.
+    for service_id, fe_type in ((1, C.KBP_FE_NODE_PORT), (2, C.KBP_FE_LOAD_BALANCER)):
+        backend_id = node.add_ext_backend(service_id, LOCAL_BACKEND[family], local=True)
+        node.write_set(service_id, [backend_id])
+        node.write_frontend(fe_type, family, set_id=service_id, count=1, service_id=service_id)
+
+    first = P.parse(node.from_ext(to_node_port(family)).data_out)
+    second = P.parse(node.from_ext(to_vip(family)).data_out)
+
+    assert (first.dst, first.sport) == (LOCAL_BACKEND[family], CLIENT_PORT)
+    assert (second.src, second.dst) == (CLIENT[family], LOCAL_BACKEND[family])
+    assert SNAT_PORTS[0] <= second.sport <= SNAT_PORTS[1]
+    assert_checksums_valid(second)
+    answers = ((CLIENT_PORT, NODE[family], NODE_PORT), (second.sport, LB_VIP[family], LB_PORT))
+    for dport, frontend, frontend_port in answers:
+        reply = frame(LOCAL_BACKEND[family], CLIENT[family], BACKEND_PORT, dport, flags="SA",
+                      eth_src=NODE_MAC, eth_dst=ROUTER_MAC)  # fmt: skip
+        out = P.parse(node.to_ext(reply).data_out)
+        assert (out.src, out.sport) == (frontend, frontend_port)
+        assert (out.dst, out.dport) == (CLIENT[family], CLIENT_PORT)
+        assert_checksums_valid(out)
+
+
 def test_packets_of_the_nodes_own_flows_leave_ext0_untouched(node):
     node.service_to(LOCAL_BACKEND[4], local=True)
     own = frame(NODE[4], CLIENT[4], 50000, 443, eth_src=NODE_MAC, eth_dst=ROUTER_MAC)

@@ -23,7 +23,8 @@ def annotated(value: str | None) -> dict:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        (None, "random"),
+        (None, "hash"),
+        ("hash", "hash"),
         ("maglev", "maglev"),
         (" Maglev ", "maglev"),
         ("random", "random"),
@@ -36,7 +37,7 @@ def test_annotation_selects_the_algorithm(value: str | None, expected: str) -> N
     assert entry.to_dict()["lbAlgorithm"] == expected
 
 
-def test_unknown_algorithm_is_reported_and_random_is_used() -> None:
+def test_unknown_algorithm_is_reported_and_hash_is_used() -> None:
     decoded = decode_object(annotated("round-robin"))
-    assert decoded.value.lb_algorithm == "random"
+    assert decoded.value.lb_algorithm == "hash"
     assert any(ANNOTATION in w and "round-robin" in w for w in decoded.warnings), decoded

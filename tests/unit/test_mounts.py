@@ -88,3 +88,23 @@ def test_a_bpffs_that_cannot_be_mounted_is_one_sentence_saying_what_to_mount(
         "there failed with EPERM (no CAP_SYS_ADMIN?): mount it on the node with "
         "`mount -t bpf bpf /sys/fs/bpf`"
     )
+
+
+def test_no_bpffs_is_mounted_over_a_directory_that_holds_files(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A bpffs over a user's directory would hide what is in it (here: the manifests)."""
+    monkeypatch.setattr(mounts, "mount_bpffs", lambda target: pytest.fail("mounted"))
+    (tmp_path / "web.yaml").write_text("kind: List\n")
+    table = [Mount(Path("/"), "ext4")]
+    with pytest.raises(mounts.BpffsError, match="is not empty, so no bpffs is mounted over it"):
+        ensure_bpffs(tmp_path / "pins", table)
+
+
+def test_an_empty_directory_gets_a_bpffs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    mounted: list[Path] = []
+    monkeypatch.setattr(mounts, "mount_bpffs", mounted.append)
+    parent = tmp_path / "bpf"
+    parent.mkdir()
+    assert ensure_bpffs(parent / "pins", [Mount(Path("/"), "ext4")]) is not None
+    assert mounted == [parent]

@@ -83,6 +83,7 @@ MAP_NAMES = (
     "kbp_sock_rev",
     "kbp_ports",
     "kbp_meta",
+    "kbp_ct_stats",
 )
 
 

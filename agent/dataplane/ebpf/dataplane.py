@@ -43,6 +43,7 @@ from .cgroup import (
     netns_cookie,
     socket_hooks_pinned,
 )
+from .conntrack import Collector, Timeouts
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
@@ -76,12 +77,15 @@ class EbpfDataplane:
         xdp: str = "auto",
         snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
         cgroup: Path | None = None,
+        ct_timeouts: Timeouts | None = None,
+        ct_sweep_interval: float = 0.0,
     ) -> None:
         """`external_interfaces`: globs of the node's external interfaces; empty means
         those that carry the node's NodePort addresses (`nodeport_addresses`, as
         --nodeport-addresses), found at each apply that changes the node. `xdp`: auto
         (native, else generic), native, generic or off. `cgroup`: where the socket hooks
-        serve the node's own processes (None: not attached)."""
+        serve the node's own processes (None: not attached). `ct_sweep_interval`: seconds
+        between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools)."""
         self.pin_dir = Path(pin_dir)
         self.pod_interfaces = tuple(pod_interfaces)
         self._pods = PodInterfaces(self.pod_interfaces)
@@ -117,6 +121,8 @@ class EbpfDataplane:
         self._mark_ports(const.KBP_PORT_F_BACKEND, (b.port for b in content.backends.values()))
         self._mark_ports(const.KBP_PORT_F_FRONTEND, (k.port for k in content.services))
         self._ranges = self._read_ranges()
+        self.conntrack = Collector(self.programs.map("kbp_ct"), self.programs.map("kbp_ct_stats"),
+                                   ct_timeouts or Timeouts(), ct_sweep_interval)  # fmt: skip
         self._config = self.programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
         # The revision an earlier agent's last complete apply left in the maps (None: none,
         # or that apply was cut short): reported as held until this agent applies.
@@ -173,6 +179,7 @@ class EbpfDataplane:
         stale = remove_stale_pins(self.pin_dir)
         if stale:
             log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
+        self.conntrack.start()
 
     # --- Dataplane protocol ------------------------------------------------------------
 
@@ -237,6 +244,7 @@ class EbpfDataplane:
         self.programs.close()
 
     def _stop_watching(self) -> None:
+        self.conntrack.stop()
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -262,6 +270,9 @@ class EbpfDataplane:
             size = self.programs.map(name).info.max_entries
             metrics.map_fill.labels(versioned(name)).set_function(filled(count, size))
         metrics.registry.register(_DropCollector(self.programs.map("kbp_drops")))
+        metrics.registry.register(self.conntrack)
+        if self.conntrack.interval > 0:  # counted by each sweep (a scan of the whole map)
+            metrics.map_fill.labels(versioned("kbp_ct")).set_function(self.conntrack.fill_ratio)
 
     # --- writes --------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from . import codec
 from .abi import DROP_REASONS, addr_bytes, addr_text, const, packer, versioned
+from .conntrack import Timeouts, seconds_left
+from .conntrack import flows_of as conntrack_flows
 from .libbpf import Map
 from .plan import FrontendKey
 
@@ -63,6 +65,8 @@ CT_FLAGS = {
     const.KBP_CT_F_CLOSING: "closing",
     const.KBP_CT_F_REPLY_AT_CLIENT: "reply-at-client",
     const.KBP_CT_F_SNAT: "snat",
+    const.KBP_CT_F_SPORT: "remapped-port",
+    const.KBP_CT_F_RST: "rst",
 }
 # kbp_xdp_stats index → the verdict's name (KBP_XDP_DROP_RANGE → drop-range).
 XDP_VERDICTS = {
@@ -135,12 +139,17 @@ def backends(pin_dir: Path) -> list[Row]:
     ]
 
 
-def conntrack(pin_dir: Path) -> list[Row]:
+def conntrack(pin_dir: Path, timeouts: Timeouts | None = None) -> list[Row]:
+    """Every entry with its flow's state and the time it has left under `timeouts` (the
+    agent's --conntrack-* settings, which inspect takes too)."""
     key_format, entry_format = packer("kbp_ct_key"), packer("kbp_ct_entry")
+    timeouts = timeouts or Timeouts()
     now = time.monotonic_ns()  # bpf_ktime_get_ns() is CLOCK_MONOTONIC
     rows = []
     with _open(pin_dir, "kbp_ct") as table:
-        for k, v in table.items():
+        items = table.items()
+        flow_of = {key: flow for flow in conntrack_flows(items) for key in flow.keys}
+        for k, v in items:
             saddr, daddr, sport, dport, proto, family, direction = key_format.unpack(k)
             (addr, port, flags, backend_id, service_id, hop_ifindex, last_seen, nat_addr,
              nat_port, hop_dmac, _hop_smac, hop_time) = entry_format.unpack(v)  # fmt: skip
@@ -148,7 +157,7 @@ def conntrack(pin_dir: Path) -> list[Row]:
             translation = ("destination → " if forward else "source → ") + _endpoint(
                 addr_text(addr, family), int.from_bytes(port, "big")
             )
-            if flags & const.KBP_CT_F_SNAT:  # and the client's side
+            if flags & (const.KBP_CT_F_SNAT | const.KBP_CT_F_SPORT):  # and the client's side
                 translation += (", source → " if forward else ", destination → ") + _endpoint(
                     addr_text(nat_addr, family), int.from_bytes(nat_port, "big")
                 )
@@ -167,7 +176,10 @@ def conntrack(pin_dir: Path) -> list[Row]:
                     "backendId": backend_id,
                     "serviceId": service_id,
                     "flags": _flags(flags, CT_FLAGS),
+                    "state": flow_of[k].state,
                     "idleSeconds": round(max(0, now - last_seen) / 1e9, 1),
+                    # until the collector removes the flow (both entries together)
+                    "secondsLeft": round(max(0.0, seconds_left(flow_of[k], timeouts, now)), 1),
                     # forwarded flows: the next hop the programs reuse (lib/ext.h
                     # KBP_HOP_CACHE_NS) and how long ago the FIB gave it
                     "nextHop": _next_hop(hop_ifindex, hop_dmac, hop_time, now),

@@ -49,6 +49,7 @@ _IPV6 = const.KBP_FAMILY_IPV6
 _HAS_ENDPOINTS = const.KBP_SVC_F_HAS_ENDPOINTS
 _AFFINITY = const.KBP_SVC_F_AFFINITY
 _MAGLEV = const.KBP_SVC_F_MAGLEV
+_RANDOM = const.KBP_SVC_F_RANDOM
 _SOURCE_RANGES = const.KBP_SVC_F_SOURCE_RANGES
 _LOCAL = const.KBP_BE_F_LOCAL
 _TERMINATING = const.KBP_BE_F_TERMINATING
@@ -577,6 +578,8 @@ class _Builder:
             flags |= _AFFINITY
         if entry.lb_algorithm == "maglev":
             flags |= _MAGLEV
+        elif entry.lb_algorithm == "random":
+            flags |= _RANDOM
         services = self.services
         ranged = source_ranged_keys(entry)
         for key, kind in keys.items():

@@ -1,0 +1,329 @@
+"""Conntrack lifetimes: the agent-side collector that removes expired and closed flows from
+kbp_ct before the LRU has to evict live ones, and the states and timeouts it judges by.
+
+The datapath only records: each entry's last packet time (coarse clock) and flags (a
+reply seen, FIN or RST seen, on the entry of the direction that carried it). A flow is
+its two entries; its state is read from both, its age from the younger one. Every
+`interval` the collector reads the whole map in batches, deletes the flows past their
+state's timeout in one batch, and keeps the counts the metrics report. Why here and not
+in the kernel: see docs/operations.md ("Conntrack").
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .abi import const, layout
+from .libbpf import Map
+
+log = logging.getLogger(__name__)
+
+_FORWARD, _REPLY = const.KBP_CT_FORWARD, const.KBP_CT_REPLY
+_HAIRPIN = const.KBP_CT_F_HAIRPIN
+_SEEN_REPLY = const.KBP_CT_F_SEEN_REPLY
+_CLOSING = const.KBP_CT_F_CLOSING
+_RST = const.KBP_CT_F_RST
+_SOURCE_REWRITTEN = const.KBP_CT_F_SNAT | const.KBP_CT_F_SPORT
+
+PROTOCOLS = {6: "TCP", 17: "UDP", 132: "SCTP"}
+
+# Flow states, as `inspect conntrack` and kbp_conntrack_entries{state} name them.
+TCP_SYN = "syn-sent"  # TCP: no reply yet
+TCP_ESTABLISHED = "established"  # TCP: a reply seen, no FIN/RST
+TCP_CLOSE_WAIT = "close-wait"  # TCP: FIN seen in one direction (half closed)
+TCP_TIME_WAIT = "time-wait"  # TCP: FIN seen both ways, or a RST
+UDP_UNREPLIED = "unreplied"  # UDP: one way so far
+UDP_ASSURED = "assured"  # UDP: a reply seen
+STATES = (TCP_SYN, TCP_ESTABLISHED, TCP_CLOSE_WAIT, TCP_TIME_WAIT, UDP_UNREPLIED, UDP_ASSURED)
+
+
+def _field(struct_name: str, name: str) -> slice:
+    """Where a field of an ABI struct sits in its bytes (from cffi's layout of the header)."""
+    offset, size = next((o, n) for f, o, n in layout(struct_name) if f == name)
+    return slice(offset, offset + size)
+
+
+# Fields of struct kbp_ct_key / kbp_ct_entry the collector reads.
+_K_SADDR, _K_DADDR = _field("kbp_ct_key", "saddr"), _field("kbp_ct_key", "daddr")
+_K_SPORT = _field("kbp_ct_key", "sport")
+_K_PROTO_FAMILY = slice(_field("kbp_ct_key", "proto").start, _field("kbp_ct_key", "family").stop)
+_KEY_PROTO, _KEY_DIR = _field("kbp_ct_key", "proto").start, _field("kbp_ct_key", "dir").start
+_E_ADDR, _E_PORT = _field("kbp_ct_entry", "addr"), _field("kbp_ct_entry", "port")
+_E_NAT_ADDR, _E_NAT_PORT = _field("kbp_ct_entry", "nat_addr"), _field("kbp_ct_entry", "nat_port")
+_ENTRY_FLAGS = _field("kbp_ct_entry", "flags").start
+_ENTRY_LAST_SEEN = _field("kbp_ct_entry", "last_seen").start
+_LAST_SEEN = struct.Struct("=Q")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds a flow may stay idle in each state (the --conntrack-* settings)."""
+
+    tcp_syn: float = 120.0
+    tcp_established: float = 86400.0
+    tcp_close_wait: float = 3600.0
+    tcp_time_wait: float = 10.0
+    udp: float = 30.0
+    udp_stream: float = 120.0
+
+    def of(self, state: str) -> float:
+        return {
+            TCP_SYN: self.tcp_syn,
+            TCP_ESTABLISHED: self.tcp_established,
+            TCP_CLOSE_WAIT: self.tcp_close_wait,
+            TCP_TIME_WAIT: self.tcp_time_wait,
+            UDP_UNREPLIED: self.udp,
+            UDP_ASSURED: self.udp_stream,
+        }[state]
+
+
+def flow_state(proto: int, forward_flags: int, reply_flags: int) -> str:
+    """The state of a flow from the flags of its two entries (0 for a missing one).
+    SCTP is judged like TCP without its closing handshake (the datapath reads no SCTP
+    chunk types): established once a reply was seen."""
+    flags = forward_flags | reply_flags
+    if proto == 17:
+        return UDP_ASSURED if flags & _SEEN_REPLY else UDP_UNREPLIED
+    if flags & _RST or (forward_flags & _CLOSING and reply_flags & _CLOSING):
+        return TCP_TIME_WAIT
+    if flags & _CLOSING:
+        return TCP_CLOSE_WAIT
+    return TCP_ESTABLISHED if flags & _SEEN_REPLY else TCP_SYN
+
+
+def reply_key_of(key: bytes, entry: bytes) -> bytes:
+    """The reply entry's key of a forward entry (lib/conntrack.h __ct_reply_key): the
+    backend answering the client, the frontend (hairpin), or the rewritten source (SNAT,
+    remapped port)."""
+    flags = entry[_ENTRY_FLAGS]
+    if flags & _SOURCE_REWRITTEN:
+        daddr, dport = entry[_E_NAT_ADDR], entry[_E_NAT_PORT]
+    elif flags & _HAIRPIN:
+        daddr, dport = key[_K_DADDR], key[_K_SPORT]
+    else:
+        daddr, dport = key[_K_SADDR], key[_K_SPORT]
+    return (entry[_E_ADDR] + daddr + entry[_E_PORT] + dport + key[_K_PROTO_FAMILY]
+            + bytes((_REPLY, 0)))  # fmt: skip
+
+
+@dataclass
+class Flow:
+    """One flow as the collector saw it: its entries' keys and what they say."""
+
+    keys: list[bytes]
+    proto: int
+    state: str
+    last_seen: int  # ns, CLOCK_MONOTONIC
+
+
+def flows_of(items: Iterable[tuple[bytes, bytes]]) -> list[Flow]:
+    """Pair every forward entry with its reply entry; an entry whose partner is gone (the
+    LRU took it) is a flow of its own."""
+    by_key = dict(items)
+    flows = []
+    paired: set[bytes] = set()
+    for key, entry in by_key.items():
+        if key[_KEY_DIR] != _FORWARD:
+            continue
+        reply_key = reply_key_of(key, entry)
+        reply = by_key.get(reply_key)
+        last = _LAST_SEEN.unpack_from(entry, _ENTRY_LAST_SEEN)[0]
+        proto = key[_KEY_PROTO]
+        if reply is None:
+            state = flow_state(proto, entry[_ENTRY_FLAGS], 0)
+            flows.append(Flow([key], proto, state, last))
+            continue
+        paired.add(reply_key)
+        last = max(last, _LAST_SEEN.unpack_from(reply, _ENTRY_LAST_SEEN)[0])
+        state = flow_state(proto, entry[_ENTRY_FLAGS], reply[_ENTRY_FLAGS])
+        flows.append(Flow([key, reply_key], proto, state, last))
+    for key, entry in by_key.items():
+        if key[_KEY_DIR] == _REPLY and key not in paired:
+            proto = key[_KEY_PROTO]
+            last = _LAST_SEEN.unpack_from(entry, _ENTRY_LAST_SEEN)[0]
+            flows.append(Flow([key], proto, flow_state(proto, 0, entry[_ENTRY_FLAGS]), last))
+    return flows
+
+
+def seconds_left(flow: Flow, timeouts: Timeouts, now: int) -> float:
+    """Time until the flow expires (negative: expired)."""
+    idle = max(0, now - flow.last_seen) / 1e9
+    return timeouts.of(flow.state) - idle
+
+
+@dataclass
+class SweepReport:
+    """What one pass found and did."""
+
+    entries: int  # entries in the map when read
+    collected: int  # entries deleted (expired flows)
+    by_state: Counter[tuple[str, str]] = field(default_factory=Counter)  # (proto, state)
+    seconds: float = 0.0  # wall time of the pass
+    cpu_seconds: float = 0.0  # CPU time of the sweeping thread
+
+
+def sweep(table: Map, timeouts: Timeouts, now: int | None = None) -> SweepReport:
+    """Read kbp_ct, delete the flows past their timeout, count the rest by state. A flow
+    is read again just before its deletion, so one a packet refreshed meanwhile stays."""
+    started, cpu_started = time.perf_counter(), time.thread_time()
+    items = table.items()
+    now = time.monotonic_ns() if now is None else now
+    report = SweepReport(entries=len(items), collected=0)
+    expired: list[bytes] = []
+    for flow in flows_of(items):
+        if seconds_left(flow, timeouts, now) >= 0 or not _still_expired(table, flow):
+            for _ in flow.keys:
+                report.by_state[(PROTOCOLS.get(flow.proto, str(flow.proto)), flow.state)] += 1
+            continue
+        expired.extend(flow.keys)
+    if expired:
+        table.delete_batch(b"".join(expired), len(expired))
+    report.collected = len(expired)
+    report.seconds = time.perf_counter() - started
+    report.cpu_seconds = time.thread_time() - cpu_started
+    return report
+
+
+def _still_expired(table: Map, flow: Flow) -> bool:
+    """Re-read an expired flow's entries: a packet may have refreshed one since the dump."""
+    for key in flow.keys:
+        value = table.lookup(key)
+        if value is not None and _LAST_SEEN.unpack_from(value, _ENTRY_LAST_SEEN)[0] > (
+            flow.last_seen
+        ):
+            return False
+    return True
+
+
+# Fill ratio after a sweep above which the LRU is taken to be evicting (it starts before
+# the map is full: each CPU keeps a share of the free elements).
+FULL = 0.9
+
+
+class Collector:
+    """The periodic sweep of kbp_ct in a thread, its figures for /metrics, and the warning
+    when established flows lost their entries (LRU evictions)."""
+
+    def __init__(
+        self, table: Map, stats: Map, timeouts: Timeouts, interval: float,
+        capacity: int | None = None,
+    ) -> None:  # fmt: skip
+        self.table = table
+        self.stats = stats
+        self.timeouts = timeouts
+        self.interval = interval
+        self.capacity = capacity or table.info.max_entries
+        self.last: SweepReport | None = None
+        self.collected_total = 0
+        self._lost_seen = self.lost_total()
+        self._full_warned = 0.0  # time.monotonic() of the last "nearly full" warning
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None and self.interval > 0:
+            self._thread = threading.Thread(target=self._run, name="kbp-ct-collector",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.run_once()
+            except OSError:
+                log.exception("ebpf: conntrack sweep failed; trying again in %.0f s",
+                              self.interval)  # fmt: skip
+
+    def run_once(self, now: int | None = None) -> SweepReport:
+        with self._lock:
+            report = sweep(self.table, self.timeouts, now)
+            self.last = report
+            self.collected_total += report.collected
+        log.debug("ebpf: conntrack sweep: %d entries, %d collected in %.3f s", report.entries,
+                  report.collected, report.seconds)  # fmt: skip
+        lost = self.lost_total()
+        if lost > self._lost_seen:
+            log.warning(
+                "ebpf: %d TCP segment(s) of established flows found no conntrack entry since "
+                "the last sweep: the LRU evicted live flows (kbp_ct held %d of %d entries "
+                "after collecting %d), or they outlived their timeout. The flow hash sent "
+                "them to the backend they had; raise --map-size-ct if this repeats.",
+                lost - self._lost_seen, report.entries - report.collected, self.capacity,
+                report.collected,
+            )  # fmt: skip
+        self._lost_seen = lost
+        held = report.entries - report.collected
+        if held >= FULL * self.capacity and time.monotonic() - self._full_warned > 60:
+            self._full_warned = time.monotonic()
+            log.warning(
+                "ebpf: kbp_ct holds %d of %d entries after collecting %d: the LRU is making "
+                "room by evicting the least recently used flows (idle TCP connections find "
+                "their backend again by the flow hash; idle UDP flows may move if their "
+                "Service's backends change). Raise --map-size-ct.",
+                held, self.capacity, report.collected,
+            )  # fmt: skip
+        return report
+
+    def _stat(self, index: int) -> int:
+        raw = self.stats.lookup(struct.pack("=I", index))
+        return sum(struct.unpack(f"={len(raw) // 8}Q", raw)) if raw else 0
+
+    def lost_total(self) -> int:
+        return self._stat(const.KBP_CT_STAT_LOST)
+
+    def remapped_total(self) -> int:
+        return self._stat(const.KBP_CT_STAT_REMAPPED)
+
+    def fill_ratio(self) -> float:
+        """Entries held after the last sweep / capacity (0 before the first)."""
+        last = self.last
+        return 0.0 if last is None else (last.entries - last.collected) / self.capacity
+
+    # prometheus_client custom collector
+
+    def describe(self) -> list:
+        return self.collect()
+
+    def collect(self) -> list:
+        entries = GaugeMetricFamily(
+            "kbp_conntrack_entries",
+            "eBPF conntrack entries by protocol and flow state at the last sweep (two per "
+            "flow while both directions are held).",
+            labels=["protocol", "state"],
+        )
+        last = self.last
+        if last is not None:
+            for (proto, state), n in sorted(last.by_state.items()):
+                entries.add_metric([proto, state], n)
+        collected = CounterMetricFamily(
+            "kbp_conntrack_collected", "eBPF conntrack entries removed by the collector "
+            "because their flow had expired or closed.", value=self.collected_total,
+        )  # fmt: skip
+        try:
+            lost, remapped = self.lost_total(), self.remapped_total()
+        except OSError:
+            lost = remapped = 0
+        lost_family = CounterMetricFamily(
+            "kbp_conntrack_lost", "TCP segments of flows whose conntrack entries had been "
+            "evicted or expired (sent to their backend again by the flow hash).", value=lost,
+        )  # fmt: skip
+        remapped_family = CounterMetricFamily(
+            "kbp_conntrack_remapped", "New flows whose source port was remapped because "
+            "another frontend's flow held their tuple at the backend.", value=remapped,
+        )  # fmt: skip
+        return [entries, collected, lost_family, remapped_family]

@@ -1,0 +1,162 @@
+"""Conntrack under pressure, on both dataplanes, with real sockets: idle connections that
+outlive a conntrack map far too small for the traffic around them, one client port used
+for two Services that share their only backend, and a flow whose entries were deleted.
+
+Address plan (tests/kernel/lab.py, as tests/kernel/test_dataplane.py): one node namespace
+with pods client1 10.244.1.1, be1 10.244.1.2, be2 10.244.1.3, be3 10.244.1.4, every
+backend serving TCP on 8080 (the greeting is its pod name, then it echoes lines).
+Services get fresh ClusterIPs 10.96.0.x on port 80. The eBPF dataplane's conntrack map
+holds 2048 entries (1024 flows); the iptables dataplane uses the kernel's conntrack.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from agent.dataplane.ebpf.plan import MapSizes
+
+from .lab import PODCLIENT, Lab, in_netns, read_line, stop_process
+from .test_dataplane import DATAPLANES, Env, backends, not_on, service
+
+pytestmark = pytest.mark.kernel
+
+PORT = 8080
+BACKENDS = ("be1", "be2", "be3")
+CT_ENTRIES = 2048
+
+
+@pytest.fixture(scope="module", params=DATAPLANES)
+def env(request: pytest.FixtureRequest) -> Iterator[Env]:
+    from ..conftest import BPFFS, kernel_required, missing_kernel_prerequisites
+
+    if missing_kernel_prerequisites():
+        pytest.skip("kernel prerequisites missing")  # the per-test hook reports why
+    kind: str = request.param
+    with Lab() as lab:
+        lab.add_pod("client1")
+        for name in BACKENDS:
+            lab.add_pod(name).serve([PORT], protos=("tcp",))
+        if kind == "iptables":
+            from agent.dataplane.iptables.dataplane import unavailable_reason
+
+            if (reason := unavailable_reason(lab.node_ns)) is not None:
+                if kernel_required():
+                    pytest.fail(f"iptables dataplane unavailable: {reason}", pytrace=False)
+                pytest.skip(f"iptables dataplane unavailable: {reason}")
+        sizes = MapSizes(4096, 65536, 4096, CT_ENTRIES, 1024)
+        made = Env(lab, kind, BPFFS / f"kbp-test-ct-{time.monotonic_ns()}", sizes)
+        try:
+            made.dataplane = made.start_dataplane()
+            yield made
+        finally:
+            left = made.remove_dataplane()
+        assert left == [], f"{kind} cleanup left behind: {left}"
+
+
+class IdleClient:
+    """podclient.py idle: n connections that answered once and then sit idle until
+    resume() has each send a line."""
+
+    def __init__(self, env: Env, ip: str, n: int) -> None:
+        client = [sys.executable, str(PODCLIENT), "idle", ip, "80", "-n", str(n)]
+        argv = in_netns(env.pod("client1").ns, client)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            line = read_line(self.proc, timeout=30)
+            opened = json.loads(line)
+            self.backends: list[str] = opened["backends"]
+            self.ports: list[int] = opened["ports"]
+        except Exception:
+            stop_process(self.proc)
+            raise
+
+    def resume(self) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return json.loads(read_line(self.proc, timeout=60))
+
+    def close(self) -> None:
+        stop_process(self.proc)
+
+
+def held_flows(env: Env, ports: list[int]) -> int:
+    """How many of the flows from these client ports still have their forward entry."""
+    table = env.dataplane.programs.map("kbp_ct")  # type: ignore[union-attr]
+    stored = table.keys()
+    forward = [key for key in stored if key[38] == 0]
+    return sum(int.from_bytes(key[32:34], "big") in ports for key in forward)
+
+
+def test_idle_connections_survive_thousands_of_short_ones(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    # 20 idle connections, then 3,000 short ones through a 2048-entry map: every idle
+    # connection's entries are evicted on eBPF, and its next segment must still reach
+    # its backend (the flow hash picks it again); iptables keeps them in its conntrack.
+    # On eBPF the next sweep says that live flows lost their entries, and the fill ratio
+    # it reports is what the map holds.
+    objects, ip4, _ = service(env, "idle", backends(env, *BACKENDS))
+    env.program(*objects)
+    idle = IdleClient(env, ip4, 20)
+    try:
+        assert set(idle.backends) <= set(BACKENDS)
+        short = env.pod("client1").connect_many(ip4, 80, "tcp", 3000, timeout=5.0)
+        assert short.errors == {}, short.details
+        assert short.answered == 3000
+        evicted_kept = held_flows(env, idle.ports) if env.kind == "ebpf" else 0
+        after = idle.resume()
+    finally:
+        idle.close()
+    assert after["echoed"] == 20, after
+    if env.kind == "ebpf":
+        collector = env.dataplane.conntrack  # type: ignore[union-attr]
+        with caplog.at_level(logging.WARNING, logger="agent.dataplane.ebpf.conntrack"):
+            report = collector.run_once()
+        # every idle flow whose entries were gone sent a segment that found none
+        lost = collector.lost_total()
+        assert lost >= 20 - evicted_kept, (lost, evicted_kept)
+        warned = any("evicted live flows" in r.getMessage() for r in caplog.records)
+        assert warned == (lost > 0)
+        held = len(collector.table.keys())
+        assert collector.fill_ratio() == pytest.approx(held / CT_ENTRIES, abs=0.01)
+        assert 0 < report.entries <= CT_ENTRIES
+
+
+def test_one_client_port_for_two_services_sharing_their_only_backend(env: Env) -> None:
+    # Linux hands one ephemeral port to connections with different destinations; both
+    # Services translate to be1:8080, so without a remapped port the two flows would be
+    # one tuple at the backend.
+    first, ip_a, _ = service(env, "pair-a", backends(env, "be1"))
+    second, ip_b, _ = service(env, "pair-b", backends(env, "be1"))
+    env.program(*first, *second)
+    out = env.pod("client1").run(sys.executable, str(PODCLIENT), "pair", ip_a, ip_b, "80",
+                                 "-n", "20", timeout=120)  # fmt: skip
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["pairs"] == 20, report
+
+
+@not_on("iptables", "deletes eBPF conntrack entries by hand (kbp_ct)")
+def test_a_connection_whose_entries_were_deleted_keeps_its_backend(env: Env) -> None:
+    objects, ip4, _ = service(env, "recover", backends(env, *BACKENDS))
+    env.program(*objects)
+    idle = IdleClient(env, ip4, 12)
+    try:
+        assert len(set(idle.backends)) > 1, idle.backends  # spread, so moving would show
+        table = env.dataplane.programs.map("kbp_ct")  # type: ignore[union-attr]
+        stored = table.keys()
+        for key in stored:
+            table.delete(key)
+        assert table.keys() == []
+        after = idle.resume()
+    finally:
+        idle.close()
+    assert after["echoed"] == 12, after
