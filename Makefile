@@ -2,6 +2,7 @@
 #
 #   make setup   Debian packages (deps/debian.txt), kernel headers for bcc, .venv
 #   make test    ruff check, then pytest (PYTEST_ARGS='-k foo' passes arguments through)
+#   make fuzz    the hostile-input fuzz tests at length (FUZZ_EXAMPLES=5000 each, minutes)
 #   make lab     the network-namespace lab: examples/ on three namespace nodes, real requests
 #   make clean   remove .venv and caches (never system packages)
 
@@ -16,10 +17,11 @@ DEBIAN_DEPS := deps/debian.txt
 HASH        := \#
 DEBS        := $(shell sed -e 's/$(HASH).*//' $(DEBIAN_DEPS))
 PYTEST_ARGS ?=
+FUZZ_EXAMPLES ?= 5000
 
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: setup debian-packages kernel-headers test lab clean
+.PHONY: setup debian-packages kernel-headers test fuzz lab clean
 
 setup: debian-packages kernel-headers $(STAMP)
 
@@ -49,6 +51,10 @@ $(STAMP): pyproject.toml | debian-packages
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# `make test` runs the same tests bounded to a few seconds (60 examples each).
+fuzz: setup
+	KBP_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PYTHON) -m pytest tests/unit/test_fuzz_input.py $(PYTEST_ARGS)
 
 lab: setup
 	$(VENV)/bin/kube-bpf-proxy lab

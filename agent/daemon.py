@@ -16,7 +16,7 @@ from .api.serving import raise_open_files_limit
 from .config import Settings
 from .dataplane.select import DataplaneStartError, select_dataplane
 from .metrics import Metrics
-from .sources.watch import ManifestSource
+from .sources.watch import ManifestPathError, ManifestSource
 from .sync.loop import SyncLoop
 from .sync.store import StateStore
 
@@ -127,7 +127,10 @@ class Agent:
 
     def _manifest_source(self) -> ManifestSource:
         """The file source: the files' full state now, and again when they change."""
-        return ManifestSource(self.settings.manifests, self.store)
+        try:
+            return ManifestSource(self.settings.manifests, self.store)
+        except ManifestPathError as err:
+            raise StartupError(str(err)) from err
 
     def _kubernetes_source(self) -> Source:
         from .k8s import ConfigError, KubernetesSource, load_config  # the only kubernetes user

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -223,9 +223,10 @@ def serve_kmock(workload: Workload) -> int:
 class KmockProcess:
     """The `--serve-kmock` child: start, talk to, measure and stop it."""
 
-    def __init__(self, workload: Workload, log: IO[str]) -> None:
+    def __init__(self, workload: Workload, log: IO[str], prefix: Sequence[str] = ()) -> None:
+        """`prefix`: what the command runs under (e.g. nsenter into a namespace)."""
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve-kmock", *workload_args(workload)],
+            [*prefix, sys.executable, __file__, "--serve-kmock", *workload_args(workload)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,

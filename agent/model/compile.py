@@ -177,6 +177,15 @@ class Compiler:
         self._context = ctx
         if nodes:  # other nodes' labels only matter to Services with topology keys
             services |= self._topology_keyed
+        try:
+            return self._update(state, services, ctx)
+        except BaseException:
+            # The change log is consumed and the entries may be half spliced: the next
+            # call compiles everything again, so no change of this batch is lost.
+            self._state = None
+            raise
+
+    def _update(self, state: ClusterState, services: set[ServiceKey], ctx: _Context) -> NodeState:
         slices = state.slices_by_service
         for key in services:
             service = state.services.get(key)

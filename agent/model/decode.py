@@ -9,6 +9,7 @@ endpoints serve which traffic — are left to the compiler.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any
 
 from . import conventions as c
 from .ip import IPV4, IPV6, parse_cidr, parse_ip
+from .quote import name as printable
+from .quote import one_line, quote
 from .types import NO_HINTS, Endpoint, EndpointSlice, Node, Service, ServicePort, SlicePort
 
 Value = Service | EndpointSlice | Node
@@ -52,21 +55,32 @@ class Decoded:
 
 def object_ref(kind: str, namespace: str | None, name: str | None) -> str:
     """How reports name an object: `Kind namespace/name`, `Kind name` without namespace."""
+    shown = printable(name) if name else "<unnamed>"
     if namespace is None:
-        return f"{kind} {name or '<unnamed>'}"
-    return f"{kind} {namespace}/{name or '<unnamed>'}"
+        return f"{printable(kind)} {shown}"
+    return f"{printable(kind)} {printable(namespace)}/{shown}"
 
 
 def decode_object(obj: object) -> Decoded:
-    """Decode any supported object; never raises for bad input."""
+    """Decode any supported object; never raises, whatever the input.
+
+    Every message is one line of bounded length (see agent/model/quote.py)."""
     if not isinstance(obj, Mapping):
         return Decoded("<unknown>", None, None, error=f"expected an object, got {_type(obj)}")
     kind = obj.get("kind")
     api_version = obj.get("apiVersion")
     meta = obj.get("metadata")
     namespace, name = _ref(meta)
-    if not isinstance(kind, str) or not kind:
+    if kind is None or kind == "":
         return Decoded("<unknown>", namespace, name, error="kind is missing")
+    if not isinstance(kind, str):
+        error = f"kind: expected a string, got {_type(kind)} {quote(kind)}"
+        return Decoded("<unknown>", namespace, name, error=error)
+    if not isinstance(api_version, str | None):
+        if kind not in _KINDS:
+            return Decoded(kind, namespace, name, skipped="apiVersion is not a string")
+        error = f"apiVersion: expected a string, got {_type(api_version)} {quote(api_version)}"
+        return Decoded(kind, namespace, name, error=error)
     decoder = _DECODERS.get((api_version, kind))
     if decoder is None and api_version is None and kind in _KINDS:
         return Decoded(kind, namespace, name, error="apiVersion is missing")
@@ -78,10 +92,17 @@ def decode_object(obj: object) -> Decoded:
     try:
         value = decoder(obj, warnings)
     except Invalid as err:
-        return Decoded(kind, namespace, name, error=str(err), warnings=tuple(warnings))
+        return Decoded(kind, namespace, name, error=one_line(str(err)), warnings=_lines(warnings))
+    except Exception as err:  # a decoder bug must cost one object, not the whole input
+        error = f"cannot be decoded ({type(err).__name__}: {err}; a bug, please report it)"
+        return Decoded(kind, namespace, name, error=one_line(error), warnings=_lines(warnings))
     if isinstance(value, str):
-        return Decoded(kind, namespace, name, skipped=value, warnings=tuple(warnings))
-    return Decoded(kind, namespace, name, value=value, warnings=tuple(warnings))
+        return Decoded(kind, namespace, name, skipped=value, warnings=_lines(warnings))
+    return Decoded(kind, namespace, name, value=value, warnings=_lines(warnings))
+
+
+def _lines(warnings: list[str]) -> tuple[str, ...]:
+    return tuple(one_line(w) for w in warnings)
 
 
 def _ref(meta: object) -> tuple[str | None, str | None]:
@@ -100,6 +121,17 @@ def _ref(meta: object) -> tuple[str | None, str | None]:
 
 def _type(value: object) -> str:
     return "null" if value is None else type(value).__name__
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(value: str, path: str) -> str:
+    """A string that can be written out: no lone surrogate (JSON's "\\udc80" gives one),
+    which no encoder accepts and which would fail every later hash and output."""
+    if not value.isascii() and _SURROGATE.search(value):
+        raise Invalid(f"{path}: {quote(value)} is not valid Unicode text (a lone surrogate)")
+    return value
 
 
 def _map(obj: Mapping[str, Any], key: str, path: str, required: bool = False) -> Mapping[str, Any]:
@@ -127,8 +159,8 @@ def _str(obj: Mapping[str, Any], key: str, path: str, default: str | None = None
     if value is None:
         return default
     if not isinstance(value, str):
-        raise Invalid(f"{path}: expected a string, got {_type(value)} {value!r}")
-    return value
+        raise Invalid(f"{path}: expected a string, got {_type(value)} {quote(value)}")
+    return _text(value, path)
 
 
 def _int(obj: Mapping[str, Any], key: str, path: str, low: int, high: int, default: int) -> int:
@@ -136,9 +168,9 @@ def _int(obj: Mapping[str, Any], key: str, path: str, low: int, high: int, defau
     if value is None:
         return default
     if not isinstance(value, int) or isinstance(value, bool):
-        raise Invalid(f"{path}: expected an integer, got {_type(value)} {value!r}")
+        raise Invalid(f"{path}: expected an integer, got {_type(value)} {quote(value)}")
     if not low <= value <= high:
-        raise Invalid(f"{path}: {value} is out of range {low}..{high}")
+        raise Invalid(f"{path}: {quote(value)} is out of range {low}..{high}")
     return value
 
 
@@ -146,14 +178,14 @@ def _bool(obj: Mapping[str, Any], key: str, path: str) -> bool | None:
     value = obj.get(key)
     if value is None or isinstance(value, bool):
         return value
-    raise Invalid(f"{path}: expected true, false or null, got {_type(value)} {value!r}")
+    raise Invalid(f"{path}: expected true, false or null, got {_type(value)} {quote(value)}")
 
 
 def _enum(value: str | None, allowed: tuple[str, ...], path: str, default: str) -> str:
     if not value:
         return default
     if value not in allowed:
-        raise Invalid(f"{path}: {value!r} is not one of {', '.join(allowed)}")
+        raise Invalid(f"{path}: {quote(value)} is not one of {', '.join(allowed)}")
     return value
 
 
@@ -166,7 +198,10 @@ def _string_map(obj: Mapping[str, Any], key: str, path: str) -> Mapping[str, str
     value = _map(obj, key, path)
     for k, v in value.items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise Invalid(f"{path}: {k!r}: keys and values must be strings, got {_type(v)}")
+            raise Invalid(f"{path}: {quote(k)}: keys and values must be strings, got {_type(v)}")
+        if not (k.isascii() and v.isascii()):
+            _text(k, path)
+            _text(v, f"{path}[{quote(k)}]")
     return value
 
 
@@ -210,7 +245,7 @@ def decode_service(obj: Mapping[str, Any], warnings: list[str]) -> Service:
         # thousands of headless per-replica Services must cost next to nothing.
         return Service(namespace, name, svc_type, (), proxy_name=proxy_name)
 
-    ports = _service_ports(spec)
+    ports = _service_ports(spec, warnings)
     external_ips = tuple(
         dict.fromkeys(
             _ip(ip, f"spec.externalIPs[{i}]")[1]
@@ -297,7 +332,7 @@ def _cluster_ips(spec: Mapping[str, Any]) -> tuple[str, ...]:
         return (_ip(cluster_ip, "spec.clusterIP")[1],)
     if listed[0] in ("None", ""):
         if len(listed) > 1:
-            raise Invalid(f"spec.clusterIPs: {listed[0]!r} must be the only entry")
+            raise Invalid(f"spec.clusterIPs: {quote(listed[0])} must be the only entry")
         ips: list[str] = []
     else:
         families: set[str] = set()
@@ -318,17 +353,22 @@ def _cluster_ips(spec: Mapping[str, Any]) -> tuple[str, ...]:
         )
         if not same:
             raise Invalid(
-                f"spec.clusterIP: {cluster_ip!r} differs from spec.clusterIPs[0] {listed[0]!r}"
+                f"spec.clusterIP: {quote(cluster_ip)} differs from spec.clusterIPs[0] "
+                f"{quote(listed[0])}"
             )
     return tuple(ips)
 
 
-def _service_ports(spec: Mapping[str, Any]) -> tuple[ServicePort, ...]:
+def _service_ports(spec: Mapping[str, Any], warnings: list[str]) -> tuple[ServicePort, ...]:
+    """The ports; of two with the same port (or nodePort) and protocol, which the API
+    server rejects, the first keeps it and the later one is reported and left out, so
+    no two entries ever claim one frontend."""
     raw = _list(spec, "ports", "spec.ports")
     if not raw:
         raise Invalid("spec.ports: a Service with a cluster IP needs at least one port")
     ports: list[ServicePort] = []
     names: set[str] = set()
+    used: dict[tuple[str, str, int], int] = {}  # ("port" | "nodePort", protocol, n) → index
     for i, item in enumerate(raw):
         path = f"spec.ports[{i}]"
         if not isinstance(item, Mapping):
@@ -339,11 +379,27 @@ def _service_ports(spec: Mapping[str, Any]) -> tuple[ServicePort, ...]:
         protocol = _protocol(item, path)
         name = _str(item, "name", f"{path}.name", "") or ""
         if name in names:
-            raise Invalid(f"{path}.name: duplicate port name {name!r}")
+            raise Invalid(f"{path}.name: duplicate port name {quote(name)}")
         if not name and len(raw) > 1:
             raise Invalid(f"{path}.name: required when a Service has more than one port")
         names.add(name)
         node_port = _int(item, "nodePort", f"{path}.nodePort", 0, 65535, 0)
+        first = used.setdefault(("port", protocol, port), i)
+        if first != i:
+            warnings.append(
+                f"{path}: port {port}/{protocol} is also spec.ports[{first}]'s (the API server "
+                f"rejects this); spec.ports[{first}] keeps it and this port is ignored"
+            )
+            continue
+        if node_port:
+            first = used.setdefault(("nodePort", protocol, node_port), i)
+            if first != i:
+                warnings.append(
+                    f"{path}.nodePort: {node_port}/{protocol} is also spec.ports[{first}]'s (the "
+                    f"API server rejects this); spec.ports[{first}] keeps it and this port gets "
+                    "no NodePort"
+                )
+                node_port = 0
         ports.append(ServicePort(_intern(name), protocol, port, node_port))
     return tuple(ports)
 
@@ -381,7 +437,7 @@ def _topology_keys(annotations: Mapping[str, str], warnings: list[str]) -> tuple
         problem = f"{c.TOPOLOGY_KEY_ANY!r} may only be the last key"
     if problem:
         warnings.append(
-            f"annotation {c.ANNOTATION_TOPOLOGY_KEYS}={raw!r} {problem}; "
+            f"annotation {c.ANNOTATION_TOPOLOGY_KEYS}={quote(raw)} {problem}; "
             "ignored (no topology-keys preference)"
         )
         return ()
@@ -396,7 +452,7 @@ def _lb_algorithm(annotations: Mapping[str, str], warnings: list[str]) -> str:
     if value in c.LB_ALGORITHMS:
         return value
     warnings.append(
-        f"annotation {c.ANNOTATION_LB_ALGORITHM}={raw!r} is not one of "
+        f"annotation {c.ANNOTATION_LB_ALGORITHM}={quote(raw)} is not one of "
         f"{', '.join(c.LB_ALGORITHMS)}; using {c.LB_HASH}"
     )
     return c.LB_HASH
@@ -409,7 +465,7 @@ def _multi_cluster(annotations: Mapping[str, str], warnings: list[str]) -> str:
             if ours.strip().lower() == policy.lower():
                 return policy
         warnings.append(
-            f"annotation {c.ANNOTATION_MULTI_CLUSTER}={ours!r} is not "
+            f"annotation {c.ANNOTATION_MULTI_CLUSTER}={quote(ours)} is not "
             f"{c.LOCAL_FIRST} or {c.REMOTE_AND_LOCAL}; using {c.REMOTE_AND_LOCAL}"
         )
         return c.REMOTE_AND_LOCAL
@@ -420,7 +476,7 @@ def _multi_cluster(annotations: Mapping[str, str], warnings: list[str]) -> str:
             return c.LOCAL_FIRST
         if value not in ("", "none"):
             warnings.append(
-                f"annotation {c.ANNOTATION_CILIUM_AFFINITY}={cilium!r} is not supported "
+                f"annotation {c.ANNOTATION_CILIUM_AFFINITY}={quote(cilium)} is not supported "
                 f"(only 'local' and 'none'); using {c.REMOTE_AND_LOCAL}"
             )
     return c.REMOTE_AND_LOCAL
@@ -441,14 +497,14 @@ def decode_endpoint_slice(obj: Mapping[str, Any], warnings: list[str]) -> Endpoi
     if address_type == "FQDN":
         return "FQDN slices are not proxied"
     if address_type not in (IPV4, IPV6):
-        raise Invalid(f"addressType: {address_type!r} is not one of IPv4, IPv6, FQDN")
+        raise Invalid(f"addressType: {quote(address_type)} is not one of IPv4, IPv6, FQDN")
     annotations = _string_map(meta, "annotations", "metadata.annotations")
     return EndpointSlice(
         namespace=_intern(namespace),
         name=name,
         service_name=_intern(service_name),
         family=address_type,
-        ports=_slice_ports(obj),
+        ports=_slice_ports(obj, warnings),
         endpoints=_endpoints(obj, address_type),
         provision_cluster=annotations.get(c.ANNOTATION_KARMADA_PROVISION_CLUSTER),
         source_cluster=labels.get(c.LABEL_MCS_SOURCE_CLUSTER),
@@ -463,12 +519,16 @@ def _timestamp(text: str | None) -> float | None:
         return None
     try:
         return datetime.fromisoformat(text).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError, OSError):  # e.g. year 1 in a far-west zone
         return None
 
 
-def _slice_ports(obj: Mapping[str, Any]) -> tuple[SlicePort, ...]:
+def _slice_ports(obj: Mapping[str, Any], warnings: list[str]) -> tuple[SlicePort, ...]:
+    """The named ports. A name given twice (the API server rejects it) is kept twice, as
+    kube-proxy keeps it: it gathers a port name's endpoints over every entry of that
+    name, so each endpoint serves the Service port on both target ports."""
     ports: list[SlicePort] = []
+    seen: dict[tuple[str, str], int] = {}
     for i, item in enumerate(_list(obj, "ports", "ports")):
         path = f"ports[{i}]"
         if not isinstance(item, Mapping):
@@ -479,6 +539,12 @@ def _slice_ports(obj: Mapping[str, Any]) -> tuple[SlicePort, ...]:
         # kube-proxy ignores ports without a name key and "all ports" (nil or 0) entries.
         if name is None or port == 0:
             continue
+        first = seen.setdefault((name, protocol), i)
+        if first != i:
+            warnings.append(
+                f"{path}.name: {quote(name)}/{protocol} is also ports[{first}]'s name (the API "
+                "server rejects this); as kube-proxy, both target ports serve that port name"
+            )
         ports.append(SlicePort(_intern(name), protocol, port))
     return tuple(ports)
 
@@ -535,7 +601,7 @@ def _hint_names(hints: Mapping[str, Any], key: str, path: str) -> frozenset[str]
         name = hint.get("name") if isinstance(hint, Mapping) else None
         if not isinstance(name, str) or not name:
             raise Invalid(f"{path}[{j}].name: expected a non-empty string")
-        names.append(_intern(name))
+        names.append(_intern(_text(name, f"{path}[{j}].name")))
     return frozenset(names) if names else NO_HINTS
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+from .quote import quote
+
 IPV4 = "IPv4"
 IPV6 = "IPv6"
 FAMILIES = (IPV4, IPV6)
@@ -23,7 +25,7 @@ def parse_ip(text: object, family: str | None = None) -> tuple[str, str]:
     With `family`, an address of the other family is an error.
     """
     if not isinstance(text, str):
-        raise ValueError(f"{text!r} is not an IP address (expected a string)")
+        raise ValueError(f"{quote(text)} is not an IP address (expected a string)")
     for fam in (family,) if family else FAMILIES:
         af = _AF[fam]
         try:
@@ -31,11 +33,11 @@ def parse_ip(text: object, family: str | None = None) -> tuple[str, str]:
         except (OSError, ValueError):
             continue
         if fam == IPV6 and canonical.startswith("::ffff:") and "." in canonical:
-            raise ValueError(f"{text!r} is an IPv4-mapped IPv6 address; use the IPv4 form")
+            raise ValueError(f"{quote(text)} is an IPv4-mapped IPv6 address; use the IPv4 form")
         return fam, canonical
     if family:
-        raise ValueError(f"{text!r} is not a valid {family} address")
-    raise ValueError(f"{text!r} is not a valid IP address")
+        raise ValueError(f"{quote(text)} is not a valid {family} address")
+    raise ValueError(f"{quote(text)} is not a valid IP address")
 
 
 def ip_family(canonical: str) -> str:
@@ -54,18 +56,18 @@ def parse_cidr(text: object) -> tuple[str, str]:
     """Return (family, normalised CIDR) for a CIDR; surrounding space is trimmed and
     host bits are cleared ("10.1.2.3/8" → "10.0.0.0/8"), as kube-proxy does."""
     if not isinstance(text, str):
-        raise ValueError(f"{text!r} is not a CIDR (expected a string)")
+        raise ValueError(f"{quote(text)} is not a CIDR (expected a string)")
     stripped = text.strip()
     if "/" not in stripped:
-        raise ValueError(f"{text!r} is not a CIDR (no prefix length)")
+        raise ValueError(f"{quote(text)} is not a CIDR (no prefix length)")
     address, _, prefix = stripped.partition("/")
     family, _ = parse_ip(address)
     if not prefix.isdigit():
-        raise ValueError(f"{text!r} has an invalid prefix length")
+        raise ValueError(f"{quote(text)} has an invalid prefix length")
     try:
         network = ipaddress.ip_network(stripped, strict=False)
     except ValueError as err:
-        raise ValueError(f"{text!r} is not a valid CIDR: {err}") from None
+        raise ValueError(f"{quote(text)} is not a valid CIDR: {err}") from None
     return family, str(network)
 
 

@@ -7,19 +7,23 @@ with its file, kind and namespace/name, then skipped; the rest still loads.
 
 from __future__ import annotations
 
+import codecs
+import errno
 import json
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ..gcpause import gc_paused
-from ..model.decode import decode_object
+from ..model.decode import Value, decode_object
+from ..model.quote import LINE_CHARS, one_line
 from ..model.types import ClusterState, EndpointSlice, Node, Service
 
 log = logging.getLogger(__name__)
@@ -42,50 +46,156 @@ class Report:
     error: bool = True
 
     def __str__(self) -> str:
+        """One line of bounded length, whatever the input quoted."""
         subject = f"{self.where}: {self.ref}" if self.ref else self.where
         outcome = "; skipped" if self.error and self.ref else ""
-        return f"{subject}: {self.message}{outcome}"
+        return one_line(f"{subject}: {one_line(self.message, LINE_CHARS // 2)}{outcome}")
 
 
 def manifest_files(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
-    """The files named, and the manifest files under the directories named, in order."""
+    """The paths named that are not directories, and the manifest entries under the
+    directories named (searched recursively, each in sorted order).
+
+    Under a directory every entry with a manifest suffix that is not itself a directory
+    is listed, whatever it is (a FIFO, a dangling symlink, a symlink loop), so that
+    reading it can say what is wrong with it; a symlinked directory is searched once
+    (a loop of directory links is not followed round)."""
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            files.extend(
-                sorted(p for p in path.rglob("*") if p.suffix in MANIFEST_SUFFIXES and p.is_file())
-            )
+            files.extend(_manifests_under(path))
         else:
             files.append(path)
     return files
 
 
-def read_objects(path: Path, reports: list[Report]) -> Iterator[tuple[str, Any]]:
+def _manifests_under(root: Path) -> list[Path]:
+    found: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+    pending = [root]
+    while pending:
+        directory = pending.pop()
+        try:
+            stat = os.stat(directory)
+            if (stat.st_dev, stat.st_ino) in seen:
+                continue
+            seen.add((stat.st_dev, stat.st_ino))
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()  # follows a symlink
+            except OSError:
+                is_dir = False
+            if is_dir:
+                pending.append(Path(entry.path))
+            elif os.path.splitext(entry.name)[1] in MANIFEST_SUFFIXES:
+                found.append(Path(entry.path))
+    return sorted(found)
+
+
+def unreadable(path: Path) -> str | None:
+    """Why `path` cannot be read as a manifest file, or None when it is a regular file
+    (never opened here: opening a FIFO would block)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        if os.path.islink(path):
+            if err.errno == errno.ELOOP:
+                return "cannot read: a symlink loop"
+            return f"cannot read: a dangling symlink (to {os.readlink(path)})"
+        if err.errno == errno.ENOENT:
+            return "no such file or directory"
+        return f"cannot read: {err.strerror or err}"
+    if stat.S_ISREG(mode):
+        return None
+    what = (
+        "a directory" if stat.S_ISDIR(mode)
+        else "a FIFO" if stat.S_ISFIFO(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a device"
+    )  # fmt: skip
+    return f"cannot read: is {what}, not a regular file"
+
+
+UTF8_CHUNK = 1 << 22  # bytes checked (or decoded) at a time
+
+
+def _utf8(data: bytes, want_text: bool) -> str:
+    """`data` decoded as UTF-8 (a leading byte-order mark dropped), or only checked when
+    the text is not wanted; UnicodeDecodeError when it is not UTF-8. Done in 4 MiB
+    steps, since each step holds the GIL: one step for a 200 MB file stalled every other
+    thread (the health server's) for 0.4 s on a busy machine."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    view = memoryview(data)
+    parts = []
+    for start in range(0, len(data), UTF8_CHUNK):
+        part = decoder.decode(view[start : start + UTF8_CHUNK], start + UTF8_CHUNK >= len(data))
+        if want_text:
+            parts.append(part)
+    return "".join(parts)
+
+
+class _Count:
+    """How many documents (YAML) or values (JSON) a file held."""
+
+    documents = 0
+
+
+def read_objects(
+    path: Path, reports: list[Report], count: _Count | None = None
+) -> Iterator[tuple[str, Any]]:
     """(where, object) for every object of a file, lists flattened; problems reading the
     file become reports (objects before a syntax error are kept)."""
+    count = count if count is not None else _Count()
+    problem = unreadable(path)
+    if problem is not None:
+        reports.append(Report(str(path), "", problem))
+        return
+    is_json = path.suffix == ".json"
     try:
-        text = path.read_text(encoding="utf-8-sig")  # tolerate a byte-order mark
+        data = path.read_bytes()
+        text = _utf8(data, want_text=is_json)
     except (OSError, UnicodeDecodeError) as err:
         reports.append(Report(str(path), "", f"cannot read: {err}"))
         return
-    if path.suffix == ".json":
+    if not data.strip():
+        return
+    if is_json:
+        count.documents = 1
         try:
             yield from _json_objects(text, str(path))
-        except (json.JSONDecodeError, _Syntax) as err:
-            reports.append(Report(str(path), "", f"invalid JSON: {err}; rest of file skipped"))
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, _Syntax, huge ints
+            reports.append(
+                Report(str(path), "", f"invalid JSON: {_why(err)}; rest of file skipped")
+            )
         return
     index = 0
     try:
-        for index, document in enumerate(yaml.load_all(text, Loader=YamlLoader), start=1):
+        # libyaml reads the bytes as they are (and skips a byte-order mark): handing it a
+        # str made it encode the whole file again, holding the GIL.
+        for index, document in enumerate(yaml.load_all(data, Loader=YamlLoader), start=1):
             if document is not None:
+                count.documents += 1
                 yield from iter_objects(document, f"{path} (document {index})")
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, ValueError, RecursionError) as err:  # ValueError: huge ints, dates
         reports.append(
             Report(
-                str(path), "", f"invalid YAML after document {index}: {err}; rest of file skipped"
+                str(path),
+                "",
+                f"invalid YAML after document {index}: {_why(err)}; rest of file skipped",
             )
         )
+
+
+def _why(err: BaseException) -> str:
+    """A parser's complaint on one line (YAML's span several)."""
+    text = str(err)
+    if not isinstance(err, yaml.YAMLError | json.JSONDecodeError | _Syntax):
+        text = f"{type(err).__name__}: {text}"
+    return one_line(text, LINE_CHARS // 2)
 
 
 def iter_objects(document: Any, where: str) -> Iterator[tuple[str, Any]]:
@@ -187,6 +297,84 @@ def _expect_end(text: str, pos: int) -> None:
         raise _Syntax(f"extra data at character {pos}")
 
 
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One decoded object of a file."""
+
+    where: str  # the file, and the document or item within it
+    ref: str  # "Kind namespace/name", as reports name it
+    value: Value
+
+
+@dataclass(slots=True)
+class FileLoad:
+    """What one file held: its decoded objects in order, and what was wrong."""
+
+    path: Path
+    entries: list[Entry] = field(default_factory=list)
+    reports: list[Report] = field(default_factory=list)
+    documents: int = 0  # non-empty YAML documents (or JSON values) found
+    broken: set[str] = field(default_factory=set)  # refs of named objects that failed
+    unnamed: list[Report] = field(default_factory=list)  # errors naming no object
+
+    @property
+    def problem(self) -> Report | None:
+        """Why the file could not be read as a whole (then `entries` are those before)."""
+        return next((r for r in self.reports if r.error and not r.ref), None)
+
+    @property
+    def empty(self) -> bool:
+        """Read, and holding no document at all (only space or comments)."""
+        return self.documents == 0 and self.problem is None
+
+
+def load_file(path: Path) -> FileLoad:
+    """Read and decode one file; never raises for bad input."""
+    load = FileLoad(path)
+    count = _Count()
+    with gc_paused():
+        for where, obj in read_objects(path, load.reports, count):
+            decoded = decode_object(obj)
+            for warning in decoded.warnings:
+                load.reports.append(Report(where, decoded.ref, warning, error=False))
+            if decoded.error is not None:
+                report = Report(where, decoded.ref, decoded.error)
+                load.reports.append(report)
+                if decoded.name is None or decoded.kind == "<unknown>":
+                    load.unnamed.append(report)
+                else:
+                    load.broken.add(decoded.ref)
+            elif decoded.skipped is not None:
+                log.debug("%s: %s: %s; ignored", where, decoded.ref, decoded.skipped)
+            elif decoded.value is not None:
+                load.entries.append(Entry(where, decoded.ref, decoded.value))
+    load.documents = count.documents
+    return load
+
+
+def merge(files: Iterable[Iterable[Entry]], state: ClusterState) -> list[Report]:
+    """Put the entries into `state` in order (a later definition of an object wins) and
+    return a warning for each object defined more than once."""
+    reports: list[Report] = []
+    seen: dict[tuple[str, str | None, str], str] = {}
+    with gc_paused():
+        for entries in files:
+            for entry in entries:
+                value = entry.value
+                identity = (type(value).__name__, *key_of(value))
+                if identity in seen:
+                    message = f"also defined at {seen[identity]}; this later definition wins"
+                    reports.append(Report(entry.where, entry.ref, message, error=False))
+                seen[identity] = entry.where
+                if isinstance(value, Service):
+                    state.set_service(value)
+                elif isinstance(value, EndpointSlice):
+                    state.set_slice(value)
+                else:
+                    state.set_node(value)
+    return reports
+
+
 def load_manifests(
     paths: Iterable[str | os.PathLike[str]], state: ClusterState | None = None
 ) -> tuple[ClusterState, list[Report]]:
@@ -197,42 +385,15 @@ def load_manifests(
     files = manifest_files(paths)
     if not files:
         reports.append(Report(", ".join(map(str, paths)), "", "no manifest files found"))
-    seen: dict[tuple[str, str | None, str], str] = {}
-    with gc_paused():
-        for path in files:
-            if not path.exists():
-                reports.append(Report(str(path), "", "no such file or directory"))
-                continue
-            for where, obj in read_objects(path, reports):
-                _load_object(state, obj, where, reports, seen)
+    loads = [load_file(path) for path in files]
+    for load in loads:
+        reports.extend(load.reports)
+    reports.extend(merge((load.entries for load in loads), state))
     return state, reports
 
 
-def _load_object(
-    state: ClusterState,
-    obj: Any,
-    where: str,
-    reports: list[Report],
-    seen: dict[tuple[str, str | None, str], str],
-) -> None:
-    decoded = decode_object(obj)
-    for warning in decoded.warnings:
-        reports.append(Report(where, decoded.ref, warning, error=False))
-    if decoded.error is not None:
-        reports.append(Report(where, decoded.ref, decoded.error))
-        return
-    if decoded.skipped is not None:
-        log.debug("%s: %s: %s; ignored", where, decoded.ref, decoded.skipped)
-        return
-    identity = (decoded.kind, decoded.namespace, decoded.name or "")
-    if identity in seen:
-        message = f"also defined at {seen[identity]}; this later definition wins"
-        reports.append(Report(where, decoded.ref, message, error=False))
-    seen[identity] = where
-    value = decoded.value
-    if isinstance(value, Service):
-        state.set_service(value)
-    elif isinstance(value, EndpointSlice):
-        state.set_slice(value)
-    elif isinstance(value, Node):
-        state.set_node(value)
+def key_of(value: Value) -> tuple[str, str]:
+    """(namespace, name); "" namespace for a Node."""
+    if isinstance(value, Node):
+        return ("", value.name)
+    return (value.namespace, value.name)

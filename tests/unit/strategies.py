@@ -223,15 +223,22 @@ def services(draw: st.DrawFn, local_first: bool = False) -> Obj:
         st.sampled_from((("",), ("http",), ("dns",), ("http", "dns"), ("http", "metrics")))
     )
     ports = []
-    for port_name in port_names:
-        port: Obj = {"port": draw(st.sampled_from((80, 53, 443)))}
+    # Distinct ports and nodePorts: the API server rejects two with the same number and
+    # protocol (the decoder keeps the first of such a pair, see test_bad_input.py).
+    count = len(port_names)
+    numbers = draw(
+        st.lists(st.sampled_from((80, 53, 443)), min_size=count, max_size=count, unique=True)
+    )
+    node_ports = draw(
+        st.lists(st.sampled_from((30080, 30053)), min_size=count, max_size=count, unique=True)
+    )
+    for port_name, number, node_port in zip(port_names, numbers, node_ports, strict=True):
+        port: Obj = {"port": number}
         if port_name:
             port["name"] = port_name
         _maybe(draw, port, "protocol", ("TCP", "TCP", "UDP"))
-        if kind in ("NodePort", "LoadBalancer"):
-            node_port = draw(st.sampled_from((30080, 30053, 0)))
-            if node_port:
-                port["nodePort"] = node_port
+        if kind in ("NodePort", "LoadBalancer") and draw(st.sampled_from((True, True, False))):
+            port["nodePort"] = node_port
         port["targetPort"] = 8080
         ports.append(port)
     spec["ports"] = ports

@@ -21,6 +21,7 @@ import yaml
 
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState, ServiceEntry
+from agent.model.quote import LINE_CHARS
 from agent.model.types import ClusterState
 from agent.sources.manifests import Report, load_manifests
 
@@ -360,6 +361,61 @@ BAD: list[Bad] = [
         "a YAML document with broken indentation ends the file after the documents before it",
         "truncated.yaml", "", "", "invalid YAML after document 2",
     ),
+    # --- input that raised tracebacks (issue 21) -------------------------------------------
+    Bad(
+        "apiVersion written as a list is reported, not a TypeError",
+        "api-version.yaml", svc("bad-api-version-list"), "apiVersion",
+        "expected a string, got list ['v1']",
+    ),
+    Bad(
+        "apiVersion written as a map is reported",
+        "api-version.yaml", svc("bad-api-version-map"), "apiVersion", "expected a string, got dict",
+    ),
+    Bad(
+        "kind written as a list is reported",
+        "api-version.yaml", f"<unknown> {NS}/bad-kind-list", "kind",
+        "expected a string, got list ['Service']",
+    ),
+    Bad(
+        "JSON nested 3000 levels deep is invalid JSON, not a RecursionError",
+        "deep-nesting.json", "", "", "invalid JSON: RecursionError",
+    ),
+    Bad(
+        "YAML nested past libyaml's limit is reported on one line",
+        "deep-nesting.yaml", "", "", "exceeded maximum nesting depth; in",
+    ),
+    Bad(
+        "a value nested 900 levels deep in a quoted field is cut in the message",
+        "deep-field.json", svc("bad-deep-field"), "spec.type", "expected a string, got list [[[",
+    ),
+    Bad(
+        "a lone surrogate in a name is reported naming the object, escaped",
+        "surrogates.json", svc("bad-surrogate-name-\\udc80"), "metadata.name",
+        "is not valid Unicode text (a lone surrogate)",
+    ),
+    Bad(
+        "a lone surrogate in a label value is reported at the label",
+        "surrogates.json", svc("bad-surrogate-label"), "metadata.labels['team']",
+        "'caf\\udce9' is not valid Unicode text",
+    ),
+    Bad(
+        "a lone surrogate in a port name is reported at the port",
+        "surrogates.json", svc("bad-surrogate-port-name"), "spec.ports[0].name",
+        "is not valid Unicode text",
+    ),
+    Bad(
+        "a megabyte value is quoted cut to a few dozen characters",
+        "huge-values.yaml", svc("bad-huge-type"), "spec.type", "'xxxxxxxx",
+    ),
+    Bad(
+        "a value running over several lines is quoted on one line",
+        "huge-values.yaml", svc("bad-multiline-type"), "spec.type",
+        "'Cluster\\nIP\\n\\nand more' is not one of",
+    ),
+    Bad(
+        "an integer of 5000 digits stops the YAML file, with no traceback",
+        "huge-integer.yaml", "", "", "ValueError: Exceeds the limit (4300 digits)",
+    ),
 ]  # fmt: skip
 
 OBJECTS = [b for b in BAD if b.ref]  # malformed objects, as opposed to unreadable files
@@ -369,7 +425,8 @@ GOOD_SERVICES = [
     "good-affinity", "good-frontend", "good-backend", "good-from-list", "good-from-service-list",
     "good-before-broken-yaml", "good-topology-rack", "warn-topology-any-not-last",
     "warn-topology-repeated-key", "warn-topology-empty-key", "good-multi-cluster-local-first",
-    "warn-multi-cluster-unknown",
+    "warn-multi-cluster-unknown", "warn-duplicate-port", "warn-duplicate-node-port",
+    "warn-duplicate-slice-port-name",
 ]  # fmt: skip
 GOOD_SLICES = [
     "good-web-abcde", "good-dual-v4", "good-dual-v6", "good-metrics-fghij", "good-api-xyz12",
@@ -424,6 +481,17 @@ def test_each_malformed_object_is_reported_once_naming_file_object_field_and_pro
     if bad.ref:
         assert bad.ref in text
         assert text.endswith("; skipped")
+
+
+def test_every_report_is_one_printable_line_of_bounded_length(
+    corpus: tuple[ClusterState, list[Report]],
+) -> None:
+    _, reports = corpus
+    for report in reports:
+        text = str(report)
+        assert text.isprintable(), text[:200]
+        assert len(text) <= LINE_CHARS + 40, f"{len(text)} characters: {text[:200]}"
+        text.encode("utf-8")  # no lone surrogate reaches a log or a terminal
 
 
 def test_no_error_is_reported_that_the_table_does_not_expect(
@@ -658,6 +726,62 @@ def test_invalid_agent_annotations_warn_and_the_service_compiles_with_the_fallba
     assert describe(entry)[1] == case.backends
 
 
+# --- duplicates the API server rejects: a warning saying what is done ---------------------
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    id: str
+    ref: str
+    field: str  # the warning starts with "<field>: "
+    says: str  # what is done: a substring of the warning
+    entries: list[str]  # the Service's entries then: "port-name frontends -> backends"
+
+
+DUPLICATES = [
+    Duplicate(
+        "a second Service port with the same port and protocol is left out; the first keeps it",
+        svc("warn-duplicate-port"), "spec.ports[1]",
+        "port 80/TCP is also spec.ports[0]'s (the API server rejects this); spec.ports[0] keeps "
+        "it and this port is ignored",
+        ["http ClusterIP 10.96.1.40:80 ->", "metrics ClusterIP 10.96.1.40:9100 ->"],
+    ),
+    Duplicate(
+        "a nodePort used twice stays with the first port; the second gets none",
+        svc("warn-duplicate-node-port"), "spec.ports[1].nodePort",
+        "30090/TCP is also spec.ports[0]'s (the API server rejects this); spec.ports[0] keeps "
+        "it and this port gets no NodePort",
+        ["alt ClusterIP 10.96.1.41:8080 ->",
+         "http ClusterIP 10.96.1.41:80,NodePort 192.0.2.10:30090 ->"],
+    ),
+    Duplicate(
+        "a slice port name given twice serves the Service port on both target ports, as kube-proxy",
+        eps("warn-duplicate-slice-port-name-1"), "ports[1].name",
+        "'http'/TCP is also ports[0]'s name (the API server rejects this); as kube-proxy, both "
+        "target ports serve that port name",
+        ["http ClusterIP 10.96.1.42:80 -> 10.244.2.42:8080,10.244.2.42:8081"],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DUPLICATES, ids=[d.id for d in DUPLICATES])
+def test_duplicates_get_one_warning_saying_what_is_done(
+    case: Duplicate, corpus: tuple[ClusterState, list[Report]], node_state: NodeState
+) -> None:
+    _, reports = corpus
+    mine = [r for r in reports if r.ref == case.ref]
+    assert len(mine) == 1, listing(mine)
+    assert not mine[0].error
+    assert mine[0].message == f"{case.field}: {case.says}"
+    service = case.ref.split("/")[1].removesuffix("-1")
+    entries = sorted(
+        f"{e.port} {','.join(describe(e)[0])} -> {','.join(describe(e)[1])}".strip()
+        for e in node_state.services
+        if (e.namespace, e.name) == (NS, service)
+    )
+    assert entries == case.entries
+
+
 # --- the CLI -----------------------------------------------------------------------------
 
 
@@ -709,7 +833,7 @@ def test_the_cli_reports_every_problem_on_stderr_once(
     )
     assert len([line for line in lines if line.startswith("warning: ")]) == len(
         [f for f in FALLBACKS if f.warning]
-    )
+    ) + len(DUPLICATES)
 
 
 def test_strict_cli_exits_1_when_anything_was_reported() -> None:

@@ -3,6 +3,10 @@ the result always equals a full compile."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
+
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import Value, decode_object
 from agent.model.nodestate import NodeState, ServiceEntry
@@ -177,3 +181,35 @@ def test_the_compilers_backend_count_follows_every_change() -> None:
     assert second.counted_backends == recount == 2
     state.delete_service("default", "svc")
     assert compiler.update(state).counted_backends == 0
+
+
+def test_an_update_that_raises_loses_no_other_change_of_its_batch(monkeypatch) -> None:
+    """A Service that cannot be compiled (a lone surrogate once made the digest raise)
+    must not cost the other changes of the same batch: the next update compiles all."""
+    compile_module = sys.modules[Compiler.__module__]
+    state = two_services()
+    compiler = Compiler("node-a", CompileOptions())
+    compiler.update(state)
+    state.set_slice(
+        decoded(make_slice(name="b-1", service="b",
+                           endpoints=[make_endpoint("10.244.2.6", "node-b")]))
+    )  # fmt: skip
+    state.set_slice(
+        decoded(make_slice(name="a-1", service="a",
+                           endpoints=[make_endpoint("10.244.1.6", "node-a")]))
+    )  # fmt: skip
+    real = compile_module.compile_service
+
+    def failing(service, slices, ctx):
+        if service.name == "a":
+            raise UnicodeEncodeError("utf-8", "\udc80", 0, 1, "surrogates not allowed")
+        return real(service, slices, ctx)
+
+    monkeypatch.setattr(compile_module, "compile_service", failing)
+    with pytest.raises(UnicodeEncodeError):
+        compiler.update(state)
+    monkeypatch.setattr(compile_module, "compile_service", real)
+    after = compiler.update(state)  # no change recorded since: yet both arrive
+    assert after.revision == compile(state, "node-a").revision
+    assert [b.ip for b in entry_of(after, "b").cluster_backends or ()] == ["10.244.2.6"]
+    assert [b.ip for b in entry_of(after, "a").cluster_backends or ()] == ["10.244.1.6"]

@@ -158,6 +158,21 @@ def test_a_busy_port_is_a_clear_startup_error() -> None:
     assert f"--metrics-bind-address 127.0.0.1:{port}" in result.stderr
 
 
+def test_a_missing_manifests_path_is_a_one_line_startup_error(tmp_path: Path) -> None:
+    missing = tmp_path / "manifests"
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--manifests", "examples", str(missing),
+         "--dataplane", "none", "--metrics-bind-address", "127.0.0.1:0",
+         "--healthz-bind-address", "127.0.0.1:0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, result.stderr
+    assert f"cannot start: --manifests {missing}: no such file or directory" in errors[0]
+    assert "Traceback" not in result.stderr
+
+
 # --- `--dataplane`: which dataplane, and why ------------------------------------------------
 #
 # The fakes stand in for the kernel: each probe passes or fails with a given reason, the

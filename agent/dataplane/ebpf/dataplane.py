@@ -114,6 +114,11 @@ class EbpfDataplane:
             raise DataplaneError("load", str(err)) from err
         self._check_pinned_sizes()
         self.current = self._read_kernel()
+        # The first apply (a full one: the sync loop's first is) compares with what was
+        # just read rather than read the maps again: at 10k Services x 10 a read takes
+        # ~1.5 s, more than the restarted agent's whole plan, and nothing else writes
+        # them meanwhile (an earlier agent is gone before this one starts).
+        self._just_read = True
         # The ports of the backends and frontends found (an earlier agent's): set again
         # where a bit is missing (a map new to this version), or their packets would skip
         # the lookups that find them.
@@ -189,8 +194,9 @@ class EbpfDataplane:
 
     def apply(self, state: NodeState, full: bool = False) -> int:
         with self._lock:
-            if full:
+            if full and not self._just_read:
                 self.current = self._read_kernel()
+            self._just_read = False
             # Changes self.current in place (cost: what changed): every way out below
             # commits or rolls back.
             change = plan_change(

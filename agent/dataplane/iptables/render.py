@@ -394,7 +394,10 @@ def assemble(
     """The restore input (for `--noflush`): the dispatch and filter chains from every
     entry, the nat chains of the `rewritten` entries, and deletes of `stale_chains`.
     `state_marker` (see `marker`) goes into KBP-STATE at the end of the filter table, the
-    last table committed, so it is in the kernel only if everything before it is."""
+    last table committed, so it is in the kernel only if everything before it is. The
+    restore commits table by table, so KBP-STATE is first emptied in a commit of its own:
+    an agent killed after the nat commit leaves no marker naming the old rules beside
+    new nat rules (the next agent would take them for the old state and write nothing)."""
     nat_base, filter_base = base_rules(options)
     dispatch: list[str] = []
     filtering: list[str] = []
@@ -408,7 +411,8 @@ def assemble(
             declared.append(chain)
             body.extend(lines)
     stale = sorted(set(stale_chains))
-    lines = ["*nat"]
+    lines = ["*filter", f":{STATE} - [0:0]", "COMMIT"] if state_marker is not None else []
+    lines.append("*nat")
     # Declared (created, or flushed: stale ones, so they can go) in descending name order:
     # iptables-nft 1.8.9 keeps user chains in a name-sorted list and walks it from the
     # head to insert each new one, so ascending input costs O(chains²): 110k chains at
