@@ -1,4 +1,5 @@
-"""Benchmark of the manifest source and the node-local compiler (issue 2 §6, PB-4/5/6).
+"""Benchmark of the manifest source and the node-local compiler (issue 2 §6, PB-4/5/6;
+targets and anchors in bench/README.md).
 
 Generates N Services x M endpoints (ClusterIP with a few NodePort and LoadBalancer ones,
 EndpointSlices spread over ~100 nodes in 3 zones) plus LeaderWorkerSet-style headless
@@ -53,12 +54,12 @@ ZONES = ("zone-a", "zone-b", "zone-c")
 LWS_GROUP_SIZE = 4  # endpoints per headless per-replica Service (leader + 3 workers)
 SLICE_MAX = 100  # the EndpointSlice controller's default maxEndpointsPerSlice
 
-# Targets (issue 2 §6) and published anchors (../shared/BENCHMARKS.md PB-4/5/6).
+# Targets (issue 2 §6) and published anchors (bench/README.md, PB-4/5/6).
 TARGET_E2E_S_PER_100K_EP = 3.0  # 10k x 10 from JSON to NodeState ≤ 3 s, linear in size
 TARGET_UPDATE_S = 0.005  # one change → affected Service recompiled + new revision
 TARGET_BYTES_PER_EP = 1536  # ≤ 1.5 KB per endpoint
 TARGET_HEADLESS_SHARE = 0.05  # "next to nothing": ≤ 5 % added to the compile
-FLOOR_BYTES_PER_EP = 126  # BENCHMARKS.md PB-6: CPython baseline + ≈126 B per endpoint
+FLOOR_BYTES_PER_EP = 126  # PB-6's floor: CPython baseline + ≈126 B per endpoint
 REF_E2E = "iptables-restore of the same: 3.7-4.0 s legacy, 9.7-12.8 s nft (PB-4)"
 REF_UPDATE = "kube-proxy nft: +1 Service beside 10k ≈141 ms (PB-5)"
 REF_MEMORY = "kube-proxy nft ≈260 MiB at 10kx2 (PB-6)"

@@ -83,7 +83,7 @@ IPTABLES_POD_INTERFACES = ("vethkbp*",)  # the lab's host veths (tests/kernel/la
 # than the module's COMMAND_TIMEOUT (300 s) to restore 10k Services x 10 endpoints.
 IPTABLES_TIMEOUT = 3600.0
 
-# Targets and anchors (../shared/BENCHMARKS.md PB-2).
+# Targets and anchors (bench/README.md, PB-2).
 TARGET_NET_P50_US = 2.0  # eBPF p50 ≤ floor + 2 µs
 TARGET_SLOPE_NS = 1.0  # flat in N: < 1 ns per Service
 TARGET_VS_IPTABLES = 10.0  # eBPF ≥ 10x better than the iptables fallback at 10k
@@ -491,7 +491,7 @@ def print_targets(report: list[dict[str, Any]]) -> dict[str, Any]:
     than iptables at 10k; iptables' own slope (the PB-9 row asks for it)."""
     from bench.compile import mark
 
-    print(f"\n## targets (BENCHMARKS.md PB-2); anchors: {REF_PB2}")
+    print(f"\n## targets (bench/README.md PB-2); anchors: {REF_PB2}")
     for e in report:
         kinds = e["kinds"]
         floor = kinds["floor"]["median"]

@@ -18,7 +18,7 @@ between; then bursts of 100 changes (1 per 10 ms, and all at once) published by 
 with and without the FakeDataplane's own diff on the sync thread: how many applies.
 
 Timestamps come from probes installed without editing agent/ (see Probe). Figures are
-printed beside their targets (../shared/BENCHMARKS.md PB-5/PB-7); results go to
+printed beside their targets (bench/README.md, PB-5/PB-7); results go to
 bench/results/control_plane.json. Not a test: it always exits 0 unless it crashes.
 
     .venv/bin/python bench/control_plane.py [--quick] [--services N ...] [--profile]
@@ -72,7 +72,7 @@ from bench.compile import (
     mark,
 )
 
-# Targets (issue 4 §6) and published anchors (../shared/BENCHMARKS.md PB-5, PB-7).
+# Targets (issue 4 §6) and published anchors (bench/README.md, PB-5, PB-7).
 TARGET_REVISIONS_PER_EVENT = 0.05  # ≤ 1-5 % of API events become NodeState revisions
 TARGET_ARRIVAL_TO_APPLY_P99 = 0.010  # watch event → dataplane apply called, p99 ≤ 10 ms
 TARGET_BURST_APPLIES = 10  # 100 changes at once coalesce into "a few write batches"

@@ -114,7 +114,7 @@ FIB_LINK = "kbpbench0"  # the link in the bench namespace the routes point at
 XDP_PASS, XDP_TX, XDP_REDIRECT = 2, 3, 4
 CLONE_NEWNET = 0x40000000
 
-# Targets and anchors (../shared/BENCHMARKS.md PB-1).
+# Targets and anchors (bench/README.md, PB-1).
 TARGET_HOT_NET_NS = 60  # hot ≤ floor + 60 ns
 TARGET_MISS_NET_NS = 40  # miss ≤ floor + 40 ns
 TARGET_SPREAD_GROWTH = 2.0  # spread at 100k ≤ 2 x spread at 10
@@ -907,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     growth = spread_growth(results)
     xdp_growth = spread_growth(results, "xdp_")
-    print(f"\n## targets (BENCHMARKS.md PB-1); anchors: {REF_PB1}")
+    print(f"\n## targets (bench/README.md PB-1); anchors: {REF_PB1}")
     for r, entry in zip(results, report, strict=True):
         t = entry["targets"]
         print(

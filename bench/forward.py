@@ -136,7 +136,7 @@ XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 0, 1, 2, 3, 4
 SINK_TRANSLATED, SINK_AS_SENT, SINK_OTHER_IPV4_UDP, SINK_OTHER = 0, 1, 2, 3
 SINK_SLOTS = ("translated", "as_sent", "other_ipv4_udp", "other")
 
-# Targets and anchors (../shared/BENCHMARKS.md PB-3 and issue 6).
+# Targets and anchors (bench/README.md, PB-3; issue 6).
 TARGET_TC_OF_NOOP = 0.70
 TARGET_TC_OF_IPTABLES = 1.5
 ANCHOR_XDP_OF_IPTABLES = 4.8
@@ -871,7 +871,7 @@ def print_report(
         counted = {k: sum(w["counted"][k] for w in s.windows) for k in SINK_SLOTS}
         print(f"  {'':<14} counted (sink): " + ", ".join(f"{k} {v:,}" for k, v in counted.items()))
 
-    print(f"\n## targets (BENCHMARKS.md PB-3; issue 6); anchors: {REFERENCE}")
+    print(f"\n## targets (bench/README.md PB-3; issue 6); anchors: {REFERENCE}")
     ratios: dict[str, Any] = {}
 
     def show(key: str, a: str, b: str, target: float | None, text: str) -> None:

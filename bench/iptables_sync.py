@@ -102,7 +102,7 @@ LOCK_WAIT = "5"
 # takes longer than the dataplane's own COMMAND_TIMEOUT (300 s), which would stop it.
 TOOL_TIMEOUT = 3600.0
 
-# Target and anchors (../shared/BENCHMARKS.md PB-9, PB-4, PB-5).
+# Target and anchors (bench/README.md, PB-9, PB-4, PB-5).
 TARGET_RATIO = 1.2  # ours ≤ 1.2 x the equivalent restore, full and partial
 # iptables-nft 1.8.9's restore takes time growing with the square of the user chains
 # (11 per Service here): 7 s at 1k x 10, minutes at 10k x 10. Above this, --nft-max.
@@ -1085,7 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
         return 130
 
-    print(f"\n## targets (BENCHMARKS.md PB-9: ≤ {TARGET_RATIO}x the equivalent restore; partial "
+    print(f"\n## targets (bench/README.md PB-9: ≤ {TARGET_RATIO}x the equivalent restore; partial "
           f"updates write only changed chains); anchors: {REF_PB9}")  # fmt: skip
     for e in report:
         text = f"{e['services']:>6} Services, {e['backend']:<6}: full {e['full_ratio']:.2f}x "

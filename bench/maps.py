@@ -80,7 +80,7 @@ from bench.datapath import (
     write_results,
 )
 
-# Targets and anchors (../shared/BENCHMARKS.md PB-4, PB-5, PB-8).
+# Targets and anchors (bench/README.md, PB-4, PB-5, PB-8).
 TARGET_FULL_SYNC_S_PER_10K = 3.0  # 10k x 10: JSON LIST → programmed maps ≤ 3 s (linear)
 TARGET_WRITES_S_PER_10K = 0.5  # of which map writes ≤ 0.5 s
 TARGET_CHANGE_P99_S = 0.010  # one change → last kernel write, p99 ≤ 10 ms

@@ -1,6 +1,6 @@
 """PB-13: restarts (issue 14 §3 and §4).
 
-`kill` (§4): an agent SIGKILLed at random points of a large eBPF apply, 100 trials. The
+`kill` (issue 14 §4): an agent SIGKILLed at random points of a large eBPF apply, 100 trials. The
 maps start holding state A (or B) wholly; an agent process applies the other state and is
 killed after a delay drawn uniformly from [0, the apply's duration]; the maps must then
 hold, per Service, the old or the new state, never neither, and kbp_meta must not name a
@@ -12,7 +12,7 @@ states and its checks are tests/kernel/killapply.py (the kernel test runs a few)
 agent processes run the real EbpfDataplane on the pins (no bcc compile per process, see
 there).
 
-`sync` (§3): the first sync of an agent restarted while the cluster did not change, at
+`sync` (issue 14 §3): the first sync of an agent restarted while the cluster did not change, at
 10k Services x 10 endpoints served by kmock, on both dataplanes (see `sync_main`).
 
     .venv/bin/python -m bench.restart kill [--trials 100] [--services 5000] [--endpoints 10]
@@ -488,7 +488,7 @@ def restart_once(
 
 
 def sync_main(args: argparse.Namespace) -> dict[str, Any]:
-    """§3: kmock serves N Services x E endpoints (bench/compile.py's cluster) inside a
+    """Issue 14 §3: kmock serves N Services x E endpoints (bench/compile.py's cluster) inside a
     namespace of this run; `kube-bpf-proxy run` (a real agent process, in that namespace,
     with a pod veth there) syncs it; it is SIGKILLed and a second agent started. Printed:
     the second agent's first-sync writes (0 when it found the kernel already holding the

@@ -367,7 +367,7 @@ class MetricsServer(_RoutedServer):
     * `/metrics`: the agent's Prometheus registry (text format, or OpenMetrics when the
       scraper asks for it; gzip when accepted).
     * `/state` (`?output=json|yaml`, default json): the current NodeState document
-      (DESIGN.md §3) with two more top-level fields before `services`:
+      (docs/nodestate.md) with two more top-level fields before `services`:
       `heldRevision` (what the dataplane holds; equals `revision` when in sync) and
       `status` (`StatusSnapshot.to_dict`). 503 with `status` before the first NodeState.
     * `/proxyMode`: the dataplane's name as plain text (kube-proxy serves its mode there).

@@ -121,7 +121,7 @@ class Silent(Exception):
 
 
 def service_selector(service_proxy_name: str | None) -> str:
-    """The label selector for the Services this proxy handles (conventions §5.4)."""
+    """The label selector for the Services this proxy handles (docs/semantics.md)."""
     if service_proxy_name:
         return f"{c.LABEL_SERVICE_PROXY_NAME}={service_proxy_name}"
     return f"!{c.LABEL_SERVICE_PROXY_NAME}"

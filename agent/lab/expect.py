@@ -1,7 +1,7 @@
 """What a lab client pod, or the client outside the cluster, should see at each frontend of
 a NodeState, and whether the answers it got keep that promise (pure).
 
-The set a packet uses is DESIGN.md §3's. From a pod: to a ClusterIP, `localBackends` under
+The set a packet uses is docs/nodestate.md's. From a pod: to a ClusterIP, `localBackends` under
 internalTrafficPolicy Local, else `clusterBackends`; to a NodePort, ExternalIP or
 LoadBalancer frontend, `clusterBackends`. From outside the cluster (to those external
 frontends): `localBackends` under externalTrafficPolicy Local, else `clusterBackends`.

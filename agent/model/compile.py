@@ -4,8 +4,8 @@ Every Kubernetes semantic the dataplanes rely on is decided here and nowhere els
 which Services are programmed, their frontends on this node, and which endpoints each
 kind of traffic may use (readiness with the serving-terminating fallback, topology hints,
 topology keys, traffic policies, multi-cluster preference). The selection follows
-kube-proxy's `CategorizeEndpoints` (pkg/proxy/topology.go) and extends it as DESIGN.md §4
-describes.
+kube-proxy's `CategorizeEndpoints` (pkg/proxy/topology.go) and extends it as
+docs/semantics.md describes.
 
 Compilation is per Service: `Compiler.update` recompiles only the Services whose inputs
 changed and recomputes the revision from cached per-entry digests.
@@ -217,7 +217,7 @@ class Compiler:
 
 def is_programmed(service: Service, service_proxy_name: str | None) -> bool:
     """Whether this proxy handles the Service at all (kube-proxy's ShouldSkipService and
-    the service-proxy-name claim, conventions §5.4)."""
+    the service-proxy-name claim; docs/semantics.md)."""
     if service.type == "ExternalName" or not service.cluster_ips:
         return False
     if service_proxy_name:
@@ -226,7 +226,7 @@ def is_programmed(service: Service, service_proxy_name: str | None) -> bool:
 
 
 def slice_cluster(endpoint_slice: EndpointSlice, cluster_name: str | None) -> str | None:
-    """The cluster a slice's endpoints live in: None for this one (conventions §1.8)."""
+    """The cluster a slice's endpoints live in: None for this one (docs/semantics.md)."""
     for marker in (endpoint_slice.provision_cluster, endpoint_slice.source_cluster):
         if marker and marker != cluster_name:  # an empty marker names no cluster
             return marker

@@ -1,6 +1,6 @@
 """Well-known Kubernetes, multi-cluster and kube-bpf-proxy label and annotation keys.
 
-Sources and semantics: ../shared/reference/conventions.md. Only the compiler and the
+Their meaning and upstream sources: docs/semantics.md. Only the compiler and the
 decoder interpret these; dataplanes never see them.
 """
 
@@ -11,14 +11,14 @@ LABEL_MANAGED_BY = "endpointslice.kubernetes.io/managed-by"
 ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 # Set by the control plane on slices (and Endpoints) of headless Services.
 LABEL_HEADLESS = "service.kubernetes.io/headless"
-# A Service with this label is implemented by another proxy (conventions §5.4).
+# A Service with this label is implemented by another proxy.
 LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
 # Taint the cluster autoscaler puts on a node it is about to remove.
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 # Standard node topology label.
 LABEL_ZONE = "topology.kubernetes.io/zone"
 
-# Multi-cluster markers on EndpointSlices (conventions §1.8, §2.1).
+# Multi-cluster markers on EndpointSlices (Karmada, MCS API).
 ANNOTATION_KARMADA_PROVISION_CLUSTER = "endpointslice.karmada.io/provision-cluster"
 KARMADA_MANAGED_BY = frozenset(
     {
@@ -30,7 +30,7 @@ LABEL_MCS_SOURCE_CLUSTER = "multicluster.kubernetes.io/source-cluster"
 # Set on slices when the cluster that sent them is not known by name.
 UNKNOWN_CLUSTER = "unknown"
 
-# Service annotations defined by this project (DESIGN.md §4).
+# Service annotations defined by this project.
 ANNOTATION_TOPOLOGY_KEYS = "kube-bpf-proxy.io/topology-keys"
 ANNOTATION_MULTI_CLUSTER = "kube-bpf-proxy.io/multi-cluster"
 # How the eBPF dataplane picks a backend for a new flow: hash (default: a hash of the
@@ -41,7 +41,7 @@ LB_HASH = "hash"
 LB_RANDOM = "random"
 LB_MAGLEV = "maglev"
 LB_ALGORITHMS = (LB_HASH, LB_MAGLEV, LB_RANDOM)
-# Cilium's equivalent of LocalFirst, honoured when ours is absent (conventions §3.1).
+# Cilium's equivalent of LocalFirst, honoured when ours is absent.
 ANNOTATION_CILIUM_AFFINITY = "service.cilium.io/affinity"
 
 # Multi-cluster policies.

@@ -1,6 +1,6 @@
 """NodeState (schema v1): the complete, deterministic node-local service map.
 
-This is the contract between the compiler and every dataplane (DESIGN.md §3). Values are
+This is the contract between the compiler and every dataplane (docs/nodestate.md). Values are
 frozen; `to_dict` gives the documented field names and order. Each ServiceEntry carries
 the digest of its own canonical JSON, so the document's revision is recomputed from
 per-entry digests after an incremental compile instead of re-serialising everything.

@@ -73,7 +73,7 @@ class EndpointSlice:
     family: str  # IPv4 | IPv6 (FQDN slices are not decoded)
     ports: tuple[SlicePort, ...]
     endpoints: tuple[Endpoint, ...]
-    # Multi-cluster markers, interpreted by the compiler (conventions §1.8, §2).
+    # Multi-cluster markers, interpreted by the compiler (docs/semantics.md).
     provision_cluster: str | None = None  # endpointslice.karmada.io/provision-cluster
     source_cluster: str | None = None  # multicluster.kubernetes.io/source-cluster
     managed_by: str | None = None  # endpointslice.kubernetes.io/managed-by

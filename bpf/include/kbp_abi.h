@@ -32,7 +32,7 @@
 #define KBP_FE_LOAD_BALANCER 4
 
 /* struct kbp_service.flags */
-#define KBP_SVC_F_HAS_ENDPOINTS 1 /* empty set: DROP when set, REJECT when clear (§3) */
+#define KBP_SVC_F_HAS_ENDPOINTS 1 /* empty set: DROP when set, REJECT when clear */
 #define KBP_SVC_F_AFFINITY 2      /* sessionAffinity ClientIP for affinity_timeout s */
 #define KBP_SVC_F_MAGLEV 4        /* slots are a Maglev table: pick by flow hash */
 #define KBP_SVC_F_SOURCE_RANGES 8 /* LoadBalancer frontend with loadBalancerSourceRanges:
@@ -116,7 +116,7 @@ struct kbp_frontend_key {
 struct kbp_service {
 	__u32 service_id;      /* stable per (Service, port, family): counters, affinity, CT */
 	__u32 flags;           /* KBP_SVC_F_* */
-	__u32 set_id;          /* backend slots for this frontend's traffic (DESIGN.md §3) */
+	__u32 set_id;          /* backend slots for this frontend's traffic (docs/nodestate.md) */
 	__u32 count;           /* slots in set_id; Maglev: the table size */
 	__u32 internal_set_id; /* external frontends: slots for traffic from pods/node */
 	__u32 internal_count;  /* slots in internal_set_id */

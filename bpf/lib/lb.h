@@ -2,7 +2,7 @@
 /*
  * Frontend lookup and backend selection: ClientIP affinity first, then a Maglev table
  * indexed by the flow hash, or a random slot. The agent decided which backends are in a
- * set (DESIGN.md §3); this file only picks among them.
+ * set (docs/nodestate.md); this file only picks among them.
  */
 #ifndef KBP_LIB_LB_H
 #define KBP_LIB_LB_H
@@ -27,7 +27,7 @@ static __always_inline struct kbp_service *lb_lookup_service(const struct kbp_tu
 
 /* The backend set for traffic from pods: always the internal one, since the agent
  * writes internal_* == set_id/count for ClusterIPs and clusterBackends (the internal
- * set) for external frontends reached from inside (DESIGN.md §3). */
+ * set) for external frontends reached from inside (docs/nodestate.md). */
 static __always_inline void lb_set_for_pods(const struct kbp_service *svc, __u32 *set_id,
 					    __u32 *count)
 {
@@ -89,7 +89,7 @@ static __always_inline int lb_prefix_contains(const __be32 *net, __u32 len, cons
 }
 
 /* Did a packet that arrived on an external interface come from a pod of the cluster
- * (--cluster-cidr)? Such traffic uses clusterBackends, as from local pods (DESIGN.md §3). */
+ * (--cluster-cidr)? Such traffic uses clusterBackends, as from local pods (docs/nodestate.md). */
 static __always_inline int lb_from_cluster_pod(const struct kbp_tuple *t,
 					       const struct kbp_config *cfg)
 {

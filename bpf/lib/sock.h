@@ -14,7 +14,7 @@
  * What the hooks decide (the tc path's rules unless said otherwise):
  *   - The set is the internal one (lb_set_for_pods): clusterBackends, or localBackends
  *     for an internalTrafficPolicy Local ClusterIP; external frontends reached from the
- *     node use clusterBackends too (DESIGN.md §3).
+ *     node use clusterBackends too (docs/nodestate.md).
  *   - Unlike tc, the slot is chosen by a hash of the socket cookie and the frontend, not
  *     at random or by Maglev's flow hash: sockets spread evenly over the set (a Maglev
  *     table holds each backend about equally often), and an unconnected UDP socket keeps
@@ -253,7 +253,7 @@ static __always_inline int sock_refuse(const struct kbp_service *svc, __u32 reas
 	return KBP_SOCK_REJECT;
 }
 
-/* An empty set: REJECT (no endpoints anywhere) or DROP (endpoints elsewhere), §3. */
+/* An empty set: REJECT (no endpoints anywhere) or DROP (endpoints elsewhere). */
 static __always_inline int sock_refuse_empty_set(const struct kbp_service *svc)
 {
 	if (svc->flags & KBP_SVC_F_HAS_ENDPOINTS)

@@ -115,7 +115,7 @@ def test_packets_through_the_golden_rules(family, client, destination, expected)
 
 
 def _expected(entry: ServiceEntry, frontend: Frontend, client: str) -> tuple[Backend, ...]:
-    """DESIGN.md §3's table: which backend set a packet from `client` uses."""
+    """docs/nodestate.md's table: which backend set a packet from `client` uses."""
     if frontend.type == CLUSTER_IP:
         local = entry.internal_traffic_policy == "Local"
     else:

@@ -1,4 +1,4 @@
-"""One layer per heavy dependency (STYLE.md 4): exactly one module imports bcc, exactly
+"""One module imports each heavy dependency: exactly one module imports bcc, exactly
 one imports pyroute2, only agent/k8s/ imports kubernetes, and the model imports none of
 them nor any dataplane."""
 

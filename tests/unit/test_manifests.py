@@ -1,5 +1,5 @@
 """The file source: which files it reads, which document shapes it understands, and what
-it reports, ignores or warns about (issue 2 §2, DESIGN.md §3).
+it reports, ignores or warns about (issue 2 §2, docs/nodestate.md).
 
 Address plan: tests/builders.py. Generated files live in tmp_path; tests/data/manifests
 holds one Service with its slices and Node written by hand as YAML and as JSON.

@@ -5,7 +5,7 @@ address plan) and decoded with `decode_object`, so the decoder is exercised too.
 expectations are computed here from the raw dicts, independently of the compiler. The
 invariants (properties 1-8) hold only as far as Kubernetes fixes the outcome: where
 duplicates of one ip:port leave the winner open, they accept either copy. One property
-compares with a small reference model of DESIGN.md §4 that also follows the tie-breaks
+compares with a small reference model of docs/semantics.md that also follows the tie-breaks
 compile.py documents. Falsifying examples these properties found are pinned with
 `@example`, so they run on every run whatever the generator draws.
 """
@@ -171,7 +171,7 @@ class Copy:
 
 
 def slice_origin(obj: Obj, cluster_name: str | None) -> frozenset[str] | None:
-    """conventions §6.3: remote if Karmada's provision-cluster annotation, a *.karmada.io
+    """docs/semantics.md: remote if Karmada's provision-cluster annotation, a *.karmada.io
     manager, or an MCS source-cluster other than ours. None for this cluster."""
     meta = obj["metadata"]
     names = set()
@@ -261,7 +261,7 @@ def service_of(cluster: Cluster, entry: Entry) -> Obj:
 
 
 def is_programmed(obj: Obj, options: CompileOptions) -> bool:
-    """kube-proxy's ShouldSkipService and the service-proxy-name claim (conventions §5.4)."""
+    """kube-proxy's ShouldSkipService and the service-proxy-name claim (docs/semantics.md)."""
     spec = obj["spec"]
     if spec.get("type") == "ExternalName" or spec.get("clusterIP") in (None, "", "None"):
         return False
@@ -298,7 +298,7 @@ def topology_keys(obj: Obj) -> list[str]:
     return raw.split(",") if raw else []
 
 
-# --- a reference model of DESIGN.md §4, written from the documents ------------------------
+# --- a reference model of docs/semantics.md, written from that page ------------------------
 
 
 @dataclass(frozen=True)
@@ -402,7 +402,7 @@ def node_label(cluster: Cluster, node_name: str | None, key: str) -> str | None:
 
 def by_hints(cluster: Cluster, ready: list[Merged]) -> list[Merged]:
     """kube-proxy topologyModeFromHints over ready endpoints; a remote endpoint's hints
-    name another cluster's nodes and zones and count as absent (conventions §1.8.3)."""
+    name another cluster's nodes and zones and count as absent (docs/semantics.md)."""
     if all(c.cluster is None and c.node_hints for c in ready) and any(
         THIS_NODE in c.node_hints for c in ready
     ):
@@ -494,7 +494,7 @@ LOCAL_FIRST_EMPTY_SOURCE_CLUSTER = Cluster(
 )
 
 # A NodePort Service with internalTrafficPolicy and externalTrafficPolicy both Local: pods
-# and the node reach its NodePort through clusterBackends (DESIGN.md §3 table).
+# and the node reach its NodePort through clusterBackends (docs/nodestate.md's table).
 NODE_PORT_BOTH_POLICIES_LOCAL = Cluster(
     nodes=default_nodes(),
     services=[make_service(mutate=_node_port_both_policies_local)],
@@ -724,7 +724,7 @@ def test_kube_proxy_endpoint_selection_invariants(cluster: Cluster) -> None:
 @given(cluster=clusters())
 def test_backends_equal_a_reference_model_of_the_design(cluster: Cluster) -> None:
     """The exact clusterBackends and localBackends (where the entry has them) of a
-    straightforward model of DESIGN.md §4: merge, LocalFirst, ready else
+    straightforward model of docs/semantics.md: merge, LocalFirst, ready else
     serving-terminating, then topology keys or hints; local = this node, this cluster."""
     for entry in entries_of(cluster):
         service = service_of(cluster, entry)
@@ -748,7 +748,7 @@ def test_backend_sets_exist_exactly_when_some_traffic_uses_them(cluster: Cluster
     """kube-proxy's UsesLocalEndpoints / UsesClusterEndpoints (pkg/proxy/serviceport.go):
     local endpoints for ITP Local or (ETP Local and externally accessible); cluster
     endpoints for ITP Cluster *or any external frontend* — pods and the node itself reach
-    external frontends through clusterBackends even with ETP Local (DESIGN.md §3 table,
+    external frontends through clusterBackends even with ETP Local (docs/nodestate.md's table,
     kube-proxy's "short circuiting")."""
     for entry in entries_of(cluster):
         service = service_of(cluster, entry)
@@ -808,7 +808,7 @@ def test_only_programmed_services_have_entries_one_per_port_and_family(
     assert found == sorted(found)
 
 
-# --- multi-cluster LocalFirst (DESIGN.md §4) -----------------------------------------------
+# --- multi-cluster LocalFirst (docs/semantics.md) ------------------------------------------
 
 
 @SETTINGS

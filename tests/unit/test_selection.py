@@ -1,5 +1,5 @@
 """Which endpoints each kind of traffic uses: kube-proxy's CategorizeEndpoints, topology
-hints, traffic policies, topology keys and multi-cluster preference (DESIGN.md §4).
+hints, traffic policies, topology keys and multi-cluster preference (docs/semantics.md).
 
 Each case compiles one Service "svc" (ClusterIP 10.96.0.1, port http 80) on node-a and
 compares its backend sets, written as "ip:port". Address plan: tests/builders.py.

@@ -4,7 +4,7 @@ next, and the map capacity they need. Pure Python: no kernel, bcc or netlink her
 Ids are stable: a ServiceEntry keeps its service id, a (service, endpoint) its backend id
 and an unchanged backend set its set id across syncs and agent restarts (adopted from
 what the kernel holds). A set is never rewritten in place: changed content gets a new set
-id, written in full before the services flip to it (DESIGN.md §5).
+id, written in full before the services flip to it (docs/ebpf.md, "Ordered writes").
 
 Two ways in: `desired_content` + `diff` + `check_capacity` leave `current` untouched (and
 copy it, O(N)); `plan_change` changes `current` in place and keeps an undo log, so one
@@ -548,7 +548,7 @@ class _Builder:
     ) -> _EntryPlan:
         """Write `entry` with `service_id` under `keys`; backend and set ids come from the
         known_* maps when their content matches, else are new."""
-        # Only the sets some frontend uses (DESIGN.md §3): a ClusterIP uses one set whoever
+        # Only the sets some frontend uses (docs/nodestate.md): a ClusterIP uses one set whoever
         # sends; an external frontend uses its policy's set from outside and the cluster
         # set from pods. A set nobody points at could not be adopted after a restart.
         itp_local = entry.internal_traffic_policy == "Local"

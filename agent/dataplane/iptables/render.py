@@ -146,7 +146,7 @@ def _frontend_label(frontend: Frontend) -> str:
 
 
 def _uses_local(entry: ServiceEntry, frontend: Frontend) -> bool:
-    """Whether traffic from outside to this frontend uses localBackends (DESIGN.md §3)."""
+    """Whether traffic from outside to this frontend uses localBackends (docs/nodestate.md)."""
     if frontend.type == CLUSTER_IP:
         return entry.internal_traffic_policy == "Local"
     return entry.external_traffic_policy == "Local"
