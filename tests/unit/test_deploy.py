@@ -482,6 +482,9 @@ def test_the_image_runs_kube_bpf_proxy_run_through_the_header_wrapper():
                                          "/usr/local/bin/kube-bpf-proxy"]  # fmt: skip
     chmod = "chmod 0755 /usr/local/bin/kube-bpf-proxy"
     assert any(chmod in run.arguments for run in final.named("RUN"))
+    # `python -m agent` (the README's form) runs the venv's interpreter in the image.
+    python = "ln -s /opt/kube-bpf-proxy/venv/bin/python /usr/local/bin/python"
+    assert any(python in run.arguments for run in final.named("RUN"))
     text = ENTRYPOINT_SCRIPT.read_text(encoding="utf-8")
     assert text.startswith("#!/bin/sh\n")
     assert 'exec /opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy "$@"' in text
