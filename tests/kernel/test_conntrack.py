@@ -148,15 +148,18 @@ def test_one_client_port_for_two_services_sharing_their_only_backend(env: Env) -
 def test_a_connection_whose_entries_were_deleted_keeps_its_backend(env: Env) -> None:
     objects, ip4, _ = service(env, "recover", backends(env, *BACKENDS))
     env.program(*objects)
+    table = env.dataplane.programs.map("kbp_ct")  # type: ignore[union-attr]
+    # The module's earlier tests leave reply entries of closed flows to other frontends
+    # (no collector runs here); a new connection whose port meets one is remapped as a
+    # clash, and a remapped flow cannot be re-created by the hash alone (its backend
+    # knows the remapped port). That happened to 1-2 of 12 connections in full runs.
+    stale = table.keys()  # a list read from the kernel
+    for key in stale:
+        table.delete(key)
     idle = IdleClient(env, ip4, 12)
     try:
         assert len(set(idle.backends)) > 1, idle.backends  # spread, so moving would show
-        # Let every segment in flight land first (the client's delayed ACKs of the names,
-        # any retransmission on a loaded machine): what is guaranteed is the client's next
-        # segment; a backend's segment that meets no entry cannot be translated back
-        # (docs/operations.md, Upgrading), and that is not what this test is about.
-        time.sleep(1.0)
-        table = env.dataplane.programs.map("kbp_ct")  # type: ignore[union-attr]
+        time.sleep(1.0)  # let the client's delayed ACKs land: only its next segment counts
         stored = table.keys()
         for key in stored:
             table.delete(key)
