@@ -20,6 +20,7 @@ import functools
 import itertools
 import os
 import shutil
+import site
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +35,29 @@ KERNEL_TESTS_DIR = Path(__file__).parent / "kernel"
 os.environ.setdefault("KBP_CGROUP_ROOT", "none")
 BPFFS = Path("/sys/fs/bpf")
 VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
+
+
+def _system_packages_are_third_party() -> None:
+    """Hypothesis draws constants from the source of every imported module it takes for
+    the project's own: whatever lies outside the venv's site-packages and the standard
+    library. The venv sees Debian's packages (--system-site-packages), so it parsed
+    bcc's source from /usr/lib/python3/dist-packages, whose line 749 has an invalid
+    escape (`'\\.'`): a DeprecationWarning `<unknown>:749` in a run without Hypothesis's
+    cache, and bcc's constants in our strategies. Those directories hold third-party
+    code; Hypothesis keeps the list in a set of its own, which we extend."""
+    try:
+        from hypothesis.internal import constants_ast, scrutineer
+    except ImportError:
+        return
+    known = getattr(scrutineer, "SITE_PACKAGES_DIRS", None)
+    if not isinstance(known, set):
+        return
+    known.update(Path(p).resolve() for p in site.getsitepackages() if os.path.isdir(p))
+    for cached in (scrutineer.ModuleLocation.from_path, constants_ast.is_local_module_file):
+        getattr(cached, "cache_clear", lambda: None)()
+
+
+_system_packages_are_third_party()
 
 
 def kernel_required() -> bool:
