@@ -8,18 +8,24 @@ with its file, kind and namespace/name, then skipped; the rest still loads.
 from __future__ import annotations
 
 import codecs
+import datetime
 import errno
 import json
 import logging
 import os
+import pickle
 import re
 import stat
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.composer import Composer
+from yaml.constructor import ConstructorError
 
 from ..gcpause import gc_paused
 from ..model.decode import Value, decode_object
@@ -144,16 +150,34 @@ class _Count:
     documents = 0
 
 
+CHILD_FROM = 4 << 20  # bytes: larger files are parsed in a child process (see parse.py)
+
+
 def read_objects(
-    path: Path, reports: list[Report], count: _Count | None = None
+    path: Path,
+    reports: list[Report],
+    count: _Count | None = None,
+    child_from: int | None = None,
+    stream: bool = False,
 ) -> Iterator[tuple[str, Any]]:
     """(where, object) for every object of a file, lists flattened; problems reading the
-    file become reports (objects before a syntax error are kept)."""
+    file become reports (objects before a syntax error are kept). A file larger than
+    `child_from` bytes is parsed by `parse_in_child`, with the same result. `stream`
+    (the parser child's way) hands on the items of a YAML list as they are parsed."""
     count = count if count is not None else _Count()
     problem = unreadable(path)
     if problem is not None:
         reports.append(Report(str(path), "", problem))
         return
+    if child_from is not None:
+        try:
+            large = path.stat().st_size > child_from
+        except OSError as err:
+            reports.append(Report(str(path), "", f"cannot read: {err}"))
+            return
+        if large:
+            yield from parse_in_child(path, reports, count)
+            return
     is_json = path.suffix == ".json"
     try:
         data = path.read_bytes()
@@ -172,22 +196,185 @@ def read_objects(
                 Report(str(path), "", f"invalid JSON: {_why(err)}; rest of file skipped")
             )
         return
-    index = 0
+    done = 0  # documents read to their end
+    documents = _streamed_yaml if stream else _yaml_documents
     try:
-        # libyaml reads the bytes as they are (and skips a byte-order mark): handing it a
-        # str made it encode the whole file again, holding the GIL.
-        for index, document in enumerate(yaml.load_all(data, Loader=YamlLoader), start=1):
-            if document is not None:
+        for index, objects in documents(data, str(path)):
+            if objects is not None:
+                yield from objects
                 count.documents += 1
-                yield from iter_objects(document, f"{path} (document {index})")
+            done = index
     except (yaml.YAMLError, ValueError, RecursionError) as err:  # ValueError: huge ints, dates
         reports.append(
             Report(
                 str(path),
                 "",
-                f"invalid YAML after document {index}: {_why(err)}; rest of file skipped",
+                f"invalid YAML after document {done}: {_why(err)}; rest of file skipped",
             )
         )
+
+
+_Documents = Iterator[tuple[int, Iterator[tuple[str, Any]] | None]]
+
+
+def _yaml_documents(data: bytes, path: str) -> _Documents:
+    """(index, its objects) for each document, None for an empty one; each document
+    parsed whole."""
+    # libyaml reads the bytes as they are (and skips a byte-order mark): handing it a
+    # str made it encode the whole file again, holding the GIL.
+    for index, document in enumerate(yaml.load_all(data, Loader=YamlLoader), start=1):
+        yield (
+            index,
+            None if document is None else iter_objects(document, f"{path} (document {index})"),
+        )
+
+
+class _EventLoader(YamlLoader, Composer):  # type: ignore[misc, valid-type]
+    """libyaml's events, composed into nodes one value at a time (PyYAML's composer)."""
+
+
+def _streamed_yaml(data: bytes, path: str) -> _Documents:
+    """Like `_yaml_documents`, but a document that is a mapping is read key by key and
+    the items of its `items` sequence one at a time, so a 200 MB `kind: List` is never
+    held whole: as nodes and values it took about 55 times its size. The composer
+    recurses about twice per level of nesting, so the caller (the parser child) allows
+    that much: libyaml stops at 1,000 levels."""
+    loader = _EventLoader(data)
+    loader.anchors = {}
+    try:
+        loader.get_event()  # stream start
+        index = 0
+        while not loader.check_event(yaml.StreamEndEvent):
+            index += 1
+            loader.get_event()  # document start
+            where = f"{path} (document {index})"
+            start = loader.peek_event()
+            if isinstance(start, yaml.MappingStartEvent) and start.anchor is start.tag is None:
+                yield index, _streamed_mapping(loader, where)
+            else:
+                document = loader.construct_document(loader.compose_node(None, None))
+                yield index, None if document is None else iter_objects(document, where)
+            loader.get_event()  # document end
+            loader.anchors = {}
+    finally:
+        loader.dispose()
+
+
+def _streamed_mapping(loader: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """The objects of one top-level mapping, as `iter_objects` would give them. Items
+    are handed on as soon as the kind says the mapping is a list (and the apiVersion
+    an item without a kind needs is known); until then (kubectl writes `items` before
+    `kind`) they wait pickled, in order, a fraction of their size as values."""
+    loader.get_event()  # mapping start
+    header: dict[Any, Any] = {}
+    waiting: list[bytes] = []
+    count = 0  # items read
+    streamed = False  # the first `items` sequence is being, or was, read
+    while not loader.check_event(yaml.MappingEndEvent):
+        key_node = loader.compose_node(None, None)
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            raise ConstructorError(None, None, "a merge key (<<) at the top of a large document",
+                                   key_node.start_mark)  # fmt: skip
+        key = loader.construct_document(key_node)
+        start = loader.peek_event()
+        if (
+            key == "items"
+            and not streamed
+            and isinstance(start, yaml.SequenceStartEvent)
+            and start.anchor is start.tag is None
+        ):
+            streamed = True
+            loader.get_event()  # sequence start
+            while not loader.check_event(yaml.SequenceEndEvent):
+                item = loader.construct_document(loader.compose_node(None, None))
+                ready = _is_list_kind(header.get("kind")) and (
+                    "apiVersion" in header or not isinstance(item, dict) or "kind" in item
+                )
+                if ready and not waiting:
+                    yield f"{where} items[{count}]", _with_kind(item, header)
+                else:
+                    waiting.append(pickle.dumps(item, pickle.HIGHEST_PROTOCOL))
+                count += 1
+            loader.get_event()  # sequence end
+            value: Any = None  # a place in the key order; filled below when not a list
+        else:
+            value = loader.construct_document(loader.compose_node(None, None))
+        try:
+            header[key] = value
+        except TypeError:
+            raise ConstructorError("while constructing a mapping", None, "found unhashable key",
+                                   key_node.start_mark) from None  # fmt: skip
+    loader.get_event()  # mapping end
+    if not streamed:
+        yield from iter_objects(header, where)
+    elif _is_list_kind(header.get("kind")):
+        for index, blob in enumerate(waiting, start=count - len(waiting)):
+            yield f"{where} items[{index}]", _with_kind(pickle.loads(blob), header)
+    else:  # an object that has an `items` field
+        header["items"] = [pickle.loads(blob) for blob in waiting]
+        yield from iter_objects(header, where)
+
+
+class _Values(pickle.Unpickler):
+    """Reads the parser's messages: the builtin types and the datetime values YAML
+    makes, nothing else (the child only writes those; anything more is refused)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "datetime" and name in _DATETIME:
+            return getattr(datetime, name)
+        raise pickle.UnpicklingError(f"unexpected {module}.{name} from the parser")
+
+
+_DATETIME = frozenset({"date", "datetime", "time", "timedelta", "timezone"})
+_AGENT_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding agent/
+
+
+def parse_in_child(path: Path, reports: list[Report], count: _Count) -> Iterator[tuple[str, Any]]:
+    """`read_objects` run by a child process (`python -m agent.sources.parse`): parsing
+    a large document holds the interpreter lock in long stretches (a 200 MB `kind: List`
+    kept the health server from answering for seconds); here this process only
+    unpickles one object at a time. Memory stays bounded: the child writes into a pipe,
+    so it waits while the caller decodes, and its parse tree goes when it exits. A child
+    that fails is a problem reading the file, and the objects it sent before are kept."""
+    where = str(path)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [_AGENT_ROOT, env.get("PYTHONPATH")]))
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "agent.sources.parse", where],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, bufsize=1 << 16,
+        )  # fmt: skip
+    except OSError as err:
+        reports.append(Report(where, "", f"cannot start the parser process: {err}"))
+        return
+    assert child.stdout is not None
+    ended = False
+    failure = ""
+    try:
+        while not ended:
+            try:  # an unpickler per message: each pickle numbers its memo from 0
+                message = _Values(child.stdout).load()
+            except EOFError:
+                break
+            except (pickle.UnpicklingError, ValueError, TypeError) as err:
+                failure = f": unreadable output ({type(err).__name__}: {err})"
+                break
+            if message[0] == "object":
+                yield message[1], message[2]
+            elif message[0] == "report":
+                reports.append(Report(*message[1:]))
+            else:
+                count.documents = message[1]
+                ended = True
+    finally:
+        child.stdout.close()
+        if not ended:
+            child.kill()
+        status = child.wait()
+    if not ended:
+        how = f"was killed by signal {-status}" if status < 0 else f"exited with status {status}"
+        text = f"the parser process {how}{failure}; rest of file skipped"
+        reports.append(Report(where, "", text))
 
 
 def _why(err: BaseException) -> str:
@@ -328,12 +515,13 @@ class FileLoad:
         return self.documents == 0 and self.problem is None
 
 
-def load_file(path: Path) -> FileLoad:
-    """Read and decode one file; never raises for bad input."""
+def load_file(path: Path, child_from: int | None = CHILD_FROM) -> FileLoad:
+    """Read and decode one file; never raises for bad input. A file larger than
+    `child_from` bytes is parsed in a child process (None: never)."""
     load = FileLoad(path)
     count = _Count()
     with gc_paused():
-        for where, obj in read_objects(path, load.reports, count):
+        for where, obj in read_objects(path, load.reports, count, child_from):
             decoded = decode_object(obj)
             for warning in decoded.warnings:
                 load.reports.append(Report(where, decoded.ref, warning, error=False))

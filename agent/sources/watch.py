@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..model.types import ClusterState
 from ..sync.store import StateStore, Value
-from .manifests import Entry, FileLoad, load_file, manifest_files, merge, unreadable
+from .manifests import CHILD_FROM, Entry, FileLoad, load_file, manifest_files, merge, unreadable
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class ManifestSource:
         self._values: dict[str, Value] = {}  # ref → value, as last handed to the store
         self._missing: set[str] = set()  # named directories found missing (logged once)
         self.loads = 0
+        self.child_from: int | None = CHILD_FROM  # larger files are parsed in a child process
         # A path named that does not exist is an error now: starting empty would look
         # healthy and program nothing.
         for path in self.paths:
@@ -134,7 +135,7 @@ class ManifestSource:
                 # unchanged: a pending removal is now due (the file stayed as it was)
                 files[path] = self._settle(path, key, old, old.load, True) if old.pending else old
                 continue
-            load = load_file(Path(path))
+            load = load_file(Path(path), self.child_from)
             fresh_paths.add(path)
             files[path] = self._settle(path, key, old, load, stable=first)
         gone_roots: dict[str, list[Entry]] = {}

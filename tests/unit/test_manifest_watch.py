@@ -238,7 +238,9 @@ def test_only_changed_files_are_read_again(tmp_path: Path, monkeypatch: pytest.M
     source.load()
     read: list[str] = []
     real = watch.load_file
-    monkeypatch.setattr(watch, "load_file", lambda path: read.append(path.name) or real(path))
+    monkeypatch.setattr(
+        watch, "load_file", lambda path, *rest: read.append(path.name) or real(path, *rest)
+    )
     write(tmp_path / "b.yaml", SERVICE.format(name="other", ip="10.96.0.12", port=9090))
     source.load()
     assert read == ["b.yaml"]
