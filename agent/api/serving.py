@@ -57,6 +57,7 @@ MAX_HEAD = 32768  # bytes of request line and headers; more is answered 431
 MAX_HEADERS = 100  # header fields; more is answered 431
 WORKERS = 2  # default threads per server for handlers that may block
 CLOSE_TIMEOUT = 5.0  # seconds close() waits for the threads it started
+START_TIMEOUT = 5.0  # seconds serve() waits for the event loop to take a new listener
 BACKLOG = 1024  # listen queue, and connections accepted per loop iteration
 OPEN_FILES_WANTED = 65536  # soft RLIMIT_NOFILE the agent asks for at start
 ALLOWED_METHODS = ("GET", "HEAD")
@@ -258,7 +259,8 @@ def _release_loop(shared: _Loop, deadline: float) -> None:
         if _current is shared:
             _current = None
         shared.loop.call_soon_threadsafe(shared.loop.stop)
-        shared.thread.join(max(0.0, deadline - time.monotonic()))
+        if threading.current_thread() is not shared.thread:  # else it stops on return
+            shared.thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class _Table:
@@ -321,7 +323,8 @@ class _Workers:
         for _ in threads:
             self._jobs.put(None)
         for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is not threading.current_thread():  # a handler closing its server
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 # --- one connection -----------------------------------------------------------------------
@@ -542,15 +545,28 @@ class Server:
         )
         self.shared = _acquire_loop()
         try:
-            start = self.shared.loop.create_server(
-                lambda: _Connection(self), sock=listener, backlog=BACKLOG
-            )
-            future = asyncio.run_coroutine_threadsafe(start, self.shared.loop)
-            self._server = future.result(CLOSE_TIMEOUT)
+            self._server = self._start(listener)
         except BaseException:
             listener.close()
             _release_loop(self.shared, time.monotonic() + CLOSE_TIMEOUT)
             raise
+
+    def _start(self, listener: socket.socket) -> asyncio.Server:
+        """Have the loop serve `listener`, waiting at most START_TIMEOUT."""
+        if threading.current_thread() is self.shared.thread:  # it would wait for itself
+            raise RuntimeError(f"{self.name}: serve() called on the HTTP event loop's thread")
+        start = self.shared.loop.create_server(
+            lambda: _Connection(self), sock=listener, backlog=BACKLOG
+        )
+        future = asyncio.run_coroutine_threadsafe(start, self.shared.loop)
+        try:
+            return future.result(START_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # if the loop gets to it, it finds the socket closed anyway
+            raise TimeoutError(
+                f"{self.name}: the HTTP event loop did not start serving {self.address} "
+                f"within {START_TIMEOUT:g} s (is it blocked?)"
+            ) from None
 
     @property
     def address(self) -> str:
