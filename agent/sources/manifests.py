@@ -344,8 +344,9 @@ def parse_in_child(path: Path, reports: list[Report], count: _Count) -> Iterator
             [sys.executable, "-m", "agent.sources.parse", where],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, bufsize=1 << 16,
         )  # fmt: skip
-    except OSError as err:
-        reports.append(Report(where, "", f"cannot start the parser process: {err}"))
+    except OSError as err:  # no interpreter to run (an embedding): parse it here
+        log.warning("%s: cannot start the parser process (%s); parsing it here", where, err)
+        yield from read_objects(path, reports, count)
         return
     assert child.stdout is not None
     ended = False

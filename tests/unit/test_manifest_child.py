@@ -192,6 +192,21 @@ def test_a_parser_child_that_fails_keeps_the_last_good_objects(
     assert line.endswith("keeping its 1 last good object until it can be read")
 
 
+def test_without_an_interpreter_to_start_the_file_is_parsed_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "list.yaml"
+    path.write_text(KUBECTL_ORDER)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    with caplog.at_level(logging.WARNING):
+        load = load_file(path, child_from=0)
+    assert [e.ref for e in load.entries] == ["Service default/web"]
+    assert not load.reports
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"{path}: cannot start the parser process (")
+    assert line.endswith("); parsing it here")
+
+
 def test_the_agent_unpickles_plain_values_and_dates_only() -> None:
     plain = ("object", "f.yaml", {"a": [1, 2.5, None, True, b"x", {1, 2}]})
     assert manifests._Values(io.BytesIO(pickle.dumps(plain))).load() == plain
