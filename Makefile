@@ -1,7 +1,12 @@
 # kube-bpf-proxy developer and CI entry points. Run as root (apt-get, /lib/modules, BPF).
 #
 #   make setup   Debian packages (deps/debian.txt), kernel headers for bcc, .venv
-#   make test    ruff check, then pytest (PYTEST_ARGS='-k foo' passes arguments through)
+#   make test    ruff check, then pytest: every tier below (PYTEST_ARGS='-k foo' passes
+#                arguments through; what .ci/run runs)
+#   make test-unit    tests/unit: model, compiler, sources, renderers, local servers (no root)
+#   make test-api     tests/api: the Kubernetes source and sync loop against kmock
+#   make test-kernel  tests/kernel: BPF programs, namespaces, real traffic (root)
+#                Times and how to leave out the slow tests: README.md, "Test tiers".
 #   make fuzz    the hostile-input fuzz tests at length (FUZZ_EXAMPLES=5000 each, minutes)
 #   make lab     the network-namespace lab: examples/ on three namespace nodes, real requests
 #   make clean   remove .venv and caches (never system packages)
@@ -21,7 +26,7 @@ FUZZ_EXAMPLES ?= 5000
 
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: setup debian-packages kernel-headers test fuzz lab clean
+.PHONY: setup debian-packages kernel-headers test test-unit test-api test-kernel fuzz lab clean
 
 setup: debian-packages kernel-headers $(STAMP)
 
@@ -51,6 +56,9 @@ $(STAMP): pyproject.toml | debian-packages
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+test-unit test-api test-kernel: test-%: setup
+	$(PYTHON) -m pytest tests/$* $(PYTEST_ARGS)
 
 # `make test` runs the same tests bounded to a few seconds (60 examples each).
 fuzz: setup

@@ -40,6 +40,10 @@ import pytest
 from .extlab import DATAPLANES, EXTERNAL_IFNAME, EXTERNAL_IP, LB_VIP, ExtLab, answers
 from .lab import Result
 
+# Slow (a two-node lab with agents, built per dataplane in the first test of each):
+# `-m 'not slow'` leaves these out.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
 NODE_A = ("192.0.2.10", "2001:db8::10")
 NODE_B = ("192.0.2.11", "2001:db8::11")
 OUTSIDE_1 = ("192.0.2.100", "2001:db8::100")

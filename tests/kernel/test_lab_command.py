@@ -22,6 +22,10 @@ import pytest
 from agent.lab.expect import TIMES
 from agent.lab.netns import Run, namespaces_of, pids_in, pin_dirs_of, remove_run
 
+# Slow (each test runs `kube-bpf-proxy lab`, limited to 600 s a run; one runs it twice):
+# `-m 'not slow'` leaves these out.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
 ROOT = Path(__file__).parents[2]
 RUN_LINE = re.compile(r"^kube-bpf-proxy lab (r[0-9a-f]{4}):", re.MULTILINE)
 

@@ -40,6 +40,9 @@ from .killapply import (
     trial,
 )
 
+# Slow (up to 40 agents killed and restarted in one test): `-m 'not slow'` leaves these out.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+
 SERVICES, ENDPOINTS = 300, 10
 MAX_WRITE_CALLS = 40  # an apply between A and B makes about ten
 
