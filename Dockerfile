@@ -61,9 +61,12 @@ RUN set -eu; \
 
 # Stage 4: the agent in a venv that sees Debian's bcc (--system-site-packages), installed
 # editable from /opt/kube-bpf-proxy/src because the agent finds bpf/ next to its package
-# (agent/dataplane/ebpf/abi.py), which a wheel would not carry.
+# (agent/dataplane/ebpf/abi.py), which a wheel would not carry. Every Python package comes
+# at the version deps/python-constraints.txt pins (`make setup` installs the same), the
+# build backend included (PIP_CONSTRAINT reaches pip's isolated build environment too).
 FROM runtime AS agent
 COPY pyproject.toml README.md /opt/kube-bpf-proxy/src/
+COPY deps/python-constraints.txt /opt/kube-bpf-proxy/src/deps/python-constraints.txt
 COPY agent /opt/kube-bpf-proxy/src/agent
 COPY bpf /opt/kube-bpf-proxy/src/bpf
 # `kube-bpf-proxy lab` runs these when started from /opt/kube-bpf-proxy/src (or finds
@@ -72,11 +75,15 @@ COPY examples /opt/kube-bpf-proxy/src/examples
 # The bytecode stays, compiled for this image's Python and valid whatever the files'
 # times (unchecked-hash: the sources never change in the image): without it every start
 # compiles the agent and its libraries again (imports 1.9 s cold against 0.7 s warm),
-# which is time a restarted node waits for its first apply.
+# which is time a restarted node waits for its first apply. pip and setuptools leave the
+# venv once the agent is in: nothing installs anything in a running image.
 RUN set -eu; \
     python3 -m venv --system-site-packages /opt/kube-bpf-proxy/venv; \
-    /opt/kube-bpf-proxy/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
+    PIP_CONSTRAINT=/opt/kube-bpf-proxy/src/deps/python-constraints.txt \
+        /opt/kube-bpf-proxy/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
         -e /opt/kube-bpf-proxy/src; \
+    /opt/kube-bpf-proxy/venv/bin/python -m pip uninstall -y -q --disable-pip-version-check \
+        pip setuptools; \
     /opt/kube-bpf-proxy/venv/bin/python -m compileall -q -j 0 \
         --invalidation-mode unchecked-hash /opt/kube-bpf-proxy
 
