@@ -477,3 +477,23 @@ def test_a_periodic_resync_after_our_rules_were_removed_rewrites_them_at_once(ip
             expected_chains.pop(STATE, None)  # the rules, its time differs
             assert held == expected_chains, (family, table)
     assert dp.apply(state(BEFORE), full=True) == 0  # rules in place: nothing to write
+
+
+def test_a_restart_that_cannot_adopt_renders_each_entry_once(iptables_ns, monkeypatch):
+    """The adoption check renders every entry to compare digests; the rewrite that follows
+    a mismatch reuses those rules instead of rendering them again."""
+    IptablesDataplane(POD_INTERFACES, netns=iptables_ns).apply(state(BEFORE))
+    rendered: list[str] = []
+    real = iptables_dataplane.entry_rules
+
+    def counting(entry, options):
+        rendered.append(entry.name)
+        return real(entry, options)
+
+    monkeypatch.setattr(iptables_dataplane, "entry_rules", counting)
+    restarted = IptablesDataplane(POD_INTERFACES, netns=iptables_ns)
+    assert restarted.held_revision is not None  # a marker to compare with
+    changed = state(AFTER)
+    assert restarted.apply(changed) > 0  # the marker's digest differs: a full rewrite
+    assert sorted(rendered) == sorted(e.name for e in changed.services)
+    assert_kernel_holds(iptables_ns, changed)

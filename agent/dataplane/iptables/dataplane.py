@@ -301,9 +301,11 @@ class IptablesDataplane:
         by_family: dict[str, list[ServiceEntry]] = {family: [] for family in FAMILIES}
         for entry in state.services:
             by_family[entry.ip_family].append(entry)
+        rendered: dict[str, _Held] = {}  # what _adopt rendered, for the rewrite to reuse
         if self._found:
             found, self._found = self._found, {}  # adopted once, at the first apply
-            if self._adopt(state, by_family, found):
+            rendered = self._render(state, by_family)
+            if self._adopt(state, rendered, found):
                 self._last_full = now
                 self._clear_other_backend()
                 return 0
@@ -318,8 +320,9 @@ class IptablesDataplane:
             for family in FAMILIES:
                 options = self._options(state, family)
                 writes += self._apply_family(
-                    family, options, by_family[family], rewrite_all, removed_udp, state.revision
-                )
+                    family, options, by_family[family], rewrite_all, removed_udp, state.revision,
+                    rendered.get(family),
+                )  # fmt: skip
             if rewrite_all or full:
                 writes += self._ensure_jumps()
         except DataplaneError:
@@ -355,31 +358,39 @@ class IptablesDataplane:
                      "%s backend (this agent uses %s)", len(removed), other.name,
                      self.backend.name)  # fmt: skip
 
-    def _adopt(
-        self,
-        state: NodeState,
-        by_family: dict[str, list[ServiceEntry]],
-        found: dict[str, tuple[str, str, int]],
-    ) -> bool:
-        """Take what an earlier agent wrote as held, writing nothing, when every family's
-        marker names the digest of the rules this state renders and no jump rule is
-        missing. The per-entry rules are rendered either way (a rewrite needs them too)."""
-        held: dict[str, _Held] = {}
+    def _render(
+        self, state: NodeState, by_family: dict[str, list[ServiceEntry]]
+    ) -> dict[str, _Held]:
+        """Every entry's rules and digest, per family."""
+        rendered: dict[str, _Held] = {}
         for family in FAMILIES:
             options = self._options(state, family)
             entries = {e.sort_key: e for e in by_family[family]}
             rules = {key: entry_rules(e, options) for key, e in entries.items()}
             digests = {key: entry_digest(r) for key, r in rules.items()}
+            rendered[family] = _Held(options, entries, rules, digests)
+        return rendered
+
+    def _adopt(
+        self,
+        state: NodeState,
+        rendered: dict[str, _Held],
+        found: dict[str, tuple[str, str, int]],
+    ) -> bool:
+        """Take what an earlier agent wrote as held, writing nothing, when every family's
+        marker names the digest of the rules this state renders (`rendered`, which a
+        rewrite reuses when this says no) and no jump rule is missing."""
+        for family, held in rendered.items():
             marker_found = found.get(family)
-            if marker_found is None or marker_found[1] != rules_digest(options, digests.values()):
+            digest = rules_digest(held.options, held.digests.values())
+            if marker_found is None or marker_found[1] != digest:
                 return False
-            held[family] = _Held(options, entries, rules, digests)
         try:
             if self._missing_jumps():
                 return False
         except DataplaneError:
             return False
-        self._held = held
+        self._held = dict(rendered)
         self._needs_full = False
         self._revision = state.revision
         self.last_writes = dict.fromkeys(FAMILIES, 0)
@@ -399,8 +410,13 @@ class IptablesDataplane:
         rewrite_all: bool,
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]],
         revision: str = "",
+        rendered: _Held | None = None,
     ) -> int:
+        """Write one family's changes (all of it with `rewrite_all`); `rendered`: rules
+        this apply already rendered for these entries and options, reused."""
         held = self._held.get(family)
+        if rendered is not None and rendered.options != options:
+            rendered = None
         if held is not None and held.options != options:
             rewrite_all = True  # the pod CIDRs changed: every EXT chain may differ
         new_entries = {e.sort_key: e for e in entries}
@@ -416,8 +432,11 @@ class IptablesDataplane:
                 rules[key] = old_rules[key]
                 digests[key] = old_digests[key]
                 continue
-            rules[key] = entry_rules(entry, options)
-            digests[key] = entry_digest(rules[key])
+            if rendered is not None and rendered.entries.get(key) is entry:
+                rules[key], digests[key] = rendered.rules[key], rendered.digests[key]
+            else:
+                rules[key] = entry_rules(entry, options)
+                digests[key] = entry_digest(rules[key])
             rewritten.append(rules[key])
             if old is not None and old.protocol == "UDP":
                 removed_udp.append((old, entry))
