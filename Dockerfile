@@ -108,10 +108,10 @@ COPY --from=agent /opt/kube-bpf-proxy /opt/kube-bpf-proxy
 # bcc's own lookup uses /lib/modules/<release>/source when it is a directory, else
 # /lib/modules/<release>/build; kconfig.h is the file it checks for.
 COPY scripts/image-entrypoint.sh /usr/local/bin/kube-bpf-proxy
-# `python` is the agent's venv, so `python -m agent ...` as the README shows works in the
-# container too (Debian itself has only python3).
-RUN chmod 0755 /usr/local/bin/kube-bpf-proxy \
-    && ln -s /opt/kube-bpf-proxy/venv/bin/python /usr/local/bin/python
+# `python` runs the agent's venv, so `python -m agent ...` as the README shows works in
+# the container too (Debian itself has only python3).
+COPY scripts/image-python.sh /usr/local/bin/python
+RUN chmod 0755 /usr/local/bin/kube-bpf-proxy /usr/local/bin/python
 
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["kube-bpf-proxy"]

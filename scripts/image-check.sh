@@ -63,8 +63,23 @@ if ! bh inspect --type image "$base" >/dev/null 2>&1; then
     bh commit -q "$ctr" "$base" >/dev/null
 fi
 
+# The builder's network: where this host's pip trusts an extra CA bundle (an intercepting
+# proxy), the build's pip is given the same one for its RUN steps; the image keeps none.
+volumes=()
+pip_cert="${PIP_CERT:-}"
+for python in "$here/.venv/bin/python" python3; do
+    [[ -z "$pip_cert" ]] || break
+    pip_cert=$("$python" -m pip config list 2>/dev/null \
+        | sed -n -e "s/^[a-z:]*\.cert='\(.*\)'\$/\1/p" | head -n 1) || pip_cert=""
+done
+if [[ -n "$pip_cert" && -f "$pip_cert" ]]; then
+    printf '[global]\ncert = /run/kbp-build-ca.crt\n' >"$work/pip.conf"
+    volumes=(-v "$pip_cert:/run/kbp-build-ca.crt:ro" -v "$work/pip.conf:/etc/pip.conf:ro")
+    step "the build's pip trusts $pip_cert (this host's pip setting)"
+fi
+
 step "buildah bud --isolation chroot (the Dockerfile, no BuildKit)"
-bh bud --isolation chroot --layers=false --build-arg "BASE=$base" -t "$image" "$here" \
+bh bud --isolation chroot --layers=false "${volumes[@]}" --build-arg "BASE=$base" -t "$image" "$here" \
     >"$work/build.log" 2>&1 || { tail -n 40 "$work/build.log" >&2; exit 1; }
 step "built"
 
@@ -93,6 +108,7 @@ check "the fallback kernel headers" test -f /usr/lib/kube-bpf-proxy/kernel-heade
 check "bcc imports in the agent's venv" python -c 'import bcc'
 check "no pip or setuptools in the venv" sh -c '! python -c "import pip" 2>/dev/null && \
     ! python -c "import setuptools" 2>/dev/null'
+check "no pip configuration left from the build" sh -c '! test -s /etc/pip.conf'
 check "no Debian python3-yaml under the venv's PyYAML" sh -c '! dpkg-query -W python3-yaml 2>/dev/null'
 # The venv's own Python packages (not Debian's) against the pins, names canonicalised.
 canonical() { tr 'A-Z_.' 'a-z--' | sort; }
@@ -108,6 +124,10 @@ else
     fail=1
 fi
 
+step "where the space goes (MB):"
+run sh -c 'du -xsm /usr/lib/x86_64-linux-gnu /usr/lib/llvm-* /usr/lib/python3* /usr/lib/python3 \
+    /usr/share /usr/src /opt/kube-bpf-proxy/venv /opt/kube-bpf-proxy/src \
+    /usr/lib/kube-bpf-proxy /var 2>/dev/null | sort -rn | head -n 12' | sed -e 's/^/    /'
 size=$(bh images --format '{{.Size}}' "$image" 2>/dev/null || echo unknown)
 archive="$work/image.tar"
 bh push -q "$image" "docker-archive:$archive:kube-bpf-proxy:check" >/dev/null 2>&1 || true

@@ -485,11 +485,17 @@ def test_the_image_runs_kube_bpf_proxy_run_through_the_header_wrapper():
     (wrapper,) = [c for c in final.named("COPY") if "image-entrypoint.sh" in c.arguments]
     assert wrapper.arguments.split() == ["scripts/image-entrypoint.sh",
                                          "/usr/local/bin/kube-bpf-proxy"]  # fmt: skip
-    chmod = "chmod 0755 /usr/local/bin/kube-bpf-proxy"
+    chmod = "chmod 0755 /usr/local/bin/kube-bpf-proxy /usr/local/bin/python"
     assert any(chmod in run.arguments for run in final.named("RUN"))
-    # `python -m agent` (the README's form) runs the venv's interpreter in the image.
-    python = "ln -s /opt/kube-bpf-proxy/venv/bin/python /usr/local/bin/python"
-    assert any(python in run.arguments for run in final.named("RUN"))
+    # `python -m agent` (the README's form) runs the venv's interpreter in the image,
+    # started by its venv path (a symlink would start the system's Python).
+    (python,) = [c for c in final.named("COPY") if "image-python.sh" in c.arguments]
+    assert python.arguments.split() == ["scripts/image-python.sh", "/usr/local/bin/python"]
+    assert (
+        (ROOT / "scripts/image-python.sh")
+        .read_text(encoding="utf-8")
+        .endswith('\nexec /opt/kube-bpf-proxy/venv/bin/python "$@"\n')
+    )
     text = ENTRYPOINT_SCRIPT.read_text(encoding="utf-8")
     assert text.startswith("#!/bin/sh\n")
     assert 'exec "$root/opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy" "$@"' in text
@@ -499,8 +505,10 @@ def test_the_image_runs_kube_bpf_proxy_run_through_the_header_wrapper():
     assert f'BCC_KERNEL_SOURCE="$root{fallback}"' in text
 
 
-def test_the_entrypoint_wrapper_is_valid_posix_shell():
-    done = subprocess.run(["sh", "-n", str(ENTRYPOINT_SCRIPT)], capture_output=True, text=True,
+@pytest.mark.parametrize("script", [ENTRYPOINT_SCRIPT, ROOT / "scripts/image-python.sh"],
+                         ids=lambda p: p.name)  # fmt: skip
+def test_the_images_wrappers_are_valid_posix_shell(script: Path):
+    done = subprocess.run(["sh", "-n", str(script)], capture_output=True, text=True,
                           check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
 
@@ -516,10 +524,13 @@ def image_entrypoint(root: Path) -> Path:
     makes it (its COPY of the wrapper, then its RUN), and a stand-in for the agent it
     execs that prints its arguments and BCC_KERNEL_SOURCE as JSON."""
     final = dockerfile_stages()[-1]
+    for copy in final.named("COPY"):
+        if not copy.arguments.startswith("--from="):  # the build context's files
+            source, destination = copy.arguments.split()
+            (root / destination.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / source, root / destination.lstrip("/"))
     (copy,) = [c for c in final.named("COPY") if "image-entrypoint.sh" in c.arguments]
-    source, destination = copy.arguments.split()
-    (root / destination.lstrip("/")).parent.mkdir(parents=True)
-    shutil.copy(ROOT / source, root / destination.lstrip("/"))
+    destination = copy.arguments.split()[-1]
     agent = root / "opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy"
     agent.parent.mkdir(parents=True)
     agent.write_text(
