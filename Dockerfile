@@ -50,20 +50,25 @@ RUN set -eu; \
 
 # Stage 3: the runtime packages. libbpfcc brings clang and LLVM as libraries
 # (libclang-cpp, libllvm): bcc compiles bpf/*.c when the agent starts, so that compiler
-# stays by design; there is no gcc, make or kbuild in the image.
+# stays by design; there is no gcc, make or kbuild in the image. `apt-get clean`: a base
+# without Docker's apt hook (a debootstrapped one) keeps every downloaded .deb, 75 MB.
 FROM ${BASE} AS runtime
 COPY --from=package-lists /deps/runtime.txt /usr/share/kube-bpf-proxy/debian-packages.txt
 RUN set -eu; \
     export DEBIAN_FRONTEND=noninteractive; \
     apt-get update -q; \
     apt-get install -y -q --no-install-recommends $(cat /usr/share/kube-bpf-proxy/debian-packages.txt); \
+    apt-get clean; \
     rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 
 # Stage 4: the agent in a venv that sees Debian's bcc (--system-site-packages), installed
 # editable from /opt/kube-bpf-proxy/src because the agent finds bpf/ next to its package
-# (agent/dataplane/ebpf/abi.py), which a wheel would not carry.
+# (agent/dataplane/ebpf/abi.py), which a wheel would not carry. Every Python package comes
+# at the version deps/python-constraints.txt pins (`make setup` installs the same), the
+# build backend included (PIP_CONSTRAINT reaches pip's isolated build environment too).
 FROM runtime AS agent
 COPY pyproject.toml README.md /opt/kube-bpf-proxy/src/
+COPY deps/python-constraints.txt /opt/kube-bpf-proxy/src/deps/python-constraints.txt
 COPY agent /opt/kube-bpf-proxy/src/agent
 COPY bpf /opt/kube-bpf-proxy/src/bpf
 # `kube-bpf-proxy lab` runs these when started from /opt/kube-bpf-proxy/src (or finds
@@ -72,11 +77,15 @@ COPY examples /opt/kube-bpf-proxy/src/examples
 # The bytecode stays, compiled for this image's Python and valid whatever the files'
 # times (unchecked-hash: the sources never change in the image): without it every start
 # compiles the agent and its libraries again (imports 1.9 s cold against 0.7 s warm),
-# which is time a restarted node waits for its first apply.
+# which is time a restarted node waits for its first apply. pip and setuptools leave the
+# venv once the agent is in: nothing installs anything in a running image.
 RUN set -eu; \
     python3 -m venv --system-site-packages /opt/kube-bpf-proxy/venv; \
-    /opt/kube-bpf-proxy/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
+    PIP_CONSTRAINT=/opt/kube-bpf-proxy/src/deps/python-constraints.txt \
+        /opt/kube-bpf-proxy/venv/bin/pip install --no-cache-dir --disable-pip-version-check \
         -e /opt/kube-bpf-proxy/src; \
+    /opt/kube-bpf-proxy/venv/bin/python -m pip uninstall -y -q --disable-pip-version-check \
+        pip setuptools; \
     /opt/kube-bpf-proxy/venv/bin/python -m compileall -q -j 0 \
         --invalidation-mode unchecked-hash /opt/kube-bpf-proxy
 
@@ -101,10 +110,10 @@ COPY --from=agent /opt/kube-bpf-proxy /opt/kube-bpf-proxy
 # bcc's own lookup uses /lib/modules/<release>/source when it is a directory, else
 # /lib/modules/<release>/build; kconfig.h is the file it checks for.
 COPY scripts/image-entrypoint.sh /usr/local/bin/kube-bpf-proxy
-# `python` is the agent's venv, so `python -m agent ...` as the README shows works in the
-# container too (Debian itself has only python3).
-RUN chmod 0755 /usr/local/bin/kube-bpf-proxy \
-    && ln -s /opt/kube-bpf-proxy/venv/bin/python /usr/local/bin/python
+# `python` runs the agent's venv, so `python -m agent ...` as the README shows works in
+# the container too (Debian itself has only python3).
+COPY scripts/image-python.sh /usr/local/bin/python
+RUN chmod 0755 /usr/local/bin/kube-bpf-proxy /usr/local/bin/python
 
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["kube-bpf-proxy"]

@@ -1,6 +1,7 @@
 # kube-bpf-proxy developer and CI entry points. Run as root (apt-get, /lib/modules, BPF).
 #
-#   make setup   Debian packages (deps/debian.txt), kernel headers for bcc, .venv
+#   make setup   Debian packages (deps/debian.txt), kernel headers for bcc, .venv (pinned by
+#                deps/python-constraints.txt)
 #   make test    ruff check, then pytest: every tier below (PYTEST_ARGS='-k foo' passes
 #                arguments through; what .ci/run runs)
 #   make test-unit    tests/unit: model, compiler, sources, renderers, local servers (no root)
@@ -9,6 +10,8 @@
 #                Times and how to leave out the slow tests: README.md, "Test tiers".
 #   make fuzz    the hostile-input fuzz tests at length (FUZZ_EXAMPLES=5000 each, minutes)
 #   make lab     the network-namespace lab: examples/ on three namespace nodes, real requests
+#   make image-check  build the image with buildah (no BuildKit) on a debootstrapped Debian 12
+#                base and check what it carries (minutes; needs buildah, debootstrap, network)
 #   make clean   remove .venv and caches (never system packages)
 
 SHELL := /bin/bash
@@ -19,6 +22,7 @@ VENV        := .venv
 PYTHON      := $(VENV)/bin/python
 STAMP       := $(VENV)/.installed-stamp
 DEBIAN_DEPS := deps/debian.txt
+PYTHON_PINS := deps/python-constraints.txt
 HASH        := \#
 DEBS        := $(shell sed -e 's/$(HASH).*//' $(DEBIAN_DEPS))
 PYTEST_ARGS ?=
@@ -26,7 +30,7 @@ FUZZ_EXAMPLES ?= 5000
 
 export DEBIAN_FRONTEND := noninteractive
 
-.PHONY: setup debian-packages kernel-headers test test-unit test-api test-kernel fuzz lab clean
+.PHONY: setup debian-packages kernel-headers test test-unit test-api test-kernel fuzz lab image-check clean
 
 setup: debian-packages kernel-headers $(STAMP)
 
@@ -47,10 +51,12 @@ debian-packages:
 kernel-headers: debian-packages
 	@bash scripts/kernel-headers.sh
 
-# The venv sees Debian's python3-bpfcc (import bcc); reinstalled when pyproject.toml changes.
-$(STAMP): pyproject.toml | debian-packages
+# The venv sees Debian's python3-bpfcc (import bcc); reinstalled when pyproject.toml or the
+# pins change. PIP_CONSTRAINT (not -c) also pins pip's isolated build environment.
+$(STAMP): pyproject.toml $(PYTHON_PINS) | debian-packages
 	@[[ -x $(PYTHON) ]] || /usr/bin/python3 -m venv --system-site-packages $(VENV)
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	PIP_CONSTRAINT=$(PYTHON_PINS) $(PYTHON) -m pip install --quiet --disable-pip-version-check \
+	    -e '.[test]'
 	@touch $@
 
 test: setup
@@ -66,6 +72,10 @@ fuzz: setup
 
 lab: setup
 	$(VENV)/bin/kube-bpf-proxy lab
+
+# Not part of `make test`: a full image build takes minutes (README.md says how many).
+image-check:
+	bash scripts/image-check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build *.egg-info

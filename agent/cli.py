@@ -35,6 +35,7 @@ RUN_SETTINGS = [
     "api_request_timeout",
     *NODE_SETTINGS,
     "dataplane",
+    "iptables_backend",
     "bpffs",
     "pod_interfaces",
     "external_interfaces",
@@ -209,17 +210,20 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         if args.verbose:
             print(*(f"  interface {name}" for name in interfaces), sep="\n")
             print(*(f"  pin {pin}" for pin in pins), sep="\n")
-    try:
-        from .dataplane.iptables.dataplane import cleanup as cleanup_iptables
+    # Both iptables backends: an agent may have written to either (--iptables-backend).
+    from .dataplane.iptables.dataplane import cleanup as cleanup_iptables
+    from .dataplane.iptables.dataplane import installed_backends
 
-        removed = cleanup_iptables()
-    except Exception as err:
-        print(f"kube-bpf-proxy cleanup: iptables: {err}", file=sys.stderr)
-        ok = False
-    else:
-        print(f"iptables: removed {iptables_summary(removed)}")
-        if args.verbose:
-            print(*(f"  {item}" for item in removed), sep="\n")
+    for backend in installed_backends():
+        try:
+            removed = cleanup_iptables(backend=backend)
+        except Exception as err:
+            print(f"kube-bpf-proxy cleanup: iptables ({backend.name}): {err}", file=sys.stderr)
+            ok = False
+        else:
+            print(f"iptables ({backend.name}): removed {iptables_summary(removed)}")
+            for item in removed if args.verbose else ():
+                print(f"  {item}")
     return 0 if ok else 1
 
 

@@ -171,6 +171,15 @@ class Settings:
             choices=("auto", "ebpf", "iptables", "none"),
         ),
     )
+    iptables_backend: str = field(
+        default="auto",
+        metadata=_opt(
+            "--iptables-backend",
+            "which iptables the iptables dataplane writes to: auto uses the backend that "
+            "already holds the node's rules (kubelet's, the CNI's), nft when neither does",
+            choices=("auto", "nft", "legacy"),
+        ),
+    )
     bpffs: str = field(
         default="/sys/fs/bpf/kube-bpf-proxy",
         metadata=_opt(

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     from unittest import mock
 
     from agent.dataplane.ebpf.netlink import TcAttacher
-    from agent.dataplane.iptables import dataplane as iptables_module
+    from agent.dataplane.iptables import backend as iptables_module  # its COMMAND_TIMEOUT
     from agent.dataplane.iptables.dataplane import IptablesDataplane, unavailable_reason
     from bench.compile import RESULTS
     from bench.datapath import (

@@ -23,8 +23,8 @@ timed whole (render in Python, `iptables-save` of the kernel's chains on a full 
 restores of both families, the jump rules), and its subprocesses are timed one by one by
 wrapping the module's `_run`.
 
-Steps per size and backend (nft = `iptables-restore`, legacy = `iptables-legacy-restore`;
-ours is pointed at the legacy tools by patching the module's tool tables):
+Steps per size and backend (nft = `iptables-nft-restore`, legacy = `iptables-legacy-restore`;
+ours is given the backend as `--iptables-backend` would):
 
     full      into an empty fresh namespace, floor and ours in turn, repeated
     restart   a new IptablesDataplane over its own rules (reads them back, rewrites all);
@@ -70,8 +70,10 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.config import DEFAULT_POD_INTERFACES
+from agent.dataplane.iptables import backend as iptables_backend
 from agent.dataplane.iptables import dataplane as iptables_module
 from agent.dataplane.iptables import render as iptables_render
+from agent.dataplane.iptables.backend import find_backend
 from agent.dataplane.iptables.dataplane import IptablesDataplane
 from agent.model.compile import CompileOptions, Compiler
 from agent.model.decode import decode_object
@@ -138,21 +140,22 @@ class Backend:
     def for_dataplane(self) -> Iterator[None]:
         """Point agent/dataplane/iptables at this backend's tools while inside, with the
         bench's command timeout (the module's 300 s is shorter than an nft restore at 10k)."""
+        tools = find_backend(self.name)
+        assert tools is not None, f"iptables-{self.name} is not installed"
         with (
-            mock.patch.dict(iptables_module.RESTORE, self.restore),
-            mock.patch.dict(iptables_module.SAVE, self.save),
-            mock.patch.dict(iptables_module.IPTABLES, self.iptables),
-            mock.patch.object(iptables_module, "COMMAND_TIMEOUT", TOOL_TIMEOUT),
-        ):
+            mock.patch.object(iptables_module, "choose_backend",
+                              lambda requested, netns=None: (tools, "the bench's")),
+            mock.patch.object(iptables_backend, "COMMAND_TIMEOUT", TOOL_TIMEOUT),
+        ):  # fmt: skip
             yield
 
 
 BACKENDS = {
     "nft": Backend(
         "nft",
-        {"IPv4": "iptables-restore", "IPv6": "ip6tables-restore"},
-        {"IPv4": "iptables-save", "IPv6": "ip6tables-save"},
-        {"IPv4": "iptables", "IPv6": "ip6tables"},
+        {"IPv4": "iptables-nft-restore", "IPv6": "ip6tables-nft-restore"},
+        {"IPv4": "iptables-nft-save", "IPv6": "ip6tables-nft-save"},
+        {"IPv4": "iptables-nft", "IPv6": "ip6tables-nft"},
     ),
     "legacy": Backend(
         "legacy",
@@ -557,7 +560,7 @@ class Calls:
         return sum(1 for c in self.calls if tool_kind(c.tool) == kind)
 
     def restore_inputs(self, family: str = "IPv4") -> list[str]:
-        tool = iptables_module.RESTORE[family]  # the backend's, while it is patched in
+        tool = iptables_module.choose_backend("auto")[0].restore(family)  # while patched in
         return [c.stdin for c in self.calls if c.tool == tool and c.stdin is not None]
 
 

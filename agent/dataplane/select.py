@@ -83,11 +83,17 @@ def build_iptables(settings: Settings) -> Dataplane:
         module = iptables_module()
     except ImportError as err:
         raise DataplaneError("import", f"cannot import the iptables dataplane: {err}") from err
-    reason = module.unavailable_reason()
+    try:
+        backend, why = module.choose_backend(settings.iptables_backend)
+    except module.BackendError as err:
+        raise DataplaneError("unavailable", str(err)) from err
+    reason = module.unavailable_reason(backend=backend)
     if reason is not None:
         raise DataplaneError("unavailable", reason)
+    log.info("iptables backend: %s (%s)", backend.name, why)
     try:
-        return module.IptablesDataplane(settings.pod_interfaces)
+        return module.IptablesDataplane(settings.pod_interfaces, backend=backend,
+                                        backend_reason=why)  # fmt: skip
     except OSError as err:
         raise DataplaneError("start", str(err)) from err
 
@@ -148,12 +154,9 @@ def remove_ebpf_leftovers(settings: Settings) -> list[str]:
 
 
 def remove_iptables_leftovers() -> list[str]:
-    """Our jump rules and KBP- chains in this namespace; nothing when iptables is absent
-    (nothing of ours can be there then)."""
-    module = iptables_module()
-    if module.unavailable_reason() is not None:
-        return []
-    return list(module.cleanup())
+    """Our jump rules and KBP- chains in this namespace, from both iptables backends;
+    nothing when iptables is absent (nothing of ours can be there then)."""
+    return list(iptables_module().cleanup())
 
 
 def remove_leftovers(dataplane: str, remove: Callable[[], list[str]]) -> None:

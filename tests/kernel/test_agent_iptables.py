@@ -43,7 +43,7 @@ def test_iptables_agent_balances_and_says_which_dataplane_runs(setup) -> None:
         assert state["status"]["dataplane"] == "iptables"
         assert state["heldRevision"] == state["revision"]
         rules = iptables_save(lab)
-        assert "-A PREROUTING -m comment --comment \"kube-bpf-proxy service portals\"" in rules
+        assert '-A PREROUTING -m comment --comment "kube-bpf-proxy service portals"' in rules
         assert f"-d {CLUSTER_IP}/32 -p tcp -m tcp --dport 80" in rules
     finally:
         assert agent.stop() == 0
@@ -132,3 +132,36 @@ def test_switching_dataplanes_leaves_nothing_of_the_other(setup) -> None:
         assert result.errors == {} and set(result.counts) == {"be1", "be2"}, result
     finally:
         assert ebpf.stop() == 0
+
+
+def test_on_a_legacy_iptables_node_the_agent_writes_to_legacy_and_says_why(setup) -> None:
+    lab, manifests, pin_dir = setup
+    # What a CNI running iptables-legacy leaves on the node (matches none of the lab's
+    # traffic: 198.51.100.0/24 is a documentation prefix).
+    for table, rule in (("nat", "-A POSTROUTING -s 10.244.0.0/16 ! -d 10.244.0.0/16 -j MASQUERADE"),
+                        ("filter", "-A INPUT -s 198.51.100.0/24 -j DROP")):  # fmt: skip
+        lab.run_in_node("iptables-legacy", "-w", "5", "-t", table, *rule.split())
+    agent = Agent(lab, manifests, pin_dir, dataplane="iptables")
+    try:
+        line = agent.lines[agent.wait_for_line("iptables backend: legacy")]
+        assert "2 rules in iptables-legacy, 0 in iptables-nft" in line, line
+        agent.wait_for_line("sync: applied revision")
+        result = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 30)
+        assert result.errors == {} and set(result.counts) == {"be1", "be2"}, result
+        backend = agent.state()["status"]["iptablesBackend"]
+        assert backend["name"] == "legacy" and backend["save"] == "iptables-legacy-save"
+        assert backend["reason"].startswith("2 rules in iptables-legacy"), backend
+        assert f"-d {CLUSTER_IP}/32 -p tcp -m tcp --dport 80" in lab.run_in_node(
+            "iptables-legacy-save", "-t", "nat"
+        )
+        assert kbp_lines(lab) == [], "nothing of ours in the nft backend"
+    finally:
+        assert agent.stop() == 0
+
+    done = cli(lab, "cleanup", "--bpffs", str(pin_dir))
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "iptables (nft): removed nothing" in done.stdout, done.stdout
+    (legacy_line,) = [line for line in done.stdout.splitlines() if "(legacy)" in line]
+    assert "IPv4 nat: 3 jump rule(s)" in legacy_line, done.stdout
+    legacy = lab.run_in_node("iptables-legacy-save") + lab.run_in_node("ip6tables-legacy-save")
+    assert "KBP-" not in legacy and "-A INPUT -s 198.51.100.0/24 -j DROP" in legacy

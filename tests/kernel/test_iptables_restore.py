@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from agent.dataplane.iptables import dataplane as iptables_dataplane
+from agent.dataplane.iptables.backend import Backend, find_backend
 from agent.dataplane.iptables.dataplane import (
     IptablesDataplane,
     cleanup,
@@ -44,9 +45,12 @@ from ..unit.test_iptables_golden import examples_render
 
 POD_INTERFACES = ("veth*",)
 POD_CIDRS = ("10.244.0.0/16", "fd00:244::/32")
-SAVE = {IPV4: "iptables-save", IPV6: "ip6tables-save"}
-RESTORE = {IPV4: "iptables-restore", IPV6: "ip6tables-restore"}
-IPTABLES = {IPV4: "iptables", IPV6: "ip6tables"}
+# The backend `auto` picks in a fresh namespace (no rules anywhere): nft, through the
+# same tools the dataplane runs.
+NFT = find_backend("nft") or Backend("nft", "-nft")
+SAVE = {family: NFT.save(family) for family in FAMILIES}
+RESTORE = {family: NFT.restore(family) for family in FAMILIES}
+IPTABLES = {family: NFT.iptables(family) for family in FAMILIES}
 
 
 def in_ns(ns: str, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -225,9 +229,9 @@ def test_a_partial_sync_rewrites_only_the_changed_services_chains(iptables_ns, m
     web_chains = {service_chain(kind, web) for kind in ("SVC", "EXT")}
     dp.apply(second)
     documents = restores.take()
-    assert list(documents) == ["iptables-restore"], "IPv6 did not change: nothing to write"
+    assert list(documents) == [RESTORE[IPV4]], "IPv6 did not change: nothing to write"
     assert dp.last_writes[IPV6] == 0
-    document = documents["iptables-restore"]
+    document = documents[RESTORE[IPV4]]
     written = declared_nat_chains(document) - set(NAT_BASE_CHAINS)
     assert web_chains <= written
     assert all(c in web_chains or c.startswith("KBP-SEP-") for c in written), written
@@ -240,7 +244,7 @@ def test_a_partial_sync_rewrites_only_the_changed_services_chains(iptables_ns, m
     # a Service that goes away takes its chains with it
     third = state(AFTER, with_dns=False)
     dp.apply(third)
-    document = restores.take()["iptables-restore"]
+    document = restores.take()[RESTORE[IPV4]]
     dns = next(e for e in second.services if e.name == "dns")
     assert service_chain("SVC", dns) in deleted_chains(document)
     assert_kernel_holds(iptables_ns, third)
@@ -273,7 +277,7 @@ def test_a_restarted_agent_adopts_what_it_would_write_and_writes_nothing(
     # the next change is a partial sync over the adopted rules
     second = state(AFTER)
     assert restarted.apply(second) > 0
-    assert list(restores.take()) == ["iptables-restore"]
+    assert list(restores.take()) == [RESTORE[IPV4]]
     assert_kernel_holds(iptables_ns, second)
 
     # a restart onto a changed cluster rewrites, and a marker from other rules (here:
@@ -291,7 +295,7 @@ def test_without_its_jump_rules_a_restart_rewrites_even_when_the_marker_matches(
     first = state(BEFORE)
     IptablesDataplane(POD_INTERFACES, netns=iptables_ns).apply(first)
     jump = ["-m", "comment", "--comment", "kube-bpf-proxy service portals", "-j", "KBP-SERVICES"]
-    subprocess.run(["nsenter", f"--net=/run/netns/{iptables_ns}", "iptables", "-t", "nat",
+    subprocess.run(["nsenter", f"--net=/run/netns/{iptables_ns}", IPTABLES[IPV4], "-t", "nat",
                     "-D", "PREROUTING", *jump], check=True)  # fmt: skip
     assert IptablesDataplane(POD_INTERFACES, netns=iptables_ns).apply(first) > 0
     assert "-A PREROUTING" in save(iptables_ns, IPV4)
@@ -473,3 +477,23 @@ def test_a_periodic_resync_after_our_rules_were_removed_rewrites_them_at_once(ip
             expected_chains.pop(STATE, None)  # the rules, its time differs
             assert held == expected_chains, (family, table)
     assert dp.apply(state(BEFORE), full=True) == 0  # rules in place: nothing to write
+
+
+def test_a_restart_that_cannot_adopt_renders_each_entry_once(iptables_ns, monkeypatch):
+    """The adoption check renders every entry to compare digests; the rewrite that follows
+    a mismatch reuses those rules instead of rendering them again."""
+    IptablesDataplane(POD_INTERFACES, netns=iptables_ns).apply(state(BEFORE))
+    rendered: list[str] = []
+    real = iptables_dataplane.entry_rules
+
+    def counting(entry, options):
+        rendered.append(entry.name)
+        return real(entry, options)
+
+    monkeypatch.setattr(iptables_dataplane, "entry_rules", counting)
+    restarted = IptablesDataplane(POD_INTERFACES, netns=iptables_ns)
+    assert restarted.held_revision is not None  # a marker to compare with
+    changed = state(AFTER)
+    assert restarted.apply(changed) > 0  # the marker's digest differs: a full rewrite
+    assert sorted(rendered) == sorted(e.name for e in changed.services)
+    assert_kernel_holds(iptables_ns, changed)

@@ -316,7 +316,7 @@ def test_cleanup_removes_what_either_dataplane_installed(
     assert f"ebpf: detached from 1 interface(s); removed 1 pin(s) under {bpf_pin_dir}" in (
         done.stdout
     )
-    assert "iptables: removed" in done.stdout
+    assert "iptables (nft): removed" in done.stdout
     for save in ("iptables-save", "ip6tables-save"):
         rules = in_netns(node, save).stdout
         assert "KBP-" not in rules, f"{save}:\n{rules}"
@@ -337,5 +337,5 @@ def test_a_failing_cleanup_part_still_runs_the_other_and_exits_1(
     done = in_netns(node, sys.executable, "-m", "agent", "cleanup", "--bpffs", str(pins))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "kube-bpf-proxy cleanup: ebpf:" in done.stderr and "kbp_not_a_pin" in done.stderr
-    assert "iptables: removed" in done.stdout
+    assert "iptables (nft): removed" in done.stdout
     assert "KBP-" not in in_netns(node, "iptables-save").stdout

@@ -171,6 +171,8 @@ RANGE_CASES = [
     ("external_interfaces", [], {"KBP_EXTERNAL_INTERFACES": "eth 0"},
      "KBP_EXTERNAL_INTERFACES: 'eth 0' is not an interface name glob"),
     ("xdp", [], {"KBP_XDP": "maybe"}, "KBP_XDP: 'maybe' is not one of"),
+    ("iptables_backend", [], {"KBP_IPTABLES_BACKEND": "xtables"},
+     "KBP_IPTABLES_BACKEND: 'xtables' is not one of auto, nft, legacy"),
     ("cgroup_root", ["--cgroup-root", "sys/fs/cgroup"], {}, "--cgroup-root: 'sys/fs/cgroup'"),
     ("snat_port_range", ["--snat-port-range", "80-90"], {}, "--snat-port-range: '80-90' must"),
     ("snat_port_range", ["--snat-port-range", "2000-1000"], {}, "must lie within 1024-65535"),
@@ -353,3 +355,14 @@ def test_durations_must_be_finite(text: str) -> None:
 def test_durations_are_written_as_flags_take_them(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
     assert parse_duration(text) == seconds
+
+
+def test_the_iptables_backend_comes_from_flag_env_or_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "kbp.yaml"
+    config.write_text("iptables-backend: legacy\n")
+    assert parse_all([]).iptables_backend == "auto"
+    assert parse_all(["--config", str(config)]).iptables_backend == "legacy"
+    from_env = parse_all(["--config", str(config)], {"KBP_IPTABLES_BACKEND": "nft"})
+    assert from_env.iptables_backend == "nft"
+    flag = parse_all(["--iptables-backend", "auto"], {"KBP_IPTABLES_BACKEND": "nft"})
+    assert flag.iptables_backend == "auto"

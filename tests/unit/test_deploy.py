@@ -5,11 +5,14 @@ deps/debian.txt, and the provisioning scripts' and Vagrantfile's syntax."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import inspect
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 import urllib.error
 import urllib.request
@@ -22,6 +25,8 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from agent.api import AgentStatus, HealthServer, parse_bind
 from agent.cli import RUN_SETTINGS, build_parser
@@ -480,24 +485,123 @@ def test_the_image_runs_kube_bpf_proxy_run_through_the_header_wrapper():
     (wrapper,) = [c for c in final.named("COPY") if "image-entrypoint.sh" in c.arguments]
     assert wrapper.arguments.split() == ["scripts/image-entrypoint.sh",
                                          "/usr/local/bin/kube-bpf-proxy"]  # fmt: skip
-    chmod = "chmod 0755 /usr/local/bin/kube-bpf-proxy"
+    chmod = "chmod 0755 /usr/local/bin/kube-bpf-proxy /usr/local/bin/python"
     assert any(chmod in run.arguments for run in final.named("RUN"))
-    # `python -m agent` (the README's form) runs the venv's interpreter in the image.
-    python = "ln -s /opt/kube-bpf-proxy/venv/bin/python /usr/local/bin/python"
-    assert any(python in run.arguments for run in final.named("RUN"))
+    # `python -m agent` (the README's form) runs the venv's interpreter in the image,
+    # started by its venv path (a symlink would start the system's Python).
+    (python,) = [c for c in final.named("COPY") if "image-python.sh" in c.arguments]
+    assert python.arguments.split() == ["scripts/image-python.sh", "/usr/local/bin/python"]
+    assert (
+        (ROOT / "scripts/image-python.sh")
+        .read_text(encoding="utf-8")
+        .endswith('\nexec /opt/kube-bpf-proxy/venv/bin/python "$@"\n')
+    )
     text = ENTRYPOINT_SCRIPT.read_text(encoding="utf-8")
     assert text.startswith("#!/bin/sh\n")
-    assert 'exec /opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy "$@"' in text
+    assert 'exec "$root/opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy" "$@"' in text
     # The fallback it points bcc at is where the headers stage's tree is copied.
     headers_copy = next(c for c in final.named("COPY") if c.arguments.startswith("--from=headers"))
     fallback = headers_copy.arguments.split()[-1]
-    assert f"BCC_KERNEL_SOURCE={fallback}" in text
+    assert f'BCC_KERNEL_SOURCE="$root{fallback}"' in text
 
 
-def test_the_entrypoint_wrapper_is_valid_posix_shell():
-    done = subprocess.run(["sh", "-n", str(ENTRYPOINT_SCRIPT)], capture_output=True, text=True,
+@pytest.mark.parametrize("script", [ENTRYPOINT_SCRIPT, ROOT / "scripts/image-python.sh"],
+                         ids=lambda p: p.name)  # fmt: skip
+def test_the_images_wrappers_are_valid_posix_shell(script: Path):
+    done = subprocess.run(["sh", "-n", str(script)], capture_output=True, text=True,
                           check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
+
+
+def rooted(command: str, root: Path) -> str:
+    """A Dockerfile RUN command with every absolute path moved under `root` (and its
+    continuation lines joined, as Docker joins them)."""
+    return re.sub(r"(?<=\s)/", f"{root}/", " " + command.replace("\n", " ")).strip()
+
+
+def image_entrypoint(root: Path) -> Path:
+    """The image's /usr/local/bin/kube-bpf-proxy under `root`, made as the final stage
+    makes it (its COPY of the wrapper, then its RUN), and a stand-in for the agent it
+    execs that prints its arguments and BCC_KERNEL_SOURCE as JSON."""
+    final = dockerfile_stages()[-1]
+    for copy in final.named("COPY"):
+        if not copy.arguments.startswith("--from="):  # the build context's files
+            source, destination = copy.arguments.split()
+            (root / destination.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / source, root / destination.lstrip("/"))
+    (copy,) = [c for c in final.named("COPY") if "image-entrypoint.sh" in c.arguments]
+    destination = copy.arguments.split()[-1]
+    agent = root / "opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy"
+    agent.parent.mkdir(parents=True)
+    agent.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        'print(json.dumps({"args": sys.argv[1:], '
+        '"BCC_KERNEL_SOURCE": os.environ.get("BCC_KERNEL_SOURCE")}))\n',
+        encoding="utf-8",
+    )
+    agent.chmod(0o755)
+    for run in final.named("RUN"):
+        subprocess.run(["sh", "-c", rooted(run.arguments, root)], check=True, timeout=30)
+    return root / destination.lstrip("/")
+
+
+@dataclass(frozen=True)
+class HeaderCase:
+    """What a node offers bcc (paths under the node's /), and what the entrypoint exports."""
+
+    files: tuple[str, ...]
+    exported: str | None  # BCC_KERNEL_SOURCE as the agent sees it; "{root}" stands for /
+    environ: tuple[tuple[str, str], ...] = ()
+
+
+RELEASE = os.uname().release
+MODULES = f"lib/modules/{RELEASE}"
+KCONFIG = "include/linux/kconfig.h"
+FALLBACK = "{root}/usr/lib/kube-bpf-proxy/kernel-headers"
+HEADER_CASES = {
+    "the host's headers through source/ (Debian's split trees): bcc's own lookup":
+        HeaderCase((f"{MODULES}/source/{KCONFIG}",), None),
+    "the host's headers through build/ only: bcc's own lookup":
+        HeaderCase((f"{MODULES}/build/{KCONFIG}",), None),
+    "no host headers but the kernel's kheaders archive: bcc's own lookup, which unpacks it":
+        HeaderCase(("sys/kernel/kheaders.tar.xz",), None),
+    "nothing at all: the image's Debian headers":
+        HeaderCase((), FALLBACK),
+    "a build/ left without headers (kconfig.h missing) counts as none":
+        HeaderCase((f"{MODULES}/build/Makefile",), FALLBACK),
+    "headers for another kernel release do not count":
+        HeaderCase((f"lib/modules/0.0.0-other/build/{KCONFIG}",), FALLBACK),
+    "BCC_KERNEL_SOURCE given to the container wins over everything":
+        HeaderCase((f"{MODULES}/build/{KCONFIG}",), "/my/headers",
+                   (("BCC_KERNEL_SOURCE", "/my/headers"),)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HEADER_CASES.values(), ids=HEADER_CASES.keys())
+def test_the_entrypoint_picks_the_headers_bcc_compiles_against(tmp_path: Path, case: HeaderCase):
+    root = tmp_path / "image"
+    entrypoint = image_entrypoint(root)
+    assert os.access(entrypoint, os.X_OK)  # the final stage's chmod made it runnable
+    for path in case.files:
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).touch()
+    environ = {"PATH": os.environ["PATH"], "KBP_ENTRYPOINT_ROOT": str(root), **dict(case.environ)}
+    done = subprocess.run([str(entrypoint), "run", "--dataplane", "auto"], env=environ,
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    exported = None if case.exported is None else case.exported.format(root=root)
+    assert json.loads(done.stdout) == {"args": ["run", "--dataplane", "auto"],
+                                       "BCC_KERNEL_SOURCE": exported}  # fmt: skip
+
+
+def test_the_entrypoint_passes_the_agents_exit_status_on(tmp_path: Path):
+    root = tmp_path / "image"
+    entrypoint = image_entrypoint(root)
+    agent = root / "opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy"
+    agent.write_text("#!/bin/sh\nexit 3\n", encoding="utf-8")
+    environ = {"PATH": os.environ["PATH"], "KBP_ENTRYPOINT_ROOT": str(root)}
+    done = subprocess.run([str(entrypoint)], env=environ, timeout=30, check=False)
+    assert done.returncode == 3
 
 
 # The Debian package that provides each tool `kube-bpf-proxy lab` checks for (util-linux,
@@ -657,3 +761,104 @@ def test_every_node_imports_the_image_build_image_saves():
     assert tarball == f"{VM_REPOSITORY}/vagrant/{Path(tarball).name}"
     assert f'tarball="${{here}}/{Path(tarball).name}"' in build
     assert Path(tarball).name in (VAGRANT / ".gitignore").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------
+# Python pins: deps/python-constraints.txt
+
+PINS = ROOT / "deps" / "python-constraints.txt"
+
+
+def pins() -> dict[str, str]:
+    """deps/python-constraints.txt as {canonical name: version}; every line NAME==VERSION."""
+    pinned: dict[str, str] = {}
+    for line in PINS.read_text(encoding="utf-8").splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version.strip(), f"{PINS.name}: {line!r} is not NAME==VERSION"
+        assert canonicalize_name(name) not in pinned, f"{PINS.name}: {name} pinned twice"
+        pinned[canonicalize_name(name)] = version.strip()
+    return pinned
+
+
+def project() -> dict[str, Any]:
+    with (ROOT / "pyproject.toml").open("rb") as stream:
+        return tomllib.load(stream)
+
+
+def closure(requirements: list[str]) -> dict[str, Requirement]:
+    """Every distribution `requirements` pull in on this platform (extras of the project's
+    own requirements only), read from what the venv installed: canonical name → the
+    requirement that named it first."""
+    found: dict[str, Requirement] = {}
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        requirement = todo.pop()
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue
+        name = canonicalize_name(requirement.name)
+        if name in found:
+            continue
+        found[name] = requirement
+        todo += [Requirement(r) for r in importlib.metadata.requires(requirement.name) or []]
+    return found
+
+
+def test_the_pins_cover_every_dependency_of_the_agent_and_the_tests():
+    meta = project()
+    direct = [*meta["project"]["dependencies"], *meta["project"]["optional-dependencies"]["test"]]
+    pinned = pins()
+    for text in direct:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in pinned, f"{requirement.name} is not pinned in {PINS.name}"
+        assert requirement.specifier.contains(pinned[name]), (text, pinned[name])
+    # What they pull in is pinned too, or a fresh build would resolve it anew.
+    for name, requirement in closure(direct).items():
+        assert name in pinned, f"{name} (pulled in by the project) is not pinned in {PINS.name}"
+        assert requirement.specifier.contains(pinned[name], prereleases=True), requirement
+    # The build backend pip fetches for `pip install -e .`.
+    (backend,) = [Requirement(r) for r in meta["build-system"]["requires"]]
+    assert backend.specifier.contains(pinned[canonicalize_name(backend.name)])
+
+
+def test_the_venv_holds_exactly_the_pinned_versions():
+    """`make setup` installed through the pins (and reinstalls when they change)."""
+    meta = project()
+    direct = [*meta["project"]["dependencies"], *meta["project"]["optional-dependencies"]["test"]]
+    pinned = pins()
+    for name in closure(direct):
+        assert importlib.metadata.version(name) == pinned[name], name
+
+
+def test_make_setup_installs_through_the_pins():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^PYTHON_PINS\s*:=\s*deps/python-constraints\.txt$", makefile, re.MULTILINE)
+    (rule,) = re.findall(r"^\$\(STAMP\):(.*)$", makefile, re.MULTILINE)
+    assert "$(PYTHON_PINS)" in rule.split("|")[0], "the venv is not reinstalled when pins change"
+    installs = [line for line in makefile.replace("\\\n", " ").splitlines()
+                if "pip install" in line]  # fmt: skip
+    assert installs and all("PIP_CONSTRAINT=$(PYTHON_PINS)" in line for line in installs)
+
+
+def test_the_image_installs_through_the_pins_and_keeps_no_pip():
+    agent = stage("agent")
+    copies = [c.arguments.split() for c in agent.named("COPY")]
+    destination = "/opt/kube-bpf-proxy/src/deps/python-constraints.txt"
+    assert ["deps/python-constraints.txt", destination] in copies
+    (run,) = agent.named("RUN")
+    commands = [c.strip() for c in run.arguments.split(";")]
+    (install,) = [c for c in commands if " install " in c]
+    assert install.startswith(f"PIP_CONSTRAINT={destination} ")
+    uninstall = next(i for i, c in enumerate(commands) if "pip uninstall" in c)
+    assert commands.index(install) < uninstall
+    assert commands[uninstall].split()[-2:] == ["pip", "setuptools"]
+    assert dockerignore_keeps("deps/python-constraints.txt")
+
+
+def test_debian_python3_yaml_is_not_installed_under_the_venvs_pyyaml():
+    """The venv's PyYAML (pinned, from PyPI) would shadow Debian's: only dead weight."""
+    assert "pyyaml" in pins()
+    assert "python3-yaml" not in makefile_packages()

@@ -32,6 +32,7 @@ from agent.daemon import Agent
 from agent.dataplane import probe, select
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.fake import FakeDataplane
+from agent.dataplane.iptables.backend import BackendError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -214,9 +215,13 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
             raise DataplaneError("load", fake.bcc_compile)
         return FakeKernelDataplane("ebpf")
 
-    def iptables_dataplane(pod_interfaces: list[str]) -> FakeKernelDataplane:
-        fake.calls.append("build iptables")
+    def iptables_dataplane(pod_interfaces: list[str], **backend: Any) -> FakeKernelDataplane:
+        fake.calls.append(f"build iptables ({backend['backend'].name})")
         return FakeKernelDataplane("iptables")
+
+    def choose_backend(requested: str, netns: str | None = None) -> tuple[Any, str]:
+        name = "nft" if requested == "auto" else requested
+        return SimpleNamespace(name=name), "requested" if requested != "auto" else "a tie"
 
     def iptables_cleanup(netns: str | None = None) -> list[str]:
         fake.calls.append("remove iptables leftovers")
@@ -229,8 +234,10 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
             raise ImportError("No module named 'agent.dataplane.iptables'")
         return SimpleNamespace(
             IptablesDataplane=iptables_dataplane,
-            unavailable_reason=lambda netns=None: fake.iptables,
+            unavailable_reason=lambda netns=None, backend=None: fake.iptables,
             cleanup=iptables_cleanup,
+            choose_backend=choose_backend,
+            BackendError=BackendError,
         )
 
     def remove_ebpf_leftovers(settings: Settings) -> list[str]:
@@ -271,14 +278,14 @@ SELECTION_CASES = {
     "auto falls back to iptables when the bpf syscall is refused, naming the probe": (
         SelectionCase(
             "auto", {"bpf_syscall": EPERM}, "iptables", f"eBPF unavailable: bpf-syscall: {EPERM}",
-            ["probe bpf-syscall", "build iptables", f"remove ebpf leftovers under {PIN_DIR}"],
+            ["probe bpf-syscall", "build iptables (nft)", f"remove ebpf leftovers under {PIN_DIR}"],
         )
     ),
     "auto falls back to iptables when clsact cannot be created": SelectionCase(
         "auto", {"clsact": "cannot attach kbp_probe to ingress of interface lo: EOPNOTSUPP"},
         "iptables",
         "eBPF unavailable: clsact: cannot attach kbp_probe to ingress of interface lo: EOPNOTSUPP",
-        ["probe bpf-syscall", "probe clsact", "build iptables",
+        ["probe bpf-syscall", "probe clsact", "build iptables (nft)",
          f"remove ebpf leftovers under {PIN_DIR}"],
     ),
     "auto falls back to iptables when no bpffs is there and none can be mounted": (
@@ -287,7 +294,7 @@ SELECTION_CASES = {
                               "/sys) and mounting one there failed with EPERM"},
             "iptables", "eBPF unavailable: bpffs: /sys/fs/bpf is not a BPF filesystem (it is "
                         "sysfs mounted at /sys) and mounting one there failed with EPERM",
-            ["probe bpf-syscall", "probe clsact", "probe bpffs", "build iptables",
+            ["probe bpf-syscall", "probe clsact", "probe bpffs", "build iptables (nft)",
              f"remove ebpf leftovers under {PIN_DIR}"],
         )
     ),
@@ -297,7 +304,7 @@ SELECTION_CASES = {
                                     "  #include <linux/bpf.h>\n  ^"},
             "iptables", "eBPF unavailable: bcc-compile: load: compiling tc_from_pod.c: error: "
                         "no kernel headers",
-            [*EBPF_PROBES, "build iptables", f"remove ebpf leftovers under {PIN_DIR}"],
+            [*EBPF_PROBES, "build iptables (nft)", f"remove ebpf leftovers under {PIN_DIR}"],
         )
     ),
     "ebpf when requested and the probes pass": SelectionCase(
@@ -305,7 +312,7 @@ SELECTION_CASES = {
     ),
     "iptables when requested and available, without probing eBPF": SelectionCase(
         "iptables", {}, "iptables", "requested",
-        ["build iptables", f"remove ebpf leftovers under {PIN_DIR}"],
+        ["build iptables (nft)", f"remove ebpf leftovers under {PIN_DIR}"],
     ),
     "none when requested: nothing probed, nothing removed": SelectionCase(
         "none", {"bpf_syscall": EPERM}, "none", "requested", [],
@@ -446,17 +453,23 @@ def cleanups(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
             raise outcome["ebpf"]
         return ["vethkbp1"], ["kbp_services_v1", "kbp_backends_v1"]
 
-    def iptables_cleanup(netns: str | None = None) -> list[str]:
-        outcome["calls"].append("iptables")
+    def iptables_cleanup(netns: str | None = None, backend: Any = None) -> list[str]:
+        outcome["calls"].append(f"iptables {backend.name}")
+        if backend.name == "legacy":
+            return []
         if outcome["iptables"] is not None:
             raise outcome["iptables"]
         return ["IPv4 nat PREROUTING -j KBP-SERVICES", "IPv4 nat KBP-SERVICES"]
+
+    def installed_backends(netns: str | None = None) -> list[Any]:
+        return [SimpleNamespace(name="nft"), SimpleNamespace(name="legacy")]
 
     import agent.dataplane.ebpf.dataplane as ebpf_dataplane
 
     monkeypatch.setattr(ebpf_dataplane, "cleanup", ebpf_cleanup)
     monkeypatch.setitem(sys.modules, "agent.dataplane.iptables.dataplane",
-                        SimpleNamespace(cleanup=iptables_cleanup))  # fmt: skip
+                        SimpleNamespace(cleanup=iptables_cleanup,
+                                        installed_backends=installed_backends))  # fmt: skip
     return outcome
 
 
@@ -467,7 +480,8 @@ def test_cleanup_removes_what_either_dataplane_installed(
     out = capsys.readouterr().out.splitlines()
     assert out == [  # counts per kind: a node's cleanup removes thousands of chains
         f"ebpf: detached from 1 interface(s); removed 2 pin(s) under {PIN_DIR}",
-        "iptables: removed IPv4 nat: 1 jump rule(s), 1 chain(s)",
+        "iptables (nft): removed IPv4 nat: 1 jump rule(s), 1 chain(s)",
+        "iptables (legacy): removed nothing",
     ]
     assert main(["cleanup", "--bpffs", PIN_DIR, "-v"]) == 0
     assert capsys.readouterr().out.splitlines() == [
@@ -475,9 +489,10 @@ def test_cleanup_removes_what_either_dataplane_installed(
         "  interface vethkbp1",
         "  pin kbp_services_v1",
         "  pin kbp_backends_v1",
-        "iptables: removed IPv4 nat: 1 jump rule(s), 1 chain(s)",
+        "iptables (nft): removed IPv4 nat: 1 jump rule(s), 1 chain(s)",
         "  IPv4 nat PREROUTING -j KBP-SERVICES",
         "  IPv4 nat KBP-SERVICES",
+        "iptables (legacy): removed nothing",
     ]
 
 
@@ -487,8 +502,14 @@ def test_cleanup_does_the_other_part_when_one_fails_and_exits_1(
 ) -> None:
     cleanups[failing] = DataplaneError("broken", f"{failing} is broken")
     assert main(["cleanup", "--bpffs", PIN_DIR]) == 1
-    assert cleanups["calls"] == [f"ebpf {PIN_DIR}", "iptables"]
+    assert cleanups["calls"] == [f"ebpf {PIN_DIR}", "iptables nft", "iptables legacy"]
     captured = capsys.readouterr()
-    assert captured.err == f"kube-bpf-proxy cleanup: {failing}: {failing} is broken\n"
-    other = "iptables" if failing == "ebpf" else "ebpf"
-    assert [line.split(":")[0] for line in captured.out.splitlines()] == [other]
+    part = "iptables (nft)" if failing == "iptables" else failing
+    assert captured.err == f"kube-bpf-proxy cleanup: {part}: {failing} is broken\n"
+    # the rest still ran: the other dataplane, and the other iptables backend
+    others = (
+        ["iptables (nft)", "iptables (legacy)"]
+        if failing == "ebpf"
+        else ["ebpf", "iptables (legacy)"]
+    )
+    assert [line.split(":")[0] for line in captured.out.splitlines()] == others

@@ -28,6 +28,15 @@ from ...config import DEFAULT_POD_INTERFACES
 from ...model.ip import ip_family
 from ...model.nodestate import NodeState, ServiceEntry
 from ..base import DataplaneError
+from .backend import (
+    BACKENDS,
+    Backend,
+    BackendError,
+    choose_backend,
+    find_backend,
+    other_backend,
+    run_command,
+)
 from .render import (
     FAMILIES,
     FORWARD,
@@ -51,11 +60,7 @@ from .render import (
 
 log = logging.getLogger(__name__)
 
-RESTORE = {IPV4: "iptables-restore", IPV6: "ip6tables-restore"}
-SAVE = {IPV4: "iptables-save", IPV6: "ip6tables-save"}
-IPTABLES = {IPV4: "iptables", IPV6: "ip6tables"}
 LOCK_WAIT = "5"  # seconds to wait for the xtables lock (`-w`)
-COMMAND_TIMEOUT = 300.0
 # A periodic full resync rewrites everything at most this often (kube-proxy: hourly); in
 # between it checks the jump rules and writes what changed.
 FULL_REWRITE_INTERVAL = 3600.0
@@ -77,61 +82,82 @@ JUMPS: tuple[tuple[str, str, str, str, str, str], ...] = (
 )  # fmt: skip
 
 
-def _command(netns: str | None, argv: Sequence[str]) -> list[str]:
-    if netns is None:
-        return list(argv)
-    return ["nsenter", f"--net=/run/netns/{netns}", "--", *argv]
-
-
 def _run(
     netns: str | None, argv: Sequence[str], stdin: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        _command(netns, argv),
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_TIMEOUT,
-        check=False,
-    )
+    return run_command(netns, argv, stdin)
 
 
-def unavailable_reason(netns: str | None = None) -> str | None:
-    """Why this dataplane cannot work here (None: it can): the tools are missing, or
-    the kernel refuses the nat table for a family."""
+def _backend(backend: Backend | None, netns: str | None) -> Backend:
+    """The backend given, else the one `--iptables-backend auto` picks in `netns`."""
+    return backend if backend is not None else choose_backend("auto", netns)[0]
+
+
+def unavailable_reason(netns: str | None = None, backend: Backend | None = None) -> str | None:
+    """Why this dataplane cannot work here with `backend` (None: it can): the tools are
+    missing, or the kernel refuses the nat table for a family."""
+    try:
+        backend = _backend(backend, netns)
+    except BackendError as err:
+        return str(err)
     for family in FAMILIES:
-        for tool in (RESTORE[family], SAVE[family], IPTABLES[family]):
+        for tool in (backend.restore(family), backend.save(family), backend.iptables(family)):
             if shutil.which(tool) is None:
                 return f"{tool} not found (install the iptables package)"
+        save = backend.save(family)
         try:
-            proc = _run(netns, [SAVE[family], "-t", "nat"])
+            proc = _run(netns, [save, "-t", "nat"])
         except (OSError, subprocess.SubprocessError) as err:
-            return f"{SAVE[family]}: {err}"
+            return f"{save}: {err}"
         if proc.returncode != 0:
-            return f"{SAVE[family]} -t nat: {(proc.stderr or proc.stdout).strip()}"
+            return f"{save} -t nat: {(proc.stderr or proc.stdout).strip()}"
     return None
 
 
-def _saved(family: str, netns: str | None) -> dict[str, list[str]]:
-    """`iptables-save` of the tables we use, as lines per table."""
+TABLES = ("nat", "filter")  # the tables our chains live in
+
+
+def _saved(
+    family: str, netns: str | None, backend: Backend, tables: Sequence[str] = TABLES
+) -> dict[str, list[str]]:
+    """`iptables-save -t TABLE` of `tables`, as lines per table."""
     out: dict[str, list[str]] = {}
-    for table in ("nat", "filter"):
-        proc = _run(netns, [SAVE[family], "-t", table])
+    save = backend.save(family)
+    for table in tables:
+        proc = _run(netns, [save, "-t", table])
         if proc.returncode != 0:
-            raise DataplaneError(
-                "iptables-save", f"{SAVE[family]} -t {table}: {proc.stderr.strip()}"
-            )
+            raise DataplaneError("iptables-save", f"{save} -t {table}: {proc.stderr.strip()}")
         out[table] = proc.stdout.splitlines()
+    return out
+
+
+def _existing(family: str, netns: str | None, backend: Backend) -> dict[str, list[str]]:
+    """The lines of our tables as `iptables-save` without -t shows them: only the tables
+    that exist. (Asking for a table by name makes the legacy backend create it, and a
+    backend that holds tables while the node uses the other one confuses both.)"""
+    save = backend.save(family)
+    proc = _run(netns, [save])
+    if proc.returncode != 0:
+        raise DataplaneError("iptables-save", f"{save}: {proc.stderr.strip()}")
+    out: dict[str, list[str]] = {}
+    lines: list[str] | None = None
+    for line in proc.stdout.splitlines():
+        if line.startswith("*"):
+            lines = out.setdefault(line[1:].strip(), []) if line[1:].strip() in TABLES else None
+        elif lines is not None:
+            lines.append(line)
     return out
 
 
 _MARKER_RULE = re.compile(rf'^-A {STATE} -m comment --comment "?([^"]*)"? -j RETURN$')
 
 
-def kernel_marker(family: str, netns: str | None = None) -> tuple[str, str, int] | None:
+def kernel_marker(
+    family: str, netns: str | None = None, backend: Backend | None = None
+) -> tuple[str, str, int] | None:
     """(revision, rules digest, written at, Unix ns) of the KBP-STATE marker the kernel
     holds for a family; None when there is none."""
-    proc = _run(netns, [SAVE[family], "-t", "filter"])
+    proc = _run(netns, [_backend(backend, netns).save(family), "-t", "filter"])
     if proc.returncode != 0:
         return None
     for line in proc.stdout.splitlines():
@@ -141,24 +167,38 @@ def kernel_marker(family: str, netns: str | None = None) -> tuple[str, str, int]
     return None
 
 
-def kernel_chains(family: str, netns: str | None = None) -> dict[str, set[str]]:
+def kernel_chains(
+    family: str,
+    netns: str | None = None,
+    backend: Backend | None = None,
+    tables: Sequence[str] = TABLES,
+) -> dict[str, set[str]]:
     """The KBP- chains the kernel holds, per table."""
     return {
         table: {line[1:].split(" ", 1)[0] for line in lines if line.startswith(":" + PREFIX)}
-        for table, lines in _saved(family, netns).items()
+        for table, lines in _saved(family, netns, _backend(backend, netns), tables).items()
     }
 
 
-def cleanup(netns: str | None = None) -> list[str]:
+def installed_backends(netns: str | None = None) -> list[Backend]:
+    """The iptables backends whose tools are here (nft first)."""
+    return [b for name in BACKENDS if (b := find_backend(name, netns)) is not None]
+
+
+def cleanup(netns: str | None = None, backend: Backend | None = None) -> list[str]:
     """Remove every KBP- chain and every rule of other chains that jumps to one (ours,
     or any left by hand or by an older version), both families, one restore per family;
-    return what went ("IPv4 nat KBP-SERVICES", ...). Safe when nothing is installed."""
+    return what went ("IPv4 nat KBP-SERVICES", ...). `backend` None: from every backend
+    whose tools are here. Safe when nothing is installed; creates no table."""
+    if backend is None:
+        return [item for b in installed_backends(netns) for item in cleanup(netns, b)]
     removed: list[str] = []
     for family in FAMILIES:
-        if shutil.which(RESTORE[family]) is None:
+        restore = backend.restore(family)
+        if shutil.which(restore) is None:
             continue
         lines: list[str] = []
-        for table, saved in _saved(family, netns).items():
+        for table, saved in _existing(family, netns, backend).items():
             chains = sorted(line[1:].split(" ", 1)[0] for line in saved
                             if line.startswith(":" + PREFIX))  # fmt: skip
             jumps = [
@@ -176,12 +216,10 @@ def cleanup(netns: str | None = None) -> list[str]:
             removed.extend(f"{family} {table} {line[3:]}" for line in jumps)
             removed.extend(f"{family} {table} {chain}" for chain in chains)
         if lines:
-            proc = _run(netns, [RESTORE[family], "-w", LOCK_WAIT, "--noflush"],
+            proc = _run(netns, [restore, "-w", LOCK_WAIT, "--noflush"],
                         "\n".join(lines) + "\n")  # fmt: skip
             if proc.returncode != 0:
-                raise DataplaneError(
-                    "iptables-restore", f"{RESTORE[family]}: {proc.stderr.strip()}"
-                )
+                raise DataplaneError("iptables-restore", f"{restore}: {proc.stderr.strip()}")
     return removed
 
 
@@ -204,8 +242,19 @@ class IptablesDataplane:
         *,
         netns: str | None = None,
         clock: object = time.monotonic,
+        backend: Backend | None = None,
+        backend_reason: str = "requested",
     ) -> None:
+        """`backend` None: the one `--iptables-backend auto` picks (BackendError when
+        neither is installed)."""
         self.netns = netns
+        if backend is None:
+            backend, backend_reason = choose_backend("auto", netns)
+        self.backend = backend
+        self.backend_reason = backend_reason
+        # Our chains in the other backend (an agent that chose differently before) go
+        # once this one has applied: until then they are what serves the node.
+        self._other_backend_checked = False
         self._patterns = interface_patterns(pod_interfaces)
         self._clock = clock
         self._held: dict[str, _Held] = {}
@@ -217,9 +266,8 @@ class IptablesDataplane:
         # What an earlier agent left (per family: revision, rules digest, written at):
         # reported as held, and adopted by the first apply if it is what it would write.
         self._found: dict[str, tuple[str, str, int]] = {}
-        self._variants: dict[str, bool] = {}  # family → iptables is the nf_tables variant
         for family in FAMILIES:
-            found = kernel_marker(family, netns) if shutil.which(SAVE[family]) else None
+            found = kernel_marker(family, netns, backend)
             if found is not None:
                 self._found[family] = found
         # Held: the newest marker's revision (a family unchanged by later applies keeps
@@ -232,6 +280,11 @@ class IptablesDataplane:
     @property
     def held_revision(self) -> str | None:
         return self._revision
+
+    def status_details(self) -> dict[str, object]:
+        """/state's status.iptablesBackend: which iptables the rules are in, and why."""
+        return {"iptablesBackend": {"name": self.backend.name, "reason": self.backend_reason,
+                                    "save": self.backend.save(IPV4)}}  # fmt: skip
 
     def close(self) -> None:
         """Nothing runs in the background; the rules stay for the next agent."""
@@ -248,10 +301,13 @@ class IptablesDataplane:
         by_family: dict[str, list[ServiceEntry]] = {family: [] for family in FAMILIES}
         for entry in state.services:
             by_family[entry.ip_family].append(entry)
+        rendered: dict[str, _Held] = {}  # what _adopt rendered, for the rewrite to reuse
         if self._found:
             found, self._found = self._found, {}  # adopted once, at the first apply
-            if self._adopt(state, by_family, found):
+            rendered = self._render(state, by_family)
+            if self._adopt(state, rendered, found):
                 self._last_full = now
+                self._clear_other_backend()
                 return 0
         writes = 0
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
@@ -264,8 +320,9 @@ class IptablesDataplane:
             for family in FAMILIES:
                 options = self._options(state, family)
                 writes += self._apply_family(
-                    family, options, by_family[family], rewrite_all, removed_udp, state.revision
-                )
+                    family, options, by_family[family], rewrite_all, removed_udp, state.revision,
+                    rendered.get(family),
+                )  # fmt: skip
             if rewrite_all or full:
                 writes += self._ensure_jumps()
         except DataplaneError:
@@ -276,33 +333,64 @@ class IptablesDataplane:
         self._needs_full = False
         self._revision = state.revision
         self._clear_udp_conntrack(removed_udp)
+        self._clear_other_backend()
         return writes
 
-    def _adopt(
-        self,
-        state: NodeState,
-        by_family: dict[str, list[ServiceEntry]],
-        found: dict[str, tuple[str, str, int]],
-    ) -> bool:
-        """Take what an earlier agent wrote as held, writing nothing, when every family's
-        marker names the digest of the rules this state renders and no jump rule is
-        missing. The per-entry rules are rendered either way (a rewrite needs them too)."""
-        held: dict[str, _Held] = {}
+    def _clear_other_backend(self) -> None:
+        """Once, after the first apply: remove our chains and jumps from the backend this
+        agent does not use (an earlier agent's choice, or a node that changed backend);
+        both backends act on every packet, so stale rules there would still translate.
+        Best effort: a failure is logged."""
+        if self._other_backend_checked:
+            return
+        self._other_backend_checked = True
+        other = other_backend(self.backend, self.netns)
+        if other is None:
+            return
+        try:
+            removed = cleanup(self.netns, other)
+        except (DataplaneError, OSError, subprocess.SubprocessError) as err:
+            log.warning("iptables: could not remove kube-bpf-proxy's rules from the %s "
+                        "backend: %s", other.name, err)  # fmt: skip
+            return
+        if removed:
+            log.info("iptables: removed %d jump rules and chains of an earlier agent from the "
+                     "%s backend (this agent uses %s)", len(removed), other.name,
+                     self.backend.name)  # fmt: skip
+
+    def _render(
+        self, state: NodeState, by_family: dict[str, list[ServiceEntry]]
+    ) -> dict[str, _Held]:
+        """Every entry's rules and digest, per family."""
+        rendered: dict[str, _Held] = {}
         for family in FAMILIES:
             options = self._options(state, family)
             entries = {e.sort_key: e for e in by_family[family]}
             rules = {key: entry_rules(e, options) for key, e in entries.items()}
             digests = {key: entry_digest(r) for key, r in rules.items()}
+            rendered[family] = _Held(options, entries, rules, digests)
+        return rendered
+
+    def _adopt(
+        self,
+        state: NodeState,
+        rendered: dict[str, _Held],
+        found: dict[str, tuple[str, str, int]],
+    ) -> bool:
+        """Take what an earlier agent wrote as held, writing nothing, when every family's
+        marker names the digest of the rules this state renders (`rendered`, which a
+        rewrite reuses when this says no) and no jump rule is missing."""
+        for family, held in rendered.items():
             marker_found = found.get(family)
-            if marker_found is None or marker_found[1] != rules_digest(options, digests.values()):
+            digest = rules_digest(held.options, held.digests.values())
+            if marker_found is None or marker_found[1] != digest:
                 return False
-            held[family] = _Held(options, entries, rules, digests)
         try:
             if self._missing_jumps():
                 return False
         except DataplaneError:
             return False
-        self._held = held
+        self._held = dict(rendered)
         self._needs_full = False
         self._revision = state.revision
         self.last_writes = dict.fromkeys(FAMILIES, 0)
@@ -322,8 +410,13 @@ class IptablesDataplane:
         rewrite_all: bool,
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]],
         revision: str = "",
+        rendered: _Held | None = None,
     ) -> int:
+        """Write one family's changes (all of it with `rewrite_all`); `rendered`: rules
+        this apply already rendered for these entries and options, reused."""
         held = self._held.get(family)
+        if rendered is not None and rendered.options != options:
+            rendered = None
         if held is not None and held.options != options:
             rewrite_all = True  # the pod CIDRs changed: every EXT chain may differ
         new_entries = {e.sort_key: e for e in entries}
@@ -339,8 +432,11 @@ class IptablesDataplane:
                 rules[key] = old_rules[key]
                 digests[key] = old_digests[key]
                 continue
-            rules[key] = entry_rules(entry, options)
-            digests[key] = entry_digest(rules[key])
+            if rendered is not None and rendered.entries.get(key) is entry:
+                rules[key], digests[key] = rendered.rules[key], rendered.digests[key]
+            else:
+                rules[key] = entry_rules(entry, options)
+                digests[key] = entry_digest(rules[key])
             rewritten.append(rules[key])
             if old is not None and old.protocol == "UDP":
                 removed_udp.append((old, entry))
@@ -353,7 +449,7 @@ class IptablesDataplane:
             return 0
         desired = {chain for r in rules.values() for chain in r.chains}
         if rewrite_all:
-            existing = kernel_chains(family, self.netns)["nat"]
+            existing = kernel_chains(family, self.netns, self.backend, ("nat",))["nat"]
             stale = {c for c in existing if c not in desired and c.startswith(PREFIX)}
             stale -= set(NAT_BASE_CHAINS)
         else:
@@ -365,9 +461,10 @@ class IptablesDataplane:
             stale = previous - desired
         state_marker = marker(revision, rules_digest(options, digests.values()), time.time_ns())
         document = assemble(options, rules.values(), rewritten, stale, state_marker)
-        proc = _run(self.netns, [RESTORE[family], "-w", LOCK_WAIT, "--noflush"], document.text)
+        restore = self.backend.restore(family)
+        proc = _run(self.netns, [restore, "-w", LOCK_WAIT, "--noflush"], document.text)
         if proc.returncode != 0:
-            raise DataplaneError("iptables-restore", _restore_error(family, proc, document.text))
+            raise DataplaneError("iptables-restore", _restore_error(restore, proc, document.text))
         self._held[family] = _Held(options, new_entries, rules, digests)
         self.last_writes[family] = document.rules + document.chains_deleted
         log.debug(
@@ -398,25 +495,19 @@ class IptablesDataplane:
     def _builtin_rules(self, family: str) -> dict[str, set[str]]:
         """The rules of the tables our jumps live in, as restore lines per table: only
         the built-in chains' on nf_tables, the whole tables' otherwise."""
-        if not self._nf_tables(family):
-            return {table: set(lines) for table, lines in _saved(family, self.netns).items()}
+        if not self.backend.nf_tables:
+            saved = _saved(family, self.netns, self.backend)
+            return {table: set(lines) for table, lines in saved.items()}
         rules: dict[str, set[str]] = {"nat": set(), "filter": set()}
         for table, builtin in sorted({(j[0], j[1]) for j in JUMPS}):
-            proc = _run(self.netns, [IPTABLES[family], "-w", LOCK_WAIT, "-t", table, "-S",
-                                     builtin])  # fmt: skip
+            iptables = self.backend.iptables(family)
+            proc = _run(self.netns, [iptables, "-w", LOCK_WAIT, "-t", table, "-S", builtin])
             if proc.returncode != 0:
                 raise DataplaneError(
-                    "iptables", f"{IPTABLES[family]} -t {table} -S {builtin}: {proc.stderr.strip()}"
+                    "iptables", f"{iptables} -t {table} -S {builtin}: {proc.stderr.strip()}"
                 )
             rules[table].update(proc.stdout.splitlines())
         return rules
-
-    def _nf_tables(self, family: str) -> bool:
-        """Whether this family's iptables is the nf_tables variant (`iptables -V`)."""
-        if family not in self._variants:
-            proc = _run(self.netns, [IPTABLES[family], "-V"])
-            self._variants[family] = "nf_tables" in proc.stdout
-        return self._variants[family]
 
     def _ensure_jumps(self) -> int:
         """Insert our missing jump rules, one restore per family."""
@@ -427,10 +518,11 @@ class IptablesDataplane:
                 rules = [line for t, line in jumps if t == table]
                 if rules:
                     lines += [f"*{table}", *rules, "COMMIT"]
-            proc = _run(self.netns, [RESTORE[family], "-w", LOCK_WAIT, "--noflush"],
+            restore = self.backend.restore(family)
+            proc = _run(self.netns, [restore, "-w", LOCK_WAIT, "--noflush"],
                         "\n".join(lines) + "\n")  # fmt: skip
             if proc.returncode != 0:
-                error = _restore_error(family, proc, "\n".join(lines))
+                error = _restore_error(restore, proc, "\n".join(lines))
                 raise DataplaneError("iptables-restore", error)
             added += len(jumps)
         return added
@@ -468,11 +560,11 @@ class IptablesDataplane:
                                       "--reply-port-src", str(port)])  # fmt: skip
 
 
-def _restore_error(family: str, proc: subprocess.CompletedProcess[str], text: str) -> str:
+def _restore_error(restore: str, proc: subprocess.CompletedProcess[str], text: str) -> str:
     """The tool's message, with the offending input line when it names one."""
     message = (proc.stderr or proc.stdout).strip()
     lines = text.splitlines()
     for word in message.replace(":", " ").split():
         if word.isdigit() and "line" in message and 0 < int(word) <= len(lines):
-            return f"{RESTORE[family]}: {message} (line {word}: {lines[int(word) - 1]})"
-    return f"{RESTORE[family]}: {message}"
+            return f"{restore}: {message} (line {word}: {lines[int(word) - 1]})"
+    return f"{restore}: {message}"
