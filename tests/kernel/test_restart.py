@@ -31,6 +31,10 @@ from .agentproc import AgentProcess, run_argv
 from .agentproc import cli as agent_cli
 from .lab import Lab, Stream
 
+# Slow (agents restarted against an API server that is down, slow or failing, up to
+# 80 s a test here): `-m 'not slow'` leaves these out.
+pytestmark = pytest.mark.slow
+
 CLUSTER_IP = "10.96.0.80"
 NEW_CONNECTIONS = 10  # per check, each a new flow through the Service
 SLOW_LIST = 10.0  # seconds the slow API server takes to answer a list
