@@ -11,11 +11,16 @@ Service traffic times out, and reaches the FORWARD hook where iptables can REJEC
 Services get ClusterIPs 10.96.0.x and fd00:96::x; endpoints "elsewhere" are on node-b
 (10.244.2.x), which does not exist in the lab: they must never receive traffic here.
 
-Every scenario runs once per dataplane (ids like `[ebpf-TCP]`, `[iptables-TCP]`). One lab
-and one dataplane serve all of a dataplane's scenarios (building them takes seconds); each
-test programs its own Services, so a test's state replaces the previous one. A scenario
-that does not apply to one dataplane says so in its parametrisation (`not_on`), and the
-reason shows in pytest's report.
+Every scenario runs once per dataplane: eBPF with --socket-lb all (the pods' sockets are
+translated at connect() by the cgroup hooks, attached to a cgroup the lab made and every
+pod process runs in), eBPF with --socket-lb off (the pods go through tc), and iptables
+(ids like `[ebpf-all-TCP]`, `[ebpf-off-TCP]`, `[iptables-TCP]`). One lab and one
+dataplane serve all of a dataplane's scenarios (building them takes seconds); each test
+programs its own Services, so a test's state replaces the previous one. A scenario that
+does not apply to one dataplane says so in its parametrisation (`not_on`), and the reason
+shows in pytest's report. Where the socket hooks answer differently from a packet path
+(a DROP fails connect() at once with EHOSTUNREACH instead of a timeout), the test says
+so through `Env.dropped`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,7 +45,7 @@ from agent.model.nodestate import NodeState
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
 from .lab import Lab, Pod
 
-DATAPLANES = ("ebpf", "iptables")
+DATAPLANES = ("ebpf-all", "ebpf-off", "iptables")  # eBPF: --socket-lb all and off
 POD_INTERFACES = ("vethkbp*",)
 PORT = 8080
 BACKENDS = ("be1", "be2", "be3")
@@ -50,11 +56,12 @@ class Env:
     """One lab with its pods and the dataplane under test programming it."""
 
     def __init__(
-        self, lab: Lab, kind: str, pin_dir: Path, sizes: MapSizes | None = None
+        self, lab: Lab, param: str, pin_dir: Path, sizes: MapSizes | None = None
     ) -> None:
         self.lab = lab
         self.sizes = sizes or MapSizes(4096, 65536, 4096, 4096, 1024)
-        self.kind = kind
+        self.kind, _, socket_lb = param.partition("-")
+        self.socket_lb = socket_lb or None  # eBPF: --socket-lb
         self.pin_dir = pin_dir  # eBPF only
         self.pods = lab.pods
         self.dataplane: Dataplane | None = None
@@ -67,7 +74,9 @@ class Env:
         """A new dataplane object on this lab: the first one, or a restarted agent's (the
         eBPF one reopens the pinned maps and replaces the programs in place)."""
         if self.kind == "ebpf":
-            return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns)
+            assert self.socket_lb is not None
+            return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns,
+                                 cgroup=self.lab.cgroup, socket_lb=self.socket_lb)  # fmt: skip
         from agent.dataplane.iptables.dataplane import IptablesDataplane
 
         return IptablesDataplane(POD_INTERFACES, netns=self.lab.node_ns)
@@ -80,6 +89,17 @@ class Env:
     def running(self) -> Dataplane:
         assert self.dataplane is not None, "no dataplane: an earlier restart failed"
         return self.dataplane
+
+    @property
+    def sockets_translated(self) -> bool:
+        """Do the socket hooks translate the pods' connect() here (--socket-lb all)?"""
+        return self.kind == "ebpf" and self.socket_lb == "all"
+
+    @property
+    def dropped(self) -> str:
+        """The error class a client sees for a DROP: connect() fails at once when the
+        socket hooks decide, a packet path leaves it to time out."""
+        return "unreachable" if self.sockets_translated else "timeout"
 
     def cluster_ip(self) -> tuple[str, str]:
         """A fresh ClusterIP pair per Service, so no test inherits another's flows."""
@@ -133,8 +153,9 @@ def env(request: pytest.FixtureRequest) -> Iterator[Env]:
 
     if missing_kernel_prerequisites():
         pytest.skip("kernel prerequisites missing")  # the per-test hook reports why
-    kind: str = request.param
-    with Lab() as lab:
+    param: str = request.param
+    kind = param.partition("-")[0]
+    with Lab(cgroup=kind == "ebpf") as lab:
         for name in ("client1", "client2", *BACKENDS):
             pod = lab.add_pod(name)
             if name in BACKENDS:
@@ -146,7 +167,7 @@ def env(request: pytest.FixtureRequest) -> Iterator[Env]:
                 if kernel_required():
                     pytest.fail(f"iptables dataplane unavailable: {reason}", pytrace=False)
                 pytest.skip(f"iptables dataplane unavailable: {reason}")
-        made = Env(lab, kind, BPFFS / f"kbp-test-dataplane-{time.monotonic_ns()}")
+        made = Env(lab, param, BPFFS / f"kbp-test-dataplane-{time.monotonic_ns()}")
         try:
             made.dataplane = made.start_dataplane()
             yield made
@@ -161,7 +182,7 @@ def not_on(kind: str, reason: str) -> pytest.MarkDecorator:
     skip = pytest.mark.skip(reason=f"not on {kind}: {reason}")
     return pytest.mark.parametrize(
         "env",
-        [pytest.param(k, marks=skip) if k == kind else k for k in DATAPLANES],
+        [pytest.param(k, marks=skip) if k.partition("-")[0] == kind else k for k in DATAPLANES],
         indirect=True,
     )
 
@@ -338,7 +359,7 @@ def test_local_policy_with_endpoints_only_elsewhere_drops(env: Env) -> None:
     objects, ip4, _ = service(env, "local-only", elsewhere, mutate=itp_local)
     env.program(*objects)
     result = env.pod("client1").connect_many(ip4, 80, "tcp", 2, timeout=0.5)
-    assert result.errors == {"timeout": 2}, result.details
+    assert result.errors == {env.dropped: 2}, result.details
 
 
 def test_internal_traffic_policy_local_uses_only_this_nodes_endpoints(env: Env) -> None:
@@ -373,6 +394,89 @@ def test_pod_reaching_its_own_service_is_served_by_itself(env: Env, protocol: st
     result = env.pod("be1").connect_many(ip4, 80, protocol, 10)
     assert result.errors == {}, result.details
     assert result.counts == {"be1": 10}
+
+
+def test_dual_stack_socket_reaches_an_ipv4_service(env: Env) -> None:
+    """An IPv6 socket naming ::ffff:<ClusterIP> (the kernel sends IPv4; only the IPv6
+    socket hooks run)."""
+    objects, ip4, _ = service(env, "mapped", backends(env, *BACKENDS))
+    env.program(*objects)
+    result = env.pod("client1").connect_many(f"::ffff:{ip4}", 80, "tcp", 30)
+    assert result.errors == {}, result.details
+    assert set(result.counts) == set(BACKENDS), result.counts
+
+
+LB_VIP = "203.0.113.9"
+
+
+def test_load_balancer_source_ranges_judge_the_pods_address(env: Env) -> None:
+    def ranged(obj: dict) -> None:
+        obj["spec"]["type"] = "LoadBalancer"
+        obj["spec"]["loadBalancerSourceRanges"] = [f"{env.pod('client1').ipv4}/32"]
+        obj["status"] = {"loadBalancer": {"ingress": [{"ip": LB_VIP}]}}
+
+    # What nothing translates goes into the sink, like the ClusterIP ranges (lab.py).
+    env.lab.run_in_node("ip", "route", "replace", f"{LB_VIP}/32", "dev", "kbpsink")
+    objects, _, _ = service(env, "ranged", backends(env, *BACKENDS), mutate=ranged)
+    env.program(*objects)
+    admitted = env.pod("client1").connect_many(LB_VIP, 80, "tcp", 20)
+    assert admitted.errors == {}, admitted.details
+    assert set(admitted.counts) == set(BACKENDS), admitted.counts
+    refused = env.pod("client2").connect_many(LB_VIP, 80, "tcp", 2, timeout=0.5)
+    assert refused.errors == {env.dropped: 2}, refused.details
+
+
+# The client of the next test: one exchange with IP:PORT over PROTO; prints the answer
+# and the peer the socket API showed (getpeername for TCP, recvfrom's source for UDP).
+PEER_CLIENT = r"""
+import json, socket, sys
+ip, port, proto = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+with socket.socket(socket.AF_INET, kind) as s:
+    s.settimeout(5)
+    if proto == "tcp":
+        s.connect((ip, port))
+        answer, peer = s.makefile().readline().strip(), s.getpeername()
+    else:
+        s.sendto(b"ping", (ip, port))
+        data, peer = s.recvfrom(100)
+        answer = data.decode()
+print(json.dumps({"answer": answer, "peer": list(peer)}))
+"""
+
+
+def _conntrack_entries_of(env: Env, frontend: str) -> int:
+    """kbp_ct entries of flows to `frontend`: forward keys to it, replies restoring it."""
+    from agent.dataplane.ebpf.abi import from_bytes, get_addr
+
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane)
+    found = 0
+    for key, value in dataplane.programs.map("kbp_ct").items():
+        ct_key, entry = from_bytes("kbp_ct_key", key), from_bytes("kbp_ct_entry", value)
+        addresses = {get_addr(ct_key.daddr, ct_key.family), get_addr(entry.addr, ct_key.family)}
+        found += frontend in addresses
+    return found
+
+
+@not_on("iptables", "kbp_ct is the eBPF dataplane's conntrack")
+@pytest.mark.parametrize("protocol", ["tcp", "udp"])
+def test_socket_translated_flows_write_no_conntrack_and_show_the_cluster_ip(
+    env: Env, protocol: str
+) -> None:
+    objects, ip4, _ = service(env, f"peer-{protocol}", backends(env, *BACKENDS),
+                              protocol=protocol.upper())  # fmt: skip
+    env.program(*objects)
+    for _ in range(3):
+        shown = json.loads(env.pod("client1").run(sys.executable, "-c", PEER_CLIENT, ip4, "80",
+                                                  protocol))  # fmt: skip
+        assert shown["answer"] in BACKENDS, shown
+        assert shown["peer"] == [ip4, 80], shown  # the application sees the ClusterIP
+    entries = _conntrack_entries_of(env, ip4)
+    if env.sockets_translated:
+        assert entries == 0  # translated at connect(): no packet was NATed
+    else:
+        assert entries >= 2 * 3  # tc: a forward and a reply entry per flow
 
 
 # --- operations -------------------------------------------------------------------------
@@ -433,6 +537,37 @@ def test_restarted_dataplane_takes_over_while_a_connection_stays_open(env: Env) 
         assert error is None, f"stream to {stream.backend} after the restart: {error}"
     finally:
         stream.close()
+
+
+@not_on("iptables", "--socket-lb is the eBPF dataplane's")
+def test_switching_socket_lb_modes_keeps_established_streams(env: Env) -> None:
+    """The agent restarted with the other --socket-lb, then back: a stream begun in each
+    mode (one translated at connect(), the other at tc) keeps working throughout."""
+    objects, ip4, _ = service(env, "switch", backends(env, *BACKENDS))
+    state = env.program(*objects)
+    original = env.socket_lb
+    other = "off" if original == "all" else "all"
+    streams = [env.pod("client1").stream(ip4, 80)]
+    try:
+        for mode in (other, original):
+            env.running().close()
+            env.dataplane = None
+            env.socket_lb = mode
+            env.dataplane = env.start_dataplane()
+            env.dataplane.apply(state)
+            streams.append(env.pod("client2").stream(ip4, 80))
+            for stream in streams:
+                ok_before, _ = stream.check()
+                _, error = stream.wait_for(ok_before + 5)
+                where = f"stream to {stream.backend} after --socket-lb {mode}"
+                assert error is None, f"{where}: {error}"
+            result = env.pod("client2").connect_many(ip4, 80, "tcp", 30)
+            assert result.errors == {}, result.details
+            assert set(result.counts) == set(BACKENDS), result.counts
+    finally:
+        env.socket_lb = original
+        for stream in streams:
+            stream.close()
 
 
 @not_on("iptables", "iptables chains have no fixed capacity to refuse a state for")

@@ -171,6 +171,7 @@ RANGE_CASES = [
     ("external_interfaces", [], {"KBP_EXTERNAL_INTERFACES": "eth 0"},
      "KBP_EXTERNAL_INTERFACES: 'eth 0' is not an interface name glob"),
     ("xdp", [], {"KBP_XDP": "maybe"}, "KBP_XDP: 'maybe' is not one of"),
+    ("socket_lb", [], {"KBP_SOCKET_LB": "pods"}, "KBP_SOCKET_LB: 'pods' is not one of"),
     ("cgroup_root", ["--cgroup-root", "sys/fs/cgroup"], {}, "--cgroup-root: 'sys/fs/cgroup'"),
     ("snat_port_range", ["--snat-port-range", "80-90"], {}, "--snat-port-range: '80-90' must"),
     ("snat_port_range", ["--snat-port-range", "2000-1000"], {}, "must lie within 1024-65535"),

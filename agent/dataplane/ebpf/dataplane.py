@@ -49,6 +49,7 @@ from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
 from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher
 from .plan import CapacityError, KernelContent, MapSizes, Writes, plan_change
+from .pods import PodNamespaces
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class EbpfDataplane:
         xdp: str = "auto",
         snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
         cgroup: Path | None = None,
+        socket_lb: str = "all",
         ct_timeouts: Timeouts | None = None,
         ct_sweep_interval: float = 0.0,
     ) -> None:
@@ -84,7 +86,8 @@ class EbpfDataplane:
         those that carry the node's NodePort addresses (`nodeport_addresses`, as
         --nodeport-addresses), found at each apply that changes the node. `xdp`: auto
         (native, else generic), native, generic or off. `cgroup`: where the socket hooks
-        serve the node's own processes (None: not attached). `ct_sweep_interval`: seconds
+        serve (None: not attached); `socket_lb` (--socket-lb): whose sockets they
+        translate, all (the node's and the pods'), host or off. `ct_sweep_interval`: seconds
         between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools)."""
         self.pin_dir = Path(pin_dir)
         self.pod_interfaces = tuple(pod_interfaces)
@@ -94,6 +97,10 @@ class EbpfDataplane:
         self.nodeport_addresses = tuple(nodeport_addresses)
         self.xdp = external.xdp_mode(xdp)
         self.snat_ports = snat_ports
+        if socket_lb not in external.SOCKET_LB_BITS:
+            why = f"--socket-lb must be all, host or off; got {socket_lb!r}"
+            raise DataplaneError("config", why)
+        self.socket_lb = socket_lb
         self._external_attached: dict[int, str] = {}  # ifindex → name
         self.xdp_modes: dict[str, str] = {}  # interface → native | generic | failed: why
         self._node: NodeInfo | None = None  # the node the external state was made for
@@ -136,6 +143,10 @@ class EbpfDataplane:
         self.attacher = TcAttacher(netns)
         self._netns_cookie = netns_cookie(netns)
         self.cgroup = cgroup
+        # The pods' network namespaces, for the socket hooks (only when they serve pods).
+        self.pod_netns: PodNamespaces | None = None
+        if cgroup is not None and socket_lb == "all":
+            self.pod_netns = PodNamespaces(self.attacher, self.programs.map("kbp_pods"))
         # Where an earlier agent's programs are attached, they serve until our first apply
         # completed (see the module doc): those interfaces wait in _deferred.
         self._serving = False
@@ -154,12 +165,15 @@ class EbpfDataplane:
         self._attached: set[int] = set()
         watched = self.pod_interfaces + self.external_globs
         if watch:  # the watcher's start-up scan attaches to the existing interfaces
-            self._watcher = LinkWatcher(self.attacher, watched, self._on_link)
+            self._watcher = LinkWatcher(self.attacher, watched, self._on_link,
+                                        self._on_link_change, self._on_link_gone)  # fmt: skip
             self._watcher.start()
         else:
             for link in self.attacher.links():
                 if PodInterfaces(watched).matches(link.name):
                     self._on_link(link)
+        if self.pod_netns is not None:
+            self.pod_netns.prune()  # pods removed while no agent ran
         attached = len(self._attached)
         if self._deferred or self._cgroup_deferred:
             log.info(
@@ -180,7 +194,10 @@ class EbpfDataplane:
             self.xdp,
         )  # fmt: skip
         if cgroup is not None:
-            log.info("ebpf: socket hooks serve the processes of cgroup %s", cgroup)
+            pods = self.pod_netns.pods() if self.pod_netns is not None else []
+            whose = {"all": f"the node and {len(pods)} pod(s) found so far",
+                     "host": "the node (pods: tc)", "off": "nobody"}[socket_lb]  # fmt: skip
+            log.info("ebpf: socket hooks on cgroup %s translate the sockets of %s", cgroup, whose)
         stale = remove_stale_pins(self.pin_dir)
         if stale:
             log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
@@ -196,6 +213,8 @@ class EbpfDataplane:
         with self._lock:
             if full and not self._just_read:
                 self.current = self._read_kernel()
+            if full and self.pod_netns is not None:
+                self.pod_netns.retry()
             self._just_read = False
             # Changes self.current in place (cost: what changed): every way out below
             # commits or rolls back.
@@ -371,6 +390,8 @@ class EbpfDataplane:
         self.socket_hooks = "attached"
 
     def _on_link(self, link: Link) -> None:
+        if self.pod_netns is not None and self._pods.matches(link.name):
+            self.pod_netns.learn(link)
         with self._takeover_lock:
             if not self._serving and link.index in self._earlier:
                 self._deferred[link.index] = link  # the earlier program serves until then
@@ -388,6 +409,17 @@ class EbpfDataplane:
                 return
         self._attached.add(link.index)
         log.debug("ebpf: attached to %s (ifindex %d)", link.name, link.index)
+
+    def _on_link_change(self, link: Link) -> None:
+        """A known interface changed (a pod's came up): a pod not found before may be
+        complete now (its CNI plugin added the addresses)."""
+        pods = self.pod_netns
+        if pods is not None and self._pods.matches(link.name) and link.name in pods.pending():
+            pods.learn(link)
+
+    def _on_link_gone(self, link: Link) -> None:
+        if self.pod_netns is not None and self._pods.matches(link.name):
+            self.pod_netns.forget(link)
 
     def _attach_external(self, link: Link) -> None:
         """tc on both sides of an external interface, then XDP as --xdp asks."""
@@ -479,6 +511,9 @@ class EbpfDataplane:
             "socketHooks": {
                 "cgroup": str(self.cgroup) if self.cgroup is not None else None,
                 "state": self.socket_hooks,
+                "socketLb": self.socket_lb,
+                "pods": len(self.pod_netns.pods()) if self.pod_netns is not None else 0,
+                "podsPending": self.pod_netns.pending() if self.pod_netns is not None else [],
             },
             "externalInterfaces": names,
             "xdp": {
@@ -539,7 +574,8 @@ class EbpfDataplane:
         m = self.programs.map
         if before:
             config = external.config_value(state.node.addresses, state.node.cluster_cidrs,
-                                           self._netns_cookie, self.snat_ports)  # fmt: skip
+                                           self._netns_cookie, self.snat_ports,
+                                           self.socket_lb)  # fmt: skip
             if config != self._config:
                 m("kbp_config").update(bytes(4), config)
                 self._config = config
