@@ -338,6 +338,73 @@ def test_udp_flow_to_a_removed_backend_moves_to_another(env: Env) -> None:
     assert now in kept, f"the flow stayed on removed backend {gone}"
 
 
+# A connected UDP socket kept open: one exchange per line read on stdin, printed as JSON
+# ({"answer": pod} or {"error": errno name}); after an error the socket is made and
+# connected again, as a client that sees its socket fail does.
+UDP_SESSION = r"""
+import errno, json, socket, sys
+ip, port = sys.argv[1], int(sys.argv[2])
+
+def connected():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(2)
+    s.connect((ip, port))
+    return s
+
+s = connected()
+for _ in sys.stdin:
+    try:
+        s.send(b"ping")
+        print(json.dumps({"answer": s.recv(100).decode()}), flush=True)
+    except OSError as exc:
+        name = "timeout" if isinstance(exc, TimeoutError) else errno.errorcode.get(exc.errno)
+        print(json.dumps({"error": name}), flush=True)
+        s.close()
+        s = connected()
+"""
+
+
+def test_connected_udp_socket_leaves_a_removed_backend(env: Env) -> None:
+    """The removed backend's pod keeps serving here, so a socket still pointed at it
+    would keep getting its answers: it must not. tc re-selects at the flow's next packet;
+    a socket the hooks translated is destroyed at the apply (one failed call), and the
+    client's new socket reaches a backend still in the Service."""
+    objects, ip4, _ = service(env, "udp-session", backends(env, *BACKENDS), protocol="UDP")
+    env.program(*objects)
+    argv = env.pod("client1").argv([sys.executable, "-c", UDP_SESSION, ip4, "80"])
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def exchange() -> dict:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
+
+    try:
+        first = [exchange() for _ in range(3)]
+        gone = first[0].get("answer")
+        assert gone in BACKENDS and first == [{"answer": gone}] * 3, first
+        kept = [name for name in BACKENDS if name != gone]
+        objects, _, _ = service(env, "udp-session", backends(env, *kept), protocol="UDP",
+                                ip4=ip4)  # fmt: skip
+        env.program(*objects)
+        after = [exchange() for _ in range(4)]
+        answers = [seen["answer"] for seen in after if "answer" in seen]
+        errors = [seen["error"] for seen in after if "error" in seen]
+        assert gone not in answers, after
+        assert set(answers) <= set(kept) and len(answers) >= 3, after
+        if env.sockets_translated:
+            # Destroyed and so no longer connected: a send() fails with EDESTADDRREQ, a
+            # recv() waiting meanwhile with ECONNABORTED; either way once.
+            assert errors in (["EDESTADDRREQ"], ["ECONNABORTED"]), after
+        else:
+            assert errors == [], after
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+        proc.stdout.close()
+
+
 # --- empty sets -------------------------------------------------------------------------
 
 

@@ -34,8 +34,8 @@ from ...metrics import Metrics
 from ...model.compile import nodeport_ips
 from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
-from . import codec, external
-from .abi import DROP_REASONS, MAP_NAMES, const, versioned
+from . import codec, external, sockdiag
+from .abi import DROP_REASONS, MAP_NAMES, addr_bytes, const, packer, port_bytes, versioned
 from .cgroup import (
     CgroupAttachError,
     attach_socket_hooks,
@@ -47,7 +47,7 @@ from .conntrack import Collector, Timeouts
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
-from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher
+from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher, run_in_netns
 from .plan import CapacityError, KernelContent, MapSizes, Writes, plan_change
 from .pods import PodNamespaces
 
@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 HOOKS = (("ingress", "kbp_from_pod"), ("egress", "kbp_to_pod"))
 EXTERNAL_HOOKS = (("ingress", "kbp_from_ext"), ("egress", "kbp_to_ext"))
 XDP_PROGRAM = "kbp_xdp_ext"
+_SOCK_KEY = packer("kbp_sock_key")
+_SOCK_REV = packer("kbp_sock_rev")
 # A program whose kernel name starts with this is ours (tc filters, XDP).
 PROGRAM_PREFIX = "kbp_"
 
@@ -145,6 +147,7 @@ class EbpfDataplane:
         self.cgroup = cgroup
         # The pods' network namespaces, for the socket hooks (only when they serve pods).
         self.pod_netns: PodNamespaces | None = None
+        self._sock_destroy_off = False  # set when the kernel has no SOCK_DESTROY
         if cgroup is not None and socket_lb == "all":
             self.pod_netns = PodNamespaces(self.attacher, self.programs.map("kbp_pods"))
         # Where an earlier agent's programs are attached, they serve until our first apply
@@ -249,6 +252,9 @@ class EbpfDataplane:
             self._held = state.revision
             writes = change.writes.count + self._pending_writes
             self._pending_writes = 0
+            backends_left = bool(change.writes.backends_to_delete)
+        if backends_left:
+            self._release_udp_sockets()
         if not self._serving:
             self._take_over()
         self._follow_node(state, full)
@@ -353,6 +359,53 @@ class EbpfDataplane:
                     versioned(name), actual[field], field, wanted[field],
                 )  # fmt: skip
         self.sizes = MapSizes(**actual)
+
+    # --- sockets -------------------------------------------------------------------------
+
+    def _release_udp_sockets(self) -> None:
+        """After an apply that removed backends: destroy the connected UDP sockets the
+        socket hooks pointed at a backend that is no longer in their Service, in the
+        node's namespace and every pod's (docs/ebpf.md, "A backend leaves"). TCP needs
+        nothing (it learns from the backend); unconnected UDP picks again at sendmsg()."""
+        if self.cgroup is None or self._sock_destroy_off:
+            return
+        reverse = self.programs.map("kbp_sock_rev")
+        live: set[tuple[int, str, int]] | None = None
+
+        def removed(sock: sockdiag.UdpSocket) -> bool:
+            nonlocal live
+            family = const.KBP_FAMILY_IPV6 if ":" in sock.peer else const.KBP_FAMILY_IPV4
+            key = _SOCK_KEY.pack(sock.cookie, addr_bytes(sock.peer), port_bytes(sock.peer_port),
+                                 family)  # fmt: skip
+            raw = reverse.lookup(key)
+            if raw is None:
+                return False  # not translated by the hooks: none of ours
+            if live is None:
+                with self._lock:
+                    live = {(b.service_id, b.addr, b.port) for b in self.current.backends.values()}
+            service_id = _SOCK_REV.unpack(raw)[2]
+            return (service_id, sock.peer, sock.peer_port) not in live
+
+        namespaces: list[str | None] = [self.attacher.netns]
+        if self.pod_netns is not None:
+            namespaces += [pod.path for pod in self.pod_netns.pods()]
+        destroyed = 0
+        for netns in namespaces:
+            try:
+                if netns is None:
+                    destroyed += sockdiag.destroy_matching(removed)
+                else:
+                    destroyed += run_in_netns(netns, lambda: sockdiag.destroy_matching(removed))
+            except sockdiag.DestroyUnsupported as err:
+                self._sock_destroy_off = True
+                log.warning("ebpf: this kernel cannot destroy sockets (%s): connected UDP "
+                            "sockets to removed backends stay until their application "
+                            "reconnects", err)  # fmt: skip
+                return
+            except (OSError, DataplaneError) as err:  # a pod namespace that just went
+                log.debug("ebpf: connected UDP sockets in %s: %s", netns, err)
+        if destroyed:
+            log.info("ebpf: destroyed %d connected UDP socket(s) to removed backends", destroyed)
 
     # --- interfaces ----------------------------------------------------------------------
 
