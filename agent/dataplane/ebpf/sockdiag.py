@@ -122,4 +122,3 @@ def destroy(target: UdpSocket) -> bool:
 def destroy_matching(wanted: Callable[[UdpSocket], bool]) -> int:
     """Destroy this namespace's connected UDP sockets that `wanted` picks; how many."""
     return sum(destroy(target) for target in connected_udp() if wanted(target))
-
