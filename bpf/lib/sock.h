@@ -19,12 +19,13 @@
  *     for an internalTrafficPolicy Local ClusterIP; external frontends reached from the
  *     node or a pod use clusterBackends too (docs/nodestate.md).
  *   - The backend is chosen by lb_select_backend_by, tc's rule: affinity first, then a
- *     slot by hash. A socket bound to a port hashes its tuple with lb_flow_hash (the
- *     choice tc makes for that 5-tuple); an unbound one has no source port yet, so the
- *     hash is of the socket cookie and the frontend: sockets spread evenly over the set,
- *     and an unconnected UDP socket keeps its backend from one sendmsg() to the next,
- *     which is what conntrack gives a 5-tuple. When the set changes the slot may name
- *     another backend, and the next datagram goes there.
+ *     slot by hash. A socket that has its source port already (one bound explicitly, and
+ *     every UDP socket at sendmsg(), which the kernel binds before the hook runs) hashes
+ *     its 5-tuple with lb_flow_hash: the backend tc would pick for it, the same for every
+ *     datagram of an unconnected UDP socket, as conntrack would keep it. A TCP socket at
+ *     connect() has no port yet, so the hash is of the socket cookie and the frontend:
+ *     sockets spread evenly over the set. When the set changes the slot may name another
+ *     backend, and an unconnected socket's next datagram goes there.
  *   - The client address (ClientIP affinity, loadBalancerSourceRanges) is the address the
  *     socket is bound to, else the pod's address of the frontend's family (kbp_pods), or
  *     for the node's sockets the node's address (kbp_config.node_addr4/6): the source is

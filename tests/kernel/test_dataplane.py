@@ -39,6 +39,7 @@ from agent.dataplane.base import Dataplane, DataplaneError
 from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.pods import cookie_key
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState
 
@@ -604,6 +605,37 @@ def test_restarted_dataplane_takes_over_while_a_connection_stays_open(env: Env) 
         assert error is None, f"stream to {stream.backend} after the restart: {error}"
     finally:
         stream.close()
+
+
+@not_on("iptables", "kbp_pods is the eBPF dataplane's")
+def test_a_pod_whose_namespace_is_unknown_is_served_by_tc(env: Env) -> None:
+    """The hooks translate only sockets of namespaces in kbp_pods; any other pod's
+    connection is translated at tc, with the same result for the application."""
+    if not env.sockets_translated:
+        pytest.skip("only --socket-lb all translates the pods' sockets")
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane) and dataplane.pod_netns is not None
+    known = {pod.ifname: pod for pod in dataplane.pod_netns.pods()}
+    assert set(known) == {pod.host_ifname for pod in env.pods.values()}
+    client = env.pod("client2")
+    assert known[client.host_ifname].ipv4 == client.ipv4
+    assert dataplane.status_details()["socketHooks"]["pods"] == len(known)
+    objects, ip4, _ = service(env, "unknown-pod", backends(env, *BACKENDS))
+    env.program(*objects)
+    table = dataplane.programs.map("kbp_pods")
+    key = cookie_key(known[client.host_ifname].cookie)
+    value = table.lookup(key)
+    assert value is not None
+    table.delete(key)
+    try:
+        result = client.connect_many(ip4, 80, "tcp", 10)
+        assert result.errors == {}, result.details
+        assert _conntrack_entries_of(env, ip4) >= 2 * 10  # tc translated them
+    finally:
+        table.update(key, value)
+    before = _conntrack_entries_of(env, ip4)
+    result = client.connect_many(ip4, 80, "tcp", 10)
+    assert result.errors == {} and _conntrack_entries_of(env, ip4) == before
 
 
 @not_on("iptables", "--socket-lb is the eBPF dataplane's")
