@@ -58,6 +58,7 @@
 #include <uapi/asm-generic/errno.h>
 
 #include "lib/common.h"
+#include "lib/conntrack.h"
 #include "lib/counters.h"
 #include "lib/lb.h"
 #include "lib/maps.h"
@@ -316,6 +317,23 @@ static __always_inline int sock_remember_frontend(__u64 cookie, const struct kbp
 	return 1;
 }
 
+/* A UDP socket's first datagram to `backend` (its port is known at sendmsg()): a reply
+ * entry that tc left for an earlier flow with the same ports would disguise the backend's
+ * answers as the frontend's, and this socket would drop them. tc forgets such entries at
+ * a TCP SYN (ct_forget_reply_to); UDP has no SYN, so the hook does it. A TCP socket has
+ * no port yet at connect(): its SYN does. */
+static __always_inline void sock_forget_tc_flow(const struct kbp_tuple *t,
+						const struct kbp_backend *backend)
+{
+	struct kbp_tuple direct = *t;
+
+	if (t->proto != IPPROTO_UDP || t->sport == 0)
+		return;
+	__builtin_memcpy(direct.daddr, backend->addr, sizeof(direct.daddr));
+	direct.dport = backend->port;
+	ct_forget_reply_to(&direct);
+}
+
 /* connect()/sendmsg() of a socket (bound to `bound`, if at all) to `frontend`: on
  * success `*backend_out` names the address to write; returns KBP_SOCK_ALLOW with
  * *backend_out NULL when the destination is not a service (or the socket not ours), or
@@ -359,6 +377,7 @@ static __always_inline int sock_lb_select(void *ctx, const struct sock_user_addr
 	if (sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
 		lb_remember_affinity(&t, svc, now, backend_id);
 		count_new_flow(svc->service_id);
+		sock_forget_tc_flow(&t, backend);
 	}
 	*backend_out = backend;
 	return KBP_SOCK_ALLOW;

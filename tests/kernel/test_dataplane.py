@@ -339,6 +339,20 @@ def test_udp_flow_to_a_removed_backend_moves_to_another(env: Env) -> None:
     assert now in kept, f"the flow stayed on removed backend {gone}"
 
 
+def test_one_client_port_alternating_between_a_service_and_its_backend(env: Env) -> None:
+    """A pod reaches a Service, then the backend's own address, then the Service again,
+    all from one source port (what the socket hooks and tc together produce when a pod's
+    connections are translated now at connect(), now at tc): every connection works."""
+    objects, ip4, _ = service(env, "reuse", backends(env, "be1"))
+    env.program(*objects)
+    client, backend = env.pod("client1"), env.pod("be1")
+    port = UDP_SOURCE_PORT + 1
+    for ip, target in ((ip4, 80), (backend.ipv4, PORT), (ip4, 80), (backend.ipv4, PORT),
+                       (ip4, 80)):  # fmt: skip
+        result = client.connect_many(ip, target, "tcp", 1, source_port=port)
+        assert result.counts == {"be1": 1}, (ip, result.details)
+
+
 # A connected UDP socket kept open: one exchange per line read on stdin, printed as JSON
 # ({"answer": pod} or {"error": errno name}); after an error the socket is made and
 # connected again, as a client that sees its socket fail does.
