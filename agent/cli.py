@@ -41,6 +41,7 @@ RUN_SETTINGS = [
     "external_interfaces",
     "xdp",
     "cgroup_root",
+    "socket_lb",
     "snat_port_range",
     "maglev_table_size",
     "map_size_services",

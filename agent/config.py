@@ -232,6 +232,18 @@ class Settings:
             check=lambda path: None if path in ("auto", "none") else _absolute(path),
         ),
     )
+    socket_lb: str = field(
+        default="all",
+        metadata=_opt(
+            "--socket-lb",
+            "whose sockets the eBPF dataplane's socket hooks translate at connect()/sendmsg(): "
+            "all: the node's and every pod's (no per-packet NAT, no conntrack entry); host: "
+            "the node's only, pods go through tc (for service meshes whose sidecars must see "
+            "the ClusterIP); off: nobody's, pods go through tc and the node's own processes "
+            "reach no Service",
+            choices=("all", "host", "off"),
+        ),
+    )
     snat_port_range: str = field(
         default="61000-65535",
         metadata=_opt(

@@ -334,14 +334,19 @@ def inside_netns(netns: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def bench_dataplane(
-    sizes: MapSizes, netns: str, pod_interfaces: Sequence[str] = (NO_INTERFACES,)
+    sizes: MapSizes,
+    netns: str,
+    pod_interfaces: Sequence[str] = (NO_INTERFACES,),
+    cgroup: Path | None = None,
 ) -> Iterator[EbpfDataplane]:
-    """The real EbpfDataplane (compiled with bcc) on a fresh pin directory; detached,
-    unpinned and removed on exit."""
+    """The real EbpfDataplane (compiled with bcc) on a fresh pin directory, its socket
+    hooks on `cgroup` when one is given (--socket-lb all); detached, unpinned and removed
+    on exit."""
     pin_dir = BPFFS / f"{BENCH_PREFIX}{os.getpid()}-{next(_names)}"
     dataplane: EbpfDataplane | None = None
     try:
-        dataplane = EbpfDataplane(pin_dir, list(pod_interfaces), sizes, netns=netns, watch=False)
+        dataplane = EbpfDataplane(pin_dir, list(pod_interfaces), sizes, netns=netns, watch=False,
+                                  cgroup=cgroup)  # fmt: skip
         yield dataplane
     finally:
         if dataplane is not None:

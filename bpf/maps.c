@@ -95,6 +95,11 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key)
 	return kbp_sock_rev.delete(key);
 }
 
+static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie)
+{
+	return kbp_pods.lookup(netns_cookie);
+}
+
 static __always_inline __u64 *map_lookup_ct_stats(__u32 *what)
 {
 	return kbp_ct_stats.lookup(what);

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * cgroup socket hooks: load balancing for the node's own processes (lib/sock.h). The
- * agent attaches them to a cgroup (agent/dataplane/ebpf/cgroup.py); they act only on
- * sockets of the node's network namespace.
+ * cgroup socket hooks: load balancing at connect()/sendmsg() for the node's own
+ * processes and the pods' (lib/sock.h). The agent attaches them to a cgroup
+ * (agent/dataplane/ebpf/cgroup.py); they act on sockets of the node's network namespace
+ * and of the pod namespaces listed in kbp_pods, as --socket-lb says.
  */
 #include "lib/common.h"
 #include "lib/sock.h"

@@ -65,6 +65,7 @@ def build_ebpf(settings: Settings) -> Dataplane:
         xdp=settings.xdp,
         snat_ports=settings.snat_ports(),
         cgroup=cgroup,
+        socket_lb=settings.socket_lb,
         ct_timeouts=Timeouts(**settings.conntrack_timeouts()),
         ct_sweep_interval=settings.conntrack_sweep_interval,
     )

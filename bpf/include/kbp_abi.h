@@ -101,6 +101,10 @@
 #define KBP_XDP_DROP_OTHER 5     /* malformed, SNAT ports exhausted, rewrite failed */
 #define KBP_XDP_VERDICTS 6
 
+/* struct kbp_config.sock_lb: the sockets the connect/sendmsg hooks translate. */
+#define KBP_SOCK_LB_HOST 1 /* the node's own network namespace (host-network pods too) */
+#define KBP_SOCK_LB_PODS 2 /* the pods' network namespaces listed in kbp_pods */
+
 /* Bits of a kbp_ports element (index: a port, host order). */
 #define KBP_PORT_F_BACKEND 1  /* a backend served on it: replies can come from it */
 #define KBP_PORT_F_FRONTEND 2 /* a frontend used it: packets to it can be for a Service */
@@ -233,12 +237,21 @@ struct kbp_config {
 	__u16 snat_port_max;
 	__u8 pod_cidr4_len;   /* --cluster-cidr, IPv4: prefix length; 0: not configured */
 	__u8 pod_cidr6_len;   /* the same for IPv6 */
-	__u8 pad[2];
+	__u8 sock_lb;         /* KBP_SOCK_LB_* bits: whose sockets connect()/sendmsg() translate
+				 (0: nobody's, --socket-lb off) */
+	__u8 pad;
 	__be32 pod_cidr4[4];  /* the IPv4 cluster CIDR's network address (word 0) */
 	__be32 pod_cidr6[4];  /* the IPv6 cluster CIDR's network address */
 };
 
-/* kbp_sock_rev (LRU): the node's own sockets that a hook pointed at a backend, so that
+/* kbp_pods: a pod's network namespace cookie (bpf_get_netns_cookie()) -> its addresses,
+ * written by the agent for each pod interface whose namespace it found (docs/ebpf.md). */
+struct kbp_pod {
+	__be32 addr4[4]; /* the pod's IPv4 address (word 0; 0: none) */
+	__be32 addr6[4]; /* its IPv6 address (all zero: none) */
+};
+
+/* kbp_sock_rev (LRU): the sockets (the node's, the pods') that a hook pointed at a backend, so that
  * recvmsg/getpeername show the frontend the application asked for. */
 struct kbp_sock_key {
 	__u64 cookie;   /* bpf_get_socket_cookie() of the socket */

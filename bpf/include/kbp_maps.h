@@ -12,7 +12,8 @@
  *   KBP_MAX_CT         conntrack entries (two per flow)
  *   KBP_MAX_AFFINITY   ClientIP affinity entries
  *   KBP_MAX_SRC_RANGES loadBalancerSourceRanges prefixes over all services
- *   KBP_MAX_SOCK_REV   the node's own sockets pointed at a backend
+ *   KBP_MAX_SOCK_REV   sockets pointed at a backend (the node's and the pods')
+ *   KBP_MAX_PODS       pod network namespaces on this node
  * Pins carry the ABI version (`kbp_services_v1`); kernel map names are limited to
  * 15 characters (BPF_OBJ_NAME_LEN), which is why conntrack is `kbp_ct`.
  */
@@ -46,6 +47,10 @@
 #ifndef KBP_MAX_SOCK_REV
 #define KBP_MAX_SOCK_REV 65536
 #endif /* KBP_MAX_SOCK_REV */
+
+#ifndef KBP_MAX_PODS
+#define KBP_MAX_PODS 4096
+#endif /* KBP_MAX_PODS */
 
 #define __KBP_STR(x) #x
 #define KBP_STR(x) __KBP_STR(x)
@@ -93,9 +98,12 @@ BPF_TABLE_PINNED("array", __u32, struct kbp_config, kbp_config, 1, KBP_PIN(kbp_c
 BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_xdp_stats,
 		 KBP_XDP_VERDICTS, KBP_PIN(kbp_xdp_stats));
 
-/* (socket cookie, backend) -> frontend, for the node's own sockets (socket hooks). */
+/* (socket cookie, backend) -> frontend, for sockets the socket hooks translated. */
 BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_rev,
 		 KBP_MAX_SOCK_REV, KBP_PIN(kbp_sock_rev));
+
+/* Pod network namespace cookie -> the pod's addresses: whose sockets are pods'. */
+BPF_TABLE_PINNED("hash", __u64, struct kbp_pod, kbp_pods, KBP_MAX_PODS, KBP_PIN(kbp_pods));
 
 /* Per KBP_CT_STAT_* event: how often (per CPU). */
 BPF_TABLE_PINNED("percpu_array", __u32, __u64, kbp_ct_stats, KBP_CT_STATS,

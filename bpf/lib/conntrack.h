@@ -127,15 +127,20 @@ static __always_inline void __ct_reply_key(const struct kbp_tuple *t, const __be
 	key->dir = KBP_CT_REPLY;
 }
 
-/* A pod opens a connection straight to addr:port (no service). A reply entry left by an
+/* A pod opens a connection straight to addr:port (no service: a pod IP, or a backend
+ * its socket was pointed at by the socket hooks, lib/sock.h). A reply entry left by an
  * earlier translated flow with the same ports would disguise this connection's answers
  * as the frontend's (found by bench/connect.py: reused client ports then never
- * connected), so the SYN removes the reply entry its answers would match. Looked up
- * first: a delete takes the bucket lock even when there is nothing to delete, which
- * cost every such SYN ~40 ns (PB-1's tc miss); the lookup ~20. */
+ * connected), so the SYN removes the reply entry its answers would match, and the
+ * forward entry of that flow with it: left alone, a later SYN of the old flow's tuple
+ * would reuse the forward entry (port reuse) and find no reply entry, and its answers
+ * would reach the client untranslated (found by bench/connect.py switching --socket-lb
+ * between sets). Looked up first: a delete takes the bucket lock even when there is
+ * nothing to delete, which cost every such SYN ~40 ns (PB-1's tc miss); the lookup ~20. */
 static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 {
 	struct kbp_ct_key key = {};
+	struct kbp_ct_entry *reply, *forward;
 
 	if (!map_port_used(t->dport, KBP_PORT_F_BACKEND)) /* no reply entry has that port */
 		return;
@@ -146,8 +151,24 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 	key.proto = t->proto;
 	key.family = t->family;
 	key.dir = KBP_CT_REPLY;
-	if (map_lookup_ct(&key))
+	reply = map_lookup_ct(&key);
+	if (!reply)
+		return;
+	/* The forward key: the client (as it sent, port remapped or not) to the frontend. */
+	__builtin_memcpy(key.saddr, t->saddr, sizeof(key.saddr));
+	__builtin_memcpy(key.daddr, reply->addr, sizeof(key.daddr));
+	key.sport = (reply->flags & KBP_CT_F_SPORT) ? reply->nat_port : t->sport;
+	key.dport = reply->port;
+	key.dir = KBP_CT_FORWARD;
+	forward = map_lookup_ct(&key);
+	if (forward && forward->port == t->dport && lb_addr_equal(forward->addr, t->daddr))
 		map_delete_ct(&key);
+	__builtin_memcpy(key.saddr, t->daddr, sizeof(key.saddr));
+	__builtin_memcpy(key.daddr, t->saddr, sizeof(key.daddr));
+	key.sport = t->dport;
+	key.dport = t->sport;
+	key.dir = KBP_CT_REPLY;
+	map_delete_ct(&key);
 }
 
 /* Forget the reply entry of a forward entry about to be replaced by a new selection,

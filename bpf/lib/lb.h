@@ -211,30 +211,41 @@ static __always_inline void lb_remember_affinity(const struct kbp_tuple *t,
 	map_update_affinity(&key, &value);
 }
 
-/* Pick a backend for a new flow from a non-empty set (count > 0): affinity, else the
- * slot of the flow hash (the set's slots, or its Maglev table), else, only for Services
- * that ask for it, a random slot. The hash makes the choice repeatable: a TCP segment
- * whose conntrack entry was evicted or expired reaches the backend it had, as long as
- * the set is unchanged. NULL when the slot or backend is missing, which ordered agent
- * writes rule out (counted KBP_DROP_BACKEND_GONE). */
+/* The rule every hook selects by, for a new flow (or socket) and a non-empty set
+ * (count > 0): the client's affinity backend when it has one, else the backend in the
+ * slot `hash` picks (hash % count). NULL when the slot or backend is missing, which
+ * ordered agent writes rule out (counted KBP_DROP_BACKEND_GONE). */
+static __always_inline struct kbp_backend *lb_select_backend_by(const struct kbp_tuple *t,
+								const struct kbp_service *svc,
+								__u32 set_id, __u32 count,
+								__u64 now, __u32 hash,
+								__u32 *backend_id)
+{
+	struct kbp_backend *backend = lb_affinity_backend(t, svc, now, backend_id);
+
+	if (backend)
+		return backend;
+	if (__lb_slot_backend(set_id, hash % count, backend_id) < 0)
+		return NULL;
+	return lb_backend_of_service(*backend_id, svc->service_id);
+}
+
+/* A packet's new flow: lb_select_backend_by with the flow hash (the set's slots, or its
+ * Maglev table), or, only for Services that ask for it, a random number. The hash makes
+ * the choice repeatable: a TCP segment whose conntrack entry was evicted or expired
+ * reaches the backend it had, as long as the set is unchanged. */
 static __always_inline struct kbp_backend *lb_select_backend(const struct kbp_tuple *t,
 							     const struct kbp_service *svc,
 							     __u32 set_id, __u32 count, __u64 now,
 							     __u32 *backend_id)
 {
-	struct kbp_backend *backend;
-	__u32 index;
+	__u32 hash;
 
-	backend = lb_affinity_backend(t, svc, now, backend_id);
-	if (backend)
-		return backend;
 	if (svc->flags & KBP_SVC_F_RANDOM)
-		index = bpf_get_prandom_u32() % count;
+		hash = bpf_get_prandom_u32();
 	else
-		index = lb_flow_hash(t) % count;
-	if (__lb_slot_backend(set_id, index, backend_id) < 0)
-		return NULL;
-	return lb_backend_of_service(*backend_id, svc->service_id);
+		hash = lb_flow_hash(t);
+	return lb_select_backend_by(t, svc, set_id, count, now, hash, backend_id);
 }
 
 #endif /* KBP_LIB_LB_H */

@@ -1,35 +1,38 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /*
- * Socket-level load balancing for the node's own processes (host network), which never
- * cross the tc hooks on their way to a ClusterIP or to the node's own NodePort. The
- * cgroup/sock_addr hooks rewrite the destination at connect() and at sendmsg() of
- * unconnected UDP, before any packet exists, and record (socket, backend) -> frontend in
- * kbp_sock_rev so that recvmsg() and getpeername() show the frontend the application
- * asked for (a DNS client checks the source of the answer).
+ * Socket-level load balancing: the cgroup/sock_addr hooks rewrite the destination at
+ * connect() and at sendmsg() of unconnected UDP, before any packet exists, and record
+ * (socket, backend) -> frontend in kbp_sock_rev so that recvmsg() and getpeername() show
+ * the frontend the application asked for (a DNS client checks the source of the answer).
+ * The packets then carry the backend's address from the start: no per-packet NAT and no
+ * conntrack entry, at tc or anywhere else.
  *
- * Only sockets of the node's network namespace (kbp_config.host_netns_cookie) are
- * touched: pods reach services through tc, and a program attached high in the cgroup
- * tree (the root, in production) also runs for every pod's sockets.
+ * Whose sockets (sock_client_of): the node's own network namespace
+ * (kbp_config.host_netns_cookie) when kbp_config.sock_lb has KBP_SOCK_LB_HOST, and the
+ * pods' namespaces the agent listed in kbp_pods (netns cookie -> the pod's addresses)
+ * when it has KBP_SOCK_LB_PODS. A socket of any other namespace (a pod the agent has not
+ * found yet, a namespace that is no pod) is left alone: its packets meet the tc hooks on
+ * the pod's veth, which translate them as before.
  *
- * What the hooks decide (the tc path's rules unless said otherwise):
+ * What the hooks decide (the tc path's rules, with the code the tc path uses):
  *   - The set is the internal one (lb_set_for_pods): clusterBackends, or localBackends
  *     for an internalTrafficPolicy Local ClusterIP; external frontends reached from the
- *     node use clusterBackends too (docs/nodestate.md).
- *   - Unlike tc, the slot is chosen by a hash of the socket cookie and the frontend, not
- *     at random or by Maglev's flow hash: sockets spread evenly over the set (a Maglev
- *     table holds each backend about equally often), and an unconnected UDP socket keeps
- *     its backend from one sendmsg() to the next, which is what conntrack gives a
- *     5-tuple. When the set changes the slot may name another backend, and the next
- *     datagram goes there (conntrack would keep the old one until it expires). Maglev's
- *     cross-node consistency is moot for flows that start on this node.
- *   - The client address (for ClientIP affinity and loadBalancerSourceRanges) is the
- *     address the socket is bound to, else the node's address (kbp_config.node_addr4/6):
- *     the source is chosen by routing after the hook, and towards a Service that is the
- *     node's primary address on a node with one. A multi-homed node whose route to a
- *     LoadBalancer VIP picks another source is judged by the primary address; bind the
- *     socket to be judged by another.
- *   - loadBalancerSourceRanges guard a LoadBalancer VIP against the node too, as
- *     kube-proxy's firewall chain does for the node's own traffic.
+ *     node or a pod use clusterBackends too (docs/nodestate.md).
+ *   - The backend is chosen by lb_select_backend_by, tc's rule: affinity first, then a
+ *     slot by hash. A socket that has its source port already (one bound explicitly, and
+ *     every UDP socket at sendmsg(), which the kernel binds before the hook runs) hashes
+ *     its 5-tuple with lb_flow_hash: the backend tc would pick for it, the same for every
+ *     datagram of an unconnected UDP socket, as conntrack would keep it. A TCP socket at
+ *     connect() has no port yet, so the hash is of the socket cookie and the frontend:
+ *     sockets spread evenly over the set. When the set changes the slot may name another
+ *     backend, and an unconnected socket's next datagram goes there.
+ *   - The client address (ClientIP affinity, loadBalancerSourceRanges) is the address the
+ *     socket is bound to, else the pod's address of the frontend's family (kbp_pods), or
+ *     for the node's sockets the node's address (kbp_config.node_addr4/6): the source is
+ *     chosen by routing after the hook; a pod has one address per family, and towards a
+ *     Service a node's source is its primary address on a node with one.
+ *   - loadBalancerSourceRanges guard a LoadBalancer VIP against pods and the node too, as
+ *     kube-proxy's firewall chain does.
  *   - Where tc would drop or reject a packet, the syscall fails instead: ECONNREFUSED
  *     when the service has no endpoints anywhere (kube-proxy's REJECT), EHOSTUNREACH
  *     when endpoints exist elsewhere or the source ranges refuse the client (kube-proxy's
@@ -38,10 +41,12 @@
  *     the connect and sendmsg hooks since 5.18 (the programs do not load on older
  *     kernels; a rejecting program without it would mean EPERM). Counted in kbp_drops
  *     like packets, with 0 bytes.
+ *   - Hairpin needs nothing: a pod that is its own Service's backend connects to its own
+ *     address, which its namespace delivers locally.
  *   - Only TCP and UDP sockets (ctx->protocol) are translated; SCTP passes, as at tc.
- *   - A connected socket keeps the backend it was given: when that backend leaves the
- *     service, the socket learns it from the backend (RST, ICMP) or not at all; there
- *     is no conntrack entry to move.
+ *   - A connected socket keeps the backend it was given. When that backend leaves the
+ *     service, the agent destroys connected UDP sockets still pointed at it (they would
+ *     never learn); TCP learns from the backend (RST, timeouts), as under kube-proxy.
  *
  * IPv6 sockets may name IPv4 frontends as v4-mapped addresses (::ffff:a.b.c.d, a
  * dual-stack socket): the kernel runs only the IPv6 hooks for them, so those hooks look
@@ -53,6 +58,7 @@
 #include <uapi/asm-generic/errno.h>
 
 #include "lib/common.h"
+#include "lib/conntrack.h"
 #include "lib/counters.h"
 #include "lib/lb.h"
 #include "lib/maps.h"
@@ -78,22 +84,45 @@ static __u64 (*kbp_socket_cookie)(void *ctx) = (void *)BPF_FUNC_get_socket_cooki
 /* An address as a socket hook sees it, in the ABI's form (IPv4 in word 0). */
 struct sock_user_addr {
 	__be32 addr[4];
-	__be16 port;
+	__be16 port; /* network order; a bound socket's port (0: none yet) */
 	__u8 family; /* KBP_FAMILY_* after unmapping v4-mapped IPv6 addresses */
 	__u8 mapped; /* came as (and goes back as) ::ffff:a.b.c.d */
 };
 
-/* kbp_config when this socket lives in the node's own network namespace; NULL for any
- * other namespace and when the agent has not written the cookie yet (0). */
-static __always_inline struct kbp_config *sock_host_config(void *ctx)
+/* Whose socket a hook runs for, when it is one the hooks translate: the addresses it
+ * is judged by when it is not bound to one. */
+struct sock_client {
+	const __be32 *addr4; /* the pod's or the node's IPv4 address (word 0; 0: none) */
+	const __be32 *addr6;
+};
+
+/* Is this socket one the connect/sendmsg hooks translate (kbp_config.sock_lb), and whose:
+ * the node's (its network namespace is the node's) or a pod's (its namespace is in
+ * kbp_pods)? 0 for any other socket, and before the agent wrote the config. */
+static __always_inline int sock_client_of(void *ctx, struct sock_client *client)
 {
 	struct kbp_config *config = map_lookup_config();
+	struct kbp_pod *pod;
+	__u64 netns;
 
-	if (!config || config->host_netns_cookie == 0)
-		return NULL;
-	if (bpf_get_netns_cookie(ctx) != config->host_netns_cookie)
-		return NULL;
-	return config;
+	if (!config || config->sock_lb == 0)
+		return 0;
+	netns = bpf_get_netns_cookie(ctx);
+	if (config->host_netns_cookie != 0 && netns == config->host_netns_cookie) {
+		if (!(config->sock_lb & KBP_SOCK_LB_HOST))
+			return 0;
+		client->addr4 = config->node_addr4;
+		client->addr6 = config->node_addr6;
+		return 1;
+	}
+	if (!(config->sock_lb & KBP_SOCK_LB_PODS))
+		return 0;
+	pod = map_lookup_pod(&netns);
+	if (!pod)
+		return 0;
+	client->addr4 = pod->addr4;
+	client->addr6 = pod->addr6;
+	return 1;
 }
 
 /* IPPROTO_TCP / IPPROTO_UDP for the sockets we translate, 0 for any other. */
@@ -165,13 +194,14 @@ static __always_inline void sock6_write_user(struct bpf_sock_addr *ctx,
 	ctx->user_port = (__u32)port;
 }
 
-/* The address an IPv4 socket is bound to (0: unbound, the usual case). */
+/* The address and port an IPv4 socket is bound to (0: unbound, the usual case). */
 static __always_inline void sock4_read_bound(struct bpf_sock_addr *ctx,
 					     struct sock_user_addr *a)
 {
 	struct bpf_sock *sk = ctx->sk;
 
 	a->addr[0] = sk->src_ip4;
+	a->port = bpf_htons((__u16)sk->src_port); /* struct bpf_sock: host order */
 	a->family = KBP_FAMILY_IPV4;
 }
 
@@ -182,27 +212,33 @@ static __always_inline void sock6_read_bound(struct bpf_sock_addr *ctx,
 	struct bpf_sock *sk = ctx->sk;
 
 	sock_addr_of_ip6(sk->src_ip6[0], sk->src_ip6[1], sk->src_ip6[2], sk->src_ip6[3], a);
+	a->port = bpf_htons((__u16)sk->src_port);
 }
 
 /* The tuple the load balancer sees: the client is the bound address when there is one
- * of the frontend's family, else the node's address (see the header comment); no source
- * port (not chosen yet); the frontend as the destination. */
-static __always_inline void sock_tuple_of(const struct kbp_config *config,
-					  const struct sock_user_addr *frontend,
-					  const struct sock_user_addr *bound, __u8 proto,
-					  struct kbp_tuple *t)
+ * of the frontend's family, else the pod's or node's address (see the header comment);
+ * the bound port if any (0: not chosen yet); the frontend as the destination. Returns 0
+ * when the client has no address of the frontend's family (left to the stack). */
+static __always_inline int sock_tuple_of(const struct sock_client *client,
+					 const struct sock_user_addr *frontend,
+					 const struct sock_user_addr *bound, __u8 proto,
+					 struct kbp_tuple *t)
 {
 	if (bound->family == frontend->family &&
 	    (bound->addr[0] | bound->addr[1] | bound->addr[2] | bound->addr[3]))
 		__builtin_memcpy(t->saddr, bound->addr, sizeof(t->saddr));
 	else if (frontend->family == KBP_FAMILY_IPV4)
-		t->saddr[0] = config->node_addr4[0];
+		t->saddr[0] = client->addr4[0];
 	else
-		__builtin_memcpy(t->saddr, config->node_addr6, sizeof(t->saddr));
+		__builtin_memcpy(t->saddr, client->addr6, sizeof(t->saddr));
+	if ((t->saddr[0] | t->saddr[1] | t->saddr[2] | t->saddr[3]) == 0)
+		return 0;
 	__builtin_memcpy(t->daddr, frontend->addr, sizeof(t->daddr));
+	t->sport = bound->port;
 	t->dport = frontend->port;
 	t->proto = proto;
 	t->family = frontend->family;
+	return 1;
 }
 
 /* MurmurHash3's 64-bit finalizer: every input bit moves every output bit, so consecutive
@@ -228,21 +264,13 @@ static __always_inline __u32 sock_slot_hash(__u64 cookie, const struct kbp_tuple
 	return (__u32)(h >> 32);
 }
 
-/* Affinity first, else the socket's slot; NULL when the slot or its backend is missing
- * (which ordered agent writes rule out). */
-static __always_inline struct kbp_backend *sock_select_backend(const struct kbp_tuple *t,
-							       const struct kbp_service *svc,
-							       __u32 set_id, __u32 count,
-							       __u64 cookie, __u64 now,
-							       __u32 *backend_id)
+/* The hash lb_select_backend_by picks the slot with (see the header comment): tc's flow
+ * hash when the socket has its source port already, else the socket's own. */
+static __always_inline __u32 sock_select_hash(__u64 cookie, const struct kbp_tuple *t)
 {
-	struct kbp_backend *backend = lb_affinity_backend(t, svc, now, backend_id);
-
-	if (backend)
-		return backend;
-	if (__lb_slot_backend(set_id, sock_slot_hash(cookie, t) % count, backend_id) < 0)
-		return NULL;
-	return lb_backend_of_service(*backend_id, svc->service_id);
+	if (t->sport != 0)
+		return lb_flow_hash(t);
+	return sock_slot_hash(cookie, t);
 }
 
 /* Fail the syscall with `err` (a positive errno), counted under `reason`. */
@@ -289,7 +317,24 @@ static __always_inline int sock_remember_frontend(__u64 cookie, const struct kbp
 	return 1;
 }
 
-/* connect()/sendmsg() of a node socket (bound to `bound`, if at all) to `frontend`: on
+/* A UDP socket's first datagram to `backend` (its port is known at sendmsg()): a reply
+ * entry that tc left for an earlier flow with the same ports would disguise the backend's
+ * answers as the frontend's, and this socket would drop them. tc forgets such entries at
+ * a TCP SYN (ct_forget_reply_to); UDP has no SYN, so the hook does it. A TCP socket has
+ * no port yet at connect(): its SYN does. */
+static __always_inline void sock_forget_tc_flow(const struct kbp_tuple *t,
+						const struct kbp_backend *backend)
+{
+	struct kbp_tuple direct = *t;
+
+	if (t->proto != IPPROTO_UDP || t->sport == 0)
+		return;
+	__builtin_memcpy(direct.daddr, backend->addr, sizeof(direct.daddr));
+	direct.dport = backend->port;
+	ct_forget_reply_to(&direct);
+}
+
+/* connect()/sendmsg() of a socket (bound to `bound`, if at all) to `frontend`: on
  * success `*backend_out` names the address to write; returns KBP_SOCK_ALLOW with
  * *backend_out NULL when the destination is not a service (or the socket not ours), or
  * KBP_SOCK_REJECT after setting the errno. */
@@ -297,7 +342,7 @@ static __always_inline int sock_lb_select(void *ctx, const struct sock_user_addr
 					  const struct sock_user_addr *bound, __u32 protocol,
 					  struct kbp_backend **backend_out)
 {
-	struct kbp_config *config;
+	struct sock_client client = {};
 	struct kbp_tuple t = {};
 	struct kbp_service *svc;
 	struct kbp_backend *backend;
@@ -308,10 +353,10 @@ static __always_inline int sock_lb_select(void *ctx, const struct sock_user_addr
 	*backend_out = NULL;
 	if (!proto)
 		return KBP_SOCK_ALLOW;
-	config = sock_host_config(ctx);
-	if (!config)
+	if (!sock_client_of(ctx, &client))
 		return KBP_SOCK_ALLOW;
-	sock_tuple_of(config, frontend, bound, proto, &t);
+	if (!sock_tuple_of(&client, frontend, bound, proto, &t))
+		return KBP_SOCK_ALLOW;
 	svc = lb_lookup_service(&t);
 	if (!svc)
 		return KBP_SOCK_ALLOW;
@@ -322,7 +367,8 @@ static __always_inline int sock_lb_select(void *ctx, const struct sock_user_addr
 		return sock_refuse_empty_set(svc);
 	cookie = kbp_socket_cookie(ctx);
 	now = kbp_now();
-	backend = sock_select_backend(&t, svc, set_id, count, cookie, now, &backend_id);
+	backend = lb_select_backend_by(&t, svc, set_id, count, now, sock_select_hash(cookie, &t),
+				       &backend_id);
 	if (!backend)
 		return sock_refuse(svc, KBP_DROP_BACKEND_GONE, EHOSTUNREACH);
 	/* Service ids are per family: a backend of another family means a corrupt entry. */
@@ -331,6 +377,7 @@ static __always_inline int sock_lb_select(void *ctx, const struct sock_user_addr
 	if (sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
 		lb_remember_affinity(&t, svc, now, backend_id);
 		count_new_flow(svc->service_id);
+		sock_forget_tc_flow(&t, backend);
 	}
 	*backend_out = backend;
 	return KBP_SOCK_ALLOW;
@@ -366,15 +413,15 @@ static __always_inline int sock6_to_backend(struct bpf_sock_addr *ctx)
 	return verdict;
 }
 
-/* The frontend this socket's peer `peer` (a backend) stands for, or NULL. */
+/* The frontend this socket's peer `peer` (a backend) stands for, or NULL. Whatever
+ * kbp_config.sock_lb says now: a socket translated before a mode switch still shows its
+ * frontend. Only peers on a port some backend served on can be in kbp_sock_rev. */
 static __always_inline struct kbp_sock_rev *sock_frontend_of(void *ctx,
 							     const struct sock_user_addr *peer)
 {
 	struct kbp_sock_key key = {};
 
-	/* The netns check is cheaper than the hash lookup, and most sockets that reach an
-	 * attachment at the cgroup root are pods'. */
-	if (!sock_host_config(ctx))
+	if (!map_port_used(peer->port, KBP_PORT_F_BACKEND))
 		return NULL;
 	key.cookie = kbp_socket_cookie(ctx);
 	__builtin_memcpy(key.addr, peer->addr, sizeof(key.addr));
@@ -420,7 +467,7 @@ static __always_inline int sock_forget(struct bpf_sock *ctx)
 
 	if (!sock_proto_of(ctx->protocol) || ctx->dst_port == 0)
 		return KBP_SOCK_ALLOW;
-	if (!sock_host_config(ctx))
+	if (!map_port_used((__be16)ctx->dst_port, KBP_PORT_F_BACKEND))
 		return KBP_SOCK_ALLOW;
 	if (ctx->family == AF_INET) {
 		peer.addr[0] = ctx->dst_ip4;

@@ -63,10 +63,10 @@ from .lab import (
     NAMESPACE_PREFIX,
     SINK,
     Lab,
-    LabError,
     NamespaceLab,
     Pod,
     Result,
+    cgroup2_mount,
     client_argv,
     client_result,
     delete_namespaces,
@@ -117,16 +117,6 @@ _cgroups = itertools.count()
 
 def pod_cidrs(number: int) -> tuple[str, str]:
     return f"10.244.{number}.0/24", f"fd00:244:{number}::/64"
-
-
-def cgroup2_mount() -> Path:
-    """Where cgroup2 is mounted (/sys/fs/cgroup on unified hosts, .../unified on hybrid)."""
-    with open("/proc/mounts") as mounts:
-        for line in mounts:
-            _, path, fstype, *_ = line.split()
-            if fstype == "cgroup2":
-                return Path(path)
-    raise LabError("no cgroup2 mount in /proc/mounts: the node's own processes need one")
 
 
 def answers(result: Result) -> Counter[tuple[str, str]]:

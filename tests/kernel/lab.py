@@ -12,6 +12,10 @@ addresses and routes are never touched):
     pod n     kbp-lab-<pid>-<k>-<name>     eth0 (peer of vethkbp<n>)
               10.244.<node>.<n>/32, fd00:244:<node>::<n>/128 (nodad)
               default via 169.254.1.1 dev eth0 onlink; default via fe80::1 dev eth0
+    cgroup    Lab(cgroup=True): <cgroup2 mount>/kbp-lab-<pid>-<k>, a cgroup v2 directory the
+              lab makes and every pod process (servers, clients, Pod.run) joins, so that
+              socket hooks attached there (and only there) see the pods' sockets; the
+              machine's root cgroup is never attached to
     ClusterIPs 10.96.0.0/16, fd00:96::/112 reach the node through the pods' default
               routes. The node routes them into `kbpsink`, a veth whose peer stays
               down and which resolves no neighbours (arp off): what no program or rule
@@ -32,6 +36,7 @@ instead, which also gives the node an IPv4 source for ARP and ICMP errors.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import itertools
 import json
@@ -98,6 +103,40 @@ def in_netns(ns: str, argv: Sequence[str]) -> list[str]:
     """argv run in ns's network namespace only: unlike `ip netns exec`, nsenter keeps this
     mount namespace, so /sys/fs/bpf stays visible."""
     return ["nsenter", f"--net=/run/netns/{ns}", *argv]
+
+
+def cgroup2_mount() -> Path:
+    """Where cgroup2 is mounted (/sys/fs/cgroup on unified hosts, .../unified on hybrid)."""
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, path, fstype, *_ = line.split()
+            if fstype == "cgroup2":
+                return Path(path)
+    raise LabError("no cgroup2 mount in /proc/mounts")
+
+
+def in_cgroup(cgroup: Path | None, argv: Sequence[str]) -> list[str]:
+    """argv run inside `cgroup` (a cgroup2 directory; None: where we are): a shell joins
+    it, then execs argv, so the process is born there."""
+    if cgroup is None:
+        return list(argv)
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
+
+
+def remove_cgroup(path: Path) -> None:
+    """Move any process still inside to the parent (only ours can be there), then rmdir."""
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            for pid in (path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):  # it exited meanwhile
+                    (path.parent / "cgroup.procs").write_text(pid)
+            time.sleep(0.1)
+    path.rmdir()
 
 
 def sysctl(ns: str, settings: dict[str, str | int]) -> None:
@@ -252,9 +291,13 @@ class Pod:
     ipv6: str
     processes: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
+    def argv(self, argv: Sequence[str]) -> list[str]:
+        """argv as it runs in this pod: its network namespace, the lab's cgroup if any."""
+        return in_cgroup(self.lab.cgroup, in_netns(self.ns, argv))
+
     def run(self, *argv: str, timeout: float = 30) -> str:
-        """Run an ordinary command in the pod's network namespace; its stdout."""
-        return run(in_netns(self.ns, argv), timeout=timeout)
+        """Run an ordinary command in the pod (network namespace, cgroup); its stdout."""
+        return run(self.argv(argv), timeout=timeout)
 
     def serve(
         self,
@@ -266,8 +309,7 @@ class Pod:
         """Start podserver.py here on these ports (IPv4 and IPv6); returns once bound.
         `report_peer`: answers name the peer address the pod saw too."""
         ports = list(ports)
-        argv = in_netns(
-            self.ns,
+        argv = self.argv(
             [sys.executable, str(PODSERVER), "--name", self.name,
              "--ports", ",".join(map(str, ports)), "--protos", ",".join(protos),
              *(["--report-peer"] if report_peer else [])],
@@ -298,12 +340,12 @@ class Pod:
         (UDP: one socket, one flow); source_port pins the client port (same 5-tuple)."""
         argv = client_argv(ip, port, proto, n, timeout,
                            source_port=source_port, same_socket=same_socket)  # fmt: skip
-        return client_result(in_netns(self.ns, argv), n, timeout)
+        return client_result(self.argv(argv), n, timeout)
 
     def stream(self, ip: str, port: int) -> Stream:
         """A long-lived TCP connection to ip:port, checked line by line; returns once the
         first answer (the serving pod's name) arrived."""
-        argv = in_netns(self.ns, [sys.executable, str(PODCLIENT), "stream", ip, str(port)])
+        argv = self.argv([sys.executable, str(PODCLIENT), "stream", ip, str(port)])
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.processes.append(proc)
         handle = Stream(proc, f"{ip}:{port}")
@@ -350,11 +392,14 @@ class Lab(NamespaceLab):
     """A node namespace and its pods; a context manager that removes all of it on exit,
     also when building it failed half-way."""
 
-    def __init__(self, node: int = 1) -> None:
+    def __init__(self, node: int = 1, *, cgroup: bool = False) -> None:
+        """`cgroup`: make a cgroup for the pods' processes (see the plan above)."""
         if not 1 <= node <= 254:
             raise ValueError(f"node number must be 1..254, not {node}")
         super().__init__()
         self.node = node
+        self._want_cgroup = cgroup
+        self.cgroup: Path | None = None
         self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_labs)}"
         self.node_ns = self.name
         self.pods: dict[str, Pod] = {}
@@ -364,6 +409,10 @@ class Lab(NamespaceLab):
     # -- lifecycle --
 
     def _build(self) -> None:
+        if self._want_cgroup:
+            cgroup = cgroup2_mount() / self.name
+            cgroup.mkdir()
+            self.cgroup = cgroup
         self._add_namespace(self.node_ns)
         # Defaults before any link exists, so host veths inherit them.
         sysctl(self.node_ns, {
@@ -392,6 +441,12 @@ class Lab(NamespaceLab):
                 log.exception("lab %s: stopping processes of pod %s failed", self.name, pod.name)
         delete_namespaces(self._namespaces, f"lab {self.name}")
         self.pods.clear()
+        if self.cgroup is not None:
+            try:
+                remove_cgroup(self.cgroup)
+            except OSError:
+                log.exception("lab %s: removing cgroup %s failed", self.name, self.cgroup)
+            self.cgroup = None
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- pods --

@@ -11,11 +11,16 @@ Service traffic times out, and reaches the FORWARD hook where iptables can REJEC
 Services get ClusterIPs 10.96.0.x and fd00:96::x; endpoints "elsewhere" are on node-b
 (10.244.2.x), which does not exist in the lab: they must never receive traffic here.
 
-Every scenario runs once per dataplane (ids like `[ebpf-TCP]`, `[iptables-TCP]`). One lab
-and one dataplane serve all of a dataplane's scenarios (building them takes seconds); each
-test programs its own Services, so a test's state replaces the previous one. A scenario
-that does not apply to one dataplane says so in its parametrisation (`not_on`), and the
-reason shows in pytest's report.
+Every scenario runs once per dataplane: eBPF with --socket-lb all (the pods' sockets are
+translated at connect() by the cgroup hooks, attached to a cgroup the lab made and every
+pod process runs in), eBPF with --socket-lb off (the pods go through tc), and iptables
+(ids like `[ebpf-all-TCP]`, `[ebpf-off-TCP]`, `[iptables-TCP]`). One lab and one
+dataplane serve all of a dataplane's scenarios (building them takes seconds); each test
+programs its own Services, so a test's state replaces the previous one. A scenario that
+does not apply to one dataplane says so in its parametrisation (`not_on`), and the reason
+shows in pytest's report. Where the socket hooks answer differently from a packet path
+(a DROP fails connect() at once with EHOSTUNREACH instead of a timeout), the test says
+so through `Env.dropped`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,13 +39,14 @@ from agent.dataplane.base import Dataplane, DataplaneError
 from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.pods import cookie_key
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState
 
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
 from .lab import Lab, Pod
 
-DATAPLANES = ("ebpf", "iptables")
+DATAPLANES = ("ebpf-all", "ebpf-off", "iptables")  # eBPF: --socket-lb all and off
 POD_INTERFACES = ("vethkbp*",)
 PORT = 8080
 BACKENDS = ("be1", "be2", "be3")
@@ -50,11 +57,12 @@ class Env:
     """One lab with its pods and the dataplane under test programming it."""
 
     def __init__(
-        self, lab: Lab, kind: str, pin_dir: Path, sizes: MapSizes | None = None
+        self, lab: Lab, param: str, pin_dir: Path, sizes: MapSizes | None = None
     ) -> None:
         self.lab = lab
         self.sizes = sizes or MapSizes(4096, 65536, 4096, 4096, 1024)
-        self.kind = kind
+        self.kind, _, socket_lb = param.partition("-")
+        self.socket_lb = socket_lb or None  # eBPF: --socket-lb
         self.pin_dir = pin_dir  # eBPF only
         self.pods = lab.pods
         self.dataplane: Dataplane | None = None
@@ -67,7 +75,9 @@ class Env:
         """A new dataplane object on this lab: the first one, or a restarted agent's (the
         eBPF one reopens the pinned maps and replaces the programs in place)."""
         if self.kind == "ebpf":
-            return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns)
+            assert self.socket_lb is not None
+            return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns,
+                                 cgroup=self.lab.cgroup, socket_lb=self.socket_lb)  # fmt: skip
         from agent.dataplane.iptables.dataplane import IptablesDataplane
 
         return IptablesDataplane(POD_INTERFACES, netns=self.lab.node_ns)
@@ -80,6 +90,17 @@ class Env:
     def running(self) -> Dataplane:
         assert self.dataplane is not None, "no dataplane: an earlier restart failed"
         return self.dataplane
+
+    @property
+    def sockets_translated(self) -> bool:
+        """Do the socket hooks translate the pods' connect() here (--socket-lb all)?"""
+        return self.kind == "ebpf" and self.socket_lb == "all"
+
+    @property
+    def dropped(self) -> str:
+        """The error class a client sees for a DROP: connect() fails at once when the
+        socket hooks decide, a packet path leaves it to time out."""
+        return "unreachable" if self.sockets_translated else "timeout"
 
     def cluster_ip(self) -> tuple[str, str]:
         """A fresh ClusterIP pair per Service, so no test inherits another's flows."""
@@ -133,8 +154,9 @@ def env(request: pytest.FixtureRequest) -> Iterator[Env]:
 
     if missing_kernel_prerequisites():
         pytest.skip("kernel prerequisites missing")  # the per-test hook reports why
-    kind: str = request.param
-    with Lab() as lab:
+    param: str = request.param
+    kind = param.partition("-")[0]
+    with Lab(cgroup=kind == "ebpf") as lab:
         for name in ("client1", "client2", *BACKENDS):
             pod = lab.add_pod(name)
             if name in BACKENDS:
@@ -146,7 +168,7 @@ def env(request: pytest.FixtureRequest) -> Iterator[Env]:
                 if kernel_required():
                     pytest.fail(f"iptables dataplane unavailable: {reason}", pytrace=False)
                 pytest.skip(f"iptables dataplane unavailable: {reason}")
-        made = Env(lab, kind, BPFFS / f"kbp-test-dataplane-{time.monotonic_ns()}")
+        made = Env(lab, param, BPFFS / f"kbp-test-dataplane-{time.monotonic_ns()}")
         try:
             made.dataplane = made.start_dataplane()
             yield made
@@ -161,7 +183,7 @@ def not_on(kind: str, reason: str) -> pytest.MarkDecorator:
     skip = pytest.mark.skip(reason=f"not on {kind}: {reason}")
     return pytest.mark.parametrize(
         "env",
-        [pytest.param(k, marks=skip) if k == kind else k for k in DATAPLANES],
+        [pytest.param(k, marks=skip) if k.partition("-")[0] == kind else k for k in DATAPLANES],
         indirect=True,
     )
 
@@ -317,6 +339,87 @@ def test_udp_flow_to_a_removed_backend_moves_to_another(env: Env) -> None:
     assert now in kept, f"the flow stayed on removed backend {gone}"
 
 
+def test_one_client_port_alternating_between_a_service_and_its_backend(env: Env) -> None:
+    """A pod reaches a Service, then the backend's own address, then the Service again,
+    all from one source port (what the socket hooks and tc together produce when a pod's
+    connections are translated now at connect(), now at tc): every connection works."""
+    objects, ip4, _ = service(env, "reuse", backends(env, "be1"))
+    env.program(*objects)
+    client, backend = env.pod("client1"), env.pod("be1")
+    port = UDP_SOURCE_PORT + 1
+    for ip, target in ((ip4, 80), (backend.ipv4, PORT), (ip4, 80), (backend.ipv4, PORT),
+                       (ip4, 80)):  # fmt: skip
+        result = client.connect_many(ip, target, "tcp", 1, source_port=port)
+        assert result.counts == {"be1": 1}, (ip, result.details)
+
+
+# A connected UDP socket kept open: one exchange per line read on stdin, printed as JSON
+# ({"answer": pod} or {"error": errno name}); after an error the socket is made and
+# connected again, as a client that sees its socket fail does.
+UDP_SESSION = r"""
+import errno, json, socket, sys
+ip, port = sys.argv[1], int(sys.argv[2])
+
+def connected():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(2)
+    s.connect((ip, port))
+    return s
+
+s = connected()
+for _ in sys.stdin:
+    try:
+        s.send(b"ping")
+        print(json.dumps({"answer": s.recv(100).decode()}), flush=True)
+    except OSError as exc:
+        name = "timeout" if isinstance(exc, TimeoutError) else errno.errorcode.get(exc.errno)
+        print(json.dumps({"error": name}), flush=True)
+        s.close()
+        s = connected()
+"""
+
+
+def test_connected_udp_socket_leaves_a_removed_backend(env: Env) -> None:
+    """The removed backend's pod keeps serving here, so a socket still pointed at it
+    would keep getting its answers: it must not. tc re-selects at the flow's next packet;
+    a socket the hooks translated is destroyed at the apply (one failed call), and the
+    client's new socket reaches a backend still in the Service."""
+    objects, ip4, _ = service(env, "udp-session", backends(env, *BACKENDS), protocol="UDP")
+    env.program(*objects)
+    argv = env.pod("client1").argv([sys.executable, "-c", UDP_SESSION, ip4, "80"])
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def exchange() -> dict:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
+
+    try:
+        first = [exchange() for _ in range(3)]
+        gone = first[0].get("answer")
+        assert gone in BACKENDS and first == [{"answer": gone}] * 3, first
+        kept = [name for name in BACKENDS if name != gone]
+        objects, _, _ = service(env, "udp-session", backends(env, *kept), protocol="UDP",
+                                ip4=ip4)  # fmt: skip
+        env.program(*objects)
+        after = [exchange() for _ in range(4)]
+        answers = [seen["answer"] for seen in after if "answer" in seen]
+        errors = [seen["error"] for seen in after if "error" in seen]
+        assert gone not in answers, after
+        assert set(answers) <= set(kept) and len(answers) >= 3, after
+        if env.sockets_translated:
+            # Destroyed and so no longer connected: a send() fails with EDESTADDRREQ, a
+            # recv() waiting meanwhile with ECONNABORTED; either way once.
+            assert errors in (["EDESTADDRREQ"], ["ECONNABORTED"]), after
+        else:
+            assert errors == [], after
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+        proc.stdout.close()
+
+
 # --- empty sets -------------------------------------------------------------------------
 
 
@@ -338,7 +441,7 @@ def test_local_policy_with_endpoints_only_elsewhere_drops(env: Env) -> None:
     objects, ip4, _ = service(env, "local-only", elsewhere, mutate=itp_local)
     env.program(*objects)
     result = env.pod("client1").connect_many(ip4, 80, "tcp", 2, timeout=0.5)
-    assert result.errors == {"timeout": 2}, result.details
+    assert result.errors == {env.dropped: 2}, result.details
 
 
 def test_internal_traffic_policy_local_uses_only_this_nodes_endpoints(env: Env) -> None:
@@ -373,6 +476,89 @@ def test_pod_reaching_its_own_service_is_served_by_itself(env: Env, protocol: st
     result = env.pod("be1").connect_many(ip4, 80, protocol, 10)
     assert result.errors == {}, result.details
     assert result.counts == {"be1": 10}
+
+
+def test_dual_stack_socket_reaches_an_ipv4_service(env: Env) -> None:
+    """An IPv6 socket naming ::ffff:<ClusterIP> (the kernel sends IPv4; only the IPv6
+    socket hooks run)."""
+    objects, ip4, _ = service(env, "mapped", backends(env, *BACKENDS))
+    env.program(*objects)
+    result = env.pod("client1").connect_many(f"::ffff:{ip4}", 80, "tcp", 30)
+    assert result.errors == {}, result.details
+    assert set(result.counts) == set(BACKENDS), result.counts
+
+
+LB_VIP = "203.0.113.9"
+
+
+def test_load_balancer_source_ranges_judge_the_pods_address(env: Env) -> None:
+    def ranged(obj: dict) -> None:
+        obj["spec"]["type"] = "LoadBalancer"
+        obj["spec"]["loadBalancerSourceRanges"] = [f"{env.pod('client1').ipv4}/32"]
+        obj["status"] = {"loadBalancer": {"ingress": [{"ip": LB_VIP}]}}
+
+    # What nothing translates goes into the sink, like the ClusterIP ranges (lab.py).
+    env.lab.run_in_node("ip", "route", "replace", f"{LB_VIP}/32", "dev", "kbpsink")
+    objects, _, _ = service(env, "ranged", backends(env, *BACKENDS), mutate=ranged)
+    env.program(*objects)
+    admitted = env.pod("client1").connect_many(LB_VIP, 80, "tcp", 20)
+    assert admitted.errors == {}, admitted.details
+    assert set(admitted.counts) == set(BACKENDS), admitted.counts
+    refused = env.pod("client2").connect_many(LB_VIP, 80, "tcp", 2, timeout=0.5)
+    assert refused.errors == {env.dropped: 2}, refused.details
+
+
+# The client of the next test: one exchange with IP:PORT over PROTO; prints the answer
+# and the peer the socket API showed (getpeername for TCP, recvfrom's source for UDP).
+PEER_CLIENT = r"""
+import json, socket, sys
+ip, port, proto = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+with socket.socket(socket.AF_INET, kind) as s:
+    s.settimeout(5)
+    if proto == "tcp":
+        s.connect((ip, port))
+        answer, peer = s.makefile().readline().strip(), s.getpeername()
+    else:
+        s.sendto(b"ping", (ip, port))
+        data, peer = s.recvfrom(100)
+        answer = data.decode()
+print(json.dumps({"answer": answer, "peer": list(peer)}))
+"""
+
+
+def _conntrack_entries_of(env: Env, frontend: str) -> int:
+    """kbp_ct entries of flows to `frontend`: forward keys to it, replies restoring it."""
+    from agent.dataplane.ebpf.abi import from_bytes, get_addr
+
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane)
+    found = 0
+    for key, value in dataplane.programs.map("kbp_ct").items():
+        ct_key, entry = from_bytes("kbp_ct_key", key), from_bytes("kbp_ct_entry", value)
+        addresses = {get_addr(ct_key.daddr, ct_key.family), get_addr(entry.addr, ct_key.family)}
+        found += frontend in addresses
+    return found
+
+
+@not_on("iptables", "kbp_ct is the eBPF dataplane's conntrack")
+@pytest.mark.parametrize("protocol", ["tcp", "udp"])
+def test_socket_translated_flows_write_no_conntrack_and_show_the_cluster_ip(
+    env: Env, protocol: str
+) -> None:
+    objects, ip4, _ = service(env, f"peer-{protocol}", backends(env, *BACKENDS),
+                              protocol=protocol.upper())  # fmt: skip
+    env.program(*objects)
+    for _ in range(3):
+        shown = json.loads(env.pod("client1").run(sys.executable, "-c", PEER_CLIENT, ip4, "80",
+                                                  protocol))  # fmt: skip
+        assert shown["answer"] in BACKENDS, shown
+        assert shown["peer"] == [ip4, 80], shown  # the application sees the ClusterIP
+    entries = _conntrack_entries_of(env, ip4)
+    if env.sockets_translated:
+        assert entries == 0  # translated at connect(): no packet was NATed
+    else:
+        assert entries >= 2 * 3  # tc: a forward and a reply entry per flow
 
 
 # --- operations -------------------------------------------------------------------------
@@ -433,6 +619,68 @@ def test_restarted_dataplane_takes_over_while_a_connection_stays_open(env: Env) 
         assert error is None, f"stream to {stream.backend} after the restart: {error}"
     finally:
         stream.close()
+
+
+@not_on("iptables", "kbp_pods is the eBPF dataplane's")
+def test_a_pod_whose_namespace_is_unknown_is_served_by_tc(env: Env) -> None:
+    """The hooks translate only sockets of namespaces in kbp_pods; any other pod's
+    connection is translated at tc, with the same result for the application."""
+    if not env.sockets_translated:
+        pytest.skip("only --socket-lb all translates the pods' sockets")
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane) and dataplane.pod_netns is not None
+    known = {pod.ifname: pod for pod in dataplane.pod_netns.pods()}
+    assert set(known) == {pod.host_ifname for pod in env.pods.values()}
+    client = env.pod("client2")
+    assert known[client.host_ifname].ipv4 == client.ipv4
+    assert dataplane.status_details()["socketHooks"]["pods"] == len(known)
+    objects, ip4, _ = service(env, "unknown-pod", backends(env, *BACKENDS))
+    env.program(*objects)
+    table = dataplane.programs.map("kbp_pods")
+    key = cookie_key(known[client.host_ifname].cookie)
+    value = table.lookup(key)
+    assert value is not None
+    table.delete(key)
+    try:
+        result = client.connect_many(ip4, 80, "tcp", 10)
+        assert result.errors == {}, result.details
+        assert _conntrack_entries_of(env, ip4) >= 2 * 10  # tc translated them
+    finally:
+        table.update(key, value)
+    before = _conntrack_entries_of(env, ip4)
+    result = client.connect_many(ip4, 80, "tcp", 10)
+    assert result.errors == {} and _conntrack_entries_of(env, ip4) == before
+
+
+@not_on("iptables", "--socket-lb is the eBPF dataplane's")
+def test_switching_socket_lb_modes_keeps_established_streams(env: Env) -> None:
+    """The agent restarted with the other --socket-lb, then back: a stream begun in each
+    mode (one translated at connect(), the other at tc) keeps working throughout."""
+    objects, ip4, _ = service(env, "switch", backends(env, *BACKENDS))
+    state = env.program(*objects)
+    original = env.socket_lb
+    other = "off" if original == "all" else "all"
+    streams = [env.pod("client1").stream(ip4, 80)]
+    try:
+        for mode in (other, original):
+            env.running().close()
+            env.dataplane = None
+            env.socket_lb = mode
+            env.dataplane = env.start_dataplane()
+            env.dataplane.apply(state)
+            streams.append(env.pod("client2").stream(ip4, 80))
+            for stream in streams:
+                ok_before, _ = stream.check()
+                _, error = stream.wait_for(ok_before + 5)
+                where = f"stream to {stream.backend} after --socket-lb {mode}"
+                assert error is None, f"{where}: {error}"
+            result = env.pod("client2").connect_many(ip4, 80, "tcp", 30)
+            assert result.errors == {}, result.details
+            assert set(result.counts) == set(BACKENDS), result.counts
+    finally:
+        env.socket_lb = original
+        for stream in streams:
+            stream.close()
 
 
 @not_on("iptables", "iptables chains have no fixed capacity to refuse a state for")

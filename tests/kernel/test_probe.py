@@ -201,7 +201,8 @@ def test_socket_hooks_attach_to_a_cgroup2_mounted_at_an_unusual_path(
              f"mkdir {cgroup}")  # fmt: skip
     report = in_private_mounts(setup, sys.executable, "-c", BUILD_EBPF, str(bpf_pin_dir),
                                str(cgroup), teardown=f"rmdir {cgroup}", netns=netns())  # fmt: skip
-    assert report == {"cgroup": str(cgroup), "state": "attached"}
+    assert report == {"cgroup": str(cgroup), "state": "attached", "socketLb": "all",
+                      "pods": 0, "podsPending": []}  # fmt: skip
 
 
 def test_without_any_cgroup2_the_ebpf_dataplane_runs_without_socket_hooks(
@@ -212,7 +213,8 @@ def test_without_any_cgroup2_the_ebpf_dataplane_runs_without_socket_hooks(
     hide = "for m in $(awk '$3 == \"cgroup2\" {print $2}' /proc/self/mounts); do umount -l $m; done"
     report = in_private_mounts(hide, sys.executable, "-c", BUILD_EBPF, str(bpf_pin_dir), "auto",
                                netns=netns())  # fmt: skip
-    assert report == {"cgroup": None, "state": "off"}
+    assert report == {"cgroup": None, "state": "off", "socketLb": "all", "pods": 0,
+                      "podsPending": []}  # fmt: skip
 
 
 # --- the agent: selection end to end, and cleanup ----------------------------------------

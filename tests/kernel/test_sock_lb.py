@@ -44,7 +44,7 @@ from agent.dataplane.ebpf.plan import FrontendKey, MapSizes
 from agent.model.compile import compile
 
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
-from .lab import Lab, LabError, in_netns
+from .lab import Lab, LabError, in_netns, remove_cgroup
 
 BACKENDS = ("be1", "be2", "be3")
 NODE_IP4, NODE_IP6 = "192.0.2.10", "2001:db8::10"
@@ -294,22 +294,6 @@ def _run(*argv: str) -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout
 
 
-def _remove_cgroup(path: Path) -> None:
-    """Move any process still inside to the parent (only ours can be there), then rmdir."""
-    for _ in range(50):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            for pid in (path / "cgroup.procs").read_text().split():
-                with contextlib.suppress(OSError):  # it exited meanwhile
-                    (path.parent / "cgroup.procs").write_text(pid)
-            time.sleep(0.1)
-    path.rmdir()
-
-
 def _node_additions(lab: Lab, other_ns: str) -> None:
     """The node's own addresses (on its loopback: this kernel has no dummy devices), and a
     namespace that is not the node's."""
@@ -365,7 +349,7 @@ def env() -> Iterator[Env]:
             try:
                 sockhooks.detach_socket_hooks(pin_dir)
                 if cgroup.exists():
-                    _remove_cgroup(cgroup)
+                    remove_cgroup(cgroup)
                 if dataplane is not None:
                     dataplane.cleanup()
             finally:
@@ -737,5 +721,5 @@ def test_pinned_link_of_another_cgroup_is_moved(env: Env) -> None:
         assert not any(sockhooks.attached_programs(env.cgroup, hook) for hook in HOOKS)
     finally:
         sockhooks.attach_socket_hooks(env.dataplane.programs, env.cgroup, env.pin_dir)
-        _remove_cgroup(other)
+        remove_cgroup(other)
     assert all(sockhooks.attached_programs(env.cgroup, hook) for hook in HOOKS)

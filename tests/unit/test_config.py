@@ -173,6 +173,7 @@ RANGE_CASES = [
     ("xdp", [], {"KBP_XDP": "maybe"}, "KBP_XDP: 'maybe' is not one of"),
     ("iptables_backend", [], {"KBP_IPTABLES_BACKEND": "xtables"},
      "KBP_IPTABLES_BACKEND: 'xtables' is not one of auto, nft, legacy"),
+    ("socket_lb", [], {"KBP_SOCKET_LB": "pods"}, "KBP_SOCKET_LB: 'pods' is not one of"),
     ("cgroup_root", ["--cgroup-root", "sys/fs/cgroup"], {}, "--cgroup-root: 'sys/fs/cgroup'"),
     ("snat_port_range", ["--snat-port-range", "80-90"], {}, "--snat-port-range: '80-90' must"),
     ("snat_port_range", ["--snat-port-range", "2000-1000"], {}, "must lie within 1024-65535"),

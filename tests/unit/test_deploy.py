@@ -294,7 +294,7 @@ def test_the_daemonset_uses_named_capabilities_instead_of_privileged():
     assert sorted(security["capabilities"]["add"]) == sorted(CAPABILITIES)
 
 
-def test_the_daemonset_mounts_bpffs_kernel_headers_and_the_xtables_lock(tmp_path: Path):
+def test_the_daemonset_mounts_bpffs_kernel_headers_the_xtables_lock_and_netns(tmp_path: Path):
     daemonset = deploy_objects()["DaemonSet"]
     mounts = {m["name"]: m for m in container(daemonset)["volumeMounts"]}
     host_paths = {
@@ -309,7 +309,8 @@ def test_the_daemonset_mounts_bpffs_kernel_headers_and_the_xtables_lock(tmp_path
         if path != "/sys/fs/cgroup":
             assert mount["mountPath"] == path
     assert set(by_path) == {
-        "/sys/fs/bpf", "/lib/modules", "/usr/src", "/run/xtables.lock", "/sys/fs/cgroup"
+        "/sys/fs/bpf", "/lib/modules", "/usr/src", "/run/xtables.lock", "/sys/fs/cgroup",
+        "/run/netns",
     }  # fmt: skip
     env = {e["name"]: e.get("value") for e in container(daemonset)["env"]}
     assert env["KBP_CGROUP_ROOT"] == by_path["/sys/fs/cgroup"][0]["mountPath"]
@@ -317,6 +318,8 @@ def test_the_daemonset_mounts_bpffs_kernel_headers_and_the_xtables_lock(tmp_path
     assert by_path["/usr/src"][0]["readOnly"] is True
     assert by_path["/run/xtables.lock"][1]["type"] == "FileOrCreate"
     assert by_path["/sys/fs/bpf"][0]["mountPropagation"] == "HostToContainer"
+    # The pods' namespaces, for --socket-lb all; pods started later must appear there.
+    assert by_path["/run/netns"][0]["mountPropagation"] == "HostToContainer"
     # The pins the agent makes land inside the host's bpffs.
     assert Path(effective_settings(tmp_path).bpffs).is_relative_to("/sys/fs/bpf")
 

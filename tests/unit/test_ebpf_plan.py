@@ -1085,6 +1085,8 @@ class ModelDataplane(EbpfDataplane):
         self._held = None
         self._pending_writes = 0
         self._serving = True  # nothing attached to take over
+        self.pod_netns = None  # no socket hooks
+        self.cgroup = None
         self._range_index = external.SourceRangeIndex()
         self.kernel = Kernel(EMPTY)
         self.current = self._read_kernel()

@@ -81,6 +81,7 @@ MAP_NAMES = (
     "kbp_config",
     "kbp_xdp_stats",
     "kbp_sock_rev",
+    "kbp_pods",
     "kbp_ports",
     "kbp_meta",
     "kbp_ct_stats",

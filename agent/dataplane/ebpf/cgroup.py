@@ -15,13 +15,12 @@ import logging
 import os
 import socket
 import sys
-import threading
 from pathlib import Path
 
 from ..mounts import MOUNTS, cgroup2_mounts, mount_table
 from . import libbpf
 from .kernel import PROGRAMS, LoadedPrograms
-from .netlink import enter_netns
+from .netlink import run_in_netns
 
 log = logging.getLogger(__name__)
 
@@ -76,26 +75,16 @@ def _cookie_of_this_netns() -> int:
 
 def netns_cookie(netns: str | None = None) -> int:
     """The network namespace cookie (what bpf_get_netns_cookie() returns in the kernel) of
-    the calling thread's namespace, or of the named one (/run/netns/NAME), read from a
-    socket made there by a short-lived thread (setns() changes only that thread)."""
+    the calling thread's namespace, or of the named one (/run/netns/NAME, or a path),
+    read from a socket made there by a short-lived thread."""
     if netns is None:
         return _cookie_of_this_netns()
-    outcome: list[int | BaseException] = []
+    return run_in_netns(netns, _cookie_of_this_netns)
 
-    def in_namespace() -> None:
-        try:
-            enter_netns(netns)
-            outcome.append(_cookie_of_this_netns())
-        except BaseException as err:
-            outcome.append(err)
 
-    thread = threading.Thread(target=in_namespace, name=f"netns-cookie {netns}")
-    thread.start()
-    thread.join()
-    (result,) = outcome
-    if isinstance(result, BaseException):
-        raise result
-    return result
+def cookie_of_this_netns() -> int:
+    """netns_cookie() of the calling thread's namespace (for run_in_netns callers)."""
+    return _cookie_of_this_netns()
 
 
 def _link_pin(pin_dir: Path, hook: str) -> Path:

@@ -34,8 +34,8 @@ from ...metrics import Metrics
 from ...model.compile import nodeport_ips
 from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
-from . import codec, external
-from .abi import DROP_REASONS, MAP_NAMES, const, versioned
+from . import codec, external, sockdiag
+from .abi import DROP_REASONS, MAP_NAMES, addr_bytes, const, packer, port_bytes, versioned
 from .cgroup import (
     CgroupAttachError,
     attach_socket_hooks,
@@ -47,8 +47,9 @@ from .conntrack import Collector, Timeouts
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
-from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher
+from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher, run_in_netns
 from .plan import CapacityError, KernelContent, MapSizes, Writes, plan_change
+from .pods import PodNamespaces
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 HOOKS = (("ingress", "kbp_from_pod"), ("egress", "kbp_to_pod"))
 EXTERNAL_HOOKS = (("ingress", "kbp_from_ext"), ("egress", "kbp_to_ext"))
 XDP_PROGRAM = "kbp_xdp_ext"
+_SOCK_KEY = packer("kbp_sock_key")
+_SOCK_REV = packer("kbp_sock_rev")
 # A program whose kernel name starts with this is ours (tc filters, XDP).
 PROGRAM_PREFIX = "kbp_"
 
@@ -77,6 +80,7 @@ class EbpfDataplane:
         xdp: str = "auto",
         snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
         cgroup: Path | None = None,
+        socket_lb: str = "all",
         ct_timeouts: Timeouts | None = None,
         ct_sweep_interval: float = 0.0,
     ) -> None:
@@ -84,7 +88,8 @@ class EbpfDataplane:
         those that carry the node's NodePort addresses (`nodeport_addresses`, as
         --nodeport-addresses), found at each apply that changes the node. `xdp`: auto
         (native, else generic), native, generic or off. `cgroup`: where the socket hooks
-        serve the node's own processes (None: not attached). `ct_sweep_interval`: seconds
+        serve (None: not attached); `socket_lb` (--socket-lb): whose sockets they
+        translate, all (the node's and the pods'), host or off. `ct_sweep_interval`: seconds
         between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools)."""
         self.pin_dir = Path(pin_dir)
         self.pod_interfaces = tuple(pod_interfaces)
@@ -94,6 +99,10 @@ class EbpfDataplane:
         self.nodeport_addresses = tuple(nodeport_addresses)
         self.xdp = external.xdp_mode(xdp)
         self.snat_ports = snat_ports
+        if socket_lb not in external.SOCKET_LB_BITS:
+            why = f"--socket-lb must be all, host or off; got {socket_lb!r}"
+            raise DataplaneError("config", why)
+        self.socket_lb = socket_lb
         self._external_attached: dict[int, str] = {}  # ifindex → name
         self.xdp_modes: dict[str, str] = {}  # interface → native | generic | failed: why
         self._node: NodeInfo | None = None  # the node the external state was made for
@@ -136,6 +145,11 @@ class EbpfDataplane:
         self.attacher = TcAttacher(netns)
         self._netns_cookie = netns_cookie(netns)
         self.cgroup = cgroup
+        # The pods' network namespaces, for the socket hooks (only when they serve pods).
+        self.pod_netns: PodNamespaces | None = None
+        self._sock_destroy_off = False  # set when the kernel has no SOCK_DESTROY
+        if cgroup is not None and socket_lb == "all":
+            self.pod_netns = PodNamespaces(self.attacher, self.programs.map("kbp_pods"))
         # Where an earlier agent's programs are attached, they serve until our first apply
         # completed (see the module doc): those interfaces wait in _deferred.
         self._serving = False
@@ -154,12 +168,15 @@ class EbpfDataplane:
         self._attached: set[int] = set()
         watched = self.pod_interfaces + self.external_globs
         if watch:  # the watcher's start-up scan attaches to the existing interfaces
-            self._watcher = LinkWatcher(self.attacher, watched, self._on_link)
+            self._watcher = LinkWatcher(self.attacher, watched, self._on_link,
+                                        self._on_link_change, self._on_link_gone)  # fmt: skip
             self._watcher.start()
         else:
             for link in self.attacher.links():
                 if PodInterfaces(watched).matches(link.name):
                     self._on_link(link)
+        if self.pod_netns is not None:
+            self.pod_netns.prune()  # pods removed while no agent ran
         attached = len(self._attached)
         if self._deferred or self._cgroup_deferred:
             log.info(
@@ -180,7 +197,10 @@ class EbpfDataplane:
             self.xdp,
         )  # fmt: skip
         if cgroup is not None:
-            log.info("ebpf: socket hooks serve the processes of cgroup %s", cgroup)
+            pods = self.pod_netns.pods() if self.pod_netns is not None else []
+            whose = {"all": f"the node and {len(pods)} pod(s) found so far",
+                     "host": "the node (pods: tc)", "off": "nobody"}[socket_lb]  # fmt: skip
+            log.info("ebpf: socket hooks on cgroup %s translate the sockets of %s", cgroup, whose)
         stale = remove_stale_pins(self.pin_dir)
         if stale:
             log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
@@ -196,6 +216,8 @@ class EbpfDataplane:
         with self._lock:
             if full and not self._just_read:
                 self.current = self._read_kernel()
+            if full and self.pod_netns is not None:
+                self.pod_netns.retry()
             self._just_read = False
             # Changes self.current in place (cost: what changed): every way out below
             # commits or rolls back.
@@ -230,6 +252,9 @@ class EbpfDataplane:
             self._held = state.revision
             writes = change.writes.count + self._pending_writes
             self._pending_writes = 0
+            backends_left = bool(change.writes.backends_to_delete)
+        if backends_left:
+            self._release_udp_sockets()
         if not self._serving:
             self._take_over()
         self._follow_node(state, full)
@@ -335,6 +360,53 @@ class EbpfDataplane:
                 )  # fmt: skip
         self.sizes = MapSizes(**actual)
 
+    # --- sockets -------------------------------------------------------------------------
+
+    def _release_udp_sockets(self) -> None:
+        """After an apply that removed backends: destroy the connected UDP sockets the
+        socket hooks pointed at a backend that is no longer in their Service, in the
+        node's namespace and every pod's (docs/ebpf.md, "A backend leaves"). TCP needs
+        nothing (it learns from the backend); unconnected UDP picks again at sendmsg()."""
+        if self.cgroup is None or self._sock_destroy_off:
+            return
+        reverse = self.programs.map("kbp_sock_rev")
+        live: set[tuple[int, str, int]] | None = None
+
+        def removed(sock: sockdiag.UdpSocket) -> bool:
+            nonlocal live
+            family = const.KBP_FAMILY_IPV6 if ":" in sock.peer else const.KBP_FAMILY_IPV4
+            key = _SOCK_KEY.pack(sock.cookie, addr_bytes(sock.peer), port_bytes(sock.peer_port),
+                                 family)  # fmt: skip
+            raw = reverse.lookup(key)
+            if raw is None:
+                return False  # not translated by the hooks: none of ours
+            if live is None:
+                with self._lock:
+                    live = {(b.service_id, b.addr, b.port) for b in self.current.backends.values()}
+            service_id = _SOCK_REV.unpack(raw)[2]
+            return (service_id, sock.peer, sock.peer_port) not in live
+
+        namespaces: list[str | None] = [self.attacher.netns]
+        if self.pod_netns is not None:
+            namespaces += [pod.path for pod in self.pod_netns.pods()]
+        destroyed = 0
+        for netns in namespaces:
+            try:
+                if netns is None:
+                    destroyed += sockdiag.destroy_matching(removed)
+                else:
+                    destroyed += run_in_netns(netns, lambda: sockdiag.destroy_matching(removed))
+            except sockdiag.DestroyUnsupported as err:
+                self._sock_destroy_off = True
+                log.warning("ebpf: this kernel cannot destroy sockets (%s): connected UDP "
+                            "sockets to removed backends stay until their application "
+                            "reconnects", err)  # fmt: skip
+                return
+            except (OSError, DataplaneError) as err:  # a pod namespace that just went
+                log.debug("ebpf: connected UDP sockets in %s: %s", netns, err)
+        if destroyed:
+            log.info("ebpf: destroyed %d connected UDP socket(s) to removed backends", destroyed)
+
     # --- interfaces ----------------------------------------------------------------------
 
     def _take_over(self) -> None:
@@ -371,6 +443,8 @@ class EbpfDataplane:
         self.socket_hooks = "attached"
 
     def _on_link(self, link: Link) -> None:
+        if self.pod_netns is not None and self._pods.matches(link.name):
+            self.pod_netns.learn(link)
         with self._takeover_lock:
             if not self._serving and link.index in self._earlier:
                 self._deferred[link.index] = link  # the earlier program serves until then
@@ -388,6 +462,17 @@ class EbpfDataplane:
                 return
         self._attached.add(link.index)
         log.debug("ebpf: attached to %s (ifindex %d)", link.name, link.index)
+
+    def _on_link_change(self, link: Link) -> None:
+        """A known interface changed (a pod's came up): a pod not found before may be
+        complete now (its CNI plugin added the addresses)."""
+        pods = self.pod_netns
+        if pods is not None and self._pods.matches(link.name) and link.name in pods.pending():
+            pods.learn(link)
+
+    def _on_link_gone(self, link: Link) -> None:
+        if self.pod_netns is not None and self._pods.matches(link.name):
+            self.pod_netns.forget(link)
 
     def _attach_external(self, link: Link) -> None:
         """tc on both sides of an external interface, then XDP as --xdp asks."""
@@ -479,6 +564,9 @@ class EbpfDataplane:
             "socketHooks": {
                 "cgroup": str(self.cgroup) if self.cgroup is not None else None,
                 "state": self.socket_hooks,
+                "socketLb": self.socket_lb,
+                "pods": len(self.pod_netns.pods()) if self.pod_netns is not None else 0,
+                "podsPending": self.pod_netns.pending() if self.pod_netns is not None else [],
             },
             "externalInterfaces": names,
             "xdp": {
@@ -539,7 +627,8 @@ class EbpfDataplane:
         m = self.programs.map
         if before:
             config = external.config_value(state.node.addresses, state.node.cluster_cidrs,
-                                           self._netns_cookie, self.snat_ports)  # fmt: skip
+                                           self._netns_cookie, self.snat_ports,
+                                           self.socket_lb)  # fmt: skip
             if config != self._config:
                 m("kbp_config").update(bytes(4), config)
                 self._config = config

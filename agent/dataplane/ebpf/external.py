@@ -25,6 +25,13 @@ _CONFIG = packer("kbp_config")
 # address; --snat-port-range widens it (config.py parses it).
 DEFAULT_SNAT_PORTS = (61000, 65535)
 
+# --socket-lb: whose sockets the connect/sendmsg hooks translate (kbp_config.sock_lb).
+SOCKET_LB_BITS = {
+    "all": const.KBP_SOCK_LB_HOST | const.KBP_SOCK_LB_PODS,
+    "host": const.KBP_SOCK_LB_HOST,
+    "off": 0,
+}
+
 # How --xdp is spelt and what it asks for: try native then generic, one of them, or none.
 XDP_CHOICES = ("auto", "native", "generic", "off")
 XDP_ALIASES = {"true": "auto", "on": "auto", "false": "off"}
@@ -154,9 +161,11 @@ def config_value(
     cluster_cidrs: Iterable[str],
     netns_cookie: int,
     snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
+    socket_lb: str = "all",
 ) -> bytes:
     """struct kbp_config: the first (primary) node address of each family is the SNAT
-    source; the first cluster CIDR of each family tells pods of the cluster apart."""
+    source; the first cluster CIDR of each family tells pods of the cluster apart;
+    `socket_lb` (--socket-lb) says whose sockets the socket hooks translate."""
     addresses = list(node_addresses)
     cidrs = list(cluster_cidrs)
     v4 = _first_of_family(addresses, v6=False)
@@ -171,6 +180,7 @@ def config_value(
         snat_ports[1],
         pod4_len,
         pod6_len,
+        SOCKET_LB_BITS[socket_lb],
         pod4,
         pod6,
     )

@@ -14,6 +14,7 @@ import os
 import queue
 import select
 import socket
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -157,6 +158,77 @@ def enter_netns(netns: str) -> None:
             raise NetlinkError(f"cannot enter network namespace {path}: {os.strerror(code)}", code)
     finally:
         os.close(fd)
+
+
+_RTM_GETNSID, _RTM_NEWNSID = 90, 88  # uapi/linux/rtnetlink.h
+_NETNSA_NSID, _NETNSA_FD = 1, 3  # uapi/linux/net_namespace.h
+_NLMSG_ERROR = 2
+
+
+def _netns_id(netns: str) -> int | None:
+    """RTM_GETNSID for the namespace at path `netns`, asked from the calling thread's
+    namespace (pyroute2 0.9 has no request for it)."""
+    try:
+        fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
+                           socket.NETLINK_ROUTE) as sock:  # fmt: skip
+            attr = struct.pack("=HHI", 8, _NETNSA_FD, fd)
+            body = struct.pack("=B3x", socket.AF_UNSPEC) + attr
+            header = struct.pack("=IHHII", 16 + len(body), _RTM_GETNSID, NLM_F_REQUEST, 1, 0)
+            sock.settimeout(_START_TIMEOUT_S)
+            sock.send(header + body)
+            data = sock.recv(4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    _length, kind = struct.unpack_from("=IH", data)
+    if kind != _RTM_NEWNSID:
+        return None
+    offset = 16 + 4
+    while offset + 4 <= len(data):
+        size, attr_type = struct.unpack_from("=HH", data, offset)
+        if size < 4:
+            break
+        if attr_type == _NETNSA_NSID:
+            (nsid,) = struct.unpack_from("=i", data, offset + 4)
+            return nsid if nsid >= 0 else None
+        offset += (size + 3) & ~3
+    return None
+
+
+def run_in_netns(netns: str, function: Callable[[], _T]) -> _T:
+    """function() run on a short-lived thread that entered the network namespace at
+    `netns` (a name under /run/netns or a path): setns() changes only that thread."""
+    outcome: list[Any] = []
+
+    def in_namespace() -> None:
+        try:
+            enter_netns(netns)
+            outcome.append((True, function()))
+        except BaseException as err:
+            outcome.append((False, err))
+
+    thread = threading.Thread(target=in_namespace, name=f"kbp-netns {netns}")
+    thread.start()
+    thread.join()
+    ((ok, result),) = outcome
+    if not ok:
+        raise result
+    return result
+
+
+def interface_addresses(index: int) -> list[str]:
+    """The global addresses of interface `index` of the calling thread's namespace (run
+    it through run_in_netns), IPv4 first."""
+    with IPRoute(groups=0) as ipr:
+        found = [ipaddress.ip_address(msg.get_attr("IFA_ADDRESS"))
+                 for msg in ipr.get_addr(index=index)
+                 if msg["scope"] == 0 and msg.get_attr("IFA_ADDRESS")]  # fmt: skip
+    return [str(a) for a in sorted(found, key=lambda a: (a.version, a))]
 
 
 class _NamespaceThread:
@@ -361,6 +433,16 @@ class TcAttacher:
         """Interface name → its IP addresses (canonical text), every interface."""
         return self._worker.call(self._addresses)
 
+    def veth_peer(self, index: int) -> tuple[int, int] | None:
+        """(the peer's ifindex, the peer namespace's id as this namespace numbers it) of
+        a veth whose peer lives in another namespace; None otherwise or when gone."""
+        return self._worker.call(lambda: self._veth_peer(index))
+
+    def netns_id(self, netns: str) -> int | None:
+        """The id this namespace gives the network namespace at `netns` (a path), as
+        IFLA_LINK_NETNSID reports it; None when it has none or cannot be opened."""
+        return self._worker.call(lambda: _netns_id(netns))
+
     def attach_xdp(self, index: int, prog_fd: int, mode: str, replace_id: int = 0) -> bool:
         """Attach an XDP program in `mode` (native or generic). `replace_id`: the id of
         the program now attached that may be replaced (ours, from an earlier agent); any
@@ -386,6 +468,16 @@ class TcAttacher:
             if address and name:
                 found.setdefault(name, set()).add(str(ipaddress.ip_address(address)))
         return found
+
+    def _veth_peer(self, index: int) -> tuple[int, int] | None:
+        try:
+            (msg,) = self._ipr.link("get", index=index)
+        except KernelNetlinkError:
+            return None
+        peer, nsid = msg.get_attr("IFLA_LINK"), msg.get_attr("IFLA_LINK_NETNSID")
+        if not peer or nsid is None or nsid < 0:
+            return None
+        return peer, nsid
 
     def _set_xdp(self, index: int, prog_fd: int, flags: int) -> None:
         attrs = [("IFLA_XDP_FD", prog_fd), ("IFLA_XDP_FLAGS", flags)]
@@ -610,13 +702,17 @@ class TcAttacher:
 class LinkWatcher:
     """Calls `on_link` for every interface matching the globs: once per existing one at
     start, then for each new one (and each rename into a match) as the kernel announces
-    it on RTNLGRP_LINK. No polling; callbacks run on the watcher's own thread."""
+    it on RTNLGRP_LINK. No polling; callbacks run on the watcher's own thread.
+    `on_change` (optional) hears of every later announcement of a known matching
+    interface (its state or carrier changed, say), `on_gone` of its removal."""
 
     def __init__(
         self,
         attacher_or_netns: TcAttacher | str | None,
         globs: Sequence[str] | PodInterfaces,
         on_link: Callable[[Link], None],
+        on_change: Callable[[Link], None] | None = None,
+        on_gone: Callable[[Link], None] | None = None,
     ) -> None:
         if isinstance(attacher_or_netns, TcAttacher):
             self.netns = attacher_or_netns.netns
@@ -624,6 +720,8 @@ class LinkWatcher:
             self.netns = attacher_or_netns
         self.interfaces = globs if isinstance(globs, PodInterfaces) else PodInterfaces(globs)
         self._on_link = on_link
+        self._on_change = on_change
+        self._on_gone = on_gone
         self._known: dict[int, str] = {}  # every interface seen: index -> name
         self._wake_read = self._wake_write = -1  # stop() writes to wake the thread up
         self._stopping = threading.Event()
@@ -751,13 +849,13 @@ class LinkWatcher:
                             dump_again = True
                     self._saw_link(msg["index"], msg.get_attr("IFLA_IFNAME"))
                 elif kind == RTM_DELLINK and msg["family"] == socket.AF_UNSPEC:
-                    self._known.pop(msg["index"], None)
+                    self._gone(msg["index"])
                 elif from_dump and header.get("error") is not None:
                     raise header["error"]
                 elif from_dump and kind == NLMSG_DONE:
                     # Interfaces gone while events were lost are forgotten now.
                     for index in set(self._known) - seen_in_dump:
-                        self._known.pop(index, None)
+                        self._gone(index)
                     dumping = False
                     self._scanned.set()
                     if dump_again:
@@ -769,9 +867,21 @@ class LinkWatcher:
             return
         previous = self._known.get(index)
         self._known[index] = name
-        if previous == name or not self.interfaces.matches(name):
+        if not self.interfaces.matches(name):
+            return
+        callback = self._on_link if previous != name else self._on_change
+        self._call(callback, Link(index, name))
+
+    def _gone(self, index: int) -> None:
+        name = self._known.pop(index, None)
+        if name is not None and self.interfaces.matches(name):
+            self._call(self._on_gone, Link(index, name))
+
+    @staticmethod
+    def _call(callback: Callable[[Link], None] | None, link: Link) -> None:
+        if callback is None:
             return
         try:
-            self._on_link(Link(index, name))
+            callback(link)
         except Exception:
-            log.exception("link watcher: callback for %s (index %d) failed", name, index)
+            log.exception("link watcher: callback for %s (index %d) failed", link.name, link.index)
