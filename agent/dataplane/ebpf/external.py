@@ -154,9 +154,12 @@ def config_value(
     cluster_cidrs: Iterable[str],
     netns_cookie: int,
     snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
+    ct_lifetimes: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0),
 ) -> bytes:
     """struct kbp_config: the first (primary) node address of each family is the SNAT
-    source; the first cluster CIDR of each family tells pods of the cluster apart."""
+    source; the first cluster CIDR of each family tells pods of the cluster apart.
+    `ct_lifetimes`: seconds per conntrack state (conntrack.Timeouts.lifetimes(); 0: the
+    datapath never judges that state expired)."""
     addresses = list(node_addresses)
     cidrs = list(cluster_cidrs)
     v4 = _first_of_family(addresses, v6=False)
@@ -173,6 +176,7 @@ def config_value(
         pod6_len,
         pod4,
         pod6,
+        *ct_lifetimes,
     )
 
 
