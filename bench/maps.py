@@ -2,8 +2,9 @@
 writes from Python, per element vs batch) against the real pinned maps of the eBPF
 dataplane, each beside its floor measured in the same run.
 
-PB-8: entries of the two big maps (`kbp_slots`: 8-byte key, 4-byte value; `kbp_backends`:
-4-byte key, 28-byte value with an address) written into the empty map one
+PB-8: entries of the two big maps (`kbp_slots`: 8-byte key, 32-byte value, a copy of the
+backend's entry and its id, since ABI 4; `kbp_backends`: 4-byte key, 28-byte value with an
+address) written into the empty map one
 `BPF_MAP_UPDATE_ELEM` at a time, as one `BPF_MAP_UPDATE_BATCH` of pre-encoded bytes (the
 floor), and the way the dataplane writes them (codec.py encodes each entry, join, batch:
 `dataplane._update`, with codec's address cache cold as at agent start); deletes alike.
