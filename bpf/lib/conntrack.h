@@ -218,7 +218,7 @@ static __always_inline int __ct_take_over(const struct kbp_ct_key *key,
 
 	if (!cfg || !scratch)
 		return 0;
-	fkey = &scratch->other;
+	fkey = &scratch->key;
 	if (flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
 		__builtin_memcpy(fkey->saddr, held->nat_addr, sizeof(fkey->saddr));
 		fkey->sport = held->nat_port;
@@ -318,9 +318,9 @@ static __always_inline __be16 __ct_remapped_port(const struct kbp_tuple *t, int 
 
 	if (!lost || !(scratch = map_scratch()))
 		return 0;
-	ct_key_of_packet(t, KBP_CT_FORWARD, &scratch->other);
-	scratch->other.pad = 0;
-	record = map_lookup_ct_remap(&scratch->other);
+	ct_key_of_packet(t, KBP_CT_FORWARD, &scratch->key);
+	scratch->key.pad = 0;
+	record = map_lookup_ct_remap(&scratch->key);
 	return record ? record->port : 0;
 }
 
@@ -333,7 +333,7 @@ static __always_inline void __ct_record_remap(struct kbp_ct_key *forward_key, __
 
 	if (!scratch)
 		return;
-	record = (struct kbp_ct_remap *)&scratch->other; /* spare scratch space */
+	record = (struct kbp_ct_remap *)&scratch->key; /* the key is not needed here */
 	__builtin_memset(record, 0, sizeof(*record));
 	record->port = port;
 	map_update_ct_remap(forward_key, record);
