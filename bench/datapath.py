@@ -866,6 +866,59 @@ def spread_growth(results: list[SizeResult], prefix: str = "") -> dict[str, Any]
     }
 
 
+def run_against(
+    checkout: Path, services: int, endpoints: int, calls: int, repeat: int
+) -> dict[str, float]:
+    """The other checkout's bench/datapath.py for one size, run right after ours (its own
+    programs and agent, this interpreter): its medians net of the floor, by variant."""
+    out = RESULTS / f"datapath-against-{checkout.name}-{services}.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.datapath",
+        "--services",
+        str(services),
+        "--endpoints",
+        str(endpoints),
+        "--calls",
+        str(calls),
+        "--repeat",
+        str(repeat),
+        "--json",
+        str(out),
+    ]
+    print(f"\n# the same size with {checkout}'s programs", flush=True)
+    subprocess.run(argv, cwd=checkout, check=True, stdout=subprocess.DEVNULL)
+    single = json.loads(out.read_text())["sizes"][0]["single_ns"]
+    return {k: v["median"] - single[floor_of(k)]["median"] for k, v in single.items()}
+
+
+def print_against(
+    results: list[SizeResult], against: dict[str, dict[int, dict[str, float]]]
+) -> None:
+    """Net medians of this tree and each other checkout, side by side."""
+    names = list(against)
+    print("\n## ns over the floor: this tree | " + " | ".join(names))
+    for r in results:
+        if not all(r.services in against[c] for c in names):
+            continue
+        theirs = [against[c][r.services] for c in names]
+        print(f"{r.services} Services")
+        for name in r.single:
+            if name == floor_of(name) or any(name not in t for t in theirs):
+                continue
+            ours = r.single[name].median - r.single[floor_of(name)].median
+            others = " | ".join(f"{t[name]:>+8.0f}" for t in theirs)
+            print(f"  {VARIANT_TEXT[name]:<44} {ours:>+8.0f} | {others}")
+        for label, spread, ack in (("tc", "spread", "hot_established"),
+                                   ("XDP", "xdp_spread", "xdp_hot_fwd_ack")):  # fmt: skip
+            ours = (r.single[spread].median - r.single[floor_of(spread)].median) / max(
+                r.single[ack].median - r.single[floor_of(ack)].median, 1
+            )
+            others = " | ".join(f"{t[spread] / max(t[ack], 1):.1f}" for t in theirs)
+            print(f"  {label} spread / established: {ours:.1f} | {others}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="PB-1: ns/packet of the tc and XDP service programs via BPF_PROG_TEST_RUN "
@@ -878,6 +931,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, help="single runs per variant and size")
     parser.add_argument("--repeat", type=int, default=10000, help="N of the repeat=N figures")
     parser.add_argument("--json", type=Path, help="results file (default bench/results/...)")
+    parser.add_argument("--against", type=Path, metavar="CHECKOUT", action="append",
+                        help="another checkout (e.g. main's, `git archive main`): after each "
+                        "size, run its bench/datapath.py for the same size and print both "
+                        "side by side")  # fmt: skip
     args = parser.parse_args(argv)
     sizes = args.services or ([10, 10_000] if args.quick else [10, 1000, 10_000, 100_000])
     calls = args.calls or (10000 if args.quick else 40000)
@@ -889,6 +946,8 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     results: list[SizeResult] = []
     report: list[dict[str, Any]] = []
+    # checkout → size → its net medians by variant
+    against: dict[str, dict[int, dict[str, float]]] = {}
     try:
         with bench_netns() as netns, calibration_programs(262144) as calibration:
             route_external_ranges(netns)
@@ -896,6 +955,10 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure_size(n, args.endpoints, calls, args.repeat, rounds, netns, calibration)
                 results.append(r)
                 marks = print_size(r)
+                for checkout in args.against or ():
+                    against.setdefault(str(checkout), {})[n] = run_against(
+                        checkout, n, args.endpoints, calls, args.repeat
+                    )
                 report.append({
                     "services": r.services,
                     "endpoints_per_service": r.endpoints,
@@ -950,6 +1013,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{g['mark']}; net of the floor {g['net_ratio']:.2f}x {g['net_mark']} "
             f"(≤ {TARGET_SPREAD_GROWTH:.0f}x){note}"
         )
+    for r in results:
+        net = {k: r.single[k].median - r.single[floor_of(k)].median for k in r.single}
+        tc_ratio = net["spread"] / max(net["hot_established"], 1)
+        xdp_ratio = net["xdp_spread"] / max(net["xdp_hot_fwd_ack"], 1)
+        print(f"{r.services:>7} Services: spread / established: tc {tc_ratio:.1f}, XDP "
+              f"{xdp_ratio:.1f} (issue 15: ≤ 10)")  # fmt: skip
+    if against:
+        print_against(results, against)
     seconds = time.perf_counter() - began
     out = args.json or RESULTS / ("datapath-quick.json" if args.quick else "datapath.json")
     write_results(out, {
@@ -975,6 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
             "snat_ports": list(DEFAULT_SNAT_PORTS),
         },
         "reference": REF_PB1,
+        "against_net_ns": against or None,
         "duration_s": seconds,
     })  # fmt: skip
     print(f"\nran in {seconds:.0f} s (load average now {os.getloadavg()[0]:.2f}); "

@@ -2,8 +2,9 @@
 writes from Python, per element vs batch) against the real pinned maps of the eBPF
 dataplane, each beside its floor measured in the same run.
 
-PB-8: entries of the two big maps (`kbp_slots`: 8-byte key, 4-byte value; `kbp_backends`:
-4-byte key, 28-byte value with an address) written into the empty map one
+PB-8: entries of the two big maps (`kbp_slots`: 8-byte key, 32-byte value, a copy of the
+backend's entry and its id, since ABI 4; `kbp_backends`: 4-byte key, 28-byte value with an
+address) written into the empty map one
 `BPF_MAP_UPDATE_ELEM` at a time, as one `BPF_MAP_UPDATE_BATCH` of pre-encoded bytes (the
 floor), and the way the dataplane writes them (codec.py encodes each entry, join, batch:
 `dataplane._update`, with codec's address cache cold as at agent start); deletes alike.
@@ -135,13 +136,11 @@ def map_of(dp: EbpfDataplane, name: str) -> Map:
 
 def encoded(writes: Writes) -> dict[str, tuple[bytes, bytes, int]]:
     """The upserts of `writes` as the batches the dataplane sends, pre-encoded."""
+    values = {i: codec.backend_value(v) for i, v in writes.backends_to_upsert.items()}
     batches = {
-        "kbp_backends": [
-            (codec.backend_key(i), codec.backend_value(v))
-            for i, v in writes.backends_to_upsert.items()
-        ],
+        "kbp_backends": [(codec.backend_key(i), value) for i, value in values.items()],
         "kbp_slots": [
-            (codec.slot_key(s, i), codec.slot_value(b))
+            (codec.slot_key(s, i), codec.slot_value(b, values.get(b, codec.NO_COPY)))
             for s, members in writes.sets_to_write.items()
             for i, b in enumerate(members)
         ],
@@ -161,7 +160,7 @@ def scratch_slots(count: int, first: int = 0) -> tuple[bytes, bytes]:
     keys = b"".join(
         codec.slot_key(SCRATCH_SET + (i >> 10), i & 1023) for i in range(first, first + count)
     )
-    values = b"".join(codec.slot_value(i + 1) for i in range(first, first + count))
+    values = b"".join(codec.slot_value(i + 1, codec.NO_COPY) for i in range(first, first + count))
     return keys, values
 
 
@@ -199,8 +198,8 @@ def slot_elements(count: int) -> Elements:
     return Elements(
         keys, values,
         [keys[i * 8 : (i + 1) * 8] for i in range(count)],
-        [values[i * 4 : (i + 1) * 4] for i in range(count)],
-        lambda: [(codec.slot_key(set_id, index), codec.slot_value(backend_id))
+        [values[i * codec.SLOT_SIZE : (i + 1) * codec.SLOT_SIZE] for i in range(count)],
+        lambda: [(codec.slot_key(set_id, index), codec.slot_value(backend_id, codec.NO_COPY))
                  for set_id, members in sets.items()
                  for index, backend_id in enumerate(members)],
         lambda: [codec.slot_key(set_id, index)

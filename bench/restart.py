@@ -252,7 +252,7 @@ class EbpfView:
             slot = self.maps["kbp_slots"].lookup(codec.slot_key(set_id, index))
             if slot is None:
                 return None
-            raw = self.maps["kbp_backends"].lookup(slot[:4])  # a slot holds the backend key
+            raw = self.maps["kbp_backends"].lookup(codec.backend_key(codec.slot_backend_id(slot)))
             if raw is None:
                 return None
             b = codec.decode_backend(raw)

@@ -105,6 +105,32 @@ static __always_inline __u64 *map_lookup_ct_stats(__u32 *what)
 	return kbp_ct_stats.lookup(what);
 }
 
+/* Scratch space for the new-flow paths (struct kbp_scratch, lib/maps.h). One per CPU and
+ * not pinned: a program runs to its end on one CPU, and nothing outlives the run. */
+BPF_PERCPU_ARRAY(kbp_scratch, struct kbp_scratch, 1);
+
+static __always_inline struct kbp_scratch *map_scratch(void)
+{
+	__u32 zero = 0;
+
+	return kbp_scratch.lookup(&zero);
+}
+
+static __always_inline struct kbp_ct_remap *map_lookup_ct_remap(struct kbp_ct_key *key)
+{
+	return kbp_ct_remap.lookup(key);
+}
+
+static __always_inline int map_update_ct_remap(struct kbp_ct_key *key, struct kbp_ct_remap *value)
+{
+	return kbp_ct_remap.update(key, value);
+}
+
+static __always_inline int map_delete_ct_remap(struct kbp_ct_key *key)
+{
+	return kbp_ct_remap.delete(key);
+}
+
 /* Has `port` (network order) ever been used as KBP_PORT_F_* `what`? See kbp_ports. */
 static __always_inline int map_port_used(__be16 port, __u8 what)
 {

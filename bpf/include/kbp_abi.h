@@ -20,7 +20,7 @@
 #ifndef KBP_ABI_H
 #define KBP_ABI_H
 
-#define KBP_ABI_VERSION 3
+#define KBP_ABI_VERSION 4
 
 #define KBP_FAMILY_IPV4 4
 #define KBP_FAMILY_IPV6 6
@@ -129,7 +129,7 @@ struct kbp_service {
 	__u8 pad[3];
 };
 
-/* kbp_slots: (set, index) -> backend. A set is written in full before a service points
+/* kbp_slots: (set, index) -> backend (its id and a copy of its entry). A set is written in full before a service points
  * at it and deleted only after no service does, so readers never see a half set. */
 struct kbp_slot_key {
 	__u32 set_id;
@@ -137,6 +137,14 @@ struct kbp_slot_key {
 };
 
 struct kbp_slot {
+	/* A copy of the backend's kbp_backends entry (struct kbp_backend, field for field),
+	 * so a new flow's selection reads one map fewer; ids never change address or port,
+	 * and the agent rewrites the copies when a backend's flags change. */
+	__be32 addr[4];
+	__be16 port;
+	__u8 family;
+	__u8 flags;
+	__u32 service_id;
 	__u32 backend_id;
 };
 
@@ -180,6 +188,14 @@ struct kbp_ct_entry {
 	__u64 hop_time;     /* CLOCK_MONOTONIC ns (coarse) of the FIB lookup that found the
 			       hop_* fields, which are reused for KBP_HOP_CACHE_NS after it
 			       (lib/ext.h); 0: none yet */
+};
+
+/* kbp_ct_remap (LRU): the source port a remapped flow (KBP_CT_F_SPORT) is sent with, by
+ * its forward key, so a flow whose kbp_ct entries were lost is written again with the
+ * same port, which its backend knows. Only remapped flows have one. */
+struct kbp_ct_remap {
+	__be16 port; /* network order, a port of the SNAT range */
+	__u8 pad[6];
 };
 
 /* kbp_affinity (LRU): sessionAffinity ClientIP. */
@@ -242,6 +258,15 @@ struct kbp_config {
 	__u8 pad;
 	__be32 pod_cidr4[4];  /* the IPv4 cluster CIDR's network address (word 0) */
 	__be32 pod_cidr6[4];  /* the IPv6 cluster CIDR's network address */
+	/* Conntrack lifetimes in seconds (the --conntrack-* timeouts the collector applies),
+	 * by flow state: a new flow whose tuple is held by a flow past its lifetime takes
+	 * the tuple over (lib/conntrack.h). 0: the state does not expire there. */
+	__u32 ct_tcp_syn;
+	__u32 ct_tcp_established;
+	__u32 ct_tcp_close_wait;
+	__u32 ct_tcp_time_wait;
+	__u32 ct_udp;
+	__u32 ct_udp_stream;
 };
 
 /* kbp_pods: a pod's network namespace cookie (bpf_get_netns_cookie()) -> its addresses,

@@ -37,6 +37,9 @@
 #ifndef KBP_MAX_CT
 #define KBP_MAX_CT 262144
 #endif /* KBP_MAX_CT */
+#ifndef KBP_MAX_CT_REMAP
+#define KBP_MAX_CT_REMAP 16384
+#endif /* KBP_MAX_CT_REMAP */
 #ifndef KBP_MAX_AFFINITY
 #define KBP_MAX_AFFINITY 65536
 #endif /* KBP_MAX_AFFINITY */
@@ -74,6 +77,10 @@ BPF_TABLE_PINNED("hash", __u32, struct kbp_backend, kbp_backends, KBP_MAX_BACKEN
 /* Translated flows, both directions; LRU so the oldest idle flows make room. */
 BPF_TABLE_PINNED("lru_hash", struct kbp_ct_key, struct kbp_ct_entry, kbp_ct, KBP_MAX_CT,
 		 KBP_PIN(kbp_ct));
+
+/* Remapped flows' source ports by forward key (struct kbp_ct_remap): rare, so small. */
+BPF_TABLE_PINNED("lru_hash", struct kbp_ct_key, struct kbp_ct_remap, kbp_ct_remap,
+		 KBP_MAX_CT_REMAP, KBP_PIN(kbp_ct_remap));
 
 /* sessionAffinity ClientIP: (client, service) -> backend, with its last use. */
 BPF_TABLE_PINNED("lru_hash", struct kbp_affinity_key, struct kbp_affinity, kbp_affinity,

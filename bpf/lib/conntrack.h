@@ -73,6 +73,10 @@ static __always_inline int ct_forward_is_usable(const struct kbp_ct_entry *entry
 {
 	if (t->proto == IPPROTO_TCP && !tuple_is_tcp_syn(t))
 		return 1;
+	/* A SYN on a flow that saw a FIN or RST starts a new connection on the same tuple
+	 * (the client's TIME_WAIT ended, or it reset): new entries, not the closing ones. */
+	if (entry->flags & KBP_CT_F_CLOSING)
+		return 0;
 	return ct_backend_is_current(entry, svc);
 }
 
@@ -86,12 +90,15 @@ static __always_inline void ct_count(__u32 what)
 }
 
 /* A TCP segment other than a SYN that found no forward entry belongs to a flow whose
- * entries were evicted or expired: counted, so the agent can say so. */
-static __always_inline void ct_note_lost(const struct kbp_tuple *t,
-					 const struct kbp_ct_entry *flow)
+ * entries were evicted or expired: counted, so the agent can say so. Returns 1 for such
+ * a lost flow (ct_create then looks for its remapped port), 0 for others. */
+static __always_inline int ct_note_lost(const struct kbp_tuple *t,
+					const struct kbp_ct_entry *flow)
 {
-	if (!flow && t->proto == IPPROTO_TCP && !(t->tcp_flags & KBP_TCP_SYN))
-		ct_count(KBP_CT_STAT_LOST);
+	if (flow || t->proto != IPPROTO_TCP || (t->tcp_flags & KBP_TCP_SYN))
+		return 0;
+	ct_count(KBP_CT_STAT_LOST);
+	return 1;
 }
 
 /* Note a packet of the flow: time (coarsely, see KBP_CT_TOUCH_NS) and FIN/RST. The agent's
@@ -178,6 +185,11 @@ static __always_inline void ct_forget_reply_of(const struct kbp_tuple *t,
 {
 	struct kbp_ct_key key = {};
 
+	/* A remapped flow's port record goes with it (the new selection writes its own). */
+	if (old->flags & KBP_CT_F_SPORT) {
+		ct_key_of_packet(t, KBP_CT_FORWARD, &key);
+		map_delete_ct_remap(&key);
+	}
 	__ct_reply_key(t, old->addr, old->port, old->flags & KBP_CT_F_HAIRPIN, &key);
 	/* The backend answered the SNAT address, or the client at its remapped port. */
 	if (old->flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
@@ -185,6 +197,98 @@ static __always_inline void ct_forget_reply_of(const struct kbp_tuple *t,
 		key.dport = old->nat_port;
 	}
 	map_delete_ct(&key);
+}
+
+/* Is a flow with these entries' flags, idle for `idle_ns`, over? Closed (TCP: a RST, or
+ * FINs both ways, what the collector calls time-wait) or idle past its state's lifetime
+ * in kbp_config. The states are the collector's (agent/dataplane/ebpf/conntrack.py
+ * flow_state): a new flow may take such a flow's tuple over, as netfilter lets a SYN
+ * take over a TIME_WAIT or CLOSE tuple. */
+static __always_inline int __ct_flow_is_over(const struct kbp_config *cfg, __u8 proto,
+					     __u8 forward_flags, __u8 reply_flags, __u64 idle_ns)
+{
+	__u8 flags = forward_flags | reply_flags;
+	__u32 lifetime;
+
+	if (proto == IPPROTO_UDP)
+		lifetime = (flags & KBP_CT_F_SEEN_REPLY) ? cfg->ct_udp_stream : cfg->ct_udp;
+	else if ((flags & KBP_CT_F_RST) || (forward_flags & reply_flags & KBP_CT_F_CLOSING))
+		return 1;
+	else if (flags & KBP_CT_F_CLOSING)
+		lifetime = cfg->ct_tcp_close_wait;
+	else if (flags & KBP_CT_F_SEEN_REPLY)
+		lifetime = cfg->ct_tcp_established;
+	else
+		lifetime = cfg->ct_tcp_syn;
+	return lifetime && idle_ns > (__u64)lifetime * KBP_NS_PER_SEC;
+}
+
+/* The reply entry `held` under `key` blocks a new flow: is its flow over (see
+ * __ct_flow_is_over; the flow's forward entry, found from what the reply entry restores,
+ * adds the other direction's flags and packets)? If so its entries are deleted (and a
+ * remapped flow's port record) and 1 is returned: the key is free to take. */
+static __always_inline int __ct_take_over(const struct kbp_ct_key *key,
+					  const struct kbp_ct_entry *held, __u64 now)
+{
+	struct kbp_config *cfg = map_lookup_config();
+	struct kbp_scratch *scratch = map_scratch();
+	struct kbp_ct_key *fkey;
+	struct kbp_ct_entry *forward;
+	__u64 last = held->last_seen;
+	__u8 forward_flags = 0, flags = held->flags;
+
+	if (!cfg || !scratch)
+		return 0;
+	fkey = &scratch->key;
+	if (flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
+		__builtin_memcpy(fkey->saddr, held->nat_addr, sizeof(fkey->saddr));
+		fkey->sport = held->nat_port;
+	} else {
+		/* hairpin: the client is the backend, the reply's source */
+		if (flags & KBP_CT_F_HAIRPIN)
+			__builtin_memcpy(fkey->saddr, key->saddr, sizeof(fkey->saddr));
+		else
+			__builtin_memcpy(fkey->saddr, key->daddr, sizeof(fkey->saddr));
+		fkey->sport = key->dport;
+	}
+	__builtin_memcpy(fkey->daddr, held->addr, sizeof(fkey->daddr));
+	fkey->dport = held->port;
+	fkey->proto = key->proto;
+	fkey->family = key->family;
+	fkey->dir = KBP_CT_FORWARD;
+	fkey->pad = 0;
+	forward = map_lookup_ct(fkey);
+	if (forward) {
+		forward_flags = forward->flags;
+		if (forward->last_seen > last)
+			last = forward->last_seen;
+	}
+	if (!__ct_flow_is_over(cfg, key->proto, forward_flags, flags, now > last ? now - last : 0))
+		return 0;
+	if (forward)
+		map_delete_ct(fkey);
+	if (flags & KBP_CT_F_SPORT)
+		map_delete_ct_remap(fkey);
+	map_delete_ct((struct kbp_ct_key *)key);
+	return 1;
+}
+
+/* Create `entry` at `key` (a reply key that claims a port) unless a live flow holds it;
+ * a flow that is over gives it up (__ct_take_over). The create is an insert that fails
+ * on an existing key, atomic against another CPU claiming the same key; a CPU that read
+ * the old entry before another took it over and claimed it could still delete the
+ * newcomer, a window of a few instructions that is accepted. 0 when created. */
+static __always_inline int __ct_claim(struct kbp_ct_key *key, struct kbp_ct_entry *entry,
+				      __u64 now)
+{
+	struct kbp_ct_entry *held;
+
+	if (map_insert_ct(key, entry) == 0)
+		return 0;
+	held = map_lookup_ct(key);
+	if (held && !__ct_take_over(key, held, now))
+		return -1;
+	return map_insert_ct(key, entry);
 }
 
 /* Tries at a free SNAT port before the flow is refused (KBP_DROP_NO_SNAT_PORT). */
@@ -201,43 +305,78 @@ static __always_inline int __ct_reply_is_other_flow(const struct kbp_ct_entry *h
 	       !lb_addr_equal(held->addr, t->daddr);
 }
 
-/* Claim a free port of the SNAT range for a clashing flow's reply entry (key->dport),
- * the client's address kept: the first try derived from the flow hash, so the same flow
- * re-created after its entries were lost tends to get the same port, then random ones.
- * `entry` is the reply entry, already marked KBP_CT_F_SPORT. 0 on success. */
+/* Claim a port of the SNAT range for a clashing flow's reply entry (key->dport), the
+ * client's address kept: first `want` (a lost flow's recorded port, kbp_ct_remap), else
+ * one derived from the flow hash, then random ones. A port held by another flow is
+ * skipped even when that flow is over (the take-over of __ct_claim, inlined a third time,
+ * overflowed the external path's stack); the collector frees such ports. `entry` is the
+ * reply entry, already marked KBP_CT_F_SPORT. 0 on success. */
 static __always_inline int __ct_claim_client_port(const struct kbp_tuple *t,
 						  struct kbp_ct_key *key,
-						  struct kbp_ct_entry *entry)
+						  struct kbp_ct_entry *entry, __be16 want)
 {
 	struct kbp_config *cfg = map_lookup_config();
-	__u32 candidate = lb_flow_hash(t);
 	__u32 span;
 
 	if (!cfg || cfg->snat_port_min == 0 || cfg->snat_port_max < cfg->snat_port_min)
 		return -1;
 	span = (__u32)cfg->snat_port_max - cfg->snat_port_min + 1;
+	key->dport = want ? want : bpf_htons((__u16)(cfg->snat_port_min + lb_flow_hash(t) % span));
 	for (int i = 0; i < KBP_SNAT_TRIES; i++) {
-		key->dport = bpf_htons((__u16)(cfg->snat_port_min + candidate % span));
 		if (map_insert_ct(key, entry) == 0)
 			return 0;
-		candidate = bpf_get_prandom_u32();
+		key->dport = bpf_htons((__u16)(cfg->snat_port_min + bpf_get_prandom_u32() % span));
 	}
 	return -1;
+}
+
+/* The port a lost flow (ct_note_lost) was remapped to, from its kbp_ct_remap record
+ * (network order), or 0: not remapped, or not lost. */
+static __always_inline __be16 __ct_remapped_port(const struct kbp_tuple *t, int lost)
+{
+	struct kbp_scratch *scratch;
+	struct kbp_ct_remap *record;
+
+	if (!lost || !(scratch = map_scratch()))
+		return 0;
+	ct_key_of_packet(t, KBP_CT_FORWARD, &scratch->key);
+	scratch->key.pad = 0;
+	record = map_lookup_ct_remap(&scratch->key);
+	return record ? record->port : 0;
+}
+
+/* Note a remapped flow's port by its forward key, so ct_create finds it again when the
+ * flow's entries are lost. Best effort: without it such a flow is reset when lost. */
+static __always_inline void __ct_record_remap(struct kbp_ct_key *forward_key, __be16 port)
+{
+	struct kbp_scratch *scratch = map_scratch();
+	struct kbp_ct_remap *record;
+
+	if (!scratch)
+		return;
+	record = (struct kbp_ct_remap *)&scratch->key; /* the key is not needed here */
+	__builtin_memset(record, 0, sizeof(*record));
+	record->port = port;
+	map_update_ct_remap(forward_key, record);
 }
 
 /* Record a new flow to `backend`: reply entry (frontend to restore) and forward entry
  * (backend to use). The reply entry is created only where no other flow holds its key:
  * a live flow of another frontend there (a clash) keeps it, and this flow's source port
- * is remapped (KBP_CT_F_SPORT); an entry of the same frontend is this tuple's earlier
- * flow and is replaced. *sport is the source port to send the packet with (network
- * order). Returns 0, or -1 when the map refused an entry or no port was free. */
+ * is remapped (KBP_CT_F_SPORT, the port recorded in kbp_ct_remap); an entry of the same
+ * frontend is this tuple's earlier flow, and one of a flow that is over is taken over.
+ * `lost` (ct_note_lost): the flow lost its entries; if a clash had remapped it, the port
+ * kbp_ct_remap recorded is used again whether or not the clash still exists, since the
+ * backend knows the flow by it. *sport is the source port to send the packet with
+ * (network order). Returns 0, or -1 when the map refused an entry or no port was free. */
 static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp_service *svc,
 				     __u32 backend_id, const struct kbp_backend *backend,
-				     int hairpin, __u64 now, __be16 *sport)
+				     int hairpin, __u64 now, int lost, __be16 *sport)
 {
 	struct kbp_ct_key key = {};
 	struct kbp_ct_entry stored = {}, *entry = &stored;
 	struct kbp_ct_entry *held;
+	__be16 remapped = hairpin ? 0 : __ct_remapped_port(t, lost);
 
 	entry->backend_id = backend_id;
 	entry->service_id = svc->service_id;
@@ -250,16 +389,17 @@ static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp
 	__ct_reply_key(t, backend->addr, backend->port, hairpin, &key);
 	__builtin_memcpy(entry->addr, t->daddr, sizeof(entry->addr));
 	entry->port = t->dport;
-	if (map_insert_ct(&key, entry)) {
-		held = map_lookup_ct(&key);
-		if (hairpin || !held || !__ct_reply_is_other_flow(held, t)) {
+	if (remapped || map_insert_ct(&key, entry)) {
+		held = remapped ? NULL : map_lookup_ct(&key);
+		if (!remapped && (hairpin || !held || !__ct_reply_is_other_flow(held, t) ||
+				  __ct_take_over(&key, held, now))) {
 			if (map_update_ct(&key, entry))
 				return -1;
 		} else {
 			entry->flags |= KBP_CT_F_SPORT;
 			__builtin_memcpy(entry->nat_addr, t->saddr, sizeof(entry->nat_addr));
 			entry->nat_port = t->sport;
-			if (__ct_claim_client_port(t, &key, entry))
+			if (__ct_claim_client_port(t, &key, entry, remapped))
 				return -1;
 			*sport = key.dport;
 			entry->nat_port = key.dport; /* the forward entry's: the port sent with */
@@ -270,7 +410,11 @@ static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp
 	ct_key_of_packet(t, KBP_CT_FORWARD, &key);
 	__builtin_memcpy(entry->addr, backend->addr, sizeof(entry->addr));
 	entry->port = backend->port;
-	return map_update_ct(&key, entry) ? -1 : 0;
+	if (map_update_ct(&key, entry))
+		return -1;
+	if (entry->flags & KBP_CT_F_SPORT)
+		__ct_record_remap(&key, entry->nat_port);
+	return 0;
 }
 
 /* Record a new flow from outside to a backend on another node, with its source rewritten
@@ -286,13 +430,16 @@ static __always_inline int ct_create_snat(const struct kbp_tuple *t, const struc
 					  __u64 now, __be16 *snat_port)
 {
 	struct kbp_ct_key key = {};
-	struct kbp_ct_entry stored = {}, *entry = &stored;
+	struct kbp_scratch *scratch = map_scratch();
+	struct kbp_ct_entry *entry;
 	__u32 span = (__u32)port_max - port_min + 1;
 	__u32 candidate = lb_flow_hash(t);
 	int claimed = 0;
 
-	if (port_max < port_min)
+	if (port_max < port_min || !scratch)
 		return -1;
+	entry = &scratch->entry;
+	__builtin_memset(entry, 0, sizeof(*entry));
 	entry->backend_id = backend_id;
 	entry->service_id = svc->service_id;
 	entry->flags = KBP_CT_F_SNAT;
@@ -310,7 +457,7 @@ static __always_inline int ct_create_snat(const struct kbp_tuple *t, const struc
 	entry->nat_port = t->sport;
 	for (int i = 0; i < KBP_SNAT_TRIES; i++) {
 		key.dport = bpf_htons((__u16)(port_min + candidate % span));
-		if (map_insert_ct(&key, entry) == 0) {
+		if (__ct_claim(&key, entry, now) == 0) {
 			claimed = 1;
 			break;
 		}

@@ -69,10 +69,10 @@ static __always_inline void __ext_target(const struct kbp_tuple *t, const struct
 }
 
 /* A new flow: source ranges, the set for this client, selection, and conntrack (with a
- * SNAT port when the backend is on another node). */
+ * SNAT port when the backend is on another node). `lost`: see ct_create. */
 static __always_inline int __ext_new_flow(const struct kbp_tuple *t, const struct kbp_service *svc,
 					  const struct kbp_config *cfg, struct kbp_ct_entry *stale,
-					  __u64 now, struct kbp_ext_verdict *v)
+					  int lost, __u64 now, struct kbp_ext_verdict *v)
 {
 	struct kbp_backend *backend;
 	struct kbp_ct_entry *flow;
@@ -109,7 +109,7 @@ static __always_inline int __ext_new_flow(const struct kbp_tuple *t, const struc
 	__builtin_memcpy(v->to.daddr, backend->addr, sizeof(v->to.daddr));
 	v->to.dport = backend->port;
 	if (backend->flags & KBP_BE_F_LOCAL) {
-		if (ct_create(t, svc, backend_id, backend, 0, now, &snat_port)) {
+		if (ct_create(t, svc, backend_id, backend, 0, now, lost, &snat_port)) {
 			v->reason = KBP_DROP_NAT_FAILED;
 			return KBP_EXT_DROP;
 		}
@@ -154,8 +154,7 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 		__ext_target(t, flow, v);
 		return (flow->flags & KBP_CT_F_SNAT) ? KBP_EXT_FORWARD : KBP_EXT_LOCAL;
 	}
-	ct_note_lost(t, flow);
-	return __ext_new_flow(t, svc, cfg, flow, now, v);
+	return __ext_new_flow(t, svc, cfg, flow, ct_note_lost(t, flow), now, v);
 }
 
 /* A reply arriving on an external interface: only SNATed flows are translated here

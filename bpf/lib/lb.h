@@ -153,16 +153,22 @@ static __always_inline struct kbp_backend *lb_backend_of_service(__u32 backend_i
 	return backend;
 }
 
-/* Raw slot read: the backend id at `index` of a set; -1 when the slot is missing. */
-static __always_inline int __lb_slot_backend(__u32 set_id, __u32 index, __u32 *backend_id)
+/* A slot starts with a copy of its backend's entry, field for field (kbp_abi.h). */
+_Static_assert(__builtin_offsetof(struct kbp_slot, backend_id) == sizeof(struct kbp_backend),
+	       "struct kbp_slot must start with the fields of struct kbp_backend");
+
+/* The backend at `index` of a set, read from the slot's copy (one map read), and its id;
+ * NULL when the slot is missing. */
+static __always_inline struct kbp_backend *__lb_slot_backend(__u32 set_id, __u32 index,
+							     __u32 *backend_id)
 {
 	struct kbp_slot_key key = {.set_id = set_id, .index = index};
 	struct kbp_slot *slot = map_lookup_slot(&key);
 
 	if (!slot)
-		return -1;
+		return NULL;
 	*backend_id = slot->backend_id;
-	return 0;
+	return (struct kbp_backend *)slot;
 }
 
 static __always_inline void __lb_affinity_key(const struct kbp_tuple *t, __u32 service_id,
@@ -213,8 +219,10 @@ static __always_inline void lb_remember_affinity(const struct kbp_tuple *t,
 
 /* The rule every hook selects by, for a new flow (or socket) and a non-empty set
  * (count > 0): the client's affinity backend when it has one, else the backend in the
- * slot `hash` picks (hash % count). NULL when the slot or backend is missing, which
- * ordered agent writes rule out (counted KBP_DROP_BACKEND_GONE). */
+ * slot `hash` picks (hash % count). The slot's copy of the backend is used, so the
+ * selection reads the slots and not kbp_backends. NULL when the slot (or the affinity's
+ * backend) is missing, which ordered agent writes rule out (counted
+ * KBP_DROP_BACKEND_GONE). */
 static __always_inline struct kbp_backend *lb_select_backend_by(const struct kbp_tuple *t,
 								const struct kbp_service *svc,
 								__u32 set_id, __u32 count,
@@ -225,27 +233,31 @@ static __always_inline struct kbp_backend *lb_select_backend_by(const struct kbp
 
 	if (backend)
 		return backend;
-	if (__lb_slot_backend(set_id, hash % count, backend_id) < 0)
-		return NULL;
-	return lb_backend_of_service(*backend_id, svc->service_id);
+	return __lb_slot_backend(set_id, hash % count, backend_id);
 }
 
-/* A packet's new flow: lb_select_backend_by with the flow hash (the set's slots, or its
- * Maglev table), or, only for Services that ask for it, a random number. The hash makes
- * the choice repeatable: a TCP segment whose conntrack entry was evicted or expired
- * reaches the backend it had, as long as the set is unchanged. */
+/* A packet's new flow: lb_select_backend_by's rule with the flow hash (the set's slots,
+ * or its Maglev table), or, only for Services that ask for it, a random number. The hash
+ * makes the choice repeatable: a TCP segment whose conntrack entry was evicted or expired
+ * reaches the backend it had, as long as the set is unchanged. Written out rather than
+ * calling lb_select_backend_by so that the hash is computed only after the affinity
+ * lookup missed: computed first, it stays live across that lookup and kbp_from_ext's
+ * stack grows past the verifier's 512 bytes. */
 static __always_inline struct kbp_backend *lb_select_backend(const struct kbp_tuple *t,
 							     const struct kbp_service *svc,
 							     __u32 set_id, __u32 count, __u64 now,
 							     __u32 *backend_id)
 {
+	struct kbp_backend *backend = lb_affinity_backend(t, svc, now, backend_id);
 	__u32 hash;
 
+	if (backend)
+		return backend;
 	if (svc->flags & KBP_SVC_F_RANDOM)
 		hash = bpf_get_prandom_u32();
 	else
 		hash = lb_flow_hash(t);
-	return lb_select_backend_by(t, svc, set_id, count, now, hash, backend_id);
+	return __lb_slot_backend(set_id, hash % count, backend_id);
 }
 
 #endif /* KBP_LIB_LB_H */

@@ -34,5 +34,16 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key);
 static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie);
 static __always_inline int map_port_used(__be16 port, __u8 what);
 static __always_inline __u64 *map_lookup_ct_stats(__u32 *what);
+static __always_inline struct kbp_ct_remap *map_lookup_ct_remap(struct kbp_ct_key *key);
+static __always_inline int map_update_ct_remap(struct kbp_ct_key *key, struct kbp_ct_remap *value);
+static __always_inline int map_delete_ct_remap(struct kbp_ct_key *key);
+/* Per-CPU scratch space (map_scratch): the external path inlines ct_create and
+ * ct_create_snat, and its 512 bytes of stack have no room for another entry or key. */
+struct kbp_scratch {
+	struct kbp_ct_key key;     /* another flow's key (__ct_take_over), a lost flow's
+				      (__ct_remapped_port), a port record (__ct_record_remap) */
+	struct kbp_ct_entry entry; /* the entries ct_create_snat writes */
+};
+static __always_inline struct kbp_scratch *map_scratch(void);
 
 #endif /* KBP_LIB_MAPS_H */

@@ -84,6 +84,7 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 	__u32 backend_id = 0, set_id, count;
 	__be32 addr[4];
 	__be16 port, sport = t->sport;
+	int lost;
 	int hairpin;
 
 	if (flow && ct_forward_is_usable(flow, svc, t)) {
@@ -94,7 +95,7 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 		if (flow->flags & KBP_CT_F_SPORT)
 			sport = flow->nat_port;
 	} else {
-		ct_note_lost(t, flow);
+		lost = ct_note_lost(t, flow);
 		if (!lb_source_admitted(t, svc))
 			return drop_service_packet(bytes, service_id, KBP_DROP_SOURCE_RANGE);
 		lb_set_for_pods(svc, &set_id, &count);
@@ -111,7 +112,7 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 		hairpin = lb_addr_equal(t->saddr, backend->addr);
 		/* Without its reply entry the flow's answers would reach the client from the
 		 * backend address, which it would reset; better not to start it. */
-		if (ct_create(t, svc, backend_id, backend, hairpin, now, &sport))
+		if (ct_create(t, svc, backend_id, backend, hairpin, now, lost, &sport))
 			return drop_service_packet(bytes, service_id, KBP_DROP_NAT_FAILED);
 		lb_remember_affinity(t, svc, now, backend_id);
 		count_new_flow(service_id);

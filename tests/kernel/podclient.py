@@ -14,7 +14,12 @@ idle IP PORT -n N: N TCP connections opened and left idle; prints one JSON line
 pair IP1 IP2 PORT -n N: N pairs of TCP connections, both of a pair from one source port
   (SO_REUSEADDR; from --first-port on, below the ephemeral range) to two addresses at the
   same time, each then echoing a line; prints
-  {"pairs": n_both_worked, "errors": {...}, "details": [..]}.
+  {"pairs": n_both_worked, "errors": {...}, "details": [..]}. --pause: once a pair has
+  answered, print {"opened": port} and wait for a line on stdin before the echoes;
+  --second-first: echo on the IP2 connection first.
+reuse IP1 IP2 PORT -n N: N times, one source port (from --first-port on) used for a TCP
+  connection to IP1 that echoes a line and closes with FINs both ways (no RST), then for
+  one to IP2 that does the same; prints {"reused": n_both_worked, "errors": .., ..}.
 
 Error classes: refused, timeout, reset, unreachable, other.
 """
@@ -31,6 +36,7 @@ import struct
 import sys
 import time
 from collections import Counter
+from typing import Any
 
 
 def classify(exc: BaseException) -> str:
@@ -203,7 +209,10 @@ def run_pair(args: argparse.Namespace) -> int:
                 sock.connect((ip, args.port))
             for sock in socks:  # both open at once, then both used
                 read_line(sock)
-            for sock in socks:
+            if args.pause:  # the test does something to the flows first
+                print(json.dumps({"opened": port}), flush=True)
+                sys.stdin.readline()
+            for sock in reversed(socks) if args.second_first else socks:
                 _echo(sock, f"pair {n}\n".encode())
             pairs += 1
         except (OSError, EOFError) as exc:
@@ -213,6 +222,42 @@ def run_pair(args: argparse.Namespace) -> int:
                 sock.close()
     print(json.dumps({"pairs": pairs, "errors": errors, "details": details}), flush=True)
     return 0
+
+
+def run_reuse(args: argparse.Namespace) -> int:
+    """One source port used for ip1, closed with FINs both ways, then for ip2."""
+    done, errors, details = 0, Counter(), []
+    for n in range(args.n):
+        port = args.first_port + n
+        try:
+            for ip in (args.ip1, args.ip2):
+                with socket.socket(family_of(ip), socket.SOCK_STREAM) as sock:
+                    sock.settimeout(args.timeout)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind(("::" if family_of(ip) == socket.AF_INET6 else "0.0.0.0", port))
+                    sock.connect((ip, args.port))
+                    read_line(sock)
+                    _echo(sock, f"reuse {n}\n".encode())
+                    sock.shutdown(socket.SHUT_WR)  # our FIN, then the server's
+                    if sock.recv(4096) != b"":
+                        raise EOFError("data after the echo")
+            done += 1
+        except (OSError, EOFError) as exc:
+            _report(errors, details, exc)
+    print(json.dumps({"reused": done, "errors": errors, "details": details}), flush=True)
+    return 0
+
+
+def two_services(modes: Any, name: str, first_port: int) -> argparse.ArgumentParser:
+    """A mode's parser for IP1 IP2 PORT -n N from --first-port on."""
+    mode = modes.add_parser(name)
+    mode.add_argument("ip1")
+    mode.add_argument("ip2")
+    mode.add_argument("port", type=int)
+    mode.add_argument("-n", type=int, default=1)
+    mode.add_argument("--first-port", type=int, default=first_port)
+    mode.add_argument("--timeout", type=float, default=5.0)
+    return mode
 
 
 def main() -> int:
@@ -236,14 +281,17 @@ def main() -> int:
     idle.add_argument("port", type=int)
     idle.add_argument("-n", type=int, default=1)
     idle.add_argument("--timeout", type=float, default=5.0)
-    pair = modes.add_parser("pair")
-    pair.add_argument("ip1")
-    pair.add_argument("ip2")
-    pair.add_argument("port", type=int)
-    pair.add_argument("-n", type=int, default=1)
-    pair.add_argument("--first-port", type=int, default=20000)
-    pair.add_argument("--timeout", type=float, default=5.0)
+    pair = two_services(modes, "pair", first_port=20000)
+    pair.add_argument(
+        "--pause",
+        action="store_true",
+        help="after opening each pair, print a line and wait for one on stdin",
+    )
+    pair.add_argument("--second-first", action="store_true", help="echo on ip2's socket first")
+    two_services(modes, "reuse", first_port=21000)
     args = parser.parse_args()
+    if args.mode == "reuse":
+        return run_reuse(args)
     if args.mode == "idle":
         return run_idle(args)
     if args.mode == "pair":

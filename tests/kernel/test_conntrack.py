@@ -168,3 +168,74 @@ def test_a_connection_whose_entries_were_deleted_keeps_its_backend(env: Env) -> 
     finally:
         idle.close()
     assert after["echoed"] == 12, after
+
+
+def test_a_closed_flows_tuple_is_taken_over_not_remapped(env: Env) -> None:
+    # One client port: a connection to one Service closed with FINs both ways, then a
+    # connection to the other Service, which shares the only backend, so both flows have
+    # the same tuple at the backend. The first flow's entries are still there (no sweep
+    # runs here), but it is closed: the second takes its tuple over with the client's own
+    # port, as netfilter lets a SYN take over a TIME_WAIT tuple. Remapping it would work
+    # too, but needlessly, and a port range full of closed flows would refuse it.
+    first, ip_a, _ = service(env, "reuse-a", backends(env, "be1"))
+    second, ip_b, _ = service(env, "reuse-b", backends(env, "be1"))
+    env.program(*first, *second)
+    before = env.dataplane.conntrack.remapped_total() if env.kind == "ebpf" else 0  # type: ignore[union-attr]
+    out = env.pod("client1").run(sys.executable, str(PODCLIENT), "reuse", ip_a, ip_b, "80",
+                                 "-n", "10", timeout=120)  # fmt: skip
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["reused"] == 10, report
+    if env.kind == "ebpf":
+        assert env.dataplane.conntrack.remapped_total() == before  # type: ignore[union-attr]
+
+
+@not_on("iptables", "deletes eBPF conntrack entries by hand (kbp_ct)")
+@pytest.mark.parametrize("order", ["remapped-first", "remapped-last"])
+def test_a_remapped_connection_whose_entries_were_deleted_keeps_its_port(
+    env: Env, order: str
+) -> None:
+    # A pair of connections from one client port to two Services sharing their only
+    # backend: the second is remapped. Then every kbp_ct entry goes (both flows lost, as
+    # under LRU pressure). Whichever flow sends first, each must be written again with
+    # the port its backend knows it by: the client's own for the first, the remapped one
+    # (kept in kbp_ct_remap) for the second, even once no clash is left to detect.
+    first, ip_a, _ = service(env, f"lost-a-{order}", backends(env, "be1"))
+    second, ip_b, _ = service(env, f"lost-b-{order}", backends(env, "be1"))
+    env.program(*first, *second)
+    collector = env.dataplane.conntrack  # type: ignore[union-attr]
+    table = collector.table
+    remapped, lost = collector.remapped_total(), collector.lost_total()
+    pairs = 3
+    argv = [
+        sys.executable,
+        str(PODCLIENT),
+        "pair",
+        ip_a,
+        ip_b,
+        "80",
+        "-n",
+        str(pairs),
+        "--pause",
+        "--first-port",
+        "22000" if order == "remapped-first" else "22100",
+    ]
+    if order == "remapped-first":
+        argv.append("--second-first")
+    proc = subprocess.Popen(in_netns(env.pod("client1").ns, argv), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for _ in range(pairs):
+            json.loads(read_line(proc, timeout=30))  # {"opened": port}
+            time.sleep(1.0)  # let the client's delayed ACKs land: only the echo counts
+            stored = table.keys()  # a list read from the kernel
+            for key in stored:
+                table.delete(key)
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        report = json.loads(read_line(proc, timeout=60))
+    finally:
+        stop_process(proc)
+    assert report["pairs"] == pairs, report
+    assert collector.remapped_total() - remapped >= pairs
+    assert collector.lost_total() - lost >= 2 * pairs  # every flow found no entry

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from agent.dataplane.ebpf import abi, external, kernel, libbpf
+from agent.dataplane.ebpf import abi, codec, external, kernel, libbpf
 
 from . import packets as P
 
@@ -88,12 +88,12 @@ class Datapath:
         assert self.loaded.map("kbp_backends").delete(struct.pack("=I", backend_id))
 
     def write_set(self, set_id: int, backend_ids: list[int]) -> None:
-        slots = self.loaded.map("kbp_slots")
+        slots, backends = self.loaded.map("kbp_slots"), self.loaded.map("kbp_backends")
         for index, backend_id in enumerate(backend_ids):
             key = abi.new("kbp_slot_key", set_id=set_id, index=index)
-            slots.update(
-                abi.to_bytes(key), abi.to_bytes(abi.new("kbp_slot", backend_id=backend_id))
-            )
+            # a slot carries a copy of its backend (the backend is written first)
+            copy = backends.lookup(struct.pack("=I", backend_id)) or codec.NO_COPY
+            slots.update(abi.to_bytes(key), codec.slot_value(backend_id, copy))
 
     def write_service(
         self,
@@ -931,10 +931,12 @@ def test_a_reused_backend_id_with_another_address_does_not_keep_the_flow(datapat
     frame = client_frame(4, UDP)
     assert _backend_of(datapath, frame) == BACKENDS[4][0]
 
-    # Same id, same service, new endpoint address: ids are reused after deletion.
+    # Same id, same service, new endpoint address: ids are reused after deletion, and the
+    # set naming it is written anew (its slot carries the new address, as the agent's is).
     value = abi.new("kbp_backend", port=abi.be16(BACKEND_PORT), family=4, service_id=1)
     abi.set_addr(value.addr, BACKENDS[4][2])
     datapath.loaded.map("kbp_backends").update(struct.pack("=I", backend_id), abi.to_bytes(value))
+    datapath.write_set(1, [backend_id])
 
     assert _backend_of(datapath, frame) == BACKENDS[4][2]
 

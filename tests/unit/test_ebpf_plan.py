@@ -1353,3 +1353,16 @@ def test_the_source_range_index_rescans_a_frontend_two_entries_range() -> None:
     assert networks() == {"198.51.100.0/24"}  # a-first sorts first: its ranges win
     forget(cluster, object_key(first))
     assert networks() == {"192.0.2.0/24"}
+
+
+def test_a_live_backends_flag_change_is_named_for_its_slot_copies() -> None:
+    # Slots carry a copy of their backend (struct kbp_slot): a live backend whose flags
+    # change is listed, so the dataplane rewrites the copies in the sets that name it.
+    moving = make_endpoint("10.244.2.9", "node-b")
+    before = desired_content(web([ep(1), moving]), EMPTY)
+    after = desired_content(web([ep(1), make_endpoint("10.244.2.9", "node-a")]), before)
+    writes = diff(before, after)
+    assert writes.backends_changed == set(writes.backends_to_upsert)
+    assert len(writes.backends_changed) == 1
+    added = diff(after, desired_content(web([ep(1), ep(3)]), after))
+    assert added.backends_to_upsert and not added.backends_changed  # new ones: no copies yet

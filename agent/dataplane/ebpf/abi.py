@@ -74,6 +74,7 @@ MAP_NAMES = (
     "kbp_slots",
     "kbp_backends",
     "kbp_ct",
+    "kbp_ct_remap",
     "kbp_affinity",
     "kbp_counters",
     "kbp_drops",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from struct import Struct
 
 from .abi import addr_bytes, addr_text, const, packer, port_bytes
 from .external import SourceRange
@@ -15,10 +16,11 @@ from .plan import BackendValue, FrontendKey, KernelContent, ServiceValue
 _FRONTEND_KEY = packer("kbp_frontend_key")
 _SERVICE = packer("kbp_service")
 _SLOT_KEY = packer("kbp_slot_key")
-_SLOT = packer("kbp_slot")
 _BACKEND = packer("kbp_backend")
 _SRC_RANGE_KEY = packer("kbp_src_range_key")
-_U32 = packer("kbp_slot")  # one __u32: the backend id key has the same layout
+_U32 = Struct("=I")  # a backend id key, a service id index
+_SLOT_ID = Struct("=I")  # the backend id after the slot's copy of the backend
+_SLOT_COPY = packer("kbp_backend").size  # bytes of that copy at the start of a slot
 _BROKEN = 0  # backend id 0 is never allocated: marks a set no wanted set can equal
 
 
@@ -49,8 +51,18 @@ def slot_key(set_id: int, index: int) -> bytes:
     return _SLOT_KEY.pack(set_id, index)
 
 
-def slot_value(backend_id: int) -> bytes:
-    return _SLOT.pack(backend_id)
+def slot_value(backend_id: int, backend: bytes) -> bytes:
+    """A slot: `backend`, the backend's kbp_backends value (backend_value), then its id."""
+    return backend + _SLOT_ID.pack(backend_id)
+
+
+def slot_backend_id(raw: bytes) -> int:
+    """The backend id a kbp_slots value names."""
+    return _SLOT_ID.unpack_from(raw, _SLOT_COPY)[0]
+
+
+SLOT_SIZE = _SLOT_COPY + _SLOT_ID.size  # bytes of a kbp_slots value
+NO_COPY = bytes(_SLOT_COPY)  # a slot copy of nothing, for synthetic slots (bench/maps.py)
 
 
 def backend_key(backend_id: int) -> bytes:
@@ -101,16 +113,23 @@ def read_content(services: Map, slots: Map, backends: Map) -> KernelContent:
     """What the kernel holds now. A set with a missing index (a writer interrupted
     between slots) is left out, so the next diff writes a complete new set."""
     frontends = {decode_frontend_key(k): decode_service(v) for k, v in services.items()}
+    raw_backends = dict(backends.items())
     by_set: dict[int, dict[int, int]] = defaultdict(dict)
+    stale: set[int] = set()
     for k, v in slots.items():
         set_id, index = _SLOT_KEY.unpack(k)
-        by_set[set_id][index] = _SLOT.unpack(v)[0]
+        backend_id = _SLOT_ID.unpack_from(v, _SLOT_COPY)[0]
+        by_set[set_id][index] = backend_id
+        # An agent stopped between a backend's flag change and the rewrite of its slots'
+        # copies leaves them disagreeing: the set is rewritten (below).
+        if v[:_SLOT_COPY] != raw_backends.get(_U32.pack(backend_id)):
+            stale.add(set_id)
     # An interrupted writer can leave a set with holes or a count that disagrees with the
     # set: such a set is kept (so the diff deletes it) but never equals a wanted set, so
     # services get a freshly written one.
     sets = {
         set_id: tuple(members[i] for i in sorted(members))
-        if len(members) == max(members) + 1
+        if len(members) == max(members) + 1 and set_id not in stale
         else (_BROKEN, *members.values())
         for set_id, members in by_set.items()
     }
@@ -119,7 +138,7 @@ def read_content(services: Map, slots: Map, backends: Map) -> KernelContent:
                               (value.internal_set_id, value.internal_count)):  # fmt: skip
             if set_id in sets and len(sets[set_id]) != count:
                 sets[set_id] = (_BROKEN, *sets[set_id])
-    ends = {_U32.unpack(k)[0]: decode_backend(v) for k, v in backends.items()}
+    ends = {_U32.unpack(k)[0]: decode_backend(v) for k, v in raw_backends.items()}
     return KernelContent(services=frontends, slots=sets, backends=ends)
 
 

@@ -12,17 +12,19 @@ in the kernel: see docs/operations.md ("Conntrack").
 from __future__ import annotations
 
 import logging
+import math
 import struct
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .abi import const, layout
-from .libbpf import Map
+from .abi import const, layout, versioned
+from .libbpf import BPF_NOEXIST, Map
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,8 @@ _HAIRPIN = const.KBP_CT_F_HAIRPIN
 _SEEN_REPLY = const.KBP_CT_F_SEEN_REPLY
 _CLOSING = const.KBP_CT_F_CLOSING
 _RST = const.KBP_CT_F_RST
-_SOURCE_REWRITTEN = const.KBP_CT_F_SNAT | const.KBP_CT_F_SPORT
+_SPORT = const.KBP_CT_F_SPORT
+_SOURCE_REWRITTEN = const.KBP_CT_F_SNAT | _SPORT
 
 PROTOCOLS = {6: "TCP", 17: "UDP", 132: "SCTP"}
 
@@ -73,6 +76,15 @@ class Timeouts:
     tcp_time_wait: float = 10.0
     udp: float = 30.0
     udp_stream: float = 120.0
+
+    def lifetimes(self) -> tuple[int, int, int, int, int, int]:
+        """Whole seconds (rounded up) in kbp_config's order (ct_tcp_syn .. ct_udp_stream),
+        for the datapath's take-over of tuples held by expired flows."""
+        return tuple(  # type: ignore[return-value]
+            min(math.ceil(v), 0xFFFFFFFF)
+            for v in (self.tcp_syn, self.tcp_established, self.tcp_close_wait,
+                      self.tcp_time_wait, self.udp, self.udp_stream)
+        )  # fmt: skip
 
     def of(self, state: str) -> float:
         return {
@@ -122,6 +134,7 @@ class Flow:
     proto: int
     state: str
     last_seen: int  # ns, CLOCK_MONOTONIC
+    remapped: bool = False  # its forward entry (keys[0]) has a kbp_ct_remap record
 
 
 def flows_of(items: Iterable[tuple[bytes, bytes]]) -> list[Flow]:
@@ -137,14 +150,15 @@ def flows_of(items: Iterable[tuple[bytes, bytes]]) -> list[Flow]:
         reply = by_key.get(reply_key)
         last = _LAST_SEEN.unpack_from(entry, _ENTRY_LAST_SEEN)[0]
         proto = key[_KEY_PROTO]
+        remapped = bool(entry[_ENTRY_FLAGS] & _SPORT)
         if reply is None:
             state = flow_state(proto, entry[_ENTRY_FLAGS], 0)
-            flows.append(Flow([key], proto, state, last))
+            flows.append(Flow([key], proto, state, last, remapped))
             continue
         paired.add(reply_key)
         last = max(last, _LAST_SEEN.unpack_from(reply, _ENTRY_LAST_SEEN)[0])
         state = flow_state(proto, entry[_ENTRY_FLAGS], reply[_ENTRY_FLAGS])
-        flows.append(Flow([key, reply_key], proto, state, last))
+        flows.append(Flow([key, reply_key], proto, state, last, remapped))
     for key, entry in by_key.items():
         if key[_KEY_DIR] == _REPLY and key not in paired:
             proto = key[_KEY_PROTO]
@@ -170,22 +184,32 @@ class SweepReport:
     cpu_seconds: float = 0.0  # CPU time of the sweeping thread
 
 
-def sweep(table: Map, timeouts: Timeouts, now: int | None = None) -> SweepReport:
+def sweep(
+    table: Map, timeouts: Timeouts, now: int | None = None, remap: Map | None = None
+) -> SweepReport:
     """Read kbp_ct, delete the flows past their timeout, count the rest by state. A flow
-    is read again just before its deletion, so one a packet refreshed meanwhile stays."""
+    is read again just before its deletion, so one a packet refreshed meanwhile stays.
+    A deleted remapped flow's port record goes too (`remap`: kbp_ct_remap), or a new
+    connection on the same tuple would later be recovered with the old flow's port."""
     started, cpu_started = time.perf_counter(), time.thread_time()
     items = table.items()
     now = time.monotonic_ns() if now is None else now
     report = SweepReport(entries=len(items), collected=0)
     expired: list[bytes] = []
+    records: list[bytes] = []
     for flow in flows_of(items):
         if seconds_left(flow, timeouts, now) >= 0 or not _still_expired(table, flow):
             for _ in flow.keys:
                 report.by_state[(PROTOCOLS.get(flow.proto, str(flow.proto)), flow.state)] += 1
             continue
         expired.extend(flow.keys)
+        if flow.remapped:
+            records.append(flow.keys[0])
     if expired:
         table.delete_batch(b"".join(expired), len(expired))
+    if records and remap is not None:
+        for key in records:  # few: only clashing flows are remapped
+            remap.delete(key)
     report.collected = len(expired)
     report.seconds = time.perf_counter() - started
     report.cpu_seconds = time.thread_time() - cpu_started
@@ -214,10 +238,11 @@ class Collector:
 
     def __init__(
         self, table: Map, stats: Map, timeouts: Timeouts, interval: float,
-        capacity: int | None = None,
+        capacity: int | None = None, remap: Map | None = None,
     ) -> None:  # fmt: skip
         self.table = table
         self.stats = stats
+        self.remap = remap
         self.timeouts = timeouts
         self.interval = interval
         self.capacity = capacity or table.info.max_entries
@@ -251,7 +276,7 @@ class Collector:
 
     def run_once(self, now: int | None = None) -> SweepReport:
         with self._lock:
-            report = sweep(self.table, self.timeouts, now)
+            report = sweep(self.table, self.timeouts, now, self.remap)
             self.last = report
             self.collected_total += report.collected
         log.debug("ebpf: conntrack sweep: %d entries, %d collected in %.3f s", report.entries,
@@ -327,3 +352,37 @@ class Collector:
             "another frontend's flow held their tuple at the backend.", value=remapped,
         )  # fmt: skip
         return [entries, collected, lost_family, remapped_family]
+
+
+# ABI versions whose kbp_ct key and entry have the layout of this one (struct kbp_ct_key,
+# struct kbp_ct_entry): their entries are copied as they are at an upgrade. Version 4
+# changed kbp_config and added kbp_ct_remap, not the conntrack entries. A release that
+# changes the entry layout lists none here until it carries a translation.
+SAME_CT_LAYOUT = frozenset({3})
+
+
+def adopt_earlier_conntrack(pin_dir: Path, table: Map) -> tuple[int, list[str]]:
+    """Copy an earlier ABI version's pinned kbp_ct (kbp_ct_v<N>) into `table`, this
+    version's, at start-up, so established connections keep their translation across an
+    upgrade that renamed the maps. Only versions in SAME_CT_LAYOUT whose sizes agree are
+    copied; entries already in `table` stay. Returns (entries copied, versions skipped)."""
+    ours = versioned("kbp_ct")
+    copied, skipped = 0, []
+    for path in sorted(pin_dir.glob("kbp_ct_v*")):
+        version = path.name.removeprefix("kbp_ct_v")
+        if path.name == ours or not version.isdigit():
+            continue
+        with Map.pinned(str(path)) as old:
+            same = (int(version) in SAME_CT_LAYOUT and old.key_size == table.key_size
+                    and old.value_size == table.value_size)  # fmt: skip
+            if not same:
+                skipped.append(path.name)
+                continue
+            items = old.items()
+        for key, value in items:
+            try:
+                table.update(key, value, BPF_NOEXIST)
+            except OSError:  # taken meanwhile by the new programs, or the map is full
+                continue
+            copied += 1
+    return copied, skipped

@@ -43,7 +43,7 @@ from .cgroup import (
     netns_cookie,
     socket_hooks_pinned,
 )
-from .conntrack import Collector, Timeouts
+from .conntrack import Collector, Timeouts, adopt_earlier_conntrack
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
@@ -136,7 +136,8 @@ class EbpfDataplane:
         self._mark_ports(const.KBP_PORT_F_FRONTEND, (k.port for k in content.services))
         self._ranges = self._read_ranges()
         self.conntrack = Collector(self.programs.map("kbp_ct"), self.programs.map("kbp_ct_stats"),
-                                   ct_timeouts or Timeouts(), ct_sweep_interval)  # fmt: skip
+                                   ct_timeouts or Timeouts(), ct_sweep_interval,
+                                   remap=self.programs.map("kbp_ct_remap"))  # fmt: skip
         self._config = self.programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
         # The revision an earlier agent's last complete apply left in the maps (None: none,
         # or that apply was cut short): reported as held until this agent applies.
@@ -201,6 +202,11 @@ class EbpfDataplane:
             whose = {"all": f"the node and {len(pods)} pod(s) found so far",
                      "host": "the node (pods: tc)", "off": "nobody"}[socket_lb]  # fmt: skip
             log.info("ebpf: socket hooks on cgroup %s translate the sockets of %s", cgroup, whose)
+        copied, skipped = adopt_earlier_conntrack(self.pin_dir, self.programs.map("kbp_ct"))
+        if copied or skipped:
+            log.info("ebpf: copied %d conntrack entries of an earlier ABI version%s", copied,
+                     f"; not copied (another entry layout): {' '.join(skipped)}" if skipped
+                     else "")  # fmt: skip
         stale = remove_stale_pins(self.pin_dir)
         if stale:
             log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
@@ -310,12 +316,28 @@ class EbpfDataplane:
     def _write(self, w: Writes) -> None:
         m = self.programs.map
         services, slots, backends = m("kbp_services"), m("kbp_slots"), m("kbp_backends")
-        # 1. backends that new sets will name; 2. the new sets, complete
-        _update(backends, [(codec.backend_key(i), codec.backend_value(v))
-                           for i, v in w.backends_to_upsert.items()])  # fmt: skip
-        _update(slots, [(codec.slot_key(set_id, index), codec.slot_value(backend_id))
+        # 1. backends that new sets will name; 2. the new sets, complete, each slot with a
+        # copy of its backend's entry (self.current is the new content here: plan_change)
+        upserts = {i: codec.backend_value(v) for i, v in w.backends_to_upsert.items()}
+        _update(backends, [(codec.backend_key(i), value) for i, value in upserts.items()])
+        known = self.current.backends
+
+        def copy_of(backend_id: int) -> bytes:
+            value = upserts.get(backend_id)
+            return value if value is not None else codec.backend_value(known[backend_id])
+
+        _update(slots, [(codec.slot_key(set_id, index), codec.slot_value(backend_id,
+                                                                         copy_of(backend_id)))
                         for set_id, members in w.sets_to_write.items()
                         for index, backend_id in enumerate(members)])  # fmt: skip
+        # A live backend whose flags changed: the slots of live sets that name it get the
+        # new copy (the set itself, its ids, is unchanged).
+        changed = w.backends_changed
+        if changed:  # rare (a fallback set's endpoint terminating): one pass over the sets
+            _update(slots, [(codec.slot_key(set_id, index), codec.slot_value(b, upserts[b]))
+                            for set_id, members in self.current.slots.items()
+                            if set_id not in w.sets_to_write
+                            for index, b in enumerate(members) if b in changed])  # fmt: skip
         # 3. zeroed counters for new service ids, then the flip: services point at new sets
         if w.counters_reset:
             counters = m("kbp_counters")
@@ -628,7 +650,8 @@ class EbpfDataplane:
         if before:
             config = external.config_value(state.node.addresses, state.node.cluster_cidrs,
                                            self._netns_cookie, self.snat_ports,
-                                           self.socket_lb)  # fmt: skip
+                                           self.socket_lb,
+                                           self.conntrack.timeouts.lifetimes())  # fmt: skip
             if config != self._config:
                 m("kbp_config").update(bytes(4), config)
                 self._config = config

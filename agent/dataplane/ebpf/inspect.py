@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -126,7 +127,7 @@ def _frontend_order(key: FrontendKey) -> tuple[int, bytes, int, int]:
 def backends(pin_dir: Path) -> list[Row]:
     with _open(pin_dir, "kbp_backends") as table:
         items = [
-            (packer("kbp_slot").unpack(k)[0], codec.decode_backend(v)) for k, v in table.items()
+            (int.from_bytes(k, sys.byteorder), codec.decode_backend(v)) for k, v in table.items()
         ]
     return [
         {

@@ -224,6 +224,9 @@ class Writes:
     frontends_to_delete: list[FrontendKey] = field(default_factory=list)
     sets_to_delete: dict[int, int] = field(default_factory=dict)
     backends_to_delete: list[int] = field(default_factory=list)
+    # Of backends_to_upsert, the live backends whose value (flags) changed: the slots of
+    # live sets carry a copy of each backend's value (struct kbp_slot) to rewrite.
+    backends_changed: set[int] = field(default_factory=set)
 
     @property
     def count(self) -> int:
@@ -1295,6 +1298,8 @@ def _writes(services: _MapChange, slots: _MapChange, backends: _MapChange) -> Wr
                 writes.backends_to_delete.append(backend_id)
         elif before is not after and before != after:
             writes.backends_to_upsert[backend_id] = after
+            if before is not None:
+                writes.backends_changed.add(backend_id)
 
     cur_slots, new_slots, set_ids = slots
     for set_id in set_ids:
