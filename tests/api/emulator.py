@@ -23,7 +23,6 @@ reactions) and `timeoutSeconds`.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
