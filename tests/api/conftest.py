@@ -47,7 +47,12 @@ COLLECTIONS = {  # kind → (resource, path of the collection, namespaced)
     "EndpointSlice": (SLICES, "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", True),
     "Node": (NODES, "/api/v1/nodes", False),
 }
-RESOURCE_NAMES = {SERVICES: "services", SLICES: "endpointslices", NODES: "nodes"}
+RESOURCE_NAMES = {
+    SERVICES: "services",
+    SLICES: "endpointslices",
+    NODES: "nodes",
+    "node-labels": "node-labels",  # the metadata-only watches of other nodes
+}
 DEADLINE = 4.0  # seconds a test waits for something before failing
 
 
