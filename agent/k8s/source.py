@@ -513,11 +513,11 @@ class _Watcher:
                     )
                 elif isinstance(err, OpenApiException | urllib3.exceptions.HTTPError | OSError):
                     log.warning(
-                        "%s: %s; keeping the last known state, %s in %.1f s (attempt %d)",
+                        "%s: %s; keeping the last known state, retrying in %.1f s (%s, attempt %d)",
                         name,
                         _describe(err),
-                        what,
                         delay,
+                        what,
                         failures,
                     )
                 elif isinstance(err, WatchError | ValueError):
