@@ -78,6 +78,7 @@ BOOKMARK_EVERY = 30.0  # seconds (real) between BOOKMARKs on a watch
 TARGET_RATIO_NO_KEYS = 1.1  # bytes/min <= 1.1 x kube-proxy's without topology keys
 TARGET_NODE_SHARE = 1 / 20  # with topology keys: Node traffic <= 1/20 of the full watch
 ROLES = ("kube-proxy", "agent", "main")
+IMAGES_MARK = "@images-of-pool-%d"
 WRITES = "(writes)"  # the server's own row in its stats: the churn it made
 PATHS = {
     "/api/v1/services": "services",
@@ -255,7 +256,7 @@ class Cluster:
                     "operatingSystem": "linux",
                     "architecture": "amd64",
                 },
-                "images": self.images[pool],
+                "images": IMAGES_MARK % pool,  # the pool's list, spliced in as JSON
             },
         }
 
@@ -307,13 +308,19 @@ class Watch:
     queue: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
 
 
-def _item(obj: Obj) -> Item:
+def _item(obj: Obj, images: list[bytes]) -> Item:
     meta = obj["metadata"]
+    full = json.dumps(obj, separators=(",", ":")).encode()
+    status = obj.get("status")
+    if isinstance(status, dict) and isinstance(status.get("images"), str):
+        # A Node: its pool's image list, serialized once (the bulk of a Node's JSON).
+        mark = json.dumps(status["images"]).encode()
+        full = full.replace(mark, images[int(status["images"].rpartition("-")[2])], 1)
     return Item(
         meta.get("namespace"),
         meta["name"],
         dict(meta.get("labels") or {}),
-        json.dumps(obj, separators=(",", ":")).encode(),
+        full,
         json.dumps(meta, separators=(",", ":")).encode(),
     )
 
@@ -332,6 +339,7 @@ class Server:
     def __init__(self, cluster: Cluster, compression: float) -> None:
         self.cluster = cluster
         self.compression = compression
+        self.images = [json.dumps(i, separators=(",", ":")).encode() for i in cluster.images]
         self.rv = 1
         self.items: dict[str, dict[tuple[str | None, str], Item]] = {r: {} for r in PATHS.values()}
         self.order: dict[str, list[tuple[str | None, str]]] = {}
@@ -355,7 +363,7 @@ class Server:
     def _store(self, resource_name: str, obj: Obj) -> tuple[Item | None, Item]:
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
-        new = _item(obj)
+        new = _item(obj, self.images)
         key = (new.namespace, new.name)
         old = self.items[resource_name].get(key)
         self.items[resource_name][key] = new
