@@ -421,7 +421,10 @@ class Server:
                 continue
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             for resource_name, rate in rates.items():
-                due[resource_name] += rate * elapsed
+                # A server that falls behind drops the backlog beyond a quarter second
+                # (catching up would starve the clients' requests); the writes line says
+                # what it made.
+                due[resource_name] = min(due[resource_name] + rate * elapsed, rate / 4 + 1)
                 while due[resource_name] >= 1:
                     due[resource_name] -= 1
                     if resource_name == "nodes":
