@@ -52,7 +52,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -301,11 +301,22 @@ class Event:
 
 @dataclass(eq=False)
 class Watch:
+    """An open watch. Events are written to its connection as they happen (the
+    transport buffers them), and counted then."""
+
     role: str
     resource: str
     selected: Callable[[Item | None], bool]
     partial: bool
-    queue: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
+    writer: asyncio.StreamWriter
+    stat: list[int]
+
+    def send(self, data: bytes) -> None:
+        if self.writer.transport.is_closing():
+            return
+        self.stat[0] += len(data)
+        self.stat[1] += 1
+        self.writer.write(b"%x\r\n%s\r\n" % (len(data), data))
 
 
 def _item(obj: Obj, images: list[bytes]) -> Item:
@@ -385,7 +396,7 @@ class Server:
             elif data == b"partial":
                 partial = partial or b'{"type":"MODIFIED","object":' + _partial(new) + b"}\n"
                 data = partial
-            watch.queue.put_nowait(data)
+            watch.send(data)
 
     @staticmethod
     def _event_bytes(watch: Watch, event: Event) -> bytes | None:
@@ -563,8 +574,8 @@ class Server:
         headers: Mapping[str, str],
     ) -> None:
         partial = "as=PartialObjectMetadata" in headers.get("accept", "")
-        watch = Watch(role, resource_name, self._selection(params), partial)
         stat = self.stats[role][self._label(resource_name, partial)]
+        watch = Watch(role, resource_name, self._selection(params), partial, writer, stat)
         since = int(params.get("resourceVersion") or 0)
         timeout = float(params.get("timeoutSeconds") or 1800)
         writer.write(
@@ -587,32 +598,21 @@ class Server:
                     body = _partial(event.new) if partial else event.new.full
                     data = b'{"type":"MODIFIED","object":' + body + b"}\n"
                 if data is not None:
-                    watch.queue.put_nowait(data)
+                    watch.send(data)
         self.watches[resource_name].add(watch)
         deadline = time.monotonic() + timeout
-        next_bookmark = time.monotonic() + BOOKMARK_EVERY
         try:
-            while True:
-                left = min(deadline, next_bookmark) - time.monotonic()
-                try:
-                    data = await asyncio.wait_for(watch.queue.get(), max(0.0, left))
-                except TimeoutError:
-                    if time.monotonic() >= deadline:
-                        break
-                    next_bookmark = time.monotonic() + BOOKMARK_EVERY
-                    kind = b"PartialObjectMetadata" if partial else b"Status"
-                    data = (
-                        b'{"type":"BOOKMARK","object":{"kind":"' + kind + b'","apiVersion":'
-                        b'"v1","metadata":{"resourceVersion":"' + str(self.rv).encode() + b'"}}}\n'
-                    )
-                if data is None or writer.transport.is_closing():
+            while not writer.transport.is_closing():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    writer.write(b"0\r\n\r\n")
                     break
-                stat[0] += len(data)
-                stat[1] += 1
-                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
-                if writer.transport.get_write_buffer_size() > 1 << 20:
-                    await writer.drain()
-            writer.write(b"0\r\n\r\n")
+                await asyncio.sleep(min(left, BOOKMARK_EVERY))
+                kind = b"PartialObjectMetadata" if partial else b"Status"
+                watch.send(
+                    b'{"type":"BOOKMARK","object":{"kind":"' + kind + b'","apiVersion":'
+                    b'"v1","metadata":{"resourceVersion":"' + str(self.rv).encode() + b'"}}}\n'
+                )
             await writer.drain()
         finally:
             self.watches[resource_name].discard(watch)
