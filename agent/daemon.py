@@ -148,6 +148,7 @@ class Agent:
             idle_timeout=self.settings.api_idle_timeout,
             request_timeout=self.settings.api_request_timeout,
             on_reachability=self.status.set_api_reachable,
+            node_labels=self.settings.compile_options().node_labels,
         )
 
     def stop(self) -> None:

@@ -64,6 +64,17 @@ class Metrics:
             ["resource", "type"],
             registry=r,
         )
+        self.api_bytes = Counter(
+            "kbp_api_bytes_received",
+            "Response bytes received from the API server (list bodies, watch streams).",
+            ["resource"],
+            registry=r,
+        )
+        self.node_label_watches = Gauge(
+            "kbp_node_label_watches",
+            "Metadata-only watches of other nodes' labels (one per topology key in use).",
+            registry=r,
+        )
         self.api_up = Gauge(
             "kbp_api_up",
             "1 while the watch of a resource is connected, 0 while retrying.",

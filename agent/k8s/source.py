@@ -8,10 +8,10 @@ client's read timeout, which is what ends watches on servers that ignore
 `timeoutSeconds`) is resumed from the last resourceVersion. `410 Gone` — as HTTP status
 or as an ERROR event — relists at once. Any other error (unreachable server, HTTP error,
 broken stream) sets `kbp_api_up{resource}` to 0, waits a capped exponential backoff with
-jitter (not reset by a list that works while the watch keeps failing) and relists:
-`replace` applies what was deleted meanwhile and reports no change when nothing
-changed, so the dataplane does not flap. The store is never cleared on errors: the last
-known state stays in force.
+jitter (not reset by a list that works while the watch keeps failing) and resumes the
+watch (see Resuming below); a relist `replace`s: it applies what was deleted meanwhile
+and reports no change when nothing changed, so the dataplane does not flap. The store
+is never cleared on errors: the last known state stays in force.
 
 Liveness. Every request is tried once (urllib3 would retry a timed-out one three more
 times) and bounded: `request_timeout` to connect, for each read of a list and for a
@@ -26,30 +26,45 @@ and comes back replays what was missed, or says 410 and the resource is relisted
 frozen server is thus reported within `idle_timeout + request_timeout` (45 s by
 default); a dead connection to a live server ends at the watch's `read_timeout`.
 
-Selection. Services: `!service.kubernetes.io/service-proxy-name`, or
-`service.kubernetes.io/service-proxy-name=NAME` with `--service-proxy-name NAME`.
-EndpointSlices: `!service.kubernetes.io/headless` only; slices are *not* filtered by the
-proxy-name label (third-party slices do not copy it; the compiler drops slices whose
+Selection, as kube-proxy's informers: Services and EndpointSlices with
+`!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`; with
+`--service-proxy-name NAME` Services with `service.kubernetes.io/service-proxy-name=NAME,
+!service.kubernetes.io/headless` and slices with `!service.kubernetes.io/headless` only
+(third-party slices need not copy the Service's label; the compiler drops slices whose
 Service is not programmed). The selectors are sent to the server and applied again here
 (cheap; servers or emulators that ignore them are handled, and an object that leaves
 the selection is removed from the store).
 
-Nodes. The whole Node list is watched and only name and labels are kept for other
-nodes (topology keys need their labels), plus the addresses of this node. This is
-simpler than a metadata-only watch started when a Service uses topology keys, costs one
-small object per node, and other nodes' status churn (heartbeats, conditions) decodes to
-equal values, so it causes no change and no recompile.
+Nodes. This node's Node object is watched alone (`fieldSelector=metadata.name=NODE`, as
+kube-proxy). Other nodes matter only to Services with topology keys
+(`kube-bpf-proxy.io/topology-keys`), and of them only one thing: whether a node shares
+this node's value of a key. So for each key some programmed Service uses and this node
+carries, one metadata-only list and watch (`PartialObjectMetadata` through the Accept
+header) runs with the label selector `KEY=VALUE` (this node's value; `KEY` alone when the
+value is empty), started when the first Service needs the key and stopped when the last
+goes, or restarted when this node's value changes. Several keys make several watches;
+a node is stored with the keys whose watch lists it, `{KEY: VALUE}` for each, and nothing
+else: another node's other labels never reach the store. While such a watch has not
+listed yet, its nodes have no label here, which the compiler treats as a node without
+the label. At start-up the first apply waits for the label watches the initial lists
+call for (a restart must not program less than the kernel holds); later ones do not
+hold anything back.
+
+Resuming. After a watch ends or breaks (a disconnect, an HTTP error, an unreachable
+server), the watch is opened again from the last resourceVersion seen (events or
+BOOKMARKs), so nothing is listed again unless the server answers `410 Gone`; a list
+that failed, or a stream the agent could not read, is listed again.
 
 Malformed objects are logged once per distinct problem, naming `Kind namespace/name`,
 and skipped; the last good version stays in the store, also across relists.
 `kbp_api_events{resource,type}` counts ADDED/MODIFIED/DELETED/BOOKMARK/ERROR watch events
-and LIST for each object received in a list.
+and LIST for each object received in a list; `kbp_api_bytes_received{resource}` the
+response bytes read (list bodies and watch streams; the client asks for no compression).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -67,6 +82,7 @@ from kubernetes.client.exceptions import OpenApiException
 
 from ..metrics import Metrics
 from ..model import conventions as c
+from ..model.compile import is_programmed
 from ..model.decode import decode_object
 from ..model.types import EndpointSlice, Node, Service
 from ..sync.store import StateStore, key_of
@@ -98,8 +114,14 @@ class Resource:
 
 SERVICES = Resource("services", "Service", "v1")
 ENDPOINT_SLICES = Resource("endpointslices", "EndpointSlice", "discovery.k8s.io/v1")
-NODES = Resource("nodes", "Node", "v1")
+NODES = Resource("nodes", "Node", "v1")  # this node's Node object only
+NODE_LABELS = Resource("node-labels", "Node", "v1")  # other nodes' metadata, per label
 RESOURCES = (SERVICES, ENDPOINT_SLICES, NODES)
+# Asked for by the node-label watches: metadata only (the API server's PartialObjectMetadata
+# conversion); a server without it answers with whole Nodes, from which the same is read.
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+METADATA_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+NODE_LABELS_SOURCE = "kubernetes/node-labels"  # the first apply waits for these lists
 
 
 class Gone(Exception):
@@ -121,20 +143,38 @@ class Silent(Exception):
 
 
 def service_selector(service_proxy_name: str | None) -> str:
-    """The label selector for the Services this proxy handles (docs/semantics.md)."""
+    """The label selector for the Services this proxy handles (docs/semantics.md):
+    kube-proxy's, or the Services claimed for `service_proxy_name`."""
     if service_proxy_name:
-        return f"{c.LABEL_SERVICE_PROXY_NAME}={service_proxy_name}"
-    return f"!{c.LABEL_SERVICE_PROXY_NAME}"
+        return f"{c.LABEL_SERVICE_PROXY_NAME}={service_proxy_name},!{c.LABEL_HEADLESS}"
+    return f"!{c.LABEL_SERVICE_PROXY_NAME},!{c.LABEL_HEADLESS}"
 
 
-SLICE_SELECTOR = f"!{c.LABEL_HEADLESS}"
+def slice_selector(service_proxy_name: str | None) -> str:
+    """The label selector for EndpointSlices: kube-proxy's (the same as for Services)
+    without a proxy name; with one, only headless slices are left out, since slices of
+    other controllers need not carry their Service's labels."""
+    if service_proxy_name:
+        return f"!{c.LABEL_HEADLESS}"
+    return service_selector(None)
+
+
+def node_label_selector(key: str, value: str) -> str:
+    """The label selector of the node-label watch for `key` on a node where it is
+    `value`: the nodes that share it (an empty value: the nodes that carry the key)."""
+    return f"{key}={value}" if value else key
+
+
+def _node_field_selector(node_name: str) -> str:
+    return f"metadata.name={node_name}"
 
 
 class KubernetesSource:
     """Follows the API server into `store`; `start()` runs it, `stop()` ends it.
 
     Every resource is registered with the store at construction, so the store reports
-    `synced` only once all three initial lists have completed.
+    `synced` only once all three initial lists have completed (and the node-label lists
+    they call for: see the module's docstring).
     """
 
     def __init__(
@@ -154,6 +194,7 @@ class KubernetesSource:
         backoff_max: float = 30,
         rng: random.Random | None = None,
         on_reachability: Callable[[bool], None] | None = None,
+        node_labels: Mapping[str, str] | None = None,
     ) -> None:
         """`on_reachability(all_up)` is called whenever the API server becomes reachable
         for every resource or stops being reachable for one (the local API reports it).
@@ -167,7 +208,9 @@ class KubernetesSource:
         headers and the probe (see the module's docstring). The client must make one
         attempt per request (`make_client` builds it so). Backoff after an error starts
         at `backoff_base` seconds and doubles up to `backoff_max`, with jitter (each wait
-        is 50 to 100 % of the nominal one). `page_size` is the list `limit` (0: unpaged)."""
+        is 50 to 100 % of the nominal one). `page_size` is the list `limit` (0: unpaged).
+        `node_labels` are added to this node's labels (`--node-label`), as the compiler
+        does, when choosing the node-label watches."""
         if api_client.configuration.retries is not False:
             raise ValueError(
                 "the ApiClient retries requests (a frozen API server would go unnoticed "
@@ -194,28 +237,44 @@ class KubernetesSource:
         self._threads: list[threading.Thread] = []
         core = client.CoreV1Api(api_client)
         discovery = client.DiscoveryV1Api(api_client)
+        self._core = core
         self._version_api = client.VersionApi(api_client)
         proxy_label = c.LABEL_SERVICE_PROXY_NAME
+        proxy_name = self.service_proxy_name
         self._watchers = [
             _Watcher(
                 self,
                 SERVICES,
                 core.list_service_for_all_namespaces,
-                service_selector(self.service_proxy_name),
-                lambda labels: labels.get(proxy_label) == self.service_proxy_name,
+                service_selector(proxy_name),
+                lambda labels: (
+                    labels.get(proxy_label) == proxy_name and c.LABEL_HEADLESS not in labels
+                ),
             ),
             _Watcher(
                 self,
                 ENDPOINT_SLICES,
                 discovery.list_endpoint_slice_for_all_namespaces,
-                SLICE_SELECTOR,
-                lambda labels: c.LABEL_HEADLESS not in labels,
+                slice_selector(proxy_name),
+                lambda labels: (
+                    c.LABEL_HEADLESS not in labels
+                    and (proxy_name is not None or proxy_label not in labels)
+                ),
             ),
-            _Watcher(self, NODES, core.list_node, None, lambda labels: True),
+            _Watcher(
+                self,
+                NODES,
+                core.list_node,
+                None,
+                lambda labels: True,
+                field_selector=_node_field_selector(node_name),
+            ),
         ]
         for watcher in self._watchers:
             store.register_source(watcher.resource.source)
             metrics.api_up.labels(watcher.resource.name).set(0)
+        store.register_source(NODE_LABELS_SOURCE)
+        self.node_labels = _NodeLabels(self, dict(node_labels or {}))
 
     def _report_reachability(self, failed: bool = False) -> None:
         """Reachable once every resource is up; unreachable when one fails (`failed`), or
@@ -223,7 +282,7 @@ class KubernetesSource:
         if self._on_reachability is None:
             return
         with self._reachability_lock:
-            reachable = all(w.up for w in self._watchers)
+            reachable = all(w.up for w in self._all_watchers())
             if reachable == self._reachable or (not reachable and self._reachable is None
                                                  and not failed):  # fmt: skip
                 return
@@ -247,14 +306,16 @@ class KubernetesSource:
         )
         self._threads.append(monitor)
         monitor.start()
+        self.node_labels.start_all()  # any chosen before start (none: nothing listed yet)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop promptly: wake the backoff waits, cut the open streams, join the threads."""
         self._stopping.set()
+        threads = self._threads + self.node_labels.stop_all()
         for watcher in self._watchers:
             watcher.interrupt()
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
+        for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 log.warning("%s did not stop within %.1f s", thread.name, timeout)
@@ -270,8 +331,16 @@ class KubernetesSource:
     # --- status ---------------------------------------------------------------------
     @property
     def up(self) -> dict[str, bool]:
-        """Per resource: listed and watching (False while retrying after an error)."""
-        return {w.resource.name: w.up for w in self._watchers}
+        """Per resource: listed and watching (False while retrying after an error);
+        `node-labels` only while a node-label watch runs (True when all are up)."""
+        up = {w.resource.name: w.up for w in self._watchers}
+        labels = self.node_labels.watchers()
+        if labels:
+            up[NODE_LABELS.name] = all(w.up for w in labels)
+        return up
+
+    def _all_watchers(self) -> list[_Watcher]:
+        return self._watchers + self.node_labels.watchers()
 
     @property
     def stopping(self) -> bool:
@@ -293,9 +362,8 @@ class KubernetesSource:
         answered = time.monotonic()  # the start of the last probe the server answered
         while not self._wait(tick):
             now = time.monotonic()
-            silent = [
-                w for w in self._watchers if now - max(w.heard(), answered) >= self.idle_timeout
-            ]
+            watchers = self._all_watchers()
+            silent = [w for w in watchers if now - max(w.heard(), answered) >= self.idle_timeout]
             if not silent:
                 continue
             problem = self._probe()
@@ -306,7 +374,7 @@ class KubernetesSource:
                 continue
             # Every watch silent since before the probe is suspect, not only the one
             # whose idle time ran out first; one that spoke meanwhile is not.
-            silent = [w for w in self._watchers if w.heard() <= now]
+            silent = [w for w in watchers if w.heard() <= now]
             if not silent:
                 continue
             names = ", ".join(w.resource.name for w in silent)
@@ -354,17 +422,25 @@ class _Watcher:
         list_function: ListFunction,
         label_selector: str | None,
         selected: Callable[[Mapping[str, Any]], bool],
+        *,
+        field_selector: str | None = None,
+        accept: tuple[str, str] | None = None,
     ) -> None:
+        """`accept`: the Accept headers of lists and of watches (default: the client's)."""
         self.source = source
         self.resource = resource
         self.list_function = list_function
         self.label_selector = label_selector
+        self.field_selector = field_selector
+        self.accept = accept
         self.selected = selected  # the label selector, applied to an object's labels
         self.up = False
+        self.listed = False  # a list has completed (the first one: the source may be synced)
         self._events = {
             kind: source.metrics.api_events.labels(resource.name, kind)
             for kind in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR", "LIST")
         }
+        self._bytes = source.metrics.api_bytes.labels(resource.name)
         self._up_gauge = source.metrics.api_up.labels(resource.name)
         self._reported: dict[Key, str] = {}  # last problem logged per object
         self._response_lock = threading.Lock()
@@ -374,6 +450,13 @@ class _Watcher:
         self._node_missing_reported = False
 
     # --- main loop ------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self.source.stopping
+
+    def _wait(self, seconds: float) -> bool:
+        return self.source._wait(seconds)
+
     def run(self) -> None:
         source = self.source
         name = self.resource.name
@@ -381,7 +464,7 @@ class _Watcher:
         quick = 0  # consecutive relists or resumes that brought nothing
         relist = True
         version = ""
-        while not source.stopping:
+        while not self.stopping:
             started: float | None = None
             try:
                 if relist:
@@ -396,41 +479,45 @@ class _Watcher:
                 failures = 0
                 # A watch that ends at once and empty, again and again, must not spin.
                 quick = quick + 1 if not received and time.monotonic() - started < 1 else 0
-                if quick > 1 and source._wait(source._backoff(quick - 1)):
+                if quick > 1 and self._wait(source._backoff(quick - 1)):
                     break
             except Gone as err:
                 log.info("%s: %s; relisting", name, err)
                 relist = True
                 quick += 1
-                if quick > 1 and source._wait(source._backoff(quick - 1)):
+                if quick > 1 and self._wait(source._backoff(quick - 1)):
                     break
             except Exception as err:
-                if source.stopping:
+                if self.stopping:
                     break
                 if started is not None and time.monotonic() - started >= HEALTHY_WATCH:
                     failures = 0  # a watch that worked for a while: a fresh failure
                 failures += 1
-                if isinstance(err, Silent) and err.version:
-                    version = err.version
-                else:
+                if isinstance(err, Silent):
+                    version = err.version or version
+                # A failed list, or a stream we could not read (an event may be lost), is
+                # listed again; a watch that broke is resumed where it was.
+                if started is None or not version or isinstance(err, WatchError | ValueError):
                     relist = True
                 self._set_up(False, failed=True)
                 delay = source._backoff(failures)
+                what = "relisting" if relist else f"resuming from resourceVersion {version}"
                 if isinstance(err, Silent):
                     log.warning(
                         "%s: %s; keeping the last known state, %s in %.1f s (attempt %d)",
                         name,
                         err,
-                        "relisting" if relist else f"resuming from resourceVersion {version}",
+                        what,
                         delay,
                         failures,
                     )
                 elif isinstance(err, OpenApiException | urllib3.exceptions.HTTPError | OSError):
                     log.warning(
-                        "%s: %s; keeping the last known state, retrying in %.1f s (attempt %d)",
+                        "%s: %s; keeping the last known state, retrying in %.1f s (%s, attempt %d)",
                         name,
                         _describe(err),
                         delay,
+                        what,
                         failures,
                     )
                 elif isinstance(err, WatchError | ValueError):
@@ -439,7 +526,7 @@ class _Watcher:
                     log.error(
                         "%s: unexpected error; retrying in %.1f s", name, delay, exc_info=True
                     )
-                if source._wait(delay):
+                if self._wait(delay):
                     break
         self._set_up(False)
 
@@ -499,14 +586,8 @@ class _Watcher:
                 bad.add(key)
         # Forget the problems of objects that are gone.
         self._reported = {k: v for k, v in self._reported.items() if k in keys}
-        keep: Callable[[Value], bool] | None = None
-        if bad:
-
-            def keep(value: Value) -> bool:  # delete unlisted objects, not malformed ones
-                return key_of(value) not in bad
-
-        changed = self.source.store.replace(self.resource.kind, values, keep)
-        self.source.store.mark_synced(self.resource.source)
+        changed = self._replace(values, bad)
+        self.listed = True
         log.debug(
             "%s: listed %d objects at resourceVersion %s (%s)",
             self.resource.name,
@@ -516,7 +597,52 @@ class _Watcher:
         )
         if self.resource is NODES:
             self._check_own_node(values)
+        self.source.node_labels.reconcile()
         return version
+
+    # --- into the store (the node-label watches override these) -----------------------
+    def _replace(self, values: list[Value], bad: set[Key]) -> bool:
+        """A list's outcome into the store: exactly `values`, but keeping the last good
+        version of the malformed objects (`bad`)."""
+        resource, store = self.resource, self.source.store
+        own: Callable[[Value], bool] | None = None
+        if resource is NODES:  # only this node's object is ours (the label watches own the rest)
+            node_name = self.source.node_name
+
+            def own(value: Value) -> bool:
+                return key_of(value) == ("", node_name)
+
+        keep: Callable[[Value], bool] | None = own
+        if bad:
+
+            def keep(value: Value) -> bool:  # delete unlisted objects, not malformed ones
+                return key_of(value) not in bad and (own is None or own(value))
+
+        with store.lock:  # the Services' topology keys follow the store's Services exactly
+            changed = store.replace(resource.kind, values, keep)
+            if resource is SERVICES:
+                self.source.node_labels.set_services(store.state.services.values())
+        store.mark_synced(resource.source)
+        return changed
+
+    def _upsert(self, value: Value) -> None:
+        store = self.source.store
+        with store.lock:
+            store.upsert(value)
+            self._changed(value, key_of(value))
+
+    def _delete(self, key: Key) -> None:
+        store = self.source.store
+        with store.lock:
+            store.delete(self.resource.kind, *key)
+            self._changed(None, key)
+
+    def _changed(self, value: Value | None, key: Key) -> None:
+        if self.resource is SERVICES:
+            service = value if isinstance(value, Service) else None
+            self.source.node_labels.set_service(key, service)
+        elif self.resource is NODES:
+            self.source.node_labels.reconcile()
 
     def _list_pages(self) -> tuple[list[Any], str]:
         items: list[Any] = []
@@ -551,6 +677,7 @@ class _Watcher:
         try:
             data = response.data
             complete = True
+            self._bytes.inc(len(data))
         except Exception:
             silent = self._silenced("list")
             if silent is not None:
@@ -564,6 +691,10 @@ class _Watcher:
         """Send a list or watch request; return the response once its headers are in.
         Connecting and each read are bounded by `request_timeout`."""
         timeout = self.source.request_timeout
+        if self.field_selector is not None:
+            kwargs["field_selector"] = self.field_selector
+        if self.accept is not None:
+            kwargs["_headers"] = {"Accept": self.accept[1 if kwargs.get("watch") else 0]}
         response = self.list_function(
             label_selector=self.label_selector,
             _preload_content=False,
@@ -574,12 +705,13 @@ class _Watcher:
             self._response = response
             self._heard = time.monotonic()
             self._cut_reason = None
-        if self.source.stopping:  # stop() ran before the response was registered
+        if self.stopping:  # stop() ran before the response was registered
             self.interrupt()
         return response
 
-    def _hear(self) -> None:
+    def _hear(self, size: int) -> None:
         self._heard = time.monotonic()
+        self._bytes.inc(size)
 
     def _finish(self, response: urllib3.BaseHTTPResponse, complete: bool) -> None:
         """Unregister a response; a connection with unread data is closed, not reused."""
@@ -632,7 +764,7 @@ class _Watcher:
         received = 0
         try:
             for line in _lines(response, self._hear):
-                if source.stopping:
+                if self.stopping:
                     break
                 try:
                     event = json.loads(line)
@@ -652,7 +784,7 @@ class _Watcher:
         finally:
             self._finish(response, complete=False)  # watches are long-lived: never reused
         silent = self._silenced("watch", version)  # a cut stream may also just end
-        if silent is not None and not source.stopping:
+        if silent is not None and not self.stopping:
             raise silent
         return version, received
 
@@ -686,13 +818,13 @@ class _Watcher:
                 log.warning("%s: DELETED event without metadata.name; ignored", self.resource.kind)
             else:
                 self._reported.pop(key, None)
-                self.source.store.delete(self.resource.kind, *key)
+                self._delete(key)
             return version
         outcome, key, value = self._convert(obj)
         if value is not None:
-            self.source.store.upsert(value)
+            self._upsert(value)
         elif outcome == "skip" and key is not None:
-            self.source.store.delete(self.resource.kind, *key)  # left our selection
+            self._delete(key)  # left our selection
         return version
 
     # --- decoding -------------------------------------------------------------------
@@ -728,9 +860,9 @@ class _Watcher:
             log.debug("%s: %s", decoded.ref, decoded.skipped)
             return "skip", key, None
         value = decoded.value
-        other_node = isinstance(value, Node) and value.name != self.source.node_name
-        if other_node and (value.addresses or not value.eligible):  # type: ignore[union-attr]
-            value = dataclasses.replace(value, addresses=(), eligible=True)  # only labels matter
+        if isinstance(value, Node) and value.name != self.source.node_name:
+            # Not this node: a server that ignored the field selector sent it.
+            return "skip", None, None
         return "ok", key, value
 
     def _report(self, key: Key | None, message: str) -> None:
@@ -740,6 +872,277 @@ class _Watcher:
                 return
             self._reported[key] = message
         log.warning("%s", message)
+
+
+class _NodeLabels:
+    """The node-label watches: which ones the programmed Services need, starting and
+    stopping them, and the labels they vouch for in the store (see the module's
+    docstring). Everything runs under the store's lock, which the watchers' threads
+    already hold when they call in, so there is one lock order."""
+
+    def __init__(self, source: KubernetesSource, overrides: dict[str, str]) -> None:
+        self.source = source
+        self.lock = source.store.lock
+        self.overrides = overrides  # --node-label: added to this node's labels
+        self._keys: dict[Key, tuple[str, ...]] = {}  # Service → the node label keys it uses
+        self._in_use: dict[str, int] = {}  # key → how many Services use it
+        self._watchers: dict[tuple[str, str], _LabelWatcher] = {}
+        self._members: dict[tuple[str, str], set[str]] = {}  # (key, value) → node names
+        self._stopped: list[threading.Thread] = []  # stopped watchers' threads, to join
+        self._synced = False
+        self._gauge = source.metrics.node_label_watches
+        self._gauge.set(0)
+
+    # --- what is needed ------------------------------------------------------------------
+    def _uses(self, service: Service | None) -> tuple[str, ...]:
+        if service is None or not service.topology_keys:
+            return ()
+        if not is_programmed(service, self.source.service_proxy_name):
+            return ()
+        return tuple(k for k in service.topology_keys if k != c.TOPOLOGY_KEY_ANY)
+
+    def set_service(self, key: Key, service: Service | None) -> None:
+        """A Service was stored or deleted."""
+        with self.lock:
+            keys = self._uses(service)
+            if self._keys.get(key, ()) == keys:
+                return
+            self._count(self._keys.pop(key, ()), -1)
+            if keys:
+                self._keys[key] = keys
+                self._count(keys, 1)
+            self.reconcile()
+
+    def set_services(self, services: Iterable[Service]) -> None:
+        """The Services were listed: these are all of them."""
+        with self.lock:
+            self._keys = {s.key: keys for s in services if (keys := self._uses(s))}
+            self._in_use = {}
+            for keys in self._keys.values():
+                self._count(keys, 1)
+            self.reconcile()
+
+    def _count(self, keys: tuple[str, ...], delta: int) -> None:
+        for key in set(keys):
+            left = self._in_use.get(key, 0) + delta
+            if left > 0:
+                self._in_use[key] = left
+            else:
+                self._in_use.pop(key, None)
+
+    def wanted(self) -> dict[tuple[str, str], str]:
+        """(key, this node's value) → label selector, for every key in use this node has."""
+        store = self.source.store
+        with self.lock:
+            node = store.state.nodes.get(self.source.node_name)
+            if node is None:
+                return {}
+            labels = {**node.labels, **self.overrides}
+            return {
+                (key, labels[key]): node_label_selector(key, labels[key])
+                for key in sorted(self._in_use)
+                if key in labels
+            }
+
+    # --- starting and stopping -----------------------------------------------------------
+    def reconcile(self) -> None:
+        """Start the watches now needed, stop the others; once the initial lists are in,
+        mark the node labels synced."""
+        source = self.source
+        with self.lock:
+            if source.stopping:
+                return
+            wanted = self.wanted()
+            for pair in [p for p in self._watchers if p not in wanted]:
+                self._stop(pair)
+            for pair, selector in wanted.items():
+                if pair not in self._watchers:
+                    self._start(pair, selector)
+            self._gauge.set(len(self._watchers))
+            self._report_up()
+            if not self._synced and self._initial_lists_done():
+                self._synced = True
+                source.store.mark_synced(NODE_LABELS_SOURCE)
+
+    def _initial_lists_done(self) -> bool:
+        static = {w.resource.name: w.listed for w in self.source._watchers}
+        return (
+            static[SERVICES.name]
+            and static[NODES.name]
+            and all(w.listed for w in self._watchers.values())
+        )
+
+    def _start(self, pair: tuple[str, str], selector: str) -> None:
+        key = pair[0]
+        log.info(
+            "node-labels: a programmed Service uses the topology key %s: watching the "
+            "metadata of the nodes labelled %s",
+            key,
+            selector,
+        )
+        watcher = _LabelWatcher(self, pair, selector)
+        self._watchers[pair] = watcher
+        self._members[pair] = set()
+        if self.source._threads:  # started: run it now (else start() runs it)
+            watcher.start()
+
+    def _stop(self, pair: tuple[str, str]) -> None:
+        watcher = self._watchers.pop(pair)
+        log.info(
+            "node-labels: no programmed Service uses the topology key %s now: "
+            "stopping the watch of %s",
+            pair[0],
+            watcher.label_selector,
+        )
+        watcher.halt()
+        if watcher.thread is not None:
+            self._stopped.append(watcher.thread)
+        for name in self._members.pop(pair, set()):
+            self._store_node(name)
+
+    def start_all(self) -> list[threading.Thread]:
+        """Start the watchers chosen before the source started; their threads."""
+        with self.lock:
+            for watcher in self._watchers.values():
+                if watcher.thread is None:
+                    watcher.start()
+            return [w.thread for w in self._watchers.values() if w.thread is not None]
+
+    def stop_all(self) -> list[threading.Thread]:
+        """Halt every watcher (the store keeps their labels); the threads to join."""
+        with self.lock:
+            threads, self._stopped = self._stopped, []
+            for watcher in self._watchers.values():
+                watcher.halt()
+                if watcher.thread is not None:
+                    threads.append(watcher.thread)
+            return threads
+
+    def watchers(self) -> list[_LabelWatcher]:
+        with self.lock:
+            self._stopped = [t for t in self._stopped if t.is_alive()]
+            return list(self._watchers.values())
+
+    def _report_up(self) -> None:
+        """`kbp_api_up{resource="node-labels"}`: 1 when every label watch is up, absent
+        while none runs."""
+        up = self.source.metrics.api_up
+        if self._watchers:
+            up.labels(NODE_LABELS.name).set(all(w.up for w in self._watchers.values()))
+        else:
+            with contextlib.suppress(KeyError):
+                up.remove(NODE_LABELS.name)
+
+    # --- what the watches saw --------------------------------------------------------
+    def members_set(self, watcher: _LabelWatcher, names: set[str]) -> bool:
+        """A watch listed exactly these nodes; whether the store changed."""
+        with self.lock:
+            if self._watchers.get(watcher.pair) is not watcher:
+                return False  # stopped meanwhile: its labels are already gone
+            old = self._members[watcher.pair]
+            self._members[watcher.pair] = set(names)
+            return any([self._store_node(name) for name in old ^ names])
+
+    def member(self, watcher: _LabelWatcher, name: str, present: bool) -> None:
+        """A node entered (or stayed in) or left a watch's selection."""
+        with self.lock:
+            if self._watchers.get(watcher.pair) is not watcher:
+                return
+            members = self._members[watcher.pair]
+            if present == (name in members):
+                return
+            if present:
+                members.add(name)
+            else:
+                members.discard(name)
+            self._store_node(name)
+
+    def _store_node(self, name: str) -> bool:
+        """Store another node with the labels the running watches vouch for."""
+        labels = {key: value for (key, value), names in self._members.items() if name in names}
+        store = self.source.store
+        if labels:
+            return store.upsert(Node(name, labels))
+        return store.delete("Node", "", name)
+
+
+class _LabelWatcher(_Watcher):
+    """The metadata-only list and watch of the nodes that carry one label value."""
+
+    def __init__(self, labels: _NodeLabels, pair: tuple[str, str], selector: str) -> None:
+        key, value = pair
+        super().__init__(
+            labels.source,
+            NODE_LABELS,
+            labels.source._core.list_node,
+            selector,
+            lambda node_labels: node_labels.get(key) == value,
+            accept=(METADATA_LIST, METADATA_WATCH),
+        )
+        self.labels = labels
+        self.pair = pair
+        self.thread: threading.Thread | None = None
+        self._halted = threading.Event()
+
+    def start(self) -> None:
+        self.thread = threading.Thread(
+            target=self.run, name=f"kbp-k8s-node-labels-{self.pair[0]}", daemon=True
+        )
+        self.thread.start()
+
+    def halt(self) -> None:
+        self._halted.set()
+        self.interrupt()
+
+    @property
+    def stopping(self) -> bool:
+        return self._halted.is_set() or self.source.stopping
+
+    def _wait(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while not self.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._halted.wait(min(left, 0.25))
+        return True
+
+    def _set_up(self, up: bool, failed: bool = False) -> None:
+        self.up = up
+        with self.labels.lock:
+            if self.labels._watchers.get(self.pair) is self:
+                self.labels._report_up()
+        self.source._report_reachability(failed)
+
+    def _convert(self, obj: Any) -> tuple[str, Key | None, Value | None]:
+        """Name and labels of a PartialObjectMetadata (or of a whole Node)."""
+        meta = obj.get("metadata") if isinstance(obj, Mapping) else None
+        key = _key(NODES, meta)
+        if key is None:
+            self._report(None, "Node <unknown>: metadata.name is missing")
+            return "bad", None, None
+        labels = meta.get("labels") or {}  # type: ignore[union-attr]
+        if not isinstance(labels, Mapping) or not all(isinstance(v, str) for v in labels.values()):
+            self._report(key, f"Node {key[1]}: metadata.labels is not a map of strings")
+            return "bad", key, None
+        if key[1] == self.source.node_name or not self.selected(labels):
+            return "skip", key, None  # this node comes from its own watch
+        key_name, value = self.pair
+        return "ok", key, Node(key[1], {key_name: value})
+
+    def _replace(self, values: list[Value], bad: set[Key]) -> bool:
+        with self.labels.lock:
+            names = {v.name for v in values if isinstance(v, Node)}
+            names |= {name for _, name in bad} & self.labels._members.get(self.pair, set())
+            return self.labels.members_set(self, names)
+
+    def _upsert(self, value: Value) -> None:
+        with self.labels.lock:
+            self.labels.member(self, key_of(value)[1], True)
+
+    def _delete(self, key: Key) -> None:
+        with self.labels.lock:
+            self.labels.member(self, key[1], False)
 
 
 def _key(resource: Resource, meta: object) -> Key | None:
@@ -762,12 +1165,12 @@ def _set_read_timeout(response: urllib3.BaseHTTPResponse, seconds: float) -> Non
         sock.settimeout(seconds)
 
 
-def _lines(response: urllib3.BaseHTTPResponse, heard: Callable[[], None]) -> Iterator[bytes]:
-    """The non-empty lines of a streamed (chunked) response, as they arrive; `heard()`
-    is called for each chunk received."""
+def _lines(response: urllib3.BaseHTTPResponse, heard: Callable[[int], None]) -> Iterator[bytes]:
+    """The non-empty lines of a streamed (chunked) response, as they arrive; `heard(n)`
+    is called for each chunk received, with its size."""
     buffer = bytearray()
     for chunk in response.stream(amt=None, decode_content=True):
-        heard()
+        heard(len(chunk))
         buffer += chunk
         start = 0
         while (end := buffer.find(b"\n", start)) != -1:

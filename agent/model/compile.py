@@ -140,7 +140,10 @@ class Compiler:
         self._keys: list[ServiceKey] = []  # the Service key of each entry
         self._digests: list[bytes] = []  # the digest of each entry
         self._backends = 0  # backends over all entries (NodeState.backend_count)
-        self._topology_keyed: set[ServiceKey] = set()  # Services using node labels
+        # Services with topology keys, by the nodes their endpoints run on: another node's
+        # labels matter only to these (and only when that node changes).
+        self._keyed_nodes: dict[ServiceKey, frozenset[str]] = {}
+        self._keyed_by_node: dict[str, set[ServiceKey]] = {}
         self._context: _Context | None = None
         self._state: NodeState | None = None
 
@@ -157,8 +160,41 @@ class Compiler:
         self._keys = [(e.namespace, e.name) for e in entries]
         self._digests = [e.digest for e in entries]
         self._backends = sum(map(backends_of, entries))
-        self._topology_keyed = {k for k, s in state.services.items() if s.topology_keys}
+        self._keyed_nodes, self._keyed_by_node = {}, {}
+        for key, service in state.services.items():
+            self._index_nodes(key, service, slices.get(key))
         return self._publish()
+
+    def _index_nodes(
+        self, key: ServiceKey, service: Service | None, slices: Mapping[str, EndpointSlice] | None
+    ) -> None:
+        """Keep the node → topology-keyed Services index of `key` current."""
+        nodes: frozenset[str] = frozenset()
+        if service is not None and service.topology_keys:
+            nodes = frozenset(
+                ep.node_name
+                for endpoint_slice in (slices or {}).values()
+                for ep in endpoint_slice.endpoints
+                if ep.node_name is not None
+            )
+        old = self._keyed_nodes.get(key, frozenset())
+        if service is not None and service.topology_keys:
+            self._keyed_nodes[key] = nodes
+        else:
+            self._keyed_nodes.pop(key, None)
+        for name in old - nodes:
+            keyed = self._keyed_by_node[name]
+            keyed.discard(key)
+            if not keyed:
+                del self._keyed_by_node[name]
+        for name in nodes - old:
+            self._keyed_by_node.setdefault(name, set()).add(key)
+
+    def depending_on(self, nodes: Iterable[str]) -> set[ServiceKey]:
+        """The Services with topology keys that have an endpoint on one of `nodes`: the
+        only ones another node's labels can change."""
+        keyed = self._keyed_by_node
+        return {key for name in nodes for key in keyed.get(name, ())}
 
     def update(self, state: ClusterState) -> NodeState:
         """Recompile what changed since the last call (consumes `state`'s change log)."""
@@ -175,8 +211,8 @@ class Compiler:
         if not services and not nodes:
             return self._state
         self._context = ctx
-        if nodes:  # other nodes' labels only matter to Services with topology keys
-            services |= self._topology_keyed
+        if nodes:  # other nodes' labels only matter to topology-keyed Services on them
+            services |= self.depending_on(nodes)
         try:
             return self._update(state, services, ctx)
         except BaseException:
@@ -190,10 +226,7 @@ class Compiler:
         for key in services:
             service = state.services.get(key)
             entries = compile_service(service, slices.get(key), ctx) if service else ()
-            if service is not None and service.topology_keys:
-                self._topology_keyed.add(key)
-            else:
-                self._topology_keyed.discard(key)
+            self._index_nodes(key, service, slices.get(key))
             low = bisect.bisect_left(self._keys, key)
             high = bisect.bisect_right(self._keys, key, low)
             self._backends += sum(map(backends_of, entries)) - sum(

@@ -5,9 +5,12 @@ synchronous); tests talk to it through `KmockApi`, which creates, patches and de
 objects over HTTP, injects failures with kmock's reaction DSL, and stops and restarts the
 server on the same port. The source under test uses the real `kubernetes` client.
 
-kmock facts the tests rely on (kmock 0.8): it ignores label and field selectors,
-`resourceVersion` and `timeoutSeconds`; every watch first replays all current objects as
-ADDED, then streams changes; lists carry `resourceVersion: "..."`.
+kmock 0.8 ignores label and field selectors, `resourceVersion` and the Accept header
+(every watch replays all objects as ADDED, in full). The emulator served here is
+`tests/api/emulator.py`'s subclass, which answers lists and watches as the API server
+does: selectors, resourceVersions with a history (410 once `compact`ed), objects leaving
+a label selection as DELETED, PartialObjectMetadata. kmock still ignores `limit` and
+`timeoutSeconds`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from agent.k8s import KubernetesSource, make_client
 from agent.metrics import Metrics
 from agent.sync.store import StateStore, Value, key_of, kind_of
 
+from .emulator import Emulator
+
 NODE = "node-a"
 SERVICES = "v1/services"
 SLICES = "discovery.k8s.io/v1/endpointslices"
@@ -42,7 +47,12 @@ COLLECTIONS = {  # kind → (resource, path of the collection, namespaced)
     "EndpointSlice": (SLICES, "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices", True),
     "Node": (NODES, "/api/v1/nodes", False),
 }
-RESOURCE_NAMES = {SERVICES: "services", SLICES: "endpointslices", NODES: "nodes"}
+RESOURCE_NAMES = {
+    SERVICES: "services",
+    SLICES: "endpointslices",
+    NODES: "nodes",
+    "node-labels": "node-labels",  # the metadata-only watches of other nodes
+}
 DEADLINE = 4.0  # seconds a test waits for something before failing
 
 
@@ -82,15 +92,15 @@ class KmockApi:
 
         self.thread = threading.Thread(target=serve, name="kmock", daemon=True)
         self.thread.start()
-        self.emulator: kmock.KubernetesEmulator = self.call(self._make_emulator())
+        self.emulator: Emulator = self.call(self._make_emulator())
         self.server: kmock.Server | None = None
         self.port: int | None = None
 
     def call(self, coro: Any, timeout: float = DEADLINE) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    async def _make_emulator(self) -> kmock.KubernetesEmulator:
-        emulator = kmock.KubernetesEmulator()
+    async def _make_emulator(self) -> Emulator:
+        emulator = Emulator()
         for resource in RESOURCES:
             emulator.resources[resource] = {}
         await emulator.__aenter__()
@@ -161,7 +171,33 @@ class KmockApi:
     def forget_now(self, kind: str, namespace: str | None, name: str) -> None:
         """`forget`, from code already running in kmock's loop (an `on_next` hook)."""
         resource, _, namespaced = COLLECTIONS[kind]
-        self.emulator.objects[resource, namespace if namespaced else None, name].delete()
+        namespace = namespace if namespaced else None
+        self.emulator.objects[resource, namespace, name].delete()
+        self.emulator.current.pop((kmock.resource(resource), namespace, name), None)
+
+    def delete_unseen(self, kind: str, namespace: str | None, name: str) -> None:
+        """Delete an object while the server is stopped: the watch history keeps the
+        deletion, so a watch resumed from before it sees it, as from the API server."""
+
+        async def go() -> None:
+            resource, _, namespaced = COLLECTIONS[kind]
+            ns = namespace if namespaced else None
+            obj = self.emulator.objects[resource, ns, name]
+            raw = obj.raw
+            obj.delete()
+            await self.emulator._buses[kmock.resource(resource)].put(
+                {"type": "DELETED", "object": raw}
+            )
+
+        self.call(go())
+
+    def compact(self) -> None:
+        """Forget the watch history: a watch from an older resourceVersion gets 410."""
+
+        async def go() -> None:
+            self.emulator.compact()
+
+        self.call(go())
 
     # --- observing and injecting ------------------------------------------------------
     def requests(self, action: kmock.action, resource: str) -> list[kmock.Request]:

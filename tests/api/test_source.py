@@ -51,7 +51,7 @@ def test_nothing_is_synced_before_every_initial_list(kmock_api, make_harness):
 
     gate.clear()
     wait_for(lambda: harness.store.synced, "every initial list")
-    assert harness.store.nodes() == {NODE, "node-b"}
+    assert harness.store.nodes() == {NODE}  # this node only: no Service uses other nodes
     wait_for(lambda: all(harness.source.up.values()), "every resource to be up")
     assert harness.api_up(NODES) == 1
 
@@ -63,23 +63,36 @@ def test_initial_state_is_decoded_once_into_the_model(kmock_api, make_harness):
     assert state.services[("default", "web")].cluster_ips == ("10.96.0.1",)
     slice_ = state.slices[("default", "web-1")]
     assert [e.ip for e in slice_.endpoints] == ["10.244.1.5"]
-    # This node in full; other nodes: name and labels only (topology keys need no more).
-    assert state.nodes[NODE] == Node(
-        NODE, {"topology.kubernetes.io/zone": "zone-1"}, ("192.0.2.10",)
-    )
-    assert state.nodes["node-b"] == Node("node-b", {"topology.kubernetes.io/zone": "zone-2"}, ())
-    # Each listed object counted once as a LIST event; the watches then replay them.
+    # This node in full, and no other node (no Service uses topology keys).
+    assert state.nodes == {
+        NODE: Node(NODE, {"topology.kubernetes.io/zone": "zone-1"}, ("192.0.2.10",))
+    }
+    # Each listed object counted once as a LIST event.
     assert harness.events(SERVICES, "LIST") == 1
-    assert harness.events(NODES, "LIST") == 2
-    # Server-side selection and watch parameters.
-    (listed,) = kmock_api.requests(LIST, SERVICES)
-    assert listed.params["labelSelector"] == f"!{PROXY_LABEL}"
+    assert harness.events(NODES, "LIST") == 1
+    assert harness.events(NODES, "ADDED") == 0  # the watch starts where the list ended
+    # Server-side selection (kube-proxy's) and watch parameters.
+    kube_proxy = f"!{PROXY_LABEL},!{HEADLESS_LABEL}"
+    (services,) = kmock_api.requests(LIST, SERVICES)
+    assert services.params["labelSelector"] == kube_proxy
     (listed,) = kmock_api.requests(LIST, SLICES)
-    assert listed.params["labelSelector"] == f"!{HEADLESS_LABEL}"
+    assert listed.params["labelSelector"] == kube_proxy
+    (listed,) = kmock_api.requests(LIST, NODES)
+    assert listed.params["fieldSelector"] == f"metadata.name={NODE}"
+    assert "labelSelector" not in listed.params
+    (watch,) = kmock_api.requests(WATCH, NODES)
+    assert watch.params["fieldSelector"] == f"metadata.name={NODE}"
     (watch,) = kmock_api.requests(WATCH, SERVICES)
-    assert watch.params["resourceVersion"] == "..."  # kmock's list resourceVersion
+    assert watch.params["resourceVersion"] == "4"  # the list's: four objects written
+    assert watch.params["labelSelector"] == kube_proxy
     assert watch.params["allowWatchBookmarks"] == "true"
     assert 60 <= int(watch.params["timeoutSeconds"]) <= 120
+    # Every byte read is counted, per resource.
+    for resource in ("services", "endpointslices", "nodes"):
+        received = harness.metrics.registry.get_sample_value(
+            "kbp_api_bytes_received_total", {"resource": resource}
+        )
+        assert received is not None and received > 50, resource
 
 
 def test_adds_updates_and_deletes_flow_into_the_store(kmock_api, make_harness):
@@ -150,17 +163,20 @@ def test_noop_updates_report_no_change(kmock_api, make_harness, patch):
 
     objects = [("Service", "default", "web"), ("EndpointSlice", "default", "web-1")]
     if "labels" not in patch["metadata"]:  # Node labels are kept: a label is a change there
-        objects += [("Node", None, NODE), ("Node", None, "node-b")]
+        objects += [("Node", None, NODE)]
     for kind, namespace, name in objects:
         kmock_api.patch(kind, namespace, name, patch)
-    # Another node's status churn (heartbeats, new addresses) is no change either.
+    # Another node's churn (status, labels) is not even sent: no Service needs its labels.
     kmock_api.patch(
         "Node",
         None,
         "node-b",
-        {"status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.99"}]}},
+        {
+            "metadata": {"labels": {"rack": "r9"}},
+            "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.99"}]},
+        },
     )
-    nodes_modified = len(objects) - 1
+    nodes_modified = len(objects) - 2
     wait_for(lambda: harness.events(NODES, "MODIFIED") == nodes_modified, "the Node updates")
     wait_for(lambda: harness.events(SERVICES, "MODIFIED") == 1, "the Service update")
     wait_for(lambda: harness.events(SLICES, "MODIFIED") == 1, "the slice update")
@@ -205,7 +221,11 @@ def test_gone_relists_and_applies_deletions_missed_meanwhile(kmock_api, make_har
         assert harness.events(SERVICES, "ERROR") == 1
 
 
-def test_outage_keeps_state_then_resyncs(kmock_api, make_harness, caplog):
+@pytest.mark.parametrize("history", ["kept", "compacted"])
+def test_outage_keeps_state_then_resumes(kmock_api, make_harness, caplog, history):
+    """After an outage each watch resumes from its resourceVersion: the deletion made
+    meanwhile arrives as an event and nothing is listed again; only a server that no
+    longer has that resourceVersion (410) makes the source list again."""
     seed(kmock_api)
     kmock_api.create(make_service(name="doomed"))
     reachability: list[bool] = []
@@ -218,12 +238,16 @@ def test_outage_keeps_state_then_resyncs(kmock_api, make_harness, caplog):
     for resource in (SERVICES, SLICES, NODES):
         wait_for(lambda r=resource: harness.api_up(r) == 0, f"{resource} to be down")
     # Retrying against a closed port while the state stays as it was.
-    lists = len(kmock_api.requests(LIST, SERVICES))
-    kmock_api.forget("Service", "default", "doomed")  # deleted while we were away
+    lists = {r: len(kmock_api.requests(LIST, r)) for r in (SERVICES, SLICES, NODES)}
+    kmock_api.delete_unseen("Service", "default", "doomed")  # deleted while we were away
+    if history == "compacted":
+        kmock_api.compact()
     for name in ("services", "endpointslices", "nodes"):
         wait_for(
             lambda n=name: re.search(
-                rf"{n}: .*keeping the last known state.*\(attempt 3\)", caplog.text
+                rf"{n}: .*keeping the last known state, retrying in .* \(resuming from "
+                rf"resourceVersion \d+, attempt 3\)",
+                caplog.text,
             ),
             f"{name}: three failed attempts",
         )
@@ -234,10 +258,19 @@ def test_outage_keeps_state_then_resyncs(kmock_api, make_harness, caplog):
     kmock_api.start()
     for resource in (SERVICES, SLICES, NODES):
         wait_for(lambda r=resource: harness.api_up(r) == 1, f"{resource} to be up again")
-    wait_for(lambda: store.services() == services - {"default/doomed"}, "the resync")
-    assert len(kmock_api.requests(LIST, SERVICES)) == lists + 1
-    replaced = {call.args[0]: call.result for call in store.calls if call.method == "replace"}
-    assert replaced == {"Service": True, "EndpointSlice": False, "Node": False}
+    wait_for(lambda: store.services() == services - {"default/doomed"}, "the missed deletion")
+    relisted = {r: len(kmock_api.requests(LIST, r)) - lists[r] for r in lists}
+    if history == "kept":
+        assert relisted == {SERVICES: 0, SLICES: 0, NODES: 0}
+        assert [c.method for c in store.calls] == ["delete"]
+    else:
+        wait_for(
+            lambda: len([c for c in store.calls if c.method == "replace"]) == 3,
+            "a relist of each resource after 410",
+        )
+        assert all(len(kmock_api.requests(LIST, r)) == lists[r] + 1 for r in lists)
+        replaced = {c.args[0]: c.result for c in store.calls if c.method == "replace"}
+        assert replaced == {"Service": True, "EndpointSlice": False, "Node": False}
     assert (store.slices(), store.nodes()) == (slices, nodes)
     assert reachability == [True, False, True]
 
@@ -253,6 +286,7 @@ def test_reconnect_without_changes_changes_nothing(kmock_api, make_harness):
 
     kmock_api.stop()
     wait_for(lambda: harness.api_up(SERVICES) == 0, "the outage to be noticed")
+    kmock_api.compact()  # the resourceVersions are too old now: every resource relists
     kmock_api.start()
     for resource in (SERVICES, SLICES, NODES):
         wait_for(lambda r=resource: harness.api_up(r) == 1, f"{resource} to be up again")
@@ -289,6 +323,7 @@ def test_malformed_objects_are_skipped_with_a_log_line(kmock_api, make_harness, 
     # A relist keeps it too (it is not deleted for being unlisted).
     harness.store.calls.clear()
     kmock_api.stop()
+    kmock_api.compact()  # 410: relist
     kmock_api.start()
     wait_for(
         lambda: any(c.method == "replace" and c.args[0] == "Service" for c in harness.store.calls),
@@ -332,17 +367,19 @@ def test_other_proxies_services_and_headless_slices_never_reach_the_store(kmock_
     kmock_api.create(
         make_service(name="late", mutate=claimed),
         make_slice(name="hl-2", service="hl", mutate=headless),
+        make_slice(name="theirs-1", service="theirs", mutate=claimed),  # kube-proxy skips it too
+        make_slice(name="web-2", service="web"),
     )
-    # A Service claimed by another proxy later leaves the store.
+    # A Service claimed by another proxy later leaves the store (the server says DELETED).
     kmock_api.patch("Service", "default", "web", {"metadata": {"labels": {PROXY_LABEL: "other"}}})
     wait_for(lambda: not harness.store.services(), "the claimed Service to leave")
-    wait_for(
-        lambda: harness.events(SLICES, "ADDED") == 3, "the new headless slice (after a replay of 2)"
-    )
+    wait_for(lambda: "default/web-2" in harness.store.slices(), "the slice created last")
 
     assert harness.store.offered("Service") == {"default/web"}
-    assert harness.store.offered("EndpointSlice") == {"default/web-1"}
-    assert harness.store.slices() == {"default/web-1"}
+    assert harness.store.offered("EndpointSlice") == {"default/web-1", "default/web-2"}
+    assert harness.events(SERVICES, "DELETED") == 1
+    # Filtered by the server: neither listed nor sent.
+    assert harness.events(SLICES, "LIST") == 1 and harness.events(SLICES, "ADDED") == 1
 
 
 def test_service_proxy_name_selects_only_its_services(kmock_api, make_harness):
@@ -361,7 +398,9 @@ def test_service_proxy_name_selects_only_its_services(kmock_api, make_harness):
     assert harness.store.services() == {"default/ours"}
     assert isinstance(harness.store.state.services[("default", "ours")], Service)
     (listed,) = kmock_api.requests(LIST, SERVICES)
-    assert listed.params["labelSelector"] == f"{PROXY_LABEL}=kbp"
+    assert listed.params["labelSelector"] == f"{PROXY_LABEL}=kbp,!{HEADLESS_LABEL}"
+    (listed,) = kmock_api.requests(LIST, SLICES)
+    assert listed.params["labelSelector"] == f"!{HEADLESS_LABEL}"
 
     kmock_api.patch(
         "Service", "default", "default-proxy", {"metadata": {"labels": {PROXY_LABEL: "kbp"}}}
@@ -399,14 +438,17 @@ def test_silent_watch_is_resumed_after_the_read_timeout(kmock_api, make_harness)
     assert harness.store.slices() == {"default/web-1"}
 
 
-def test_error_during_watch_backs_off_and_relists(kmock_api, make_harness, caplog):
+def test_error_during_watch_backs_off_and_resumes(kmock_api, make_harness, caplog):
     seed(kmock_api)
     kmock_api.on_next(WATCH, NODES, 500, {"kind": "Status", "code": 500, "message": "boom"})
     harness = make_harness().start(wait=False)
-    wait_for(lambda: len(kmock_api.requests(LIST, NODES)) == 2, "a relist of Nodes")
+    wait_for(lambda: len(kmock_api.requests(WATCH, NODES)) == 2, "a second watch of Nodes")
     wait_for(lambda: kmock_api.watching(NODES), "a new watch of Nodes")
     assert harness.api_up(NODES) == 1
     assert "nodes: HTTP 500" in caplog.text
+    assert len(kmock_api.requests(LIST, NODES)) == 1  # resumed, not listed again
+    first, second = kmock_api.requests(WATCH, NODES)
+    assert first.params["resourceVersion"] == second.params["resourceVersion"] == "4"
 
 
 def test_stop_is_prompt(kmock_api, make_harness):
@@ -475,22 +517,23 @@ def test_expired_list_continuation_lists_again_in_one_piece(kmock_api, make_harn
 def test_missing_own_node_is_reported_once(kmock_api, make_harness, caplog):
     kmock_api.create(make_node("node-b", {}, "192.0.2.11"))
     harness = make_harness().start()
-    assert harness.store.nodes() == {"node-b"}
+    assert harness.store.nodes() == set()
     assert caplog.text.count(f"Node {NODE} is not in the API server's node list") == 1
 
 
 def test_watch_failing_after_good_lists_keeps_backing_off(kmock_api, make_harness, caplog):
-    """A list that works does not reset the backoff when the watch keeps failing (no
-    relist storm against the API server)."""
+    """A watch that keeps failing backs off (no request storm against the API server)
+    and resumes each time, without listing again."""
     seed(kmock_api)
     gate = threading.Event()
     gate.set()
     kmock_api.fail_while(WATCH, NODES, gate, 403)
     harness = make_harness().start(wait=False)
-    wait_for(lambda: "(attempt 3)" in caplog.text, "a third consecutive failure")
+    wait_for(lambda: "attempt 3)" in caplog.text, "a third consecutive failure")
     assert "nodes: HTTP 403" in caplog.text
-    assert len(kmock_api.requests(LIST, NODES)) >= 3
+    assert len(kmock_api.requests(WATCH, NODES)) >= 3
+    assert len(kmock_api.requests(LIST, NODES)) == 1  # each attempt resumes the watch
     gate.clear()
     wait_for(lambda: kmock_api.watching(NODES), "a watch of Nodes")
     assert harness.api_up(NODES) == 1
-    assert harness.store.nodes() == {NODE, "node-b"}
+    assert harness.store.nodes() == {NODE}

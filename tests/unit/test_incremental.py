@@ -155,6 +155,66 @@ def test_another_nodes_labels_matter_to_services_with_topology_keys() -> None:
     assert after == compile(state, "node-a")
 
 
+def test_another_nodes_change_recompiles_only_the_keyed_services_on_it(monkeypatch) -> None:
+    """The node index follows slices and annotations: a Service is recompiled for a node
+    while it has topology keys and an endpoint there, and only then."""
+    keys = {"kube-bpf-proxy.io/topology-keys": "example.com/rack"}
+
+    def keyed(name: str, ip: str):
+        def mutate(obj: Obj) -> None:
+            obj["metadata"]["annotations"] = dict(keys)
+            obj["spec"].update(clusterIP=ip, clusterIPs=[ip])
+
+        return make_service(name=name, mutate=mutate)
+
+    def on(node: str, ip: str) -> list[Obj]:
+        return [make_endpoint(ip, node)]
+
+    state = state_of(
+        *default_nodes(),
+        keyed("on-b", "10.96.0.7"),
+        make_slice(name="on-b-1", service="on-b", endpoints=on("node-b", "10.244.2.5")),
+        keyed("on-c", "10.96.0.8"),
+        make_slice(name="on-c-1", service="on-c", endpoints=on("node-c", "10.244.3.5")),
+        make_service(name="plain", mutate=lambda o: o["spec"].update(clusterIP="10.96.0.9",
+                                                                      clusterIPs=["10.96.0.9"])),
+        make_slice(name="plain-1", service="plain", endpoints=on("node-b", "10.244.2.6")),
+    )  # fmt: skip
+    compile_module = sys.modules[Compiler.__module__]
+    compiler = Compiler("node-a", CompileOptions())
+    compiler.update(state)
+    compiled: list[str] = []
+    original = compile_module.compile_service
+
+    def recording(service, slices, ctx):  # type: ignore[no-untyped-def]
+        compiled.append(service.name)
+        return original(service, slices, ctx)
+
+    monkeypatch.setattr(compile_module, "compile_service", recording)
+
+    def relabel(node: str, rack: str) -> list[str]:
+        compiled.clear()
+        state.set_node(decoded(make_node(node, {"example.com/rack": rack}, "192.0.2.99")))
+        after = compiler.update(state)
+        recompiled = sorted(compiled)
+        assert after == compile(state, "node-a")
+        return recompiled
+
+    assert relabel("node-b", "r7") == ["on-b"]
+    assert relabel("node-c", "r1") == ["on-c"]
+    # on-b's endpoint moves to node-c: now node-c's changes concern both.
+    state.set_slice(decoded(make_slice(name="on-b-1", service="on-b",
+                                       endpoints=on("node-c", "10.244.3.6"))))  # fmt: skip
+    compiler.update(state)
+    assert relabel("node-b", "r1") == []
+    assert relabel("node-c", "r2") == ["on-b", "on-c"]
+    # on-c drops its keys: no longer recompiled for nodes.
+    state.set_service(decoded(make_service(name="on-c", mutate=lambda o: o["spec"].update(
+        clusterIP="10.96.0.8", clusterIPs=["10.96.0.8"]))))  # fmt: skip
+    compiler.update(state)
+    assert relabel("node-c", "r1") == ["on-b"]
+
+
 def test_compile_does_not_consume_the_change_log() -> None:
     state = two_services()
     compile(state, "node-a")
