@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..model.compile import CompileOptions, compile, endpoint_candidates, node_label
@@ -101,7 +102,7 @@ def run_explain(
     if answer is not None:
         section, chosen, kernel_disagreements = answer
     disagreements += kernel_disagreements
-    line = verdict(ex, chosen)
+    line = verdict(ex, chosen, section.get("note", "") if section else "")
     if section is not None and section.get("verdict"):
         line = section["verdict"]
     if disagreements:
@@ -137,6 +138,37 @@ def _entry_for(state: NodeState, source: Source, target: Target) -> Any:
     return None if found is None else found[0]
 
 
-def kernel_reader(pin_dir: Any) -> KernelReader | None:
-    """The reader of this node's dataplane (filled in by the kernel part)."""
-    return None
+def kernel_reader(pin_dir: Path) -> KernelReader:
+    """The reader of this node's dataplane: the one the agent names, else eBPF when its
+    pins are under pin_dir, else iptables when its chains exist."""
+
+    def read(
+        state: NodeState, query: Query, ex: Explanation, dataplane: str | None
+    ) -> KernelAnswer | None:
+        chosen = dataplane or _installed(pin_dir)
+        try:
+            if chosen == "ebpf":
+                from .ebpf import explain_ebpf
+
+                return explain_ebpf(pin_dir, state, query.source, query.target, query.sport, ex)
+            if chosen == "iptables":
+                from .iptables import explain_iptables
+
+                return explain_iptables(state, query.source, query.target, query.sport, ex)
+        except (OSError, ValueError, RuntimeError) as err:
+            return {"dataplane": chosen, "summary": f"could not be read: {err}"}, None, []
+        reason = "the agent programs nothing (--dataplane none)" if chosen == "none" else \
+            f"neither eBPF pins under {pin_dir} nor iptables chains of ours found"  # fmt: skip
+        return {"dataplane": chosen or "none", "summary": reason}, None, []
+
+    return read
+
+
+def _installed(pin_dir: Path) -> str | None:
+    from ..dataplane.ebpf.abi import versioned
+
+    if (pin_dir / versioned("kbp_services")).exists():
+        return "ebpf"
+    from ..dataplane.iptables.dataplane import installed
+
+    return "iptables" if installed() else None

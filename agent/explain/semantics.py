@@ -273,11 +273,11 @@ def explain(
     set_name, used = choose(entry, frontend)
     out = Explanation(source, frontend, entry.protocol, entry, expectation.kind, set_name)
     out.why = _why(entry, frontend, source, set_name, used)
+    out.backends = list(used)
     if expectation.kind == DROPPED and not source_allowed(source.ip, frontend):
         out.note = f"loadBalancerSourceRanges {', '.join(frontend.source_ranges)} do not " \
             f"admit {source.ip}"  # fmt: skip
         return out
-    out.backends = list(used)
     if expectation.kind == REFUSED:
         out.note = "no endpoints: the Service has no usable endpoint anywhere"
     elif expectation.kind == DROPPED:
@@ -463,20 +463,21 @@ def _deciding(why: list[str]) -> str:
 
 
 def verdict(ex: Explanation, chosen: Backend | None = None, kernel_note: str = "") -> str:
-    """One line: where the packet goes and the first reason."""
+    """One line: where the packet goes and the most telling reason; kernel_note is what
+    the dataplane added (the program's own choice or reason)."""
     if ex.outcome == NOT_A_SERVICE:
-        return "not a Service address: passes untranslated"
+        return "not a Service address: passes untranslated" + kernel_note
     if ex.outcome == REFUSED:
-        return "refused: no endpoints (TCP RST / ICMP port unreachable)"
+        return "refused: no endpoints (TCP RST / ICMP port unreachable)" + kernel_note
     if ex.outcome == DROPPED:
-        return f"dropped: {ex.note}"
+        return f"dropped: {ex.note}{kernel_note}"
     because = _deciding(ex.why)
     if chosen is not None:
         return f"goes to {address(chosen.ip, chosen.port)} ({where(chosen)}) because " \
             f"{because}{kernel_note}"  # fmt: skip
     if len(ex.backends) == 1:
         b = ex.backends[0]
-        return f"goes to {address(b.ip, b.port)} ({where(b)}) because {because}"
+        return f"goes to {address(b.ip, b.port)} ({where(b)}) because {because}{kernel_note}"
     listed = ", ".join(address(b.ip, b.port) for b in ex.backends)
     return f"goes to one of {len(ex.backends)} backends ({listed}) because {because}"
 

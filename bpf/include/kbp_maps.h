@@ -113,4 +113,8 @@ BPF_TABLE_PINNED("array", __u32, __u8, kbp_ports, 65536, KBP_PIN(kbp_ports));
 /* Index 0: the NodeState revision the maps hold (struct kbp_meta); the agent's alone. */
 BPF_TABLE_PINNED("array", __u32, struct kbp_meta, kbp_meta, 1, KBP_PIN(kbp_meta));
 
+/* Index 0: the scratch of `explain`'s dry runs (struct kbp_explain), per CPU. */
+BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_explain, kbp_explain, 1,
+		 KBP_PIN(kbp_explain));
+
 #endif /* KBP_MAPS_H */

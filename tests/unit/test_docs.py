@@ -35,6 +35,7 @@ COMMAND_SETTINGS = {
     "inspect": cli.INSPECT_SETTINGS,
     "cleanup": cli.CLEANUP_SETTINGS,
     "lab": cli.LAB_SETTINGS,
+    "explain": cli.EXPLAIN_SETTINGS,
 }
 
 

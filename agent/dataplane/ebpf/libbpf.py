@@ -440,6 +440,11 @@ def prog_name(prog_id: int) -> str:
         os.close(fd)
 
 
+def prog_fd_by_id(prog_id: int) -> int:
+    """An fd for the loaded program with this id (the caller closes it)."""
+    return _check(lib().bpf_prog_get_fd_by_id(prog_id), f"open program id {prog_id}")
+
+
 def prog_id(prog_fd: int) -> int:
     """The id of a program by fd (struct bpf_prog_info: type, then id)."""
     buf = ffi.new("char[8]")
