@@ -169,6 +169,7 @@ def _installed(pin_dir: Path) -> str | None:
 
     if (pin_dir / versioned("kbp_services")).exists():
         return "ebpf"
-    from ..dataplane.iptables.dataplane import installed
+    from ..dataplane.iptables.dataplane import kernel_marker
+    from ..dataplane.iptables.render import FAMILIES
 
-    return "iptables" if installed() else None
+    return "iptables" if any(kernel_marker(f) for f in FAMILIES) else None

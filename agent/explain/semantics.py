@@ -479,7 +479,7 @@ def verdict(ex: Explanation, chosen: Backend | None = None, kernel_note: str = "
         b = ex.backends[0]
         return f"goes to {address(b.ip, b.port)} ({where(b)}) because {because}{kernel_note}"
     listed = ", ".join(address(b.ip, b.port) for b in ex.backends)
-    return f"goes to one of {len(ex.backends)} backends ({listed}) because {because}"
+    return f"goes to one of {len(ex.backends)} backends ({listed}) because {because}{kernel_note}"
 
 
 __all__ = ["BACKENDS", "DROPPED", "REFUSED", "Explanation", "explain", "verdict"]

@@ -17,6 +17,7 @@ import signal
 import struct
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,8 @@ def _endpoints(ips: list[str], node: str) -> str:
     return "".join(lines) or " []"
 
 
-@pytest.fixture
-def setup(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+@contextmanager
+def agent_lab(tmp_path: Path, dataplane: str) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
     pin_dir = BPFFS / f"kbp-test-explain-{os.getpid()}-{time.monotonic_ns()}"
     with Lab() as lab:
         lab.add_pod("client")
@@ -80,7 +81,7 @@ def setup(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
             + SERVICE.format(name="away", ip=AWAY, itp="Local",
                              endpoints=_endpoints(["10.244.2.9"], "node-b"))
         )  # fmt: skip
-        argv = run_argv(manifests, "node-a", "ebpf", "--bpffs", str(pin_dir),
+        argv = run_argv(manifests, "node-a", dataplane, "--bpffs", str(pin_dir),
                         "--conntrack-tcp-timeout-time-wait", "5m")  # fmt: skip
         agent = AgentProcess(lab.node_ns, argv, "node-a")
         try:
@@ -90,6 +91,18 @@ def setup(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
             agent.stop(signal.SIGKILL)
             cli(lab.node_ns, "cleanup", "--bpffs", str(pin_dir))
     assert not pin_dir.exists()
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+    with agent_lab(tmp_path, "ebpf") as found:
+        yield found
+
+
+@pytest.fixture
+def setup_iptables(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+    with agent_lab(tmp_path, "iptables") as found:
+        yield found
 
 
 def explain(lab: Lab, *args: str) -> dict:
@@ -185,3 +198,21 @@ def test_stale_maps_are_reported_first(setup) -> None:
     assert doc["verdict"].endswith("[NodeState and kernel disagree: see above]")
     table = cli(lab.node_ns, "explain", *query).stdout
     assert table.splitlines()[2].startswith("DISAGREES:"), table
+
+
+def test_iptables_explain_traces_the_live_rules(setup_iptables) -> None:
+    lab, _, pin_dir, agent = setup_iptables
+    client = lab.pods["client"]
+    web = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                  "--to", f"{WEB}:80/TCP")  # fmt: skip
+    assert web["disagreements"] == [], web
+    assert web["kernel"]["dataplane"] == "iptables" and web["kernel"]["outcome"] == "backends"
+    shares = web["kernel"]["endpoints"]
+    assert set(shares) == {f"{lab.pods[n].ipv4}:8080" for n in ("be1", "be2", "be3")}, web
+    assert all(abs(p - 1 / 3) < 0.01 for p in shares.values()), shares
+    assert "at random per connection" in web["verdict"]
+    for address, outcome in ((EMPTY, "refused"), (AWAY, "dropped")):
+        doc = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                      "--to", f"{address}:80/TCP")  # fmt: skip
+        assert doc["kernel"]["outcome"] == doc["semantics"]["outcome"] == outcome, doc
+        assert doc["disagreements"] == [], doc
