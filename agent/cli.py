@@ -51,6 +51,7 @@ RUN_SETTINGS = [
     "min_sync_period",
     "sync_period",
     "metrics_bind_address",
+    "service_metrics",
     "healthz_bind_address",
     "log_level",
     "log_format",

@@ -152,6 +152,21 @@ static __always_inline struct kbp_drop_counters *map_lookup_drops(__u32 *reason)
 	return kbp_drops.lookup(reason);
 }
 
+/* A dry run counts its drop in the scratch only (map_lookup_drops). */
+static __always_inline void map_count_service_drop(__u32 service_id, __u32 reason)
+{
+	struct kbp_svc_drop_key key = {.service_id = service_id, .reason = reason};
+	__u64 one = 1, *packets;
+
+	if (__explain_dry())
+		return;
+	packets = kbp_svc_drops.lookup(&key);
+	if (packets)
+		*packets += 1;
+	else
+		kbp_svc_drops.update(&key, &one);
+}
+
 static __always_inline struct kbp_src_range *map_lookup_src_range(struct kbp_src_range_key *key)
 {
 	return kbp_src_ranges.lookup(key);

@@ -268,6 +268,13 @@ struct kbp_meta {
 	__u32 backends;     /* NodeState backends it held */
 };
 
+/* kbp_svc_drops (LRU per-CPU hash, __u64 packets): drops per service and reason, for
+ * /metrics' kbp_service_drops_total{reason}. Written only on drops. */
+struct kbp_svc_drop_key {
+	__u32 service_id;
+	__u32 reason; /* KBP_DROP_* */
+};
+
 /* `explain` runs the attached programs on a packet it built (BPF_PROG_TEST_RUN against the
  * live maps) with this skb mark in the test context. Such a dry run writes no conntrack,
  * affinity or counter entry: lib/maps.h's accessors divert those to kbp_explain. Real

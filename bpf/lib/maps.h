@@ -34,6 +34,9 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key);
 static __always_inline int map_port_used(__be16 port, __u8 what);
 static __always_inline __u64 *map_lookup_ct_stats(__u32 *what);
 
+/* One more packet of `service_id` dropped for `reason` (kbp_svc_drops). */
+static __always_inline void map_count_service_drop(__u32 service_id, __u32 reason);
+
 /* `explain`'s dry runs (KBP_EXPLAIN_MARK): an entry point calls explain_begin(skb->mark)
  * first and returns through explain_end(skb->mark, verdict); in between, the accessors
  * above write nothing live. Real packets pay two comparisons here and one per-CPU read

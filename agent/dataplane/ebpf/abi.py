@@ -85,6 +85,7 @@ MAP_NAMES = (
     "kbp_meta",
     "kbp_ct_stats",
     "kbp_explain",
+    "kbp_svc_drops",
 )
 
 

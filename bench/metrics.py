@@ -1,0 +1,228 @@
+"""PB-14: the cost of a /metrics scrape with per-Service traffic (issue 18 §2) at N
+Services, against the real eBPF dataplane's pinned maps, per `--service-metrics` mode.
+
+bench/maps.py's generated cluster (N Services x 10 endpoints) is applied into fresh maps;
+every live service id gets non-zero per-CPU counters and a tenth of them drop counts, so
+every series is exported. Timed side by side in one run: a whole scrape (the registry
+rendered as /metrics text, every other metric of the agent included) with
+`--service-metrics none` (the floor), `services` and `ports`; the collector alone; and
+`inspect counters`' way of reading kbp_counters (every entry of the array, decoded).
+RSS (VmRSS) is read after a warm-up and again after every further batch of scrapes:
+growth across scrapes would be a leak.
+
+    .venv/bin/python -m bench.metrics [--quick] [--services N ...] [--scrapes K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prometheus_client import generate_latest
+
+from agent.dataplane.ebpf import codec, service_metrics
+from agent.dataplane.ebpf.abi import DROP_REASONS, packer
+from agent.dataplane.ebpf.libbpf import possible_cpus
+from agent.dataplane.ebpf.plan import MapSizes
+from agent.metrics import Metrics
+from agent.model.compile import CompileOptions, compile
+from agent.sources.manifests import load_manifests
+from bench.compile import RESULTS, THIS_NODE
+from bench.datapath import (
+    Summary,
+    bench_dataplane,
+    bench_netns,
+    header,
+    leftovers,
+    machine,
+    terminate_as_interrupt,
+    write_results,
+)
+from bench.maps import ENDPOINTS, empty_nodestate, generate
+
+TARGET_SCRAPE_S = 0.100  # issue 18: a scrape under 100 ms at 10k Services
+MODES = ("none", "services", "ports")
+
+
+def rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def fill_counters(dp: Any, ids: list[int]) -> int:
+    """Non-zero per-CPU counters for every live id; drop counts for every tenth."""
+    counters = dp.programs.map("kbp_counters")
+    stride = (packer("kbp_counters").size + 7) // 8 * 8
+    cpus = possible_cpus()
+    for n, service_id in enumerate(ids):
+        value = b"".join(
+            struct.pack("=4Q", 1000 + n + cpu, 64_000 + n, 10 + cpu, 0).ljust(stride, b"\0")
+            for cpu in range(cpus)
+        )
+        counters.update(codec.backend_key(service_id), value)
+    drops = dp.programs.map("kbp_svc_drops")
+    key = packer("kbp_svc_drop_key")
+    written = 0
+    for service_id in ids[::10]:
+        drops.update(key.pack(service_id, 0), struct.pack("=Q", 3) * cpus)
+        written += 1
+    return written
+
+
+def timed(fn: Any, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def run_size(dp: Any, n: int, tmp: Path, scrapes: int) -> dict[str, Any]:
+    cluster = generate(n, tmp)
+    state, _ = load_manifests([cluster.path])
+    node_state = compile(state, THIS_NODE, CompileOptions())
+    cluster.path.unlink()
+    dp.apply(node_state, full=True)
+    labels = service_metrics.labels_of(node_state.services, dp.current.services, "ports")
+    ids = sorted(labels)
+    dropped = fill_counters(dp, ids)
+    print(
+        f"# {n} Services: {len(node_state.services)} entries, {len(ids)} service ids, "
+        f"{dropped} with drops",
+        flush=True,
+    )
+    result: dict[str, Any] = {
+        "services": n,
+        "entries": len(node_state.services),
+        "ids": len(ids),
+        "modes": {},
+    }
+    for mode in MODES:
+        metrics = Metrics()
+        dp.register_metrics(metrics, mode)
+        registry = metrics.registry
+
+        def scrape(registry: Any = registry) -> bytes:
+            return generate_latest(registry)
+
+        body = scrape()
+        for _ in range(5):  # warm-up: label caches, allocator
+            scrape()
+        rss_before = rss_kib()
+        samples = timed(scrape, scrapes)
+        rss_mid = rss_kib()
+        samples += timed(scrape, scrapes)
+        rss_after = rss_kib()
+        row: dict[str, Any] = {
+            "scrape": Summary(samples).to_json(),
+            "body_bytes": len(body),
+            "series": body.count(b"\nkbp_service_"),
+            "rss_kib": [rss_before, rss_mid, rss_after],
+        }
+        if mode != "none":
+            collector = next(
+                c
+                for c in metrics.registry._collector_to_names
+                if isinstance(c, service_metrics.ServiceTrafficCollector)
+            )
+            row["collector"] = Summary(timed(collector.collect, scrapes)).to_json()
+        result["modes"][mode] = row
+    counters = dp.programs.map("kbp_counters")
+    result["inspect_read"] = Summary(
+        timed(lambda: codec.percpu_sums(counters, "kbp_counters"), max(3, scrapes // 10))
+    ).to_json()
+    dp.apply(empty_nodestate(node_state), full=True)
+    return result
+
+
+def report(results: list[dict[str, Any]]) -> None:
+    print("\nPB-14: one /metrics scrape (whole registry rendered), seconds: median / p99")
+    for r in results:
+        print(f"\n{r['services']} Services ({r['entries']} entries, {r['ids']} ids):")
+        floor = r["modes"]["none"]["scrape"]["median"]
+        for mode in MODES:
+            row = r["modes"][mode]
+            s = row["scrape"]
+            verdict = "meets" if s["p99"] < TARGET_SCRAPE_S else "MISSES"
+            rss = row["rss_kib"]
+            print(
+                f"  --service-metrics {mode:<8} {s['median'] * 1e3:7.1f} / {s['p99'] * 1e3:7.1f} ms"
+                f"  ({s['median'] / floor:5.1f} x none; {row['series']} kbp_service_ series, "
+                f"{row['body_bytes'] // 1024} KiB)  RSS {rss[0]} → {rss[1]} → {rss[2]} KiB"
+                f"  [{verdict} < {TARGET_SCRAPE_S * 1e3:.0f} ms]"
+            )
+            if "collector" in row:
+                c = row["collector"]
+                print(
+                    f"      collector alone     {c['median'] * 1e3:7.1f} / {c['p99'] * 1e3:7.1f} ms"
+                )
+        i = r["inspect_read"]
+        print(f"  inspect's read of all of kbp_counters: {i['median'] * 1e3:.1f} ms (median)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="PB-14 /metrics scrape cost (not a test).")
+    parser.add_argument("--quick", action="store_true", help="10k Services, fewer scrapes")
+    parser.add_argument("--services", type=int, nargs="+", metavar="N")
+    parser.add_argument("--scrapes", type=int, help="scrapes per half (default 100; quick 30)")
+    args = parser.parse_args(argv)
+    sizes_wanted = args.services or ([10_000] if args.quick else [1000, 10_000])
+    scrapes = args.scrapes or (30 if args.quick else 100)
+    terminate_as_interrupt()
+    info = machine()
+    header("bench/metrics.py (PB-14)", info)
+    top = max(sizes_wanted)
+    sizes = MapSizes(
+        services=max(4096, 1 << (int(top * 2.6) - 1).bit_length()),
+        slots=max(16384, 1 << (int(top * ENDPOINTS * 2.4) - 1).bit_length()),
+        backends=max(16384, 1 << (int(top * ENDPOINTS * 2.4) - 1).bit_length()),
+        ct=4096,
+        affinity=1024,
+    )
+    results = []
+    began = time.perf_counter()
+    try:
+        with (
+            bench_netns() as netns,
+            tempfile.TemporaryDirectory(prefix="kbp-bench-") as tmp,
+            bench_dataplane(sizes, netns) as dp,
+        ):
+            for n in sizes_wanted:
+                results.append(run_size(dp, n, Path(tmp), scrapes))
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
+        return 130
+    report(results)
+    document = {
+        "benchmark": "bench/metrics.py",
+        "ids": ["PB-14"],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": info,
+        "drop_reasons": len(DROP_REASONS),
+        "results": results,
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+        "duration_s": time.perf_counter() - began,
+    }
+    out = RESULTS / ("metrics-quick.json" if args.quick else "metrics.json")
+    write_results(out, document)
+    print(
+        f"\nran in {document['duration_s']:.0f} s (load average now "
+        f"{os.getloadavg()[0]:.2f}); results in {out}; left over: {leftovers() or 'nothing'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
