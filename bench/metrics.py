@@ -35,6 +35,7 @@ from agent.dataplane.ebpf.libbpf import possible_cpus
 from agent.dataplane.ebpf.plan import MapSizes
 from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, compile
+from agent.model.nodestate import NodeState, revision_of
 from agent.sources.manifests import load_manifests
 from bench.compile import RESULTS, THIS_NODE
 from bench.datapath import (
@@ -47,7 +48,7 @@ from bench.datapath import (
     terminate_as_interrupt,
     write_results,
 )
-from bench.maps import ENDPOINTS, empty_nodestate, generate
+from bench.maps import ENDPOINTS, generate
 
 TARGET_SCRAPE_S = 0.100  # issue 18: a scrape under 100 ms at 10k Services
 MODES = ("none", "services", "ports")
@@ -143,7 +144,7 @@ def run_size(dp: Any, n: int, tmp: Path, scrapes: int) -> dict[str, Any]:
     result["inspect_read"] = Summary(
         timed(lambda: codec.percpu_sums(counters, "kbp_counters"), max(3, scrapes // 10))
     ).to_json()
-    dp.apply(empty_nodestate(node_state), full=True)
+    dp.apply(NodeState(node_state.node, revision_of([]), ()), full=True)
     return result
 
 

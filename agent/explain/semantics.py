@@ -188,7 +188,7 @@ def parse_source(text: str, state: NodeState) -> Source:
     if ip in node.addresses:
         return Source(NODE, ip, "one of the node's addresses")
     if not node.cluster_cidrs:
-        return Source(POD, ip, "assumed a pod: no --cluster-cidr to tell pods from outside")
+        return Source(POD, ip, "taken for one: no --cluster-cidr tells pods from outside clients")
     if in_networks(ip, tuple(ipaddress.ip_network(c) for c in node.cluster_cidrs)):
         return Source(POD, ip, "inside --cluster-cidr")
     return Source(OUTSIDE, ip, "outside --cluster-cidr")
