@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..dataplane.base import DataplaneError
 from ..model.compile import CompileOptions, compile, endpoint_candidates, node_label
 from ..model.nodestate import NodeState, node_state_from_dict
 from ..model.types import ClusterState
@@ -155,7 +156,7 @@ def kernel_reader(pin_dir: Path) -> KernelReader:
                 from .iptables import explain_iptables
 
                 return explain_iptables(state, query.source, query.target, query.sport, ex)
-        except (OSError, ValueError, RuntimeError) as err:
+        except (OSError, ValueError, RuntimeError, DataplaneError) as err:
             return {"dataplane": chosen, "summary": f"could not be read: {err}"}, None, []
         reason = "the agent programs nothing (--dataplane none)" if chosen == "none" else \
             f"neither eBPF pins under {pin_dir} nor iptables chains of ours found"  # fmt: skip

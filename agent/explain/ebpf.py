@@ -43,7 +43,7 @@ MAPS = (
 SCRATCH = "kbp_explain"
 
 
-class KernelError(Exception):
+class KernelError(RuntimeError):
     """The maps or programs cannot be read; the message says which and why."""
 
 
