@@ -27,8 +27,6 @@ from typing import Any
 if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prometheus_client import generate_latest
-
 from agent.dataplane.ebpf import codec, service_metrics
 from agent.dataplane.ebpf.abi import DROP_REASONS, packer
 from agent.dataplane.ebpf.libbpf import possible_cpus
@@ -81,6 +79,30 @@ def fill_counters(dp: Any, ids: list[int]) -> int:
     return written
 
 
+def client_objects(dp: Any, mode: str) -> bytes:
+    """The per-Service series as prometheus_client families, rendered by it."""
+    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.exposition import generate_latest as render
+
+    traffic = dp._service_traffic(mode)
+    labels = traffic._labeller()
+    sums = traffic.traffic(labels)
+
+    class Collect:
+        def collect(self) -> list[CounterMetricFamily]:
+            fams = service_metrics.families(traffic.label_names)
+            for key, values in sums.items():
+                for column in range(3):
+                    fams[column].add_metric(list(key), values[column])
+            return fams
+
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    registry.register(Collect())
+    return render(registry)
+
+
 def timed(fn: Any, repeat: int) -> list[float]:
     out = []
     for _ in range(repeat):
@@ -113,10 +135,9 @@ def run_size(dp: Any, n: int, tmp: Path, scrapes: int) -> dict[str, Any]:
     for mode in MODES:
         metrics = Metrics()
         dp.register_metrics(metrics, mode)
-        registry = metrics.registry
 
-        def scrape(registry: Any = registry) -> bytes:
-            return generate_latest(registry)
+        def scrape(metrics: Metrics = metrics) -> bytes:
+            return metrics.exposition("")[0]
 
         body = scrape()
         for _ in range(5):  # warm-up: label caches, allocator

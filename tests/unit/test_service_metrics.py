@@ -8,9 +8,14 @@ import struct
 from pathlib import Path
 
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.dataplane.ebpf import abi, service_metrics
 from agent.dataplane.ebpf.plan import FrontendKey, ServiceValue
+from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, compile
 from agent.sources.manifests import load_manifests
 
@@ -75,12 +80,38 @@ def test_ids_that_share_labels_are_summed_over_cpus_and_families() -> None:
     drop = abi.packer("kbp_svc_drop_key").pack(7, abi.const.KBP_DROP_REJECTED)
     drops = FakeDrops([(drop, struct.pack("=2Q", 2, 3))])
     labels = {3: ("default", "api"), 7: ("default", "api")}
-    collector = service_metrics.ServiceTrafficCollector(counters, drops, lambda: labels,
-                                                        "services")  # fmt: skip
-    collector._cpus = 2  # the fake's CPUs, not this machine's
-    packets, size, new, dropped = collector.collect()
-    assert [(s.labels, s.value) for s in packets.samples] == [
-        ({"namespace": "default", "service": "api"}, 7)
+    traffic = service_metrics.ServiceTraffic(counters, drops, lambda: labels, "services")
+    traffic._cpus = 2  # the fake's CPUs, not this machine's
+    metrics = Metrics()
+    metrics.text_sections.append(traffic.render)
+    body, _ = metrics.exposition("")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+        if s.name.startswith("kbp_service_")
+    }
+    api = (("namespace", "default"), ("service", "api"))
+    assert samples == {
+        ("kbp_service_packets_total", api): 7,
+        ("kbp_service_bytes_total", api): 700,
+        ("kbp_service_new_connections_total", api): 4,
+        ("kbp_service_drops_total", tuple(sorted((*api, ("reason", "rejected"))))): 5,
+    }
+
+
+def test_openmetrics_keeps_eof_last_and_label_values_are_escaped() -> None:
+    labels = {0: ("default", 'we"ird\\name')}
+    traffic = service_metrics.ServiceTraffic(
+        FakeCounters({0: [(1, 2, 3, 0)]}, 1), FakeDrops([]), lambda: labels, "services"
+    )
+    traffic._cpus = 1
+    metrics = Metrics()
+    metrics.text_sections.append(traffic.render)
+    body, content_type = metrics.exposition("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    assert body.endswith(b"# EOF\n") and body.count(b"# EOF") == 1
+    [family] = [f for f in openmetrics_families(body.decode()) if f.name == "kbp_service_packets"]
+    assert [(s.name, s.labels["service"], s.value) for s in family.samples] == [
+        ("kbp_service_packets_total", 'we"ird\\name', 1)
     ]
-    assert size.samples[0].value == 700 and new.samples[0].value == 4
-    assert [(s.labels["reason"], s.value) for s in dropped.samples] == [("rejected", 5)]

@@ -281,12 +281,12 @@ class EbpfDataplane:
             metrics.map_fill.labels(versioned(name)).set_function(filled(count, size))
         metrics.registry.register(_DropCollector(self.programs.map("kbp_drops")))
         if service_metrics != "none":
-            metrics.registry.register(self._service_collector(service_metrics))
+            metrics.text_sections.append(self._service_traffic(service_metrics).render)
         metrics.registry.register(self.conntrack)
         if self.conntrack.interval > 0:  # counted by each sweep (a scan of the whole map)
             metrics.map_fill.labels(versioned("kbp_ct")).set_function(self.conntrack.fill_ratio)
 
-    def _service_collector(self, mode: str) -> service_metrics.ServiceTrafficCollector:
+    def _service_traffic(self, mode: str) -> service_metrics.ServiceTraffic:
         cache: dict[str, Any] = {}
 
         def labeller() -> dict[int, tuple[str, ...]]:
@@ -301,9 +301,7 @@ class EbpfDataplane:
             return cache["labels"]
 
         m = self.programs.map
-        return service_metrics.ServiceTrafficCollector(
-            m("kbp_counters"), m("kbp_svc_drops"), labeller, mode
-        )
+        return service_metrics.ServiceTraffic(m("kbp_counters"), m("kbp_svc_drops"), labeller, mode)
 
     # --- writes --------------------------------------------------------------------------
 
