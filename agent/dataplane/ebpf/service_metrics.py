@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import struct
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
 
+from ...gcpause import gc_paused
 from .abi import DROP_REASONS, family_of, packer
 from .libbpf import Map, possible_cpus
 
@@ -71,7 +73,13 @@ class ServiceTraffic:
         return self._text
 
     def render(self, openmetrics: bool = False) -> str:
-        """The four families as exposition text (Prometheus text 0.0.4, or OpenMetrics)."""
+        """The four families as exposition text (Prometheus text 0.0.4, or OpenMetrics).
+        Tens of thousands of acyclic tuples and strings: the cycle collector is paused
+        (agent/gcpause.py), so no collection pass starts in the middle of a scrape."""
+        with gc_paused():
+            return self._render(openmetrics)
+
+    def _render(self, openmetrics: bool) -> str:
         try:
             labels = self._labeller()
             sums = self.traffic(labels)
@@ -98,26 +106,26 @@ class ServiceTraffic:
         if not labels:
             return out
         raw = self._counters.values_array(max(labels) + 1)
-        cpus = self._cpus
-        rows = list(_padded_counters(self._stride).iter_unpack(raw))  # (id, CPU) order
-        if cpus == 1:
-            totals = rows
-        else:  # per id, each column summed over its CPUs' rows
-            per_cpu = [rows[k::cpus] for k in range(cpus)]
-            totals = [
-                tuple(map(sum, zip(*group, strict=True))) for group in zip(*per_cpu, strict=True)
-            ]
+        cpus, width = self._cpus, self._stride // 8  # u64 words per CPU's value
+        words = struct.unpack(f"={len(raw) // 8}Q", raw)  # id-major, then CPU, then field
+        step = width * cpus
+        # column f of every id, summed over CPUs: C-level slicing and map(add)
+        columns = [
+            functools.reduce(lambda x, y: list(map(operator.add, x, y)),
+                             (words[cpu * width + f :: step] for cpu in range(cpus)))
+            for f in range(3)
+        ]  # fmt: skip
+        packets, size, new = columns
         for service_id, key in labels.items():
-            if service_id >= len(totals):
+            if service_id >= len(packets):
                 continue
-            p, b, n, _drops = totals[service_id]
             sums = out.get(key)
             if sums is None:
-                out[key] = [p, b, n]
+                out[key] = [packets[service_id], size[service_id], new[service_id]]
             else:
-                sums[0] += p
-                sums[1] += b
-                sums[2] += n
+                sums[0] += packets[service_id]
+                sums[1] += size[service_id]
+                sums[2] += new[service_id]
         return out
 
     def drops(self, labels: dict[int, tuple[str, ...]]) -> dict[tuple[tuple[str, ...], str], int]:
@@ -164,12 +172,6 @@ def _head(name: str, help_text: str, openmetrics: bool) -> list[str]:
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-@functools.cache
-def _padded_counters(stride: int) -> struct.Struct:
-    """kbp_counters padded to its per-CPU stride: one iter_unpack row per (id, CPU)."""
-    return struct.Struct(f"={_COUNTERS.format.removeprefix('=')}{stride - _COUNTERS.size}x")
 
 
 def labels_of(entries: Any, services: Any, mode: str) -> dict[int, tuple[str, ...]]:
