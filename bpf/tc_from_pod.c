@@ -43,6 +43,6 @@ int kbp_from_pod(struct __sk_buff *skb)
 
 	explain_begin(skb->mark);
 	verdict = __kbp_from_pod(skb);
-	/* The mark again rather than a saved flag: this program's stack is nearly full. */
+	/* The mark again rather than a saved flag, as kbp_from_ext (its stack is nearly full). */
 	return explain_end(skb->mark, verdict);
 }
