@@ -115,3 +115,10 @@ def test_openmetrics_keeps_eof_last_and_label_values_are_escaped() -> None:
     assert [(s.name, s.labels["service"], s.value) for s in family.samples] == [
         ("kbp_service_packets_total", 'we"ird\\name', 1)
     ]
+
+
+def test_a_reused_id_loses_only_its_own_drop_counts() -> None:
+    key = abi.packer("kbp_svc_drop_key").pack
+    keys = [key(3, 0), key(3, 1), key(4, 0), key(7, 7)]
+    assert service_metrics.keys_of_ids(keys, [3, 7]) == [key(3, 0), key(3, 1), key(7, 7)]
+    assert service_metrics.keys_of_ids(keys, []) == []

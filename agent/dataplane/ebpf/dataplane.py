@@ -319,9 +319,8 @@ class EbpfDataplane:
             counters = m("kbp_counters")
             zero = bytes(counters.value_size)
             _update(counters, [(codec.backend_key(i), zero) for i in w.counters_reset])
-            drops = m("kbp_svc_drops")
-            for key in service_metrics.drop_keys(w.counters_reset):
-                drops.delete(key)
+            drops = m("kbp_svc_drops")  # and their drop counts, in one batch if any
+            _delete(drops, service_metrics.keys_of_ids(drops.keys(), w.counters_reset))
         _update(services, [(codec.frontend_key(k), codec.service_value(v))
                            for k, v in w.services_to_upsert.items()])  # fmt: skip
         # 4. frontends gone; 5. sets nobody points at; 6. backends no set names

@@ -14,7 +14,7 @@ import functools
 import logging
 import operator
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
@@ -192,6 +192,8 @@ def labels_of(entries: Any, services: Any, mode: str) -> dict[int, tuple[str, ..
     return out
 
 
-def drop_keys(service_ids: list[int]) -> list[bytes]:
-    """kbp_svc_drops keys of these ids, every reason: what a reused id must not inherit."""
-    return [_DROP_KEY.pack(i, r) for i in service_ids for r in DROP_REASONS]
+def keys_of_ids(keys: Iterable[bytes], service_ids: Iterable[int]) -> list[bytes]:
+    """The kbp_svc_drops keys (of those given) that belong to these service ids: what a
+    reused id must not inherit."""
+    wanted = set(service_ids)
+    return [k for k in keys if _DROP_KEY.unpack(k)[0] in wanted]
