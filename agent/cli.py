@@ -53,6 +53,7 @@ RUN_SETTINGS = [
     "min_sync_period",
     "sync_period",
     "metrics_bind_address",
+    "service_metrics",
     "healthz_bind_address",
     "log_level",
     "log_format",
@@ -63,6 +64,9 @@ RUN_SETTINGS = [
 # inspect conntrack shows each flow's time left by the same timeouts as the agent's.
 INSPECT_SETTINGS = ["bpffs", "inspect_output", *CONNTRACK_TIMEOUTS.values(), "log_level"]
 LAB_SETTINGS = ["manifests", "dataplane"]
+# explain: the agent's /state (--metrics-bind-address), or --manifests compiled for --node.
+EXPLAIN_SETTINGS = ["manifests", *NODE_SETTINGS, "metrics_bind_address", "bpffs",
+                    "inspect_output", "log_level"]  # fmt: skip
 CLEANUP_SETTINGS = ["bpffs", "log_level"]
 INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp")
 
@@ -103,6 +107,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="which map to show (default: frontends, with their backends)",
     )  # fmt: skip
     add_arguments(inspect_parser, INSPECT_SETTINGS)
+    explain_parser = commands.add_parser(
+        "explain",
+        help="where a connection to a Service goes on this node, and why",
+        description="Explain a packet's way: the NodeState's answer (from the agent's /state "
+        "on --metrics-bind-address, or compiled from --manifests for --node) with the set it "
+        "uses and why, each backend and the endpoints left out; then the dataplane's own "
+        "answer on this node (eBPF: the pinned maps, and the attached program run on the "
+        "exact packet with BPF_PROG_TEST_RUN, which changes nothing; iptables: a trace "
+        "through the live rules); then a one-line verdict. Disagreements between the "
+        "NodeState and the kernel come first.",
+    )
+    explain_parser.add_argument(
+        "--from", dest="source", required=True, metavar="IP|node|outside[:IP]",
+        help="the client: a pod's IP, 'node' (this node's own sockets) or 'outside' "
+        "(optionally with the client's address)",
+    )  # fmt: skip
+    explain_parser.add_argument(
+        "--to", dest="target", required=True, metavar="IP:PORT[/PROTO]|NS/NAME:PORT",
+        help="a frontend address (protocol TCP by default) or a Service port by name or number",
+    )  # fmt: skip
+    explain_parser.add_argument(
+        "--sport", type=int, metavar="PORT",
+        help="the client's source port (default: a fixed 40000): the flow hash depends on it",
+    )  # fmt: skip
+    explain_parser.add_argument(
+        "--no-kernel", action="store_true",
+        help="the NodeState's answer only: do not read the maps or rules of this node",
+    )  # fmt: skip
+    add_arguments(explain_parser, EXPLAIN_SETTINGS)
     cleanup_parser = commands.add_parser(
         "cleanup",
         help="remove what either dataplane installed: tc filters and pins, iptables chains",
@@ -193,6 +226,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    settings = settings_from(args, EXPLAIN_SETTINGS)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    from .explain import command
+
+    if args.sport is not None and not 0 < args.sport < 65536:
+        raise ValueError(f"--sport {args.sport}: expected a port 1-65535")
+    try:
+        if settings.manifests:
+            inputs = command.state_from_manifests(
+                settings.manifests, settings.node, settings.compile_options()
+            )
+        else:
+            inputs = command.state_from_agent(settings.metrics_bind_address)
+        kernel = None if args.no_kernel else command.kernel_reader(Path(settings.bpffs))
+        report = command.run_explain(inputs, args.source, args.target, args.sport, kernel)
+    except command.QueryError as err:
+        print(f"kube-bpf-proxy explain: {err}", file=sys.stderr)
+        return 1
+    sys.stdout.write(report.json() if settings.inspect_output == "json" else report.table())
+    return 0
+
+
 def cmd_cleanup(args: argparse.Namespace) -> int:
     settings = settings_from(args, CLEANUP_SETTINGS)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
@@ -260,6 +316,7 @@ COMMANDS = {
     "compile": cmd_compile,
     "run": cmd_run,
     "inspect": cmd_inspect,
+    "explain": cmd_explain,
     "cleanup": cmd_cleanup,
     "lab": cmd_lab,
 }

@@ -467,6 +467,15 @@ class Settings:
         default="yaml",
         metadata=_opt("--output", "output format", short="-o", choices=("yaml", "json")),
     )
+    service_metrics: str = field(
+        default="services",
+        metadata=_opt(
+            "--service-metrics",
+            "per-Service traffic at /metrics (eBPF): one series per Service, per Service "
+            "port, or none (bounds the cardinality on large clusters)",
+            choices=("none", "services", "ports"),
+        ),
+    )
     inspect_output: str = field(
         default="table",
         metadata=_opt("--output", "output format", short="-o", choices=("table", "json")),

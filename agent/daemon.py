@@ -70,7 +70,7 @@ class Agent:
         self._stoppers: list[Callable[[], None]] = []
         register_metrics = getattr(self.dataplane, "register_metrics", None)
         if register_metrics is not None:  # the kernel dataplanes' own gauges and counters
-            register_metrics(self.metrics)
+            register_metrics(self.metrics, settings.service_metrics)
         close = getattr(self.dataplane, "close", None)
         if close is not None:  # stops watching interfaces; the kernel state stays
             self._stoppers.append(close)

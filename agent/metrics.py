@@ -6,7 +6,10 @@ working; everything else is prefixed `kbp_`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 # kube-proxy's buckets for sync durations (exponential from 1 ms).
 SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
@@ -21,6 +24,10 @@ PROGRAMMING_BUCKETS = (
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        # Exposition text rendered beside the registry at each scrape, by families too
+        # many to build prometheus_client objects for (the per-Service traffic):
+        # render(openmetrics) -> text of whole families.
+        self.text_sections: list[Callable[[bool], str]] = []
         r = self.registry
         # --- kube-proxy's names -----------------------------------------------------
         self.sync_duration = Histogram(
@@ -108,3 +115,16 @@ class Metrics:
             ["dataplane", "reason"],
             registry=r,
         )
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The /metrics body for an Accept header, and its content type: the registry,
+        then the text sections (before OpenMetrics' closing `# EOF`)."""
+        encoder, content_type = choose_encoder(accept or "")
+        body = encoder(self.registry)
+        if not self.text_sections:
+            return body, content_type
+        openmetrics = content_type.startswith("application/openmetrics-text")
+        extra = "".join(section(openmetrics) for section in self.text_sections).encode()
+        if openmetrics and body.endswith(b"# EOF\n"):
+            return body[: -len(b"# EOF\n")] + extra + b"# EOF\n", content_type
+        return body + extra, content_type

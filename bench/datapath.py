@@ -56,6 +56,7 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.dataplane.ebpf import codec, inspect, libbpf
+from agent.dataplane.ebpf import frames as P
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.external import DEFAULT_SNAT_PORTS
 from agent.dataplane.ebpf.inspect import XDP_VERDICTS
@@ -73,7 +74,6 @@ from agent.model.nodestate import (
 )
 from bench import compile as compile_bench
 from bench.compile import RESULTS, git_commit, mark
-from tests.kernel import packets as P
 
 BPFFS = Path("/sys/fs/bpf")
 BENCH_PREFIX = "kbp-bench-"

@@ -75,6 +75,7 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
 
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.ebpf import codec, inspect, libbpf
+from agent.dataplane.ebpf import frames as P
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.inspect import XDP_VERDICTS
 from agent.dataplane.ebpf.netlink import TcAttacher
@@ -103,7 +104,6 @@ from bench.datapath import (
     terminate_as_interrupt,
     write_results,
 )
-from tests.kernel import packets as P
 
 PREFIX = f"{BENCH_PREFIX}pb3-"  # namespaces and pin directories of this benchmark
 

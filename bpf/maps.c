@@ -7,6 +7,54 @@
 #include "lib/common.h"
 #include "lib/maps.h"
 
+/* --- explain's dry runs (struct kbp_explain) ------------------------------------------ */
+
+_Static_assert(sizeof(((struct kbp_explain *)0)->drops) ==
+		       KBP_DROP_REASONS * sizeof(struct kbp_drop_counters),
+	       "kbp_explain.drops");
+_Static_assert(sizeof(((struct kbp_explain *)0)->xdp) ==
+		       KBP_XDP_VERDICTS * sizeof(struct kbp_drop_counters),
+	       "kbp_explain.xdp");
+_Static_assert(sizeof(((struct kbp_explain *)0)->ct_stats) == KBP_CT_STATS * sizeof(__u64),
+	       "kbp_explain.ct_stats");
+_Static_assert(sizeof(((struct kbp_explain *)0)->ct) ==
+		       KBP_EXPLAIN_CT_COPIES * sizeof(struct kbp_ct_entry),
+	       "kbp_explain.ct");
+
+/* This CPU's scratch while a dry run executes on it, else NULL. */
+static __always_inline struct kbp_explain *__explain_dry(void)
+{
+	__u32 zero = 0;
+	struct kbp_explain *x = kbp_explain.lookup(&zero);
+
+	return x && x->active ? x : NULL;
+}
+
+static __always_inline void __explain_set(__u32 mark, __u32 active)
+{
+	__u32 zero = 0;
+	struct kbp_explain *x;
+
+	if (mark != KBP_EXPLAIN_MARK)
+		return;
+	x = kbp_explain.lookup(&zero);
+	if (x)
+		x->active = active;
+}
+
+static __always_inline void explain_begin(__u32 mark)
+{
+	__explain_set(mark, 1);
+}
+
+static __always_inline int explain_end(__u32 mark, int verdict)
+{
+	__explain_set(mark, 0);
+	return verdict;
+}
+
+/* --- the accessors ---------------------------------------------------------------------- */
+
 static __always_inline struct kbp_service *map_lookup_service(struct kbp_frontend_key *key)
 {
 	return kbp_services.lookup(key);
@@ -22,18 +70,50 @@ static __always_inline struct kbp_backend *map_lookup_backend(__u32 *backend_id)
 	return kbp_backends.lookup(backend_id);
 }
 
+/* A dry run gets a copy, so that touching the flow changes nothing live. */
 static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key)
 {
-	return kbp_ct.lookup(key);
+	struct kbp_ct_entry *entry = kbp_ct.lookup(key);
+	struct kbp_explain *dry;
+	__u32 copy;
+
+	if (!entry)
+		return NULL;
+	dry = __explain_dry();
+	if (!dry)
+		return entry;
+	copy = dry->ct_next++ & (KBP_EXPLAIN_CT_COPIES - 1);
+	__builtin_memcpy(&dry->ct[copy], entry, sizeof(*entry));
+	return &dry->ct[copy];
+}
+
+/* A dry run's writes are counted, and the forward entry kept, never written. */
+static __always_inline int __explain_ct_write(struct kbp_explain *dry, struct kbp_ct_key *key,
+					      struct kbp_ct_entry *entry)
+{
+	dry->ct_writes += 1;
+	if (key->dir == KBP_CT_FORWARD)
+		__builtin_memcpy(&dry->forward, entry, sizeof(*entry));
+	return 0;
 }
 
 static __always_inline int map_update_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry)
 {
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry)
+		return __explain_ct_write(dry, key, entry);
 	return kbp_ct.update(key, entry);
 }
 
 static __always_inline int map_delete_ct(struct kbp_ct_key *key)
 {
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry) {
+		dry->ct_writes += 1;
+		return 0;
+	}
 	return kbp_ct.delete(key);
 }
 
@@ -45,17 +125,46 @@ static __always_inline struct kbp_affinity *map_lookup_affinity(struct kbp_affin
 static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
 					       struct kbp_affinity *value)
 {
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry) {
+		dry->affinity_writes += 1;
+		return 0;
+	}
 	return kbp_affinity.update(key, value);
 }
 
 static __always_inline struct kbp_counters *map_lookup_counters(__u32 *service_id)
 {
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry)
+		return &dry->service;
 	return kbp_counters.lookup(service_id);
 }
 
 static __always_inline struct kbp_drop_counters *map_lookup_drops(__u32 *reason)
 {
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry)
+		return *reason < KBP_DROP_REASONS ? &dry->drops[*reason] : NULL;
 	return kbp_drops.lookup(reason);
+}
+
+/* A dry run counts its drop in the scratch only (map_lookup_drops). */
+static __always_inline void map_count_service_drop(__u32 service_id, __u32 reason)
+{
+	struct kbp_svc_drop_key key = {.service_id = service_id, .reason = reason};
+	__u64 one = 1, *packets;
+
+	if (__explain_dry())
+		return;
+	packets = kbp_svc_drops.lookup(&key);
+	if (packets)
+		*packets += 1;
+	else
+		kbp_svc_drops.update(&key, &one);
 }
 
 static __always_inline struct kbp_src_range *map_lookup_src_range(struct kbp_src_range_key *key)
@@ -70,13 +179,23 @@ static __always_inline struct kbp_config *map_lookup_config(void)
 	return kbp_config.lookup(&zero);
 }
 
+/* A dry run sees a taken key as taken (-EEXIST), so SNAT port choice and port clashes
+ * come out as they would. */
 static __always_inline int map_insert_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry)
 {
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry)
+		return kbp_ct.lookup(key) ? -17 : __explain_ct_write(dry, key, entry);
 	return kbp_ct.insert(key, entry);
 }
 
 static __always_inline struct kbp_drop_counters *map_lookup_xdp_stats(__u32 *verdict)
 {
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry)
+		return *verdict < KBP_XDP_VERDICTS ? &dry->xdp[*verdict] : NULL;
 	return kbp_xdp_stats.lookup(verdict);
 }
 
@@ -102,6 +221,10 @@ static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie)
 
 static __always_inline __u64 *map_lookup_ct_stats(__u32 *what)
 {
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry)
+		return *what < KBP_CT_STATS ? &dry->ct_stats[*what] : NULL;
 	return kbp_ct_stats.lookup(what);
 }
 

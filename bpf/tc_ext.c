@@ -46,7 +46,7 @@ static __always_inline int __ext_tc_forward(struct __sk_buff *skb, const struct 
 	return drop_service_packet(skb->len, service_id, KBP_DROP_NO_ROUTE);
 }
 
-int kbp_from_ext(struct __sk_buff *skb)
+static __always_inline int __kbp_from_ext(struct __sk_buff *skb)
 {
 	struct kbp_ext_verdict v = {};
 	struct kbp_ct_entry *reply;
@@ -99,4 +99,15 @@ int kbp_to_ext(struct __sk_buff *skb)
 	if (!reply || (reply->flags & KBP_CT_F_SNAT))
 		return TC_ACT_OK;
 	return translate_reply(skb, &t, reply, 0);
+}
+
+/* The entry: `explain` runs it with KBP_EXPLAIN_MARK (lib/maps.h). */
+int kbp_from_ext(struct __sk_buff *skb)
+{
+	int verdict;
+
+	explain_begin(skb->mark);
+	verdict = __kbp_from_ext(skb);
+	/* The mark again rather than a saved flag: this program's stack is nearly full. */
+	return explain_end(skb->mark, verdict);
 }

@@ -11,7 +11,7 @@
 #include "lib/parse.h"
 #include "lib/translate.h"
 
-int kbp_from_pod(struct __sk_buff *skb)
+static __always_inline int __kbp_from_pod(struct __sk_buff *skb)
 {
 	struct kbp_tuple t = {};
 	struct kbp_ct_entry *reply;
@@ -34,4 +34,15 @@ int kbp_from_pod(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	}
 	return translate_to_service(skb, &t, svc);
+}
+
+/* The entry: `explain` runs it with KBP_EXPLAIN_MARK (lib/maps.h). */
+int kbp_from_pod(struct __sk_buff *skb)
+{
+	int verdict;
+
+	explain_begin(skb->mark);
+	verdict = __kbp_from_pod(skb);
+	/* The mark again rather than a saved flag, as kbp_from_ext (its stack is nearly full). */
+	return explain_end(skb->mark, verdict);
 }

@@ -46,8 +46,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from prometheus_client.exposition import choose_encoder
-
 from ..metrics import Metrics
 from ..model.nodestate import API_VERSION, KIND, NodeState
 from ..render import dump_json, dump_yaml
@@ -385,8 +383,7 @@ class MetricsServer(_RoutedServer):
         )
 
     def _metrics(self, request: Request) -> Response:
-        encoder, content_type = choose_encoder(request.header("Accept"))
-        body = encoder(self.metrics.registry)
+        body, content_type = self.metrics.exposition(request.header("Accept"))
         headers = {}
         if "gzip" in request.header("Accept-Encoding"):
             body = gzip.compress(body, compresslevel=6)

@@ -23,7 +23,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ..dataplane.ebpf.abi import versioned
-from ..model.compile import CompileOptions, compile
+from ..explain.semantics import topology_tiers
+from ..model.compile import ANY_CLUSTER, LOCAL_CLUSTER, NO_TOPOLOGY, CompileOptions, compile
 from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry
 from ..sources.manifests import load_manifests, manifest_files, read_objects
 from .expect import (
@@ -228,6 +229,7 @@ def _lab(manifests: Sequence[str], dataplane: str, keep: bool, requests: int, sa
             run_probes(cluster, probes, requests, say)
             all_ok = report(plan, probes, first, say)
             show_dataplane(cluster, agents[first], say)
+            show_explains(cluster, agents[first], states[first], paths, say)
         if keep:
             explore(cluster, agents, probes, say)
             kept = True
@@ -661,6 +663,45 @@ def show_dataplane(cluster: Cluster, agent: Agent, say: Printer) -> None:
         try:
             lines = run_command(in_netns(node_ns, ["iptables-save", "-t", "nat"])).splitlines()
             say("\n".join(line for line in lines if "KBP-SERVICES" in line))
+        except LabError as err:
+            say(f"  {err}")
+
+
+# `explain` once per policy kind, for the entry of the first node's NodeState that shows
+# it (docs/operations.md "Where does this connection go?").
+EXPLAIN_KINDS = (
+    ("Cluster", lambda e: e.internal_traffic_policy == "Cluster" and e.topology == NO_TOPOLOGY
+     and len(e.cluster_backends or ()) > 1),
+    ("Local", lambda e: e.internal_traffic_policy == "Local"),
+    ("topology", lambda e: not {*topology_tiers(e.topology)} <= {LOCAL_CLUSTER, ANY_CLUSTER}),
+    ("LocalFirst", lambda e: bool({*topology_tiers(e.topology)} & {LOCAL_CLUSTER, ANY_CLUSTER})),
+)  # fmt: skip
+
+
+def show_explains(
+    cluster: Cluster, agent: Agent, state: NodeState, manifests: Sequence[str], say: Printer
+) -> None:
+    """`kube-bpf-proxy explain` from the first node's client to one Service per policy
+    kind: compiled from the lab's manifests (so the endpoints left out are listed too) and
+    checked against the node's kernel."""
+    if agent.dataplane not in ("ebpf", "iptables"):
+        return
+    node_ns = cluster.run.node_ns(agent.node)
+    client = cluster.plan.client_of(agent.node)
+    for kind, wanted in EXPLAIN_KINDS:
+        entry = next((e for e in state.services if e.ip_family == "IPv4" and wanted(e)), None)
+        if entry is None or not client.ipv4:
+            continue
+        target = f"{entry.namespace}/{entry.name}:{entry.port or entry.frontends[0].port}" \
+            f"/{entry.protocol}"  # fmt: skip
+        argv = ["explain", "--manifests", *manifests, "--node", agent.node,
+                "--bpffs", str(cluster.run.pin_dir(agent.node)),
+                "--from", client.ipv4, "--to", target]  # fmt: skip
+        shown = " ".join(_short_path(a) for a in argv)
+        say(f"\n{kind}: $ nsenter --net=/run/netns/{node_ns} kube-bpf-proxy {shown}")
+        try:
+            say(run_command(in_netns(node_ns, [python_for_children(), "-m", "agent", *argv]))
+                .rstrip())  # fmt: skip
         except LabError as err:
             say(f"  {err}")
 

@@ -480,3 +480,23 @@ def _node_label(node_name: str | None, key: str, ctx: _Context) -> str | None:
         return ctx.node.labels.get(key)
     other = ctx.nodes.get(node_name)
     return other.labels.get(key) if other else None
+
+
+def endpoint_candidates(
+    state: ClusterState, node: str, options: CompileOptions, key: ServiceKey, family: str
+) -> dict[tuple[str, str], list[tuple[Backend, Endpoint]]]:
+    """Every endpoint of the Service `key` the compiler chose from, per (port name,
+    protocol), before readiness, topology and policies: what `explain` compares a set
+    with to say why an endpoint was left out."""
+    service = state.services.get(key)
+    if service is None:
+        return {}
+    ctx = _context(state, node, options)
+    return _merge_endpoints(service, state.slices_by_service.get(key) or {}, family, ctx)
+
+
+def node_label(state: ClusterState, node: NodeInfo, other: str | None, key: str) -> str | None:
+    """The value of label `key` on node `other` as topology keys read it (this node's
+    labels include --node-label)."""
+    ctx = _Context(node, {}, None, None, state.nodes)
+    return _node_label(other, key, ctx)

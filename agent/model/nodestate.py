@@ -175,3 +175,54 @@ class NodeState:
             "revision": self.revision,
             "services": [e.to_dict() for e in self.services],
         }
+
+
+def node_state_from_dict(doc: Mapping[str, Any]) -> NodeState:
+    """The NodeState a document of `to_dict`'s shape describes (what `/state` and
+    `compile -o json` print), for readers of a running agent's state such as `explain`.
+    Raises KeyError or TypeError on a document of another shape."""
+    node = doc["node"]
+    info = NodeInfo(
+        name=node["name"],
+        zone=node.get("zone"),
+        labels=dict(node.get("labels") or {}),
+        addresses=tuple(node.get("addresses") or ()),
+        cluster_cidrs=tuple(node.get("clusterCIDRs") or ()),
+        cluster_name=node.get("clusterName"),
+    )
+    entries = tuple(_entry_from_dict(e) for e in doc["services"])
+    return NodeState(info, doc["revision"], entries)
+
+
+def _entry_from_dict(e: Mapping[str, Any]) -> ServiceEntry:
+    affinity = e.get("sessionAffinity")
+    return ServiceEntry(
+        namespace=e["namespace"],
+        name=e["name"],
+        port=e["port"],
+        protocol=e["protocol"],
+        ip_family=e["ipFamily"],
+        frontends=tuple(
+            Frontend(f["type"], f["ip"], f["port"], tuple(f.get("sourceRanges") or ()))
+            for f in e["frontends"]
+        ),
+        affinity_timeout=affinity["timeoutSeconds"] if affinity else None,
+        internal_traffic_policy=e["internalTrafficPolicy"],
+        external_traffic_policy=e["externalTrafficPolicy"],
+        health_check_node_port=e.get("healthCheckNodePort"),
+        topology=e["topology"],
+        has_endpoints=e["hasEndpoints"],
+        cluster_backends=_backends_from(e.get("clusterBackends")),
+        local_backends=_backends_from(e.get("localBackends")),
+        lb_algorithm=e.get("lbAlgorithm", "hash"),
+    ).sealed()
+
+
+def _backends_from(items: list[Mapping[str, Any]] | None) -> tuple[Backend, ...] | None:
+    if items is None:
+        return None
+    return tuple(
+        Backend(b["ip"], b["port"], b.get("nodeName"), b.get("zone"), b.get("cluster"),
+                b["local"], b["ready"], b["serving"], b["terminating"])
+        for b in items
+    )  # fmt: skip

@@ -306,4 +306,37 @@ struct kbp_meta {
 	__u32 backends;     /* NodeState backends it held */
 };
 
+/* kbp_svc_drops (LRU per-CPU hash, __u64 packets): drops per service and reason, for
+ * /metrics' kbp_service_drops_total{reason}. Written only on drops. */
+struct kbp_svc_drop_key {
+	__u32 service_id;
+	__u32 reason; /* KBP_DROP_* */
+};
+
+/* `explain` runs the attached programs on a packet it built (BPF_PROG_TEST_RUN against the
+ * live maps) with this skb mark in the test context. Such a dry run writes no conntrack,
+ * affinity or counter entry: lib/maps.h's accessors divert those to kbp_explain. Real
+ * packets never carry it (a mark does not survive the veth between namespaces, and
+ * external interfaces receive packets unmarked). "kbpx". */
+#define KBP_EXPLAIN_MARK 1801613432
+#define KBP_EXPLAIN_CT_COPIES 4
+
+/* kbp_explain (per-CPU array, one entry): a dry run's scratch, read by `explain` after
+ * the run. Array lengths are KBP_DROP_REASONS, KBP_XDP_VERDICTS, KBP_CT_STATS and
+ * KBP_EXPLAIN_CT_COPIES (cffi reads no macros; maps.c asserts them). */
+struct kbp_explain {
+	__u32 active;      /* 1 while a dry run executes on this CPU (bottom halves are off
+			      during a test run, so no real packet runs in between) */
+	__u32 ct_next;     /* the ct[] copy the next conntrack lookup hands out */
+	__u32 ct_writes;   /* conntrack entries the run would have created or changed */
+	__u32 affinity_writes; /* affinity entries it would have written */
+	struct kbp_counters service;  /* what it would have counted for its service */
+	struct kbp_drop_counters drops[10];  /* and per drop reason */
+	struct kbp_drop_counters xdp[6];     /* and per XDP verdict */
+	__u64 ct_stats[2];                   /* and per conntrack event */
+	struct kbp_ct_entry ct[4]; /* copies of the entries it looked up: touching a flow
+				      changes a copy, never the live entry */
+	struct kbp_ct_entry forward; /* the last forward entry it would have written */
+};
+
 #endif /* KBP_ABI_H */

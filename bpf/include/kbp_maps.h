@@ -47,6 +47,9 @@
 #ifndef KBP_MAX_SRC_RANGES
 #define KBP_MAX_SRC_RANGES 16384
 #endif /* KBP_MAX_SRC_RANGES */
+#ifndef KBP_MAX_SVC_DROPS
+#define KBP_MAX_SVC_DROPS 16384
+#endif /* KBP_MAX_SVC_DROPS */
 #ifndef KBP_MAX_SOCK_REV
 #define KBP_MAX_SOCK_REV 65536
 #endif /* KBP_MAX_SOCK_REV */
@@ -127,5 +130,14 @@ BPF_TABLE_PINNED("array", __u32, __u8, kbp_ports, 65536, KBP_PIN(kbp_ports));
 
 /* Index 0: the NodeState revision the maps hold (struct kbp_meta); the agent's alone. */
 BPF_TABLE_PINNED("array", __u32, struct kbp_meta, kbp_meta, 1, KBP_PIN(kbp_meta));
+
+/* (service id, drop reason) -> packets, per CPU; LRU: the least recently dropping pairs
+ * make room (their counts restart). */
+BPF_TABLE_PINNED("lru_percpu_hash", struct kbp_svc_drop_key, __u64, kbp_svc_drops,
+		 KBP_MAX_SVC_DROPS, KBP_PIN(kbp_svc_drops));
+
+/* Index 0: the scratch of `explain`'s dry runs (struct kbp_explain), per CPU. */
+BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_explain, kbp_explain, 1,
+		 KBP_PIN(kbp_explain));
 
 #endif /* KBP_MAPS_H */

@@ -46,6 +46,7 @@ static __always_inline void count_service_drop(__u32 service_id, __u32 reason, _
 
 	if (c)
 		c->drops += 1;
+	map_count_service_drop(service_id, reason);
 	count_drop(reason, bytes);
 }
 

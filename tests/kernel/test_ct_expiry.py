@@ -16,9 +16,9 @@ import time
 import pytest
 
 from agent.dataplane.ebpf import abi
+from agent.dataplane.ebpf import frames as P
 from agent.dataplane.ebpf.conntrack import Collector, Timeouts, flows_of, sweep
 
-from . import packets as P
 from .test_packets import (
     BACKENDS,
     CLIENT_PORT,

@@ -35,12 +35,12 @@ from agent.dataplane.iptables.render import (
     render,
     service_chain,
 )
+from agent.dataplane.iptables.tracer import Ruleset, jump_document
 from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState
 
 from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
 from ..conftest import kernel_required
-from ..iptables_tracer import Ruleset, jump_document
 from ..unit.test_iptables_golden import examples_render
 
 POD_INTERFACES = ("veth*",)

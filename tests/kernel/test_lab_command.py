@@ -148,6 +148,15 @@ def running(pid: int) -> bool:
         return False
 
 
+def assert_explained(output: str, dataplane: str) -> None:
+    """The lab ends with one `explain` per policy kind, each agreeing with the kernel."""
+    for kind in ("Cluster", "Local", "topology", "LocalFirst"):
+        assert f"\n{kind}: $ nsenter --net=" in output, kind
+    assert output.count("\nverdict:     goes to") == 4, output
+    assert output.count(f"\nkernel:      {dataplane}:") == 4, output
+    assert "DISAGREES" not in output, output
+
+
 def test_lab_with_iptables_checks_every_service_and_removes_everything(runs) -> None:
     done = lab("--dataplane", "iptables", "--requests", "20")
     runs.append(run := run_of(done.stdout))
@@ -159,6 +168,7 @@ def test_lab_with_iptables_checks_every_service_and_removes_everything(runs) -> 
     assert re.search(r"LoadBalancer 203\.0\.113\.9:443/TCP +loadBalancerSourceRanges +dropped",
                      done.stdout)  # fmt: skip
     assert "-A KBP-SERVICES -d 10.96.0.10/32" in done.stdout  # the iptables-save excerpt
+    assert_explained(done.stdout, "iptables")
     assert "removing the lab … done" in done.stdout
     assert_nothing_left(run)
 
@@ -181,6 +191,7 @@ def test_lab_with_the_default_dataplane_checks_every_service(runs) -> None:
         assert "kube-bpf-proxy inspect --bpffs" in done.stdout
         assert "10.96.0.10:80/TCP         ClusterIP" in done.stdout  # the inspect table
         assert "bpftool map dump pinned" in done.stdout and '"service_id"' in done.stdout
+        assert_explained(done.stdout, "ebpf")
     # every row, NodePorts to a backend on the client's own node included
     assert failed_rows(done.stdout) == [], done.stdout
     assert done.returncode == 0, done.stdout + done.stderr

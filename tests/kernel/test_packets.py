@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from agent.dataplane.ebpf import abi, codec, external, kernel, libbpf
-
-from . import packets as P
+from agent.dataplane.ebpf import frames as P
 
 pytestmark = pytest.mark.kernel
 

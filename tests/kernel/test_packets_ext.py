@@ -43,10 +43,10 @@ from typing import Any, TypeVar
 import pytest
 
 from agent.dataplane.ebpf import abi, external, kernel, libbpf
+from agent.dataplane.ebpf import frames as P
 from agent.dataplane.ebpf.netlink import enter_netns
 from agent.dataplane.ebpf.plan import FrontendKey
 
-from . import packets as P
 from .test_packets import SIZES, Datapath, _ct_entry, assert_checksums_valid, flow_hash
 
 pytestmark = pytest.mark.kernel

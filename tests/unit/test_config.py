@@ -218,6 +218,8 @@ RANGE_CASES = [
     ("healthz_bind_address", ["--healthz-bind-address", "0.0.0.0:70000"], {},
      "--healthz-bind-address: bind address '0.0.0.0:70000': port must be"),
     ("log_format", [], {"KBP_LOG_FORMAT": "xml"}, "KBP_LOG_FORMAT: 'xml' is not one of"),
+    ("service_metrics", [], {"KBP_SERVICE_METRICS": "pods"},
+     "KBP_SERVICE_METRICS: 'pods' is not one of"),
     ("verbosity", ["-v", "11"], {}, "--v: 11 is out of range: 0 to 10"),
     ("verbosity", [], {"KBP_VERBOSITY": "1.9"}, "KBP_VERBOSITY: '1.9' is not an integer"),
     ("config", ["--config", ""], {}, "--config: must not be empty"),

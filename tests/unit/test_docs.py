@@ -19,6 +19,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from agent import cli
 from agent.api import AgentStatus, HealthServer, MetricsServer
 from agent.config import ENV_PREFIX, Settings, default_node_name
+from agent.dataplane.ebpf import service_metrics
 from agent.dataplane.ebpf.abi import DROP_REASONS
 from agent.dataplane.ebpf.dataplane import _DropCollector
 from agent.dataplane.probe import PROBE_NAMES
@@ -35,6 +36,7 @@ COMMAND_SETTINGS = {
     "inspect": cli.INSPECT_SETTINGS,
     "cleanup": cli.CLEANUP_SETTINGS,
     "lab": cli.LAB_SETTINGS,
+    "explain": cli.EXPLAIN_SETTINGS,
 }
 
 
@@ -114,6 +116,11 @@ def documented_name(name: str, kind: str) -> str:
 METRICS = [
     *[(m._name, m._type, tuple(m._labelnames)) for m in metric_objects()],
     ("kbp_datapath_drops", "counter", ("reason",)),  # registered by the eBPF dataplane
+    # per-Service traffic, registered by the eBPF dataplane (--service-metrics ports)
+    *[
+        (f.name, f.type, tuple(f._labelnames))
+        for f in service_metrics.families(service_metrics.label_names("ports"))
+    ],
 ]
 
 

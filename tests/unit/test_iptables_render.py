@@ -1,6 +1,6 @@
 """The iptables renderer, tested by where packets go: NodeStates compiled from Kubernetes
-objects are rendered, loaded into the tracer (tests/iptables_tracer.py) together with the
-dataplane's jump rules, and packets are traced through nat and filter.
+objects are rendered, loaded into the tracer (agent/dataplane/iptables/tracer.py) together
+with the dataplane's jump rules, and packets are traced through nat and filter.
 
 Address plan (tests/builders.py): this node node-a 192.0.2.10 / 2001:db8::10; pods of
 node-a 10.244.1.<n>, node-b 10.244.2.<n>, node-c 10.244.3.<n> (IPv6 fd00:244:<node>::<n>),
@@ -32,11 +32,11 @@ from agent.dataplane.iptables.render import (
     render,
     service_chain,
 )
+from agent.dataplane.iptables.tracer import Ruleset, Trace, UnknownRule, load, parse_rule
 from agent.model.compile import compile
 from agent.model.nodestate import LOAD_BALANCER, NodeState, ServiceEntry
 
 from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
-from ..iptables_tracer import Ruleset, Trace, UnknownRule, load, parse_rule
 
 NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
 NODE_IPS = ("192.0.2.10", "2001:db8::10")

@@ -86,6 +86,8 @@ MAP_NAMES = (
     "kbp_ports",
     "kbp_meta",
     "kbp_ct_stats",
+    "kbp_explain",
+    "kbp_svc_drops",
 )
 
 
@@ -198,7 +200,7 @@ def _network_order_fields() -> dict[tuple[str, str], str]:
 def _field_format(struct: str, name: str, ctype: Any, network: dict) -> str:
     if name.startswith("pad"):
         return f"{ffi.sizeof(ctype)}x"
-    if ctype.kind == "array" or (struct, name) in network:
+    if ctype.kind in ("array", "struct") or (struct, name) in network:
         return f"{ffi.sizeof(ctype)}s"
     return _SCALAR[ctype.cname]
 

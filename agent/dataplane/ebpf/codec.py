@@ -61,6 +61,12 @@ def slot_backend_id(raw: bytes) -> int:
     return _SLOT_ID.unpack_from(raw, _SLOT_COPY)[0]
 
 
+def slot_backend_copy(raw: bytes) -> bytes:
+    """The copy of the backend's kbp_backends value a kbp_slots value starts with (what
+    the programs read for a new flow)."""
+    return bytes(raw[:_SLOT_COPY])
+
+
 SLOT_SIZE = _SLOT_COPY + _SLOT_ID.size  # bytes of a kbp_slots value
 NO_COPY = bytes(_SLOT_COPY)  # a slot copy of nothing, for synthetic slots (bench/maps.py)
 

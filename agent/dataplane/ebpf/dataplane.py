@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
 
@@ -34,7 +35,7 @@ from ...metrics import Metrics
 from ...model.compile import nodeport_ips
 from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
-from . import codec, external, sockdiag
+from . import codec, external, service_metrics, sockdiag
 from .abi import DROP_REASONS, MAP_NAMES, addr_bytes, const, packer, port_bytes, versioned
 from .cgroup import (
     CgroupAttachError,
@@ -114,6 +115,7 @@ class EbpfDataplane:
         self.maglev_table_size = maglev_table_size
         self._lock = threading.Lock()
         self._held: str | None = None
+        self._applied: NodeState | None = None  # the last state applied (metrics' labels)
         self._pending_writes = 0  # external map writes of the apply in progress
         self._watcher: LinkWatcher | None = None
         started = time.perf_counter()
@@ -256,6 +258,7 @@ class EbpfDataplane:
                 raise
             self.current = change.commit()
             self._held = state.revision
+            self._applied = state
             writes = change.writes.count + self._pending_writes
             self._pending_writes = 0
             backends_left = bool(change.writes.backends_to_delete)
@@ -288,9 +291,10 @@ class EbpfDataplane:
 
     # --- metrics -------------------------------------------------------------------------
 
-    def register_metrics(self, metrics: Metrics) -> None:
-        """Map fill ratios (from what the agent wrote) and the datapath's drop counters
-        (read from the kernel at each scrape)."""
+    def register_metrics(self, metrics: Metrics, service_metrics: str = "services") -> None:
+        """Map fill ratios (from what the agent wrote), the datapath's drop counters and,
+        unless service_metrics is none, per-Service traffic (read from the kernel at each
+        scrape)."""
 
         def filled(count: Callable[[KernelContent], int], size: int) -> Callable[[], float]:
             def ratio() -> float:
@@ -307,9 +311,28 @@ class EbpfDataplane:
             size = self.programs.map(name).info.max_entries
             metrics.map_fill.labels(versioned(name)).set_function(filled(count, size))
         metrics.registry.register(_DropCollector(self.programs.map("kbp_drops")))
+        if service_metrics != "none":
+            metrics.text_sections.append(self._service_traffic(service_metrics).render)
         metrics.registry.register(self.conntrack)
         if self.conntrack.interval > 0:  # counted by each sweep (a scan of the whole map)
             metrics.map_fill.labels(versioned("kbp_ct")).set_function(self.conntrack.fill_ratio)
+
+    def _service_traffic(self, mode: str) -> service_metrics.ServiceTraffic:
+        cache: dict[str, Any] = {}
+
+        def labeller() -> dict[int, tuple[str, ...]]:
+            with self._lock:
+                state, content = self._applied, self.current
+            if state is None:
+                return {}
+            if cache.get("revision") != state.revision:  # entries and ids change together
+                cache["labels"] = service_metrics.labels_of(state.services, content.services,
+                                                            mode)  # fmt: skip
+                cache["revision"] = state.revision
+            return cache["labels"]
+
+        m = self.programs.map
+        return service_metrics.ServiceTraffic(m("kbp_counters"), m("kbp_svc_drops"), labeller, mode)
 
     # --- writes --------------------------------------------------------------------------
 
@@ -343,6 +366,8 @@ class EbpfDataplane:
             counters = m("kbp_counters")
             zero = bytes(counters.value_size)
             _update(counters, [(codec.backend_key(i), zero) for i in w.counters_reset])
+            drops = m("kbp_svc_drops")  # and their drop counts, in one batch if any
+            _delete(drops, service_metrics.keys_of_ids(drops.keys(), w.counters_reset))
         _update(services, [(codec.frontend_key(k), codec.service_value(v))
                            for k, v in w.services_to_upsert.items()])  # fmt: skip
         # 4. frontends gone; 5. sets nobody points at; 6. backends no set names

@@ -305,6 +305,31 @@ class Map:
                 in_batch = ffi.new("char[]", token_size)
             ffi.memmove(in_batch, out_batch, token_size)
 
+    def values_array(self, count: int) -> bytes:
+        """The values of array indexes 0 .. count-1, back to back (per-CPU maps: every
+        CPU's, as `lookup` gives them), read in as few batches as the kernel allows: a
+        scrape reads the live prefix of a large per-CPU array without a tuple per entry."""
+        count = min(count, self.info.max_entries)
+        vs, token_size = self.value_size, max(self.key_size, 8)
+        keys = ffi.new("char[]", self.key_size * count)
+        values = ffi.new("char[]", vs * count)
+        in_batch, out_batch = ffi.NULL, ffi.new("char[]", token_size)
+        opts, done = _batch_opts(), 0
+        while done < count:
+            n = ffi.new("__u32 *", count - done)
+            rc = lib().bpf_map_lookup_batch(self.fd, in_batch, out_batch, keys + done * 4,
+                                            values + done * vs, n, opts)  # fmt: skip
+            errno = (-rc if rc != -1 else ffi.errno) if rc < 0 else 0
+            if rc < 0 and errno != 2:
+                _check(rc, f"read {self.name}")
+            done += n[0]
+            if errno == 2 or n[0] == 0:
+                break
+            if in_batch == ffi.NULL:
+                in_batch = ffi.new("char[]", token_size)
+            ffi.memmove(in_batch, out_batch, token_size)
+        return bytes(ffi.buffer(values, vs * done))
+
     def _sizes(self, key: bytes, value: bytes | None = None) -> None:
         if len(key) != self.key_size or (value is not None and len(value) != self.value_size):
             raise ValueError(
@@ -438,6 +463,11 @@ def prog_name(prog_id: int) -> str:
         return bytes(ffi.buffer(buf, 80))[64:80].split(b"\0", 1)[0].decode(errors="replace")
     finally:
         os.close(fd)
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    """An fd for the loaded program with this id (the caller closes it)."""
+    return _check(lib().bpf_prog_get_fd_by_id(prog_id), f"open program id {prog_id}")
 
 
 def prog_id(prog_fd: int) -> int:

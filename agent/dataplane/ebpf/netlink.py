@@ -429,6 +429,21 @@ class TcAttacher:
         """Our filters on every interface of the namespace."""
         return self._worker.call(self._attached)
 
+    def route_index(self, ip: str) -> int | None:
+        """The interface index this namespace routes `ip` through; None without a route."""
+        return self._worker.call(lambda: self._route_index(ip))
+
+    def _route_index(self, ip: str) -> int | None:
+        try:
+            routes = self._ipr.route("get", dst=ip)
+        except KernelNetlinkError:
+            return None
+        for route in routes:
+            oif = route.get_attr("RTA_OIF")
+            if oif:
+                return int(oif)
+        return None
+
     def addresses(self) -> dict[str, set[str]]:
         """Interface name → its IP addresses (canonical text), every interface."""
         return self._worker.call(self._addresses)

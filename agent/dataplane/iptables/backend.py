@@ -177,6 +177,33 @@ def choose_backend(requested: str, netns: str | None = None) -> tuple[Backend, s
     return available[name], reason
 
 
+def backend_holding_ours(netns: str | None = None) -> Backend | None:
+    """The backend whose tables hold kube-bpf-proxy's chains, for a reader with no agent to
+    ask (explain): the one with a KBP-STATE marker (a completed restore) first, else one
+    with any KBP- chain; nft before legacy on a tie; None when neither holds any. Reads
+    with `iptables-save` without -t, which creates no table."""
+    found: list[tuple[bool, Backend]] = []
+    for name in BACKENDS:
+        backend = find_backend(name, netns)
+        if backend is None:
+            continue
+        chains: set[str] = set()
+        for family in FAMILIES:
+            try:
+                proc = run_command(netns, [backend.save(family)])
+            except (OSError, subprocess.SubprocessError):
+                continue
+            chains |= {
+                line[1:].split(" ", 1)[0]
+                for line in proc.stdout.splitlines()
+                if line.startswith(":" + PREFIX)
+            }
+        if chains:
+            found.append((f"{PREFIX}STATE" in chains, backend))
+    marked = [backend for has_marker, backend in found if has_marker]
+    return (marked or [backend for _, backend in found] or [None])[0]
+
+
 def other_backend(backend: Backend, netns: str | None = None) -> Backend | None:
     """The backend `backend` is not, when its tools are here."""
     other = next(name for name in BACKENDS if name != backend.name)

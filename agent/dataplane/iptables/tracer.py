@@ -1,5 +1,6 @@
-"""A small model of iptables for tests: loads `iptables-restore`/`iptables-save` text into
-tables and answers "where does a packet from X to VIP:port go?" over the rules.
+"""A small model of iptables: loads `iptables-restore`/`iptables-save` text into tables and
+answers "where does a packet from X to VIP:port go?" over the rules. `explain` traces
+packets through the live rules with it (`live`); the tests through rendered documents.
 
 It knows exactly the matches and targets the iptables renderer uses and raises on anything
 else, so a rule it cannot read fails the test instead of being skipped. A `statistic` split
@@ -14,6 +15,8 @@ import ipaddress
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+
+from .backend import Backend
 
 BUILTIN_CHAINS = {
     "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
@@ -628,7 +631,7 @@ def _recent(match: Match, rule: Rule, walk: _Walk) -> list[tuple[_Walk, bool]]:
 def jump_document() -> str:
     """Our jump rules from the builtin chains (dataplane.JUMPS) as a restore input, so a
     trace starts where the kernel starts: PREROUTING, OUTPUT, INPUT, FORWARD."""
-    from agent.dataplane.iptables.dataplane import JUMPS
+    from .dataplane import JUMPS
 
     sections: dict[str, list[str]] = {"nat": [], "filter": []}
     for table, builtin, chain, position, extra, comment in JUMPS:
@@ -647,4 +650,35 @@ def load(text: str, local_addresses: tuple[str, ...] = (), *, jumps: bool = True
     ruleset.restore(text)
     if jumps:
         ruleset.restore(jump_document())
+    return ruleset
+
+
+def ours(saved: dict[str, list[str]]) -> str:
+    """The part of an `iptables-save` dump (lines per table, nat and filter) this model
+    reads: our KBP- chains with their rules and the builtin chains' jumps into them.
+    Other rules are not modelled (they may use any match), so a trace follows ours."""
+    lines = []
+    for table in ("nat", "filter"):
+        lines.append(f"*{table}")
+        for line in saved.get(table, []):
+            chain_of_ours = line.startswith((":KBP-", "-A KBP-"))
+            jump = line.startswith("-A ") and (" -j KBP-" in line or " -g KBP-" in line)
+            if chain_of_ours or jump:
+                lines.append(line)
+        lines.append("COMMIT")
+    return "\n".join(lines) + "\n"
+
+
+def live(
+    family: str,
+    local_addresses: tuple[str, ...],
+    netns: str | None = None,
+    backend: Backend | None = None,
+) -> Ruleset:
+    """The rules this network namespace holds for a family (IPv4 | IPv6), ours only, in
+    `backend` (None: the one `--iptables-backend auto` picks)."""
+    from .dataplane import _backend, _saved
+
+    ruleset = Ruleset(local_addresses)
+    ruleset.restore(ours(_saved(family, netns, _backend(backend, netns))))
     return ruleset

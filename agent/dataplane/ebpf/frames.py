@@ -1,4 +1,5 @@
-"""Build and parse Ethernet frames (IPv4/IPv6, TCP/UDP/ICMP/ICMPv6) for packet tests.
+"""Build and parse Ethernet frames (IPv4/IPv6, TCP/UDP/ICMP/ICMPv6): the packets `explain`
+runs the programs on, and the packet tests' fixtures.
 
 Pure Python with real checksums, so a test can hand a frame to BPF_PROG_TEST_RUN and
 check every field and checksum of what comes back.

@@ -1,0 +1,389 @@
+"""The eBPF half of `explain`: what the pinned maps hold for the frontend (entry, set,
+slots, live conntrack and affinity entries), and the backend the attached program picks
+for this exact packet, by running it with BPF_PROG_TEST_RUN against the live maps.
+
+The run carries KBP_EXPLAIN_MARK in its context, under which the programs write no
+conntrack, affinity or counter entry (bpf/maps.c): what they would have written lands in
+the per-CPU scratch map kbp_explain, which this module clears before and reads after.
+Must run in the node's network namespace (the programs' FIB lookups and interfaces are
+that namespace's).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..dataplane.ebpf import abi, codec, frames, libbpf
+from ..dataplane.ebpf.abi import DROP_REASONS, const, packer, versioned
+from ..dataplane.ebpf.inspect import BACKEND_FLAGS, SERVICE_FLAGS, _flags
+from ..dataplane.ebpf.libbpf import Map
+from ..dataplane.ebpf.plan import FrontendKey
+from ..model.nodestate import CLUSTER_IP, Backend, NodeState
+from .semantics import NODE, NOT_A_SERVICE, OUTSIDE, Explanation, address
+
+PROTO_NUMBERS = {"TCP": 6, "UDP": 17, "SCTP": 132}
+DEFAULT_SPORT = 40000  # the source port of the packet when --sport is not given
+TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT = 0, 2, 7
+MAPS = (
+    "kbp_services",
+    "kbp_slots",
+    "kbp_backends",
+    "kbp_ct",
+    "kbp_affinity",
+    "kbp_meta",
+    "kbp_explain",
+)
+# What a dry run leaves in kbp_explain, as the programs filled it.
+SCRATCH = "kbp_explain"
+
+
+class KernelError(RuntimeError):
+    """The maps or programs cannot be read; the message says which and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    program: str  # which program ran, and where it is attached
+    retval: int
+    packet: frames.Packet
+    scratch: Any  # struct kbp_explain of the CPU the run used
+
+
+@contextmanager
+def _maps(pin_dir: Path) -> Iterator[dict[str, Map]]:
+    with ExitStack() as stack:
+        opened = {}
+        for name in MAPS:
+            path = pin_dir / versioned(name)
+            try:
+                opened[name] = stack.enter_context(Map.pinned(str(path)))
+            except OSError as err:
+                raise KernelError(
+                    f"{path}: {os.strerror(err.errno or 0)}; is the eBPF "
+                    f"dataplane running with --bpffs {pin_dir}?"
+                ) from err
+        yield opened
+
+
+def _u32(value: int) -> bytes:
+    return struct.pack("=I", value)
+
+
+def explain_ebpf(
+    pin_dir: Path, state: NodeState, source: Any, target: Any, sport: int | None, ex: Explanation
+) -> tuple[dict[str, Any], Backend | None, list[str]]:
+    """(the report's kernel section, the backend the program chose if any, disagreements
+    with the NodeState)."""
+    sport = sport or DEFAULT_SPORT
+    fe = ex.frontend
+    dst_ip = fe.ip if fe else target.ip
+    dst_port = fe.port if fe else target.port
+    proto = PROTO_NUMBERS[ex.protocol]
+    lines: list[str] = []
+    disagree: list[str] = []
+    with _maps(pin_dir) as maps:
+        held = codec.meta_revision(maps["kbp_meta"].lookup(_u32(0)))
+        if held is None:
+            disagree.append(
+                "the maps name no NodeState revision: no apply completed since "
+                "they were created, or the last one was cut short"
+            )
+        elif held != state.revision:
+            disagree.append(
+                f"the maps hold revision {held[:19]}…, the NodeState is "
+                f"{state.revision[:19]}…: the agent is behind or the pins are "
+                "stale (another agent's, or left from an earlier run)"
+            )
+        key = FrontendKey(dst_ip, dst_port, proto, abi.family_of(dst_ip))
+        raw = maps["kbp_services"].lookup(codec.frontend_key(key))
+        svc = codec.decode_service(raw) if raw else None
+        if svc is None:
+            lines.append(
+                f"frontend:  {address(dst_ip, dst_port)}/{ex.protocol} not in kbp_services"
+            )
+            if fe is not None:
+                disagree.append(
+                    f"the NodeState has frontend {address(dst_ip, dst_port)}/"
+                    f"{ex.protocol} ({ex.service}) but kbp_services does not: "
+                    "the agent is behind, the map is full, or the pin is stale"
+                )
+        else:
+            if fe is None:
+                disagree.append(
+                    f"kbp_services has {address(dst_ip, dst_port)}/{ex.protocol} "
+                    f"(service id {svc.service_id}) but the NodeState has no such "
+                    "frontend: a stale entry"
+                )
+            lines += _service_lines(maps, svc, ex, source, disagree)
+        lines += _live_lines(maps, source.ip, sport, dst_ip, dst_port, proto, svc)
+    section: dict[str, Any] = {"dataplane": "ebpf", "lines": lines}
+    if source.kind == NODE:
+        section["summary"] = (
+            "the node's own connections are balanced at connect() by the "
+            "socket hook, which BPF_PROG_TEST_RUN cannot run: the maps above are what it reads"
+        )
+        return section, None, disagree
+    run = _dry_run(pin_dir, source, sport, dst_ip, dst_port, ex.protocol)
+    chosen, summary, outcome = _decode(run, source.ip, sport, dst_ip, dst_port, ex)
+    section["summary"] = summary
+    section["program"] = run.program
+    section["outcome"] = outcome
+    section["lines"] = lines + _scratch_lines(run.scratch)
+    if outcome != ex.outcome:
+        disagree.append(
+            f"the NodeState says {ex.outcome}, the program answered {outcome} ({summary})"
+        )
+    if chosen is not None and ex.backends and chosen not in ex.backends:
+        disagree.append(
+            f"the program chose {address(chosen.ip, chosen.port)}, which the "
+            f"NodeState's {ex.set_name} does not list"
+        )
+    if outcome != ex.outcome:
+        section["verdict"] = f"{outcome} by the kernel: {summary}"
+    elif outcome == "backends":
+        section["note"] = f"; the attached program picks it for source port {sport}"
+    else:
+        section["note"] = f" (the attached program: {summary})"
+    return section, chosen, disagree
+
+
+def _service_lines(
+    maps: dict[str, Map], svc: Any, ex: Explanation, source: Any, disagree: list[str]
+) -> list[str]:
+    lines = [
+        f"frontend:  service id {svc.service_id}, flags "
+        f"{_flags(svc.flags, SERVICE_FLAGS)}"
+        + (f", affinity {svc.affinity_timeout} s" if svc.affinity_timeout else "")
+    ]
+    outside = source.kind == OUTSIDE and (ex.frontend is None or ex.frontend.type != CLUSTER_IP)
+    set_id, count = (
+        (svc.set_id, svc.count) if outside else (svc.internal_set_id, svc.internal_count)
+    )
+    which = "external set" if outside else "internal set (pods and the node)"
+    members: list[int] = []
+    copies: dict[int, set[bytes]] = {}  # backend id -> the copies its slots carry
+    for index in range(count if set_id else 0):
+        slot = maps["kbp_slots"].lookup(codec.slot_key(set_id, index))
+        if slot is None:
+            disagree.append(f"set {set_id} lacks slot {index} of {count}: a half-written set")
+            break
+        backend_id = codec.slot_backend_id(slot)
+        members.append(backend_id)
+        copies.setdefault(backend_id, set()).add(codec.slot_backend_copy(slot))
+    lines.append(f"set:       {which} {set_id}, {count} slot{'s' if count != 1 else ''}")
+    shares: dict[int, int] = {}
+    for backend_id in members:
+        shares[backend_id] = shares.get(backend_id, 0) + 1
+    seen: set[tuple[str, int]] = set()
+    for backend_id, held in shares.items():
+        raw = maps["kbp_backends"].lookup(_u32(backend_id))
+        if raw is None:
+            lines.append(f"  slot -> backend id {backend_id}: missing from kbp_backends")
+            disagree.append(
+                f"set {set_id} names backend id {backend_id}, which kbp_backends "
+                "lacks (packets picking it are dropped: backend-gone)"
+            )
+            continue
+        if copies.get(backend_id, set()) - {bytes(raw)}:
+            disagree.append(
+                f"slots of set {set_id} carry a copy of backend id {backend_id} that differs "
+                "from kbp_backends (new flows use the slot's copy): a rewrite of the set "
+                "is missing"
+            )
+        b = codec.decode_backend(raw)
+        seen.add((b.addr, b.port))
+        lines.append(
+            f"  backend id {backend_id}: {address(b.addr, b.port)} ({held} slot"
+            f"{'s' if held != 1 else ''}, {_flags(b.flags, BACKEND_FLAGS)})"
+        )
+    wanted = {(b.ip, b.port) for b in ex.backends}
+    if ex.frontend is not None and ex.outcome != NOT_A_SERVICE and seen != wanted:
+        missing = sorted(address(*a) for a in wanted - seen)
+        extra = sorted(address(*a) for a in seen - wanted)
+        disagree.append(
+            f"the kernel's set differs from the NodeState's {ex.set_name}: "
+            + "; ".join(
+                filter(
+                    None,
+                    [
+                        f"missing {', '.join(missing)}" if missing else "",
+                        f"extra {', '.join(extra)}" if extra else "",
+                    ],
+                )
+            )
+        )
+    return lines
+
+
+def _live_lines(
+    maps: dict[str, Map], src: str, sport: int, dst: str, dport: int, proto: int, svc: Any
+) -> list[str]:
+    """The live conntrack entry of this very tuple and the client's affinity entry."""
+    family = abi.family_of(src)
+    key = packer("kbp_ct_key").pack(
+        abi.addr_bytes(src),
+        abi.addr_bytes(dst),
+        abi.port_bytes(sport),
+        abi.port_bytes(dport),
+        proto,
+        family,
+        const.KBP_CT_FORWARD,
+    )
+    lines = []
+    raw = maps["kbp_ct"].lookup(key)
+    if raw is None:
+        lines.append(f"conntrack: no entry for {address(src, sport)} -> {address(dst, dport)}")
+    else:
+        entry = abi.from_bytes("kbp_ct_entry", raw)
+        lines.append(
+            f"conntrack: live flow to {_ct_target(entry, family)} (backend id {entry.backend_id})"
+        )
+    if svc is not None and svc.flags & const.KBP_SVC_F_AFFINITY:
+        akey = packer("kbp_affinity_key").pack(abi.addr_bytes(src), svc.service_id, family)
+        raw = maps["kbp_affinity"].lookup(akey)
+        if raw is None:
+            lines.append(f"affinity:  none for {src}")
+        else:
+            _last, backend_id = packer("kbp_affinity").unpack(raw)
+            lines.append(f"affinity:  {src} -> backend id {backend_id}")
+    return lines
+
+
+def _ct_target(entry: Any, family: int) -> str:
+    return address(abi.get_addr(entry.addr, family), abi.from_be16(entry.port))
+
+
+# --- the dry run -------------------------------------------------------------------------
+
+
+def _program(source: Any) -> tuple[int, int, str]:
+    """(program fd, interface index, description) of the attached program that sees the
+    source's packets: kbp_from_pod on the pod's host veth, kbp_from_ext on the external
+    interface toward an outside client. Another interface's copy of the same program when
+    the route points at none (it decides alike)."""
+    from ..dataplane.ebpf.netlink import TcAttacher  # pyroute2
+
+    wanted = "kbp_from_ext" if source.kind == OUTSIDE else "kbp_from_pod"
+    with TcAttacher() as attacher:
+        attached = [
+            a for a in attacher.attached() if a.direction == "ingress" and a.name.startswith(wanted)
+        ]
+        route = attacher.route_index(source.ip)
+    if not attached:
+        raise KernelError(
+            f"no {wanted} program is attached in this network namespace; "
+            "run explain on the node (its network namespace) with the agent up"
+        )
+    on_route = [a for a in attached if a.index == route]
+    chosen = (on_route or attached)[0]
+    where = f"{wanted} on {chosen.ifname} ingress (program id {chosen.prog_id})"
+    if not on_route:
+        where += f"; {source.ip} is not routed through an interface with it"
+    return libbpf.prog_fd_by_id(chosen.prog_id), chosen.index, where
+
+
+def _frame(src: str, sport: int, dst: str, dport: int, protocol: str) -> bytes:
+    if protocol == "TCP":
+        return frames.tcp_frame(src, dst, sport, dport, flags="S")
+    if protocol == "UDP":
+        return frames.udp_frame(src, dst, sport, dport, b"explain")
+    raise KernelError(f"{protocol}: explain builds TCP and UDP packets only")
+
+
+def skb_context(ifindex: int) -> bytes:
+    """struct __sk_buff up to `cb`: len and pkt_type zero, mark KBP_EXPLAIN_MARK, the
+    fields up to priority zero, then ingress_ifindex and ifindex."""
+    words = [0] * 12
+    words[2] = const.KBP_EXPLAIN_MARK
+    words[9] = words[10] = ifindex
+    return struct.pack("=12I", *words)
+
+
+def _dry_run(
+    pin_dir: Path, source: Any, sport: int, dst: str, dport: int, protocol: str
+) -> RunResult:
+    fd, ifindex, where = _program(source)
+    try:
+        with Map.pinned(str(pin_dir / versioned(SCRATCH))) as scratch:
+            zero = _u32(0)
+            scratch.update(zero, bytes(scratch.value_size))
+            frame = _frame(source.ip, sport, dst, dport, protocol)
+            run = libbpf.prog_test_run(fd, frame, ctx=skb_context(ifindex))
+            raw = scratch.lookup(zero) or b""
+    finally:
+        os.close(fd)
+    return RunResult(where, run.retval, frames.parse(run.data_out), _scratch_of(raw))
+
+
+def _scratch_of(raw: bytes) -> Any:
+    """The CPU's kbp_explain the run filled (the others stay zero)."""
+    size = abi.ffi.sizeof("struct kbp_explain")
+    stride = (size + 7) // 8 * 8
+    chunks = [raw[i : i + size] for i in range(0, len(raw), stride)]
+    used = [c for c in chunks if any(c)]
+    return abi.from_bytes("kbp_explain", used[0] if used else bytes(size))
+
+
+def _decode(
+    run: RunResult, src: str, sport: int, dst: str, dport: int, ex: Explanation
+) -> tuple[Backend | None, str, str]:
+    """(chosen backend, summary, outcome) of a dry run."""
+    pkt, x = run.packet, run.scratch
+    if run.retval == TC_ACT_SHOT:
+        reasons = [DROP_REASONS.get(i, str(i)) for i in range(len(x.drops)) if x.drops[i].packets]
+        reason = ", ".join(reasons) or "no reason counted"
+        return None, f"dropped ({reason})", "dropped"
+    if run.retval == TC_ACT_REDIRECT and (
+        (pkt.proto == frames.PROTO_TCP and pkt.flags & frames.TCP_RST)
+        or pkt.proto in (frames.PROTO_ICMP, frames.PROTO_ICMPV6)
+    ):
+        what = "TCP RST" if pkt.proto == frames.PROTO_TCP else "ICMP unreachable"
+        return None, f"refused: answered with a {what} from {pkt.src}", "refused"
+    if (pkt.dst, pkt.dport) == (dst, dport):
+        if run.retval == TC_ACT_OK:
+            return None, "passes untranslated", NOT_A_SERVICE
+        return None, f"unexpected verdict {run.retval} with the packet unchanged", "unknown"
+    chosen = _backend(ex, pkt.dst, pkt.dport)
+    how = []
+    if x.service.new_flows:
+        how.append(
+            f"new flow: would write {x.ct_writes} conntrack entr"
+            f"{'y' if x.ct_writes == 1 else 'ies'}"
+            + (f" and {x.affinity_writes} affinity entry" if x.affinity_writes else "")
+        )
+    else:
+        how.append("an existing flow: conntrack or affinity kept its backend")
+    if (pkt.src, pkt.sport) != (src, sport):
+        how.append(f"source rewritten to {address(pkt.src, pkt.sport)}")
+    if run.retval == TC_ACT_REDIRECT:
+        how.append(
+            "hairpin: sent back to the client's interface"
+            if pkt.dst == src
+            else "forwarded toward another node"
+        )
+    return chosen, f"to {address(pkt.dst, pkt.dport)} ({'; '.join(how)})", "backends"
+
+
+def _backend(ex: Explanation, ip: str, port: int) -> Backend:
+    for b in ex.backends:
+        if (b.ip, b.port) == (ip, port):
+            return b
+    return Backend(ip, port, None, None, None, False, False, False, False)
+
+
+def _scratch_lines(x: Any) -> list[str]:
+    lines = []
+    if x.forward.backend_id:
+        lines.append(f"would record: a flow to backend id {x.forward.backend_id}")
+    counted = x.service
+    lines.append(
+        f"would count: {counted.packets} packet(s), {counted.new_flows} new flow(s), "
+        f"{counted.drops} drop(s) for the service; nothing was written"
+    )
+    return lines

@@ -1,0 +1,218 @@
+"""`kube-bpf-proxy explain` against a running eBPF agent in the namespace lab: the backend
+it names for a fixed source port is the one that answers a real connection from that
+port; the dry runs leave every map byte for byte as they were; a refused and a dropped
+Service are reported as such; stale maps are reported as a disagreement first.
+
+Address plan (tests/kernel/lab.py): node namespace = node-a; pods client 10.244.1.1 and
+be1..be3 10.244.1.2-4 serving TCP 8080. Services: web 10.96.0.80:80 (be1..be3), empty
+10.96.0.81:80 (no endpoints: refused), away 10.96.0.82:80 (internalTrafficPolicy Local,
+its one endpoint on node-b: dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from agent.dataplane.ebpf import abi
+from agent.dataplane.ebpf.libbpf import Map
+
+from ..conftest import BPFFS
+from .agentproc import AgentProcess, cli, run_argv
+from .lab import Lab
+
+pytestmark = pytest.mark.kernel
+
+WEB, EMPTY, AWAY = "10.96.0.80", "10.96.0.81", "10.96.0.82"
+SOURCE_PORTS = range(41001, 41013)
+SCRATCH = "kbp_explain"  # explain's own scratch map: the only one a dry run writes
+
+SERVICE = """\
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  clusterIP: {ip}
+  internalTrafficPolicy: {itp}
+  ports:
+  - {{name: http, port: 80, protocol: TCP, targetPort: 8080}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {name}-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: {name}}}
+addressType: IPv4
+ports:
+- {{name: http, port: 8080, protocol: TCP}}
+endpoints:{endpoints}
+---
+"""
+
+
+def _endpoints(ips: list[str], node: str) -> str:
+    lines = [f"\n- addresses: [{ip}]\n  conditions: {{ready: true}}\n  nodeName: {node}"
+             for ip in ips]  # fmt: skip
+    return "".join(lines) or " []"
+
+
+@contextmanager
+def agent_lab(tmp_path: Path, dataplane: str) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+    pin_dir = BPFFS / f"kbp-test-explain-{os.getpid()}-{time.monotonic_ns()}"
+    with Lab() as lab:
+        lab.add_pod("client")
+        backends = [lab.add_pod(name) for name in ("be1", "be2", "be3")]
+        for pod in backends:
+            pod.serve([8080], protos=("tcp",))
+        manifests = tmp_path / "services.yaml"
+        manifests.write_text(
+            SERVICE.format(name="web", ip=WEB, itp="Cluster",
+                           endpoints=_endpoints([p.ipv4 for p in backends], "node-a"))
+            + SERVICE.format(name="empty", ip=EMPTY, itp="Cluster", endpoints=" []")
+            + SERVICE.format(name="away", ip=AWAY, itp="Local",
+                             endpoints=_endpoints(["10.244.2.9"], "node-b"))
+        )  # fmt: skip
+        argv = run_argv(manifests, "node-a", dataplane, "--bpffs", str(pin_dir),
+                        "--conntrack-tcp-timeout-time-wait", "5m")  # fmt: skip
+        agent = AgentProcess(lab.node_ns, argv, "node-a")
+        try:
+            agent.wait_for_line("sync: applied revision")
+            yield lab, manifests, pin_dir, agent
+        finally:
+            agent.stop(signal.SIGKILL)
+            cli(lab.node_ns, "cleanup", "--bpffs", str(pin_dir))
+    assert not pin_dir.exists()
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+    with agent_lab(tmp_path, "ebpf") as found:
+        yield found
+
+
+@pytest.fixture
+def setup_iptables(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+    with agent_lab(tmp_path, "iptables") as found:
+        yield found
+
+
+def explain(lab: Lab, *args: str) -> dict:
+    done = cli(lab.node_ns, "explain", *args, "-o", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def from_agent(agent: AgentProcess, pin_dir: Path) -> list[str]:
+    address = agent.url("").removeprefix("http://")
+    return ["--metrics-bind-address", address, "--bpffs", str(pin_dir)]
+
+
+def snapshot(pin_dir: Path) -> dict[str, dict[bytes, bytes]]:
+    """Every map's every entry (per-CPU values for all CPUs), but explain's scratch."""
+    out = {}
+    for name in abi.MAP_NAMES:
+        if name == SCRATCH:
+            continue
+        with Map.pinned(str(pin_dir / abi.versioned(name))) as table:
+            out[name] = dict(table.items())
+    return out
+
+
+def chosen_address(doc: dict) -> str:
+    summary = doc["kernel"]["summary"]
+    assert summary.startswith("to "), doc
+    return summary.removeprefix("to ").split(" ", 1)[0]
+
+
+def test_the_backend_named_is_the_one_that_answers_and_nothing_changes(setup) -> None:
+    lab, _, pin_dir, agent = setup
+    client = lab.pods["client"]
+    before = snapshot(pin_dir)
+    named = {}
+    for port in SOURCE_PORTS:
+        doc = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                      "--to", f"{WEB}:80/TCP", "--sport", str(port))  # fmt: skip
+        assert doc["disagreements"] == [], doc
+        assert doc["kernel"]["outcome"] == "backends", doc
+        named[port] = chosen_address(doc)
+        assert f"picks it for source port {port}" in doc["verdict"], doc
+    after = snapshot(pin_dir)
+    for name in before:
+        assert after[name] == before[name], f"{name} changed under explain's dry runs"
+    assert len(set(named.values())) > 1, f"every source port hashed alike: {named}"
+
+    by_ip = {lab.pods[n].ipv4: n for n in ("be1", "be2", "be3")}
+    for port, address in named.items():
+        result = client.connect_many(WEB, 80, "tcp", 1, source_port=port)
+        assert result.counts == {by_ip[address.split(":")[0]]: 1}, (port, address, result)
+
+
+def test_refused_and_dropped_services_are_reported_as_the_kernel_does(setup) -> None:
+    lab, _, pin_dir, agent = setup
+    client = lab.pods["client"]
+    refused = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                      "--to", f"{EMPTY}:80/TCP")  # fmt: skip
+    assert refused["semantics"]["outcome"] == refused["kernel"]["outcome"] == "refused"
+    assert refused["verdict"].startswith("refused: no endpoints"), refused
+    assert "TCP RST" in refused["kernel"]["summary"]
+    assert client.connect_many(EMPTY, 80, "tcp", 1).errors == {"refused": 1}
+
+    dropped = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                      "--to", "default/away:http")  # fmt: skip
+    assert dropped["semantics"]["outcome"] == dropped["kernel"]["outcome"] == "dropped"
+    assert dropped["verdict"].startswith("dropped: internalTrafficPolicy Local"), dropped
+    assert "no-backend" in dropped["kernel"]["summary"]
+    assert dropped["disagreements"] == []
+    assert client.connect_many(AWAY, 80, "tcp", 1, timeout=1).errors == {"timeout": 1}
+
+
+def test_stale_maps_are_reported_first(setup) -> None:
+    """The agent gone and the pins left behind, then changed under the NodeState: explain
+    from the manifests says the maps disagree before anything else."""
+    lab, manifests, pin_dir, agent = setup
+    agent.stop(signal.SIGKILL)
+    with Map.pinned(str(pin_dir / abi.versioned("kbp_meta"))) as meta:
+        meta.update(struct.pack("=I", 0), bytes.fromhex("ab" * 32) + bytes(16))
+    be1 = lab.pods["be1"].ipv4
+    with Map.pinned(str(pin_dir / abi.versioned("kbp_backends"))) as backends:
+        for key, value in backends.items():
+            fields = abi.from_bytes("kbp_backend", value)
+            if abi.get_addr(fields.addr, abi.const.KBP_FAMILY_IPV4) == be1:
+                abi.set_addr(fields.addr, "10.244.1.250")
+                backends.update(key, abi.to_bytes(fields))
+    query = ["--manifests", str(manifests), "--node", "node-a", "--bpffs", str(pin_dir),
+             "--from", lab.pods["client"].ipv4, "--to", f"{WEB}:80/TCP"]  # fmt: skip
+    doc = explain(lab, *query)
+    text = " | ".join(doc["disagreements"])
+    assert "the maps hold revision sha256:abababab" in text, doc
+    assert f"missing {be1}:8080" in text and "extra 10.244.1.250:8080" in text, doc
+    assert doc["verdict"].endswith("[NodeState and kernel disagree: see above]")
+    table = cli(lab.node_ns, "explain", *query).stdout
+    assert table.splitlines()[2].startswith("DISAGREES:"), table
+
+
+def test_iptables_explain_traces_the_live_rules(setup_iptables) -> None:
+    lab, _, pin_dir, agent = setup_iptables
+    client = lab.pods["client"]
+    web = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                  "--to", f"{WEB}:80/TCP")  # fmt: skip
+    assert web["disagreements"] == [], web
+    assert web["kernel"]["dataplane"] == "iptables" and web["kernel"]["outcome"] == "backends"
+    shares = web["kernel"]["endpoints"]
+    assert set(shares) == {f"{lab.pods[n].ipv4}:8080" for n in ("be1", "be2", "be3")}, web
+    assert all(abs(p - 1 / 3) < 0.01 for p in shares.values()), shares
+    assert "at random per connection" in web["verdict"]
+    for address, outcome in ((EMPTY, "refused"), (AWAY, "dropped")):
+        doc = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                      "--to", f"{address}:80/TCP")  # fmt: skip
+        assert doc["kernel"]["outcome"] == doc["semantics"]["outcome"] == outcome, doc
+        assert doc["disagreements"] == [], doc
