@@ -217,11 +217,12 @@ class KmockApi:
         *payload: Any,
         before: Callable[[], None] | None = None,
         skip: int = 0,
+        where: Callable[[kmock.Request], bool] | None = None,
     ) -> None:
         """Answer the next `action` request on `resource` (one request only; the one
-        after `skip` others) with `payload` (kmock's DSL: a status code, a dict as JSON, a
-        tuple as a stream); `before` runs in kmock's loop first, e.g. to change objects
-        unseen."""
+        after `skip` others; only requests `where` accepts, when given) with `payload`
+        (kmock's DSL: a status code, a dict as JSON, a tuple as a stream); `before` runs
+        in kmock's loop first, e.g. to change objects unseen."""
 
         def effect() -> None:
             if before is not None:
@@ -229,7 +230,9 @@ class KmockApi:
 
         async def arm() -> None:  # in kmock's loop, which reads the reactions
             first = len(list(self.emulator))  # request ids count from 0
-            view = self.emulator[action, kmock.resource(resource)][lambda r: r.id >= first]
+            view = self.emulator[action, kmock.resource(resource)][
+                lambda r: r.id >= first and (where is None or where(r))
+            ]
             reaction = view[skip : skip + 1] >> effect
             for item in payload:
                 reaction = reaction << item

@@ -56,10 +56,12 @@ def keyed(name: str, keys: str, ip: str = "10.96.0.7") -> dict[str, Any]:
     return make_service(name=name, mutate=mutate)
 
 
+def is_metadata(request: kmock.Request) -> bool:
+    return "PartialObjectMetadata" in request.headers["Accept"]
+
+
 def metadata_requests(api: KmockApi, action: kmock.action) -> list[kmock.Request]:
-    return [
-        r for r in api.requests(action, NODES) if "PartialObjectMetadata" in r.headers["Accept"]
-    ]
+    return [r for r in api.requests(action, NODES) if is_metadata(r)]
 
 
 def label_watches(harness: Harness) -> float:
@@ -109,8 +111,9 @@ def test_a_topology_keyed_service_starts_a_metadata_watch_of_its_group(kmock_api
         make_slice(name="racked-1", service="racked", endpoints=endpoints()),
     )
     wait_for(lambda: other_nodes(harness) == {"node-b": {RACK: "r1"}}, "node-b's rack")
-    # The NodeState is right once the labels are in: node-b shares rack r1, node-c not.
-    assert backends(harness, "racked") == (["10.244.2.5"], RACK)
+    # The NodeState is right once the labels (and the slice, on its own watch) are in:
+    # node-b shares rack r1, node-c not.
+    wait_for(lambda: backends(harness, "racked") == (["10.244.2.5"], RACK), "racked's set")
     assert backends(harness, "plain") == (["10.244.2.5", "10.244.3.5"], "None")
 
     (listed,) = metadata_requests(kmock_api, LIST)
@@ -244,8 +247,9 @@ def test_a_gone_error_event_relists_the_metadata_watch(kmock_api, make_harness):
     harness = make_harness().start()
     wait_for(lambda: len(metadata_requests(kmock_api, WATCH)) == 1, "the metadata watch")
     gone = status_event(410, "Expired", "too old resource version")
-    kmock_api.on_next(WATCH, NODES, (gone,), before=lambda: None)
-    # The next watch of Nodes to be opened gets the 410: cut the metadata watch so it is.
+    # The next metadata watch of Nodes gets the 410 (not the own Node's watch, should it
+    # reconnect meanwhile): cut the metadata watch so that one is opened.
+    kmock_api.on_next(WATCH, NODES, (gone,), before=lambda: None, where=is_metadata)
     (watcher,) = harness.source.node_labels.watchers()
     watcher.cut("test")
     wait_for(lambda: len(metadata_requests(kmock_api, LIST)) == 2, "the relist after 410")
