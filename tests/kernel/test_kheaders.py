@@ -13,7 +13,8 @@ This machine's kernel has no kheaders, so each case runs in a private mount name
   generated merged, in one tar.xz);
 * /opt holds the image's agent path, /opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy: here a
   script that builds the eBPF dataplane (bcc compiles every program) and reports;
-* /tmp is private, so bcc unpacks into a /tmp/kheaders-<release> of its own.
+* /tmp is private, so bcc unpacks into a /tmp/kheaders-<release> of its own (a checkout
+  under /tmp is bound back into it).
 
 The machine's own mounts and files never change.
 """
@@ -116,8 +117,20 @@ def node_without_headers(tmp_path: Path, archive: Path | None) -> str:
         f"mount -t tmpfs kbp-test /lib/modules/{RELEASE}",
         "mount -t tmpfs kbp-test /opt",
         f"mkdir -p {Path(IMAGE_AGENT).parent} && cp {agent} {IMAGE_AGENT}",
-        "mount -t tmpfs kbp-test /tmp",  # last: the steps above read files under /tmp
     ]
+    # Last: the steps above read files under /tmp. A checkout under /tmp (a CI clone)
+    # would vanish with it, so it is carried over the private /tmp through /mnt.
+    if ROOT.is_relative_to("/tmp"):
+        steps += [
+            "mount -t tmpfs kbp-test /mnt",
+            "mkdir /mnt/checkout",
+            f"mount --rbind {ROOT} /mnt/checkout",
+            "mount -t tmpfs kbp-test /tmp",
+            f"mkdir -p {ROOT}",
+            f"mount --rbind /mnt/checkout {ROOT}",
+        ]
+    else:
+        steps.append("mount -t tmpfs kbp-test /tmp")
     return " && ".join(steps)
 
 
