@@ -344,34 +344,33 @@ def topology_tiers(topology: str) -> list[str]:
     return [] if topology == NO_TOPOLOGY else topology.split("+")
 
 
+# Why each topology tier of a NodeState entry (compile's `topology` field) took its set.
+_TIER_WHY = {
+    LOCAL_CLUSTER: "LocalFirst: this cluster has ready endpoints, so other clusters' "
+                   "endpoints are left out",
+    ANY_CLUSTER: "LocalFirst: no ready endpoint in this cluster, so endpoints of every "
+                 "cluster are used",
+    PREFER_SAME_ZONE: "topology PreferSameZone: every ready endpoint has a zone hint and "
+                      "some name this node's zone: only those",
+    PREFER_SAME_NODE: "topology PreferSameNode: every ready endpoint has a node hint and "
+                      "some name this node: only those",
+    NO_MATCH: "topology keys: no key is shared with a ready endpoint's node and none is "
+              "'*': no backend",
+    TOPOLOGY_KEY_ANY: "topology keys: no closer key matched; '*' takes every ready endpoint",
+}  # fmt: skip
+
+
 def _topology_why(topology: str) -> list[str]:
     tiers = topology_tiers(topology)
     if not tiers:
         return ["topology None: no hints cover every ready endpoint with one for this node, "
                 "and no topology keys"]  # fmt: skip
-    lines = []
-    for tier in tiers:
-        if tier == LOCAL_CLUSTER:
-            lines.append("LocalFirst: this cluster has ready endpoints, so other clusters' "
-                         "endpoints are left out")  # fmt: skip
-        elif tier == ANY_CLUSTER:
-            lines.append("LocalFirst: no ready endpoint in this cluster, so endpoints of every "
-                         "cluster are used")  # fmt: skip
-        elif tier == PREFER_SAME_ZONE:
-            lines.append("topology PreferSameZone: every ready endpoint has a zone hint and "
-                         "some name this node's zone: only those")  # fmt: skip
-        elif tier == PREFER_SAME_NODE:
-            lines.append("topology PreferSameNode: every ready endpoint has a node hint and "
-                         "some name this node: only those")  # fmt: skip
-        elif tier == NO_MATCH:
-            lines.append("topology keys: no key is shared with a ready endpoint's node and "
-                         "none is '*': no backend")  # fmt: skip
-        elif tier == TOPOLOGY_KEY_ANY:
-            lines.append("topology keys: no closer key matched; '*' takes every ready endpoint")
-        else:
-            lines.append(f"topology keys: {tier} is the first key this node shares with a "
-                         "ready endpoint's node: only endpoints with the same value")  # fmt: skip
-    return lines
+    return [
+        _TIER_WHY.get(tier)
+        or f"topology keys: {tier} is the first key this node shares with a ready "
+        "endpoint's node: only endpoints with the same value"
+        for tier in tiers
+    ]
 
 
 def _left_out_from_state(
