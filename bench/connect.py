@@ -166,7 +166,7 @@ def run_in_pod(
     pod: Pod, mode: str, ip: str, port: int, count: int, cgroup: Path | None = None
 ) -> dict[str, Any]:
     """The pod side in `pod` (and in `cgroup`, where the socket hooks are, if given)."""
-    from tests.kernel.lab import in_cgroup, in_netns
+    from agent.lab.toolkit import in_cgroup, in_netns
 
     argv = in_netns(pod.ns, [sys.executable, str(THIS_FILE), mode, ip, str(port), str(count)])
     argv = in_cgroup(cgroup, argv)

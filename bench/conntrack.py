@@ -93,10 +93,11 @@ class FillSampler:
 def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
     from agent.dataplane.ebpf.conntrack import Timeouts
     from agent.dataplane.ebpf.plan import MapSizes
+    from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
     from agent.model.compile import compile
     from bench.datapath import BENCH_PREFIX, BPFFS
     from tests.builders import default_nodes, make_endpoint, make_service, make_slice, state_of
-    from tests.kernel.lab import PODCLIENT, Lab, in_netns, read_line, stop_process
+    from tests.kernel.lab import Lab
 
     ct_entries = max(256, flows * 2 // args.ct_fraction)
     lost = None

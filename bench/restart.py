@@ -49,6 +49,7 @@ from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.netlink import TcAttacher
 from agent.dataplane.iptables.dataplane import cleanup as iptables_cleanup
+from agent.lab.toolkit import in_netns, ip_batch, run
 from bench.compile import RESULTS, THIS_NODE, Workload, mark
 from bench.control_plane import KmockProcess
 from bench.datapath import (
@@ -74,7 +75,6 @@ from tests.kernel.killapply import (
     resolve,
     trial,
 )
-from tests.kernel.lab import in_netns, ip_batch, run
 
 MAX_WRITE_CALLS = 60
 

@@ -43,71 +43,43 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .plan import LabNode, LabOutside, LabPlan, LabPod, outside_routes, routes
+from .toolkit import (
+    BPFFS,
+    HOST_VETH_PREFIX,
+    NODE_SYSCTLS,
+    POD_SYSCTLS,
+    PODCLIENT,
+    PODSERVER,
+    UPLINK,
+    LabError,
+    addresses,
+    alive,
+    bridge,
+    in_netns,
+    ip_batch,
+    namespaces_with,
+    node_base,
+    pids_in,
+    plug_pod,
+    sink_route,
+    sysctl,
+    wire,
+)
+from .toolkit import run as run_command
 
 RUNS_DIR = Path("/run/kube-bpf-proxy-lab")
-BPFFS = Path("/sys/fs/bpf")
 NAMESPACE_PREFIX = "kbp-lab-"
 PIN_PREFIX = "kube-bpf-proxy-lab-"
 RUN_ID = re.compile(r"^r[0-9a-f]{4}$")
 _RUN_OF_NAMESPACE = re.compile(rf"^{NAMESPACE_PREFIX}(r[0-9a-f]{{4}})-")
 _RUN_OF_PIN = re.compile(rf"^{PIN_PREFIX}(r[0-9a-f]{{4}})-")
-
-BRIDGE = "br0"
-UPLINK = "eth0"
-POD_IFNAME = "eth0"
-HOST_VETH_PREFIX = "vethkbp"
 POD_INTERFACES = f"{HOST_VETH_PREFIX}*"
-SINK = "kbpsink"
-GATEWAY_IPV4 = "169.254.1.1"
-GATEWAY_IPV6 = "fe80::1"
-
-HERE = Path(__file__).parent
-PODSERVER = HERE / "podserver.py"
-PODCLIENT = HERE / "podclient.py"
-
-
-class LabError(Exception):
-    """Building or using the lab failed; the message has the command and its stderr."""
-
-
-def run_command(argv: Sequence[str], *, input: str | None = None, timeout: float = 60) -> str:
-    """argv's stdout; LabError with its stderr when it fails."""
-    try:
-        proc = subprocess.run(
-            list(argv), input=input, capture_output=True, text=True, timeout=timeout,
-            check=False,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise LabError(f"`{' '.join(argv)}`: {err}") from err
-    if proc.returncode != 0:
-        detail = (proc.stderr or proc.stdout).strip()
-        raise LabError(f"`{' '.join(argv)}` exited {proc.returncode}: {detail}")
-    return proc.stdout
-
-
-def in_netns(ns: str, argv: Sequence[str]) -> list[str]:
-    """argv in ns's network namespace only: unlike `ip netns exec`, nsenter keeps this
-    mount namespace, so /sys/fs/bpf stays visible."""
-    return ["nsenter", f"--net=/run/netns/{ns}", "--", *argv]
-
-
-def ip_batch(ns: str, commands: Iterable[str]) -> None:
-    """Several `ip` commands in one process, inside namespace ns."""
-    lines = list(commands)
-    if lines:
-        run_command(["ip", "-n", ns, "-batch", "-"], input="\n".join(lines) + "\n")
-
-
-def sysctl(ns: str, settings: dict[str, str | int]) -> None:
-    if settings:
-        assignments = [f"{k}={v}" for k, v in settings.items()]
-        run_command(in_netns(ns, ["sysctl", "-q", "-w", *assignments]))
 
 
 @dataclass(frozen=True)
@@ -219,39 +191,21 @@ class Cluster:
 
     # -- namespaces --
 
-    def _add_namespace(self, ns: str) -> None:
+    def _add_namespace(self, ns: str, settings: dict[str, str | int] | None = None) -> None:
         run_command(["ip", "netns", "add", ns])
+        sysctl(ns, settings or {})
 
     def build_network(self) -> None:
         """The bridge namespace for the node network."""
         self._add_namespace(self.run.net_ns)
-        ip_batch(self.run.net_ns, [
-            "link set lo up",
-            f"link add {BRIDGE} type bridge",
-            f"link set {BRIDGE} up",
-        ])  # fmt: skip
+        bridge(self.run.net_ns)
 
     def build_node(self, node: LabNode, index: int) -> None:
         ns = self.run.node_ns(node.name)
-        self._add_namespace(ns)
-        # Defaults before any link exists, so every link inherits them.
-        sysctl(ns, {
-            "net.ipv4.ip_forward": 1,
-            "net.ipv6.conf.all.forwarding": 1,
-            "net.ipv4.conf.all.rp_filter": 0,
-            "net.ipv4.conf.default.rp_filter": 0,
-            "net.ipv6.conf.all.accept_dad": 0,
-            "net.ipv6.conf.default.accept_dad": 0,
-        })  # fmt: skip
+        self._add_namespace(ns, NODE_SYSCTLS)  # before any link exists: links inherit them
         port = node.name if len(node.name) <= 15 else f"node{index}"  # IFNAMSIZ
-        self._wire(ns, port)
-        commands = [
-            "link set lo up",
-            f"addr add {GATEWAY_IPV4}/32 dev lo",
-            f"link set {UPLINK} up",
-            f"link add {SINK} type veth peer name {SINK}-peer",
-            f"link set {SINK} arp off up",
-        ]
+        wire(self.run.net_ns, port, ns)
+        commands = [*node_base(ns), f"link set {UPLINK} up"]
         if node.ipv4:
             commands.append(f"addr add {node.ipv4}/32 dev {UPLINK}")
         if node.ipv6:
@@ -268,23 +222,8 @@ class Cluster:
             commands.append(f"route add {outside.ipv4}/32 dev {UPLINK} src {node.ipv4}")
         if outside is not None and node.ipv6 and outside.ipv6:
             commands.append(f"route add {outside.ipv6}/128 dev {UPLINK}")
-        for address in self.plan.service_addresses:
-            commands.append(f"route add {address}/{128 if ':' in address else 32} dev {SINK}")
+        commands += [sink_route(address) for address in self.plan.service_addresses]
         ip_batch(ns, commands)
-
-    def _wire(self, ns: str, port: str) -> None:
-        """A veth from the bridge (port) to ns, where it is born as eth0 (so no other
-        `eth0` ever exists), standing in for a wire to a switch.
-
-        A wire carries complete checksums; a veth with tx checksum offload on hands
-        CHECKSUM_PARTIAL packets on, whose L4 field holds only the pseudo-header sum.
-        The agents' XDP programs on the nodes' eth0 see no skb to ask about that and
-        update checksums as complete ones, so every sender on the bridge computes them
-        in software, as a NIC's receive path would get them."""
-        run_command(["ip", "-n", self.run.net_ns, "link", "add", port, "type", "veth",
-                     "peer", "name", UPLINK, "netns", ns])  # fmt: skip
-        ip_batch(self.run.net_ns, [f"link set {port} master {BRIDGE}", f"link set {port} up"])
-        run_command(in_netns(ns, ["ethtool", "-K", UPLINK, "tx", "off"]))
 
     def build_outside(self) -> LabOutside | None:
         """The outside client's namespace on the bridge, its traffic for external
@@ -293,14 +232,8 @@ class Cluster:
         if outside is None:
             return None
         ns = self.run.pod_ns(outside)
-        self._add_namespace(ns)
-        sysctl(ns, {
-            "net.ipv4.conf.all.rp_filter": 0,
-            "net.ipv4.conf.default.rp_filter": 0,
-            "net.ipv6.conf.all.accept_dad": 0,
-            "net.ipv6.conf.default.accept_dad": 0,
-        })  # fmt: skip
-        self._wire(ns, outside.name)  # its port on the bridge: no node has this name
+        self._add_namespace(ns, POD_SYSCTLS)
+        wire(self.run.net_ns, outside.name, ns)  # its port on the bridge: no node has this name
         commands = ["link set lo up", f"link set {UPLINK} up"]
         if outside.ipv4:
             commands.append(f"addr add {outside.ipv4}/32 dev {UPLINK}")
@@ -325,37 +258,13 @@ class Cluster:
             )  # fmt: skip
 
     def build_pods(self, node: LabNode) -> list[LabPod]:
-        node_ns = self.run.node_ns(node.name)
         pods = self.plan.pods_on(node.name)
-        node_commands: list[str] = []
-        proxy_arp: dict[str, str | int] = {}
         for number, pod in enumerate(pods, start=1):
             ns = self.run.pod_ns(pod)
-            host = f"{HOST_VETH_PREFIX}{number}"
             self._add_namespace(ns)
-            # The pod end is born inside the pod namespace: no `eth0` ever exists in the
-            # node namespace besides the uplink.
-            run_command(["ip", "-n", node_ns, "link", "add", host, "type", "veth",
-                         "peer", "name", POD_IFNAME, "netns", ns])  # fmt: skip
-            self.host_veths[pod.name] = host
-            proxy_arp[f"net.ipv4.conf.{host}.proxy_arp"] = 1
-            node_commands += [f"addr add {GATEWAY_IPV6}/64 dev {host} nodad", f"link set {host} up"]
-            pod_commands = ["link set lo up", f"link set {POD_IFNAME} up"]
-            if pod.ipv4:
-                node_commands.append(f"route add {pod.ipv4}/32 dev {host}")
-                pod_commands += [
-                    f"addr add {pod.ipv4}/32 dev {POD_IFNAME}",
-                    f"route add default via {GATEWAY_IPV4} dev {POD_IFNAME} onlink",
-                ]
-            if pod.ipv6:
-                node_commands.append(f"route add {pod.ipv6}/128 dev {host}")
-                pod_commands += [
-                    f"addr add {pod.ipv6}/128 dev {POD_IFNAME} nodad",
-                    f"route add default via {GATEWAY_IPV6} dev {POD_IFNAME}",
-                ]
-            ip_batch(ns, pod_commands)
-        sysctl(node_ns, proxy_arp)
-        ip_batch(node_ns, node_commands)
+            self.host_veths[pod.name] = f"{HOST_VETH_PREFIX}{number}"
+            plug_pod(self.run.node_ns(node.name), self.host_veths[pod.name], ns, pod.ipv4,
+                     pod.ipv6)  # fmt: skip
         return list(pods)
 
     # -- processes --
@@ -366,7 +275,7 @@ class Cluster:
             if pod.client or not (pod.tcp_ports or pod.udp_ports):
                 continue
             argv = in_netns(self.run.pod_ns(pod), [
-                python, str(PODSERVER), "--name", pod.full_name,
+                python, str(PODSERVER), "--name", pod.full_name, "--http",
                 "--tcp", ",".join(map(str, pod.tcp_ports)),
                 "--udp", ",".join(map(str, pod.udp_ports)),
             ])  # fmt: skip
@@ -441,7 +350,7 @@ class Cluster:
             int(i["n"]) * (float(i["timeout"]) + 0.5) for i in items
         ) + 30  # fmt: skip
         out = run_command(
-            in_netns(self.run.pod_ns(client), [python, str(PODCLIENT)]),
+            in_netns(self.run.pod_ns(client), [python, str(PODCLIENT), "items"]),
             input=json.dumps({"items": items}), timeout=budget,
         )  # fmt: skip
         return json.loads(out.strip().splitlines()[-1])
@@ -449,8 +358,7 @@ class Cluster:
     def node_addresses(self, node: str) -> set[str]:
         """Every address configured in node's namespace (any interface, both families):
         what a backend may see as the source of traffic the node translated."""
-        links = json.loads(run_command(["ip", "-n", self.run.node_ns(node), "-j", "addr"]))
-        return {a["local"] for link in links for a in link.get("addr_info", ()) if "local" in a}
+        return addresses(self.run.node_ns(node))
 
     def close(self) -> list[str]:
         """Stop what this process started, then remove the whole run; what went wrong."""
@@ -485,11 +393,7 @@ class Removal:
 
 
 def namespaces_of(run: Run) -> list[str]:
-    try:
-        names = os.listdir("/run/netns")
-    except FileNotFoundError:
-        return []
-    return sorted(n for n in names if n.startswith(run.prefix))
+    return namespaces_with(run.prefix)
 
 
 def pin_dirs_of(run: Run) -> list[Path]:
@@ -497,14 +401,6 @@ def pin_dirs_of(run: Run) -> list[Path]:
         return sorted(p for p in BPFFS.iterdir() if p.name.startswith(f"{PIN_PREFIX}{run.id}-"))
     except OSError:
         return []
-
-
-def pids_in(ns: str) -> list[int]:
-    try:
-        out = run_command(["ip", "netns", "pids", ns], timeout=10)
-    except LabError:
-        return []
-    return [int(pid) for pid in out.split()]
 
 
 def remove_run(run: Run) -> Removal:
@@ -518,7 +414,7 @@ def remove_run(run: Run) -> Removal:
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 5
     while pids and time.monotonic() < deadline:
-        pids = {pid for pid in pids if _alive(pid)}
+        pids = {pid for pid in pids if alive(pid)}
         time.sleep(0.05)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -537,15 +433,6 @@ def remove_run(run: Run) -> Removal:
             removal.problems.append(f"removing {pin_dir}: {err}")
     shutil.rmtree(run.workdir, ignore_errors=True)
     return removal
-
-
-def _alive(pid: int) -> bool:
-    """Whether pid still runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().split(b") ", 1)[1][:1] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def existing_runs() -> list[Run]:
@@ -569,7 +456,7 @@ def owner_running(run: Run) -> int | None:
         pid = int(record["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if pid == os.getpid() or not _alive(pid):
+    if pid == os.getpid() or not alive(pid):
         return None
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -1,10 +1,16 @@
-"""A lab pod's server, run inside the pod's network namespace: answers HTTP requests on
-its TCP ports and datagrams on its UDP ports with the pod's name, so a client can tell
-which backend served it. It also tells the source address it saw, so a client can tell
-whether its address was translated: in the HTTP header `X-Peer` (the body stays the
-name), and for UDP only when the datagram is `peer` (the answer is then `NAME ADDRESS`).
+"""A lab pod's server, run inside the pod's network namespace: answers on its TCP ports
+and datagrams on its UDP ports with the pod's name, so a client can tell which backend
+served it.
 
-Usage: python podserver.py --name NAMESPACE/NAME [--tcp 8080,9090] [--udp 5353]
+TCP: by default the name is sent at once, then every byte is echoed until the peer
+closes, so a streaming client notices any disturbance (a reset, a lost or misrouted
+segment). With --http it answers one HTTP request instead (the `lab` command's clients),
+the name as the body and the source address it saw in the header `X-Peer`.
+
+With --report-peer every answer is "NAME PEER-ADDRESS", so a client also learns whether
+its source was translated; a UDP datagram `peer` asks for that answer in any case.
+
+Usage: podserver.py --name NAME [--tcp 80,8080] [--udp 53] [--http] [--report-peer]
 Prints `ready` on stdout once every socket is bound (IPv4 and IPv6 on each port).
 Standalone on purpose (no package imports): it starts in well under a second.
 """
@@ -26,10 +32,11 @@ PEER_HEADER = "X-Peer"  # the HTTP header with the source address the server saw
 
 
 class NameReplier(asyncio.DatagramProtocol):
-    """UDP: answer each datagram with the pod's name."""
+    """UDP: answer each datagram with the pod's name (and the sender's address)."""
 
-    def __init__(self, name: bytes) -> None:
+    def __init__(self, name: bytes, report_peer: bool) -> None:
         self.name = name
+        self.report_peer = report_peer
         self.transport: asyncio.DatagramTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -37,8 +44,8 @@ class NameReplier(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
         if self.transport is not None:
-            answer = self.name + (f" {addr[0]}".encode() if data == PEER_REQUEST else b"")
-            self.transport.sendto(answer + b"\n", addr)
+            peer = self.report_peer or data == PEER_REQUEST
+            self.transport.sendto(self.name + (f" {addr[0]}".encode() if peer else b""), addr)
 
     def error_received(self, exc: Exception) -> None:
         pass  # an ICMP error about an earlier reply: nothing to do
@@ -70,8 +77,10 @@ def http_answer(name: str, peer: str) -> bytes:
     return head.encode() + body
 
 
-async def serve(name: str, tcp_ports: list[int], udp_ports: list[int]) -> None:
-    async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def serve(
+    name: str, tcp_ports: list[int], udp_ports: list[int], http: bool, report_peer: bool
+) -> None:
+    async def on_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 await reader.readuntil(b"\r\n\r\n")
@@ -83,17 +92,34 @@ async def serve(name: str, tcp_ports: list[int], udp_ports: list[int]) -> None:
         finally:
             writer.close()
 
+    async def on_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        greeting = name
+        if report_peer:
+            greeting += f" {writer.get_extra_info('peername')[0]}"
+        try:
+            writer.write((greeting + "\n").encode())
+            await writer.drain()
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass  # the client reset or vanished: nothing to answer any more
+        finally:
+            writer.close()
+
     loop = asyncio.get_running_loop()
     servers = []
     for family in (socket.AF_INET, socket.AF_INET6):
         for port in tcp_ports:
             sock = bound_socket(family, socket.SOCK_STREAM, port)
-            servers.append(
-                await asyncio.start_server(on_connection, sock=sock, backlog=512, limit=MAX_REQUEST)
-            )
+            servers.append(await asyncio.start_server(
+                on_http if http else on_stream, sock=sock, backlog=512, limit=MAX_REQUEST,
+            ))  # fmt: skip
         for port in udp_ports:
             sock = bound_socket(family, socket.SOCK_DGRAM, port)
-            await loop.create_datagram_endpoint(lambda: NameReplier(name.encode()), sock=sock)
+            await loop.create_datagram_endpoint(
+                lambda: NameReplier(name.encode(), report_peer), sock=sock
+            )
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(signum, stop.set)
@@ -114,10 +140,12 @@ def ports(text: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", required=True)
-    parser.add_argument("--tcp", type=ports, default=[], help="comma-separated HTTP ports")
+    parser.add_argument("--tcp", type=ports, default=[], help="comma-separated TCP ports")
     parser.add_argument("--udp", type=ports, default=[], help="comma-separated UDP ports")
+    parser.add_argument("--http", action="store_true", help="TCP answers one HTTP request")
+    parser.add_argument("--report-peer", action="store_true", help="answer 'NAME PEER-ADDRESS'")
     args = parser.parse_args()
-    asyncio.run(serve(args.name, args.tcp, args.udp))
+    asyncio.run(serve(args.name, args.tcp, args.udp, args.http, args.report_peer))
 
 
 if __name__ == "__main__":

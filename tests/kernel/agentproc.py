@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .lab import LabError, in_netns, run
+from agent.lab.toolkit import LabError, in_netns, run
 
 ROOT = Path(__file__).parents[2]
 POD_INTERFACES = "vethkbp*"  # the lab's host veths (tests/kernel/lab.py HOST_VETH_PREFIX)

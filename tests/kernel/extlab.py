@@ -36,19 +36,17 @@ node would forward it along its default route; the lab never lets it leave.
 cgroup2 directory (kbp-test-<pid>-<n> under the cgroup2 mount), which the eBPF agent gets
 as `--cgroup-root`: its socket hooks see exactly those processes.
 
-Backends in this lab run tests/kernel/podserver.py with --report-peer: each answer is
+Backends in this lab run agent/lab/podserver.py with --report-peer: each answer is
 "<pod name> <peer address the pod saw>", so a client learns both which pod
-served it and whether its source address was translated. tests/kernel/podclient.py
+served it and whether its source address was translated. agent/lab/podclient.py
 counts those answers as they are.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -57,30 +55,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .agentproc import AgentProcess, run_argv
-from .agentproc import cli as agent_cli
-from .lab import (
-    NAMESPACE_PREFIX,
-    SINK,
-    Lab,
-    NamespaceLab,
-    Pod,
-    Result,
+from agent.lab.toolkit import (
+    BPFFS,
+    NO_DAD,
+    Built,
+    addresses,
+    bridge,
     cgroup2_mount,
-    client_argv,
-    client_result,
-    delete_namespaces,
+    in_cgroup,
     in_netns,
     ip_batch,
     run,
-    sysctl,
+    sink_route,
+    wire,
 )
+
+from .agentproc import AgentProcess, run_argv
+from .agentproc import cli as agent_cli
+from .lab import NAMESPACE_PREFIX, Lab, Pod, Result, client_argv, client_result
 
 log = logging.getLogger(__name__)
 
-BPFFS = Path("/sys/fs/bpf")
 EXTERNAL_IFNAME = "eth0"
-BRIDGE = "br0"
 EXTERNAL_IPV4_CIDR = "203.0.113.0/24"  # VIPs and ExternalIPs: routed into the sink on nodes
 LB_VIP = "203.0.113.9"
 EXTERNAL_IP = "203.0.113.7"
@@ -151,8 +147,7 @@ class Node:
 
     def addresses(self) -> set[str]:
         """Every address configured in the node namespace (any interface, both families)."""
-        links = json.loads(self.run("ip", "-j", "addr", "show"))
-        return {a["local"] for link in links for a in link.get("addr_info", ())}
+        return addresses(self.ns)
 
     def agent_flags(self, dataplane: str) -> list[str]:
         """The eBPF-specific and per-node settings of this node's agent."""
@@ -170,46 +165,28 @@ class Node:
         return agent_cli(self.ns, *args, timeout=timeout)
 
 
-class ExtLab(NamespaceLab):
+class ExtLab(Built):
     """Both nodes, the bridge and the outside clients; a context manager that stops the
     agents and removes everything (namespaces, pins, cgroups) on exit, also when building
     it failed half-way."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-ext{next(_labs)}"
+        super().__init__(f"ext lab {self.name}")
         self.bridge_ns = f"{self.name}-bridge"
         self.outside = {name: f"{self.name}-{name}" for name in OUTSIDE_PLANS}
         self.nodes: dict[str, Node] = {}
         self.dataplane: str | None = None
-        self._labs: list[Lab] = []
-        self._cgroups: list[Path] = []
-        self._pin_dirs: list[Path] = []
 
     # -- lifecycle --
 
-    def _add_namespace(self, ns: str, settings: dict[str, str | int] | None = None) -> None:
-        super()._add_namespace(ns)
-        sysctl(ns, {
-            "net.ipv6.conf.all.accept_dad": 0,
-            "net.ipv6.conf.default.accept_dad": 0,
-            **(settings or {}),
-        })  # fmt: skip
-
     def _plug(self, ns: str, bridge_end: str, *, xdp_tx_peer: bool = False) -> None:
-        """A veth from the bridge to ns, named eth0 there (born inside ns). `xdp_tx_peer`:
-        eth0 runs the agent's XDP program, whose XDP_TX sends frames back into bridge_end."""
-        run(["ip", "-n", self.bridge_ns, "link", "add", bridge_end, "type", "veth",
-             "peer", "name", EXTERNAL_IFNAME, "netns", ns])  # fmt: skip
-        ip_batch(self.bridge_ns, [f"link set {bridge_end} master {BRIDGE} up"])
+        """A wire from the bridge to ns, named eth0 there. `xdp_tx_peer`: eth0 runs the
+        agent's XDP program, whose XDP_TX sends frames back into bridge_end (the XDP
+        rewrite that needs complete checksums: bpf/lib/nat.h nat_rewrite_frame)."""
+        wire(self.bridge_ns, bridge_end, ns, EXTERNAL_IFNAME)
         if xdp_tx_peer:
             self._attach_xdp_pass(bridge_end)
-        # The veths stand in for wires, and a wire carries complete checksums: with
-        # checksum offload on, a sender's veth passes CHECKSUM_PARTIAL packets on, whose
-        # L4 field holds only the pseudo-header sum. XDP has no skb to ask about that and
-        # updates checksums as complete ones (bpf/lib/nat.h nat_rewrite_frame), so the
-        # sending ends compute them in software, as a NIC's receive path would see them.
-        run(in_netns(ns, ["ethtool", "-K", EXTERNAL_IFNAME, "tx", "off"]))
 
     def _attach_xdp_pass(self, bridge_end: str) -> None:
         """Attach a native XDP program that passes everything to the bridge end of a node's
@@ -242,7 +219,7 @@ class ExtLab(NamespaceLab):
         from agent.dataplane.ebpf import libbpf
 
         pin_dir.mkdir()
-        self._pin_dirs.append(pin_dir)
+        self.undo.pin_dir(pin_dir)
         module = BPF(text=XDP_PASS_C.encode())
         try:
             function = module.load_func(XDP_PASS_NAME.encode(), BPF.XDP)
@@ -253,15 +230,11 @@ class ExtLab(NamespaceLab):
 
     def _build(self) -> None:
         mount = cgroup2_mount()
-        self._add_namespace(self.bridge_ns)
-        ip_batch(self.bridge_ns, [
-            "link set lo up",
-            f"link add {BRIDGE} type bridge stp_state 0 mcast_snooping 0",
-            f"link set {BRIDGE} up",
-        ])  # fmt: skip
+        self.undo.namespace(self.bridge_ns, NO_DAD)
+        bridge(self.bridge_ns, "stp_state 0 mcast_snooping 0")
         for plan in NODE_PLANS:
             lab = Lab(plan.number)
-            self._labs.append(lab)
+            self.undo.push(f"closing node {plan.name}", lab.close)
             lab.__enter__()  # lab.py's node: sysctls, lo gateway, kbpsink, ClusterIP routes
             self._plug(lab.node_ns, f"{plan.name[-1]}-{EXTERNAL_IFNAME}", xdp_tx_peer=True)
             (peer,) = [p for p in NODE_PLANS if p is not plan]
@@ -272,17 +245,16 @@ class ExtLab(NamespaceLab):
                 f"link set {EXTERNAL_IFNAME} up",
                 f"route add {peer_v4} via {peer.ipv4} dev {EXTERNAL_IFNAME}",
                 f"route add {peer_v6} via {peer.ipv6} dev {EXTERNAL_IFNAME}",
-                f"route add {EXTERNAL_IPV4_CIDR} dev {SINK}",
+                sink_route(EXTERNAL_IPV4_CIDR),
             ])  # fmt: skip
-            cgroup = mount / f"kbp-test-{os.getpid()}-{next(_cgroups)}"
-            cgroup.mkdir()
-            self._cgroups.append(cgroup)
-            pin_dir = BPFFS / f"kbp-test-ext-{os.getpid()}-{time.monotonic_ns()}-{plan.name}"
-            self._pin_dirs.append(pin_dir)
+            cgroup = self.undo.cgroup(mount / f"kbp-test-{os.getpid()}-{next(_cgroups)}")
+            pin_dir = self.undo.pin_dir(
+                BPFFS / f"kbp-test-ext-{os.getpid()}-{time.monotonic_ns()}-{plan.name}"
+            )
             self.nodes[plan.name] = Node(plan, lab, pin_dir, cgroup)
         for number, (name, (ipv4, ipv6)) in enumerate(OUTSIDE_PLANS.items(), start=1):
-            ns = self.outside[name]
-            self._add_namespace(ns, {"net.ipv4.conf.all.rp_filter": 0})
+            ns = self.undo.namespace(self.outside[name],
+                                        {**NO_DAD, "net.ipv4.conf.all.rp_filter": 0})  # fmt: skip
             self._plug(ns, f"o{number}-{EXTERNAL_IFNAME}")
             via = NODE_PLANS[0].ipv4
             ip_batch(ns, [
@@ -294,8 +266,9 @@ class ExtLab(NamespaceLab):
                 f"route add {EXTERNAL_IP}/32 via {via} dev {EXTERNAL_IFNAME}",
             ])  # fmt: skip
 
-    def close(self) -> None:
-        """Stop agents, remove pins, namespaces (links and routes go with them), cgroups."""
+    def close(self) -> list[str]:
+        """Stop agents, then undo the build: pins, cgroups, namespaces (links and routes
+        go with them), the nodes' labs."""
         for node in self.nodes.values():
             if node.agent is not None:
                 try:
@@ -304,27 +277,7 @@ class ExtLab(NamespaceLab):
                     log.exception("ext lab %s: stopping the agent of %s failed", self.name,
                                   node.name)  # fmt: skip
                 node.agent = None
-        for lab in reversed(self._labs):
-            lab.close()  # pod processes first, then the node and pod namespaces
-        self._labs.clear()
-        delete_namespaces(self._namespaces, f"ext lab {self.name}")
-        for pin_dir in self._pin_dirs:
-            shutil.rmtree(pin_dir, ignore_errors=True)
-        self._pin_dirs.clear()
-        for cgroup in self._cgroups:
-            # Processes leave a cgroup as they exit; the clients ran to completion, but
-            # the kernel may take a moment to let go of the last one.
-            for _ in range(50):
-                try:
-                    cgroup.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)
-            else:
-                log.warning("ext lab %s: cgroup %s could not be removed", self.name, cgroup)
-        self._cgroups.clear()
+        return super().close()
 
     # -- pods and servers --
 
@@ -388,9 +341,7 @@ class ExtLab(NamespaceLab):
             return client_result(in_netns(self.outside[source], client), n, timeout)
         node = self.nodes[source]
         # Join the cgroup first, then become the client: everything it does is the node's.
-        argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(node.cgroup / "cgroup.procs"),
-                *in_netns(node.ns, client)]  # fmt: skip
-        return client_result(argv, n, timeout)
+        return client_result(in_cgroup(node.cgroup, in_netns(node.ns, client)), n, timeout)
 
     def route_via(self, source: str, prefix: str, node: str) -> None:
         """Route `prefix` from an outside namespace via a node's IPv4 address (replacing

@@ -36,16 +36,13 @@ instead, which also gives the node an IPv4 source for ARP and ICMP errors.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import itertools
 import json
 import logging
 import os
 import re
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -55,130 +52,38 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+
+from agent.lab.toolkit import (
+    NODE_SYSCTLS,
+    POD_SYSCTLS,
+    PODCLIENT,
+    PODSERVER,
+    Built,
+    LabError,
+    cgroup2_mount,
+    in_cgroup,
+    in_netns,
+    ip_batch,
+    link_index,
+    namespaces_with,
+    node_base,
+    plug_pod,
+    read_line,
+    run,
+    sink_route,
+    stop_process,
+)
 
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).parent
-PODSERVER = HERE / "podserver.py"
-PODCLIENT = HERE / "podclient.py"
-
 NAMESPACE_PREFIX = "kbp-lab-"
 HOST_VETH_PREFIX = "vethkbp"
-POD_IFNAME = "eth0"
-GATEWAY_IPV4 = "169.254.1.1"
-GATEWAY_IPV6 = "fe80::1"
 CLUSTER_IPV4_CIDR = "10.96.0.0/16"
 CLUSTER_IPV6_CIDR = "fd00:96::/112"
-SINK = "kbpsink"  # where Service traffic that nothing translated goes (see above)
 MAX_PODS = 254
 
 _labs = itertools.count()
 _POD_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
-
-
-class LabError(Exception):
-    """Building or using the lab failed; the message has the command and its stderr."""
-
-
-def run(argv: Sequence[str], *, input: str | None = None, timeout: float = 30) -> str:
-    """Run argv to completion (input on its stdin); its stdout, or LabError with the
-    command and its stderr when it exits non-zero."""
-    proc = subprocess.run(
-        list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if proc.returncode != 0:
-        raise LabError(
-            f"`{' '.join(argv)}` exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()}"
-        )
-    return proc.stdout
-
-
-def ip_batch(ns: str, commands: Iterable[str]) -> None:
-    """Several `ip` commands in one process, inside namespace ns."""
-    run(["ip", "-n", ns, "-batch", "-"], input="\n".join(commands) + "\n")
-
-
-def in_netns(ns: str, argv: Sequence[str]) -> list[str]:
-    """argv run in ns's network namespace only: unlike `ip netns exec`, nsenter keeps this
-    mount namespace, so /sys/fs/bpf stays visible."""
-    return ["nsenter", f"--net=/run/netns/{ns}", *argv]
-
-
-def cgroup2_mount() -> Path:
-    """Where cgroup2 is mounted (/sys/fs/cgroup on unified hosts, .../unified on hybrid)."""
-    with open("/proc/mounts") as mounts:
-        for line in mounts:
-            _, path, fstype, *_ = line.split()
-            if fstype == "cgroup2":
-                return Path(path)
-    raise LabError("no cgroup2 mount in /proc/mounts")
-
-
-def in_cgroup(cgroup: Path | None, argv: Sequence[str]) -> list[str]:
-    """argv run inside `cgroup` (a cgroup2 directory; None: where we are): a shell joins
-    it, then execs argv, so the process is born there."""
-    if cgroup is None:
-        return list(argv)
-    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup / "cgroup.procs"), *argv]
-
-
-def remove_cgroup(path: Path) -> None:
-    """Move any process still inside to the parent (only ours can be there), then rmdir."""
-    for _ in range(50):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            for pid in (path / "cgroup.procs").read_text().split():
-                with contextlib.suppress(OSError):  # it exited meanwhile
-                    (path.parent / "cgroup.procs").write_text(pid)
-            time.sleep(0.1)
-    path.rmdir()
-
-
-def sysctl(ns: str, settings: dict[str, str | int]) -> None:
-    """Set these sysctls (name → value) in namespace ns, in one process."""
-    run(in_netns(ns, ["sysctl", "-q", "-w", *(f"{k}={v}" for k, v in settings.items())]))
-
-
-def delete_namespaces(namespaces: list[str], owner: str) -> None:
-    """Delete these namespaces, the last made first (their links and routes go with them),
-    and empty the list; a failure is logged with `owner` (who made them), not raised, so
-    a clean-up goes on with the rest."""
-    for ns in reversed(namespaces):
-        proc = subprocess.run(
-            ["ip", "netns", "delete", ns], capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0 and os.path.exists(f"/run/netns/{ns}"):
-            log.warning("%s: deleting netns %s failed: %s", owner, ns, proc.stderr)
-    namespaces.clear()
-
-
-def stop_process(proc: subprocess.Popen, grace: float = 2.0) -> None:
-    """SIGTERM proc if it still runs, SIGKILL it after `grace` seconds, and close its
-    pipes."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for pipe in (proc.stdout, proc.stderr, proc.stdin):
-        if pipe is not None:
-            pipe.close()
-
-
-def read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """One line of proc's stdout, waiting at most timeout seconds ("" on EOF)."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise LabError(f"`{' '.join(proc.args)}` printed nothing within {timeout}s")
-    return proc.stdout.readline()
 
 
 @dataclass
@@ -311,7 +216,8 @@ class Pod:
         ports = list(ports)
         argv = self.argv(
             [sys.executable, str(PODSERVER), "--name", self.name,
-             "--ports", ",".join(map(str, ports)), "--protos", ",".join(protos),
+             *(["--tcp", ",".join(map(str, ports))] if "tcp" in protos else []),
+             *(["--udp", ",".join(map(str, ports))] if "udp" in protos else []),
              *(["--report-peer"] if report_peer else [])],
         )  # fmt: skip
         log_path = self.lab.workdir / f"{self.name}-server-{len(self.processes)}.log"
@@ -358,37 +264,7 @@ class Pod:
         self.processes.clear()
 
 
-class NamespaceLab:
-    """What every lab shares: a context manager that builds the lab on entry and removes
-    all of it (close) on exit, also when building it failed half-way, and the list of
-    namespaces it made, for close to delete."""
-
-    def __init__(self) -> None:
-        self._namespaces: list[str] = []
-
-    def __enter__(self) -> Self:
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _build(self) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def _add_namespace(self, ns: str) -> None:
-        run(["ip", "netns", "add", ns])
-        self._namespaces.append(ns)
-
-
-class Lab(NamespaceLab):
+class Lab(Built):
     """A node namespace and its pods; a context manager that removes all of it on exit,
     also when building it failed half-way."""
 
@@ -396,58 +272,41 @@ class Lab(NamespaceLab):
         """`cgroup`: make a cgroup for the pods' processes (see the plan above)."""
         if not 1 <= node <= 254:
             raise ValueError(f"node number must be 1..254, not {node}")
-        super().__init__()
+        self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_labs)}"
+        super().__init__(f"lab {self.name}")
         self.node = node
         self._want_cgroup = cgroup
         self.cgroup: Path | None = None
-        self.name = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_labs)}"
         self.node_ns = self.name
         self.pods: dict[str, Pod] = {}
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        self.undo.push("removing the workdir", lambda: shutil.rmtree(self.workdir, True))
         self._numbers = itertools.count(1)
 
     # -- lifecycle --
 
     def _build(self) -> None:
         if self._want_cgroup:
-            cgroup = cgroup2_mount() / self.name
-            cgroup.mkdir()
-            self.cgroup = cgroup
-        self._add_namespace(self.node_ns)
-        # Defaults before any link exists, so host veths inherit them.
-        sysctl(self.node_ns, {
-            "net.ipv4.ip_forward": 1,
-            "net.ipv6.conf.all.forwarding": 1,
-            "net.ipv4.conf.all.rp_filter": 0,
-            "net.ipv4.conf.default.rp_filter": 0,
-            "net.ipv6.conf.all.accept_dad": 0,
-            "net.ipv6.conf.default.accept_dad": 0,
-        })  # fmt: skip
+            self.cgroup = self.undo.cgroup(cgroup2_mount() / self.name)
+        self.undo.namespace(self.node_ns, NODE_SYSCTLS)
         ip_batch(self.node_ns, [
-            "link set lo up",
-            f"addr add {GATEWAY_IPV4}/32 dev lo",
-            f"link add {SINK} type veth peer name {SINK}-peer",
-            f"link set {SINK} arp off up",
-            f"route add {CLUSTER_IPV4_CIDR} dev {SINK}",
-            f"route add {CLUSTER_IPV6_CIDR} dev {SINK}",
+            *node_base(self.node_ns),
+            sink_route(CLUSTER_IPV4_CIDR),
+            sink_route(CLUSTER_IPV6_CIDR),
         ])  # fmt: skip
 
-    def close(self) -> None:
-        """Stop pod processes, delete every namespace (links and routes go with them)."""
+    def close(self) -> list[str]:
+        """Stop pod processes, delete every namespace (links and routes go with them),
+        the cgroup and the workdir."""
         for pod in self.pods.values():
             try:
                 pod.stop_processes()
             except Exception:
                 log.exception("lab %s: stopping processes of pod %s failed", self.name, pod.name)
-        delete_namespaces(self._namespaces, f"lab {self.name}")
         self.pods.clear()
-        if self.cgroup is not None:
-            try:
-                remove_cgroup(self.cgroup)
-            except OSError:
-                log.exception("lab %s: removing cgroup %s failed", self.name, self.cgroup)
-            self.cgroup = None
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        problems = super().close()
+        self.cgroup = None
+        return problems
 
     # -- pods --
 
@@ -466,33 +325,9 @@ class Lab(NamespaceLab):
         # The IPv6 groups repeat the IPv4 digits (pod 10 on node 1: fd00:244:1::10).
         ipv6 = str(ipaddress.IPv6Address(f"fd00:244:{self.node}::{number}"))
 
-        self._add_namespace(ns)
-        sysctl(ns, {
-            "net.ipv4.conf.all.rp_filter": 0,
-            "net.ipv4.conf.default.rp_filter": 0,
-            "net.ipv6.conf.all.accept_dad": 0,
-            "net.ipv6.conf.default.accept_dad": 0,
-        })  # fmt: skip
-        # The pod end is born inside the pod namespace: no `eth0` ever exists in the node.
-        run(["ip", "-n", self.node_ns, "link", "add", host, "type", "veth",
-             "peer", "name", POD_IFNAME, "netns", ns])  # fmt: skip
-        sysctl(self.node_ns, {f"net.ipv4.conf.{host}.proxy_arp": 1})
-        ip_batch(self.node_ns, [
-            f"addr add {GATEWAY_IPV6}/64 dev {host} nodad",
-            f"link set {host} up",
-            f"route add {ipv4}/32 dev {host}",
-            f"route add {ipv6}/128 dev {host}",
-        ])  # fmt: skip
-        ip_batch(ns, [
-            "link set lo up",
-            f"addr add {ipv4}/32 dev {POD_IFNAME}",
-            f"addr add {ipv6}/128 dev {POD_IFNAME} nodad",
-            f"link set {POD_IFNAME} up",
-            f"route add default via {GATEWAY_IPV4} dev {POD_IFNAME} onlink",
-            f"route add default via {GATEWAY_IPV6} dev {POD_IFNAME}",
-        ])  # fmt: skip
-        (link,) = json.loads(run(["ip", "-n", self.node_ns, "-j", "link", "show", host]))
-        pod = Pod(self, name, number, ns, host, link["ifindex"], ipv4, ipv6)
+        self.undo.namespace(ns, POD_SYSCTLS)
+        plug_pod(self.node_ns, host, ns, ipv4, ipv6)
+        pod = Pod(self, name, number, ns, host, link_index(self.node_ns, host), ipv4, ipv6)
         self.pods[name] = pod
         return pod
 
@@ -503,8 +338,7 @@ class Lab(NamespaceLab):
         # Deleting the link is synchronous; a namespace is torn down later by a kernel
         # worker, so its veth would linger for a moment after `ip netns delete`.
         run(["ip", "-n", self.node_ns, "link", "delete", pod.host_ifname])
-        run(["ip", "netns", "delete", pod.ns])
-        self._namespaces.remove(pod.ns)
+        self.undo.undo_now(f"deleting netns {pod.ns}")
 
     def run_in_node(self, *argv: str, timeout: float = 30) -> str:
         """Run a command in the node namespace (bpffs stays visible); its stdout."""
@@ -513,9 +347,4 @@ class Lab(NamespaceLab):
 
 def lab_namespaces(pid: int | None = None) -> list[str]:
     """Lab namespaces that exist now (of this process by default): for leak checks."""
-    prefix = f"{NAMESPACE_PREFIX}{os.getpid() if pid is None else pid}-"
-    try:
-        names = os.listdir("/run/netns")
-    except FileNotFoundError:
-        return []
-    return sorted(name for name in names if name.startswith(prefix))
+    return namespaces_with(f"{NAMESPACE_PREFIX}{os.getpid() if pid is None else pid}-")

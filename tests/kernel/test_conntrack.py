@@ -21,8 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 from agent.dataplane.ebpf.plan import MapSizes
+from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
 
-from .lab import PODCLIENT, Lab, in_netns, read_line, stop_process
+from .lab import Lab
 from .test_dataplane import DATAPLANES, Env, backends, not_on, service
 
 pytestmark = pytest.mark.kernel

@@ -9,7 +9,9 @@ import re
 
 import pytest
 
-from .lab import Lab, LabError, lab_namespaces
+from agent.lab.toolkit import LabError
+
+from .lab import Lab, lab_namespaces
 
 PORT = 8080
 CONNECTIONS = 10

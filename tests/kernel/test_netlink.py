@@ -23,8 +23,9 @@ from agent.dataplane.ebpf.netlink import (
     PodInterfaces,
     TcAttacher,
 )
+from agent.lab.toolkit import SINK
 
-from .lab import SINK, Lab
+from .lab import Lab
 
 PORT = 8080
 CONNECTIONS = 5

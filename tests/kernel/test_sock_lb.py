@@ -41,10 +41,11 @@ from agent.dataplane.ebpf.abi import const, ffi, from_be16, from_bytes, get_addr
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.plan import FrontendKey, MapSizes
+from agent.lab.toolkit import LabError, in_netns, remove_cgroup
 from agent.model.compile import compile
 
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
-from .lab import Lab, LabError, in_netns, remove_cgroup
+from .lab import Lab
 
 BACKENDS = ("be1", "be2", "be3")
 NODE_IP4, NODE_IP6 = "192.0.2.10", "2001:db8::10"
