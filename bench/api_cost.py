@@ -104,7 +104,7 @@ class Cluster:
     (eight pools of 34-76 images), so 5,000 Node dicts fit in memory."""
 
     def __init__(self, nodes: int, services: int, endpoints: int, seed: int = 1) -> None:
-        from bench.compile import Generator, Workload
+        from bench.common.workload import Generator, Workload
 
         self.rng = random.Random(seed)
         headless = services // 10
@@ -995,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    from bench.compile import RESULTS, machine, mark
+    from bench.common.report import machine, mark, results_path, write_results
 
     started = time.monotonic()
     info = machine()
@@ -1104,9 +1104,8 @@ def orchestrate(args: argparse.Namespace) -> int:
         "agent_metrics": agent_metrics,
         "load_average_end": load,
     }
-    path = args.json or RESULTS / ("api_cost-quick.json" if args.quick else "api_cost.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    path = results_path(args, "api_cost")
+    write_results(path, result)
     print(f"results: {path}")
     return 0
 

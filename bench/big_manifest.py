@@ -28,30 +28,32 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.compile import RESULTS, fmt_s, machine, mark  # noqa: E402
-from bench.http_load import healthz_handler, probe  # noqa: E402
-from tests.bigmanifest import write_list  # noqa: E402
+from bench.common.probe import (
+    Probe,
+    ProbeFigures,
+    cell,
+    healthz_handler,
+    probe_figures,
+    probe_until,
+)
+from bench.common.report import ROOT, fmt_s, machine, mark, results_path, write_results
+from tests.bigmanifest import write_list
 
 TARGET = 1.0  # seconds: every probe answered within this
 WAYS = {"in the agent's process": "inline", "parser child process": "child"}
 
 
 @dataclass
-class Figures:
+class Figures(ProbeFigures):
     way: str
     load_seconds: float
     objects: int
     reports: int
     worker_peak_rss_mib: float
     child_peak_rss_mib: float
-    probes: int
-    over_target: int
-    median: float | None
-    p99: float | None
-    worst: float | None
 
 
 def worker(mode: str, path: Path) -> None:
@@ -91,16 +93,11 @@ def measure(way: str, mode: str, path: Path, args: argparse.Namespace) -> Figure
     )  # fmt: skip
     assert process.stdin is not None and process.stdout is not None
     port = json.loads(process.stdout.readline())["port"]
-    results: list[tuple[float, str | None]] = []
+    results: list[Probe] = []
     done = threading.Event()
-
-    def prober() -> None:
-        while not done.is_set():
-            started = time.monotonic()
-            results.append(probe(port, args.probe_timeout))
-            time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
-
-    thread = threading.Thread(target=prober)
+    thread = threading.Thread(
+        target=probe_until, args=(port, args.probe_timeout, args.interval, done.is_set, results)
+    )
     thread.start()
     time.sleep(0.5)
     process.stdin.write("go\n")
@@ -114,7 +111,6 @@ def measure(way: str, mode: str, path: Path, args: argparse.Namespace) -> Figure
     figures = json.loads(line)
     for report in figures["reports"]:
         print(f"  report: {report}")
-    ok = sorted(took for took, error in results if error is None)
     return Figures(
         way=way,
         load_seconds=figures["seconds"],
@@ -122,11 +118,7 @@ def measure(way: str, mode: str, path: Path, args: argparse.Namespace) -> Figure
         reports=figures["report_count"],
         worker_peak_rss_mib=figures["peak_rss_kib"] / 1024,
         child_peak_rss_mib=figures["child_peak_rss_kib"] / 1024,
-        probes=len(results),
-        over_target=sum(1 for took, error in results if error or took > TARGET),
-        median=ok[len(ok) // 2] if ok else None,
-        p99=ok[min(len(ok) - 1, int(len(ok) * 0.99))] if ok else None,
-        worst=max(took for took, _ in results) if results else None,
+        **probe_figures(results, TARGET),
     )
 
 
@@ -158,9 +150,6 @@ def main() -> None:
             f = measure(way, mode, path, args)
             results.append(asdict(f))
 
-            def cell(value: float | None) -> str:
-                return fmt_s(value) if value is not None else "-"
-
             print(
                 f"| {f.way} | {fmt_s(f.load_seconds)} | {f.objects} "
                 f"| {f.worker_peak_rss_mib:.0f} MiB | {f.child_peak_rss_mib:.0f} MiB "
@@ -174,14 +163,12 @@ def main() -> None:
             f"\nworst probe: {inline['worst'] / child['worst']:.1f}x lower through the child; "
             f"load time ratio child/inline {child['load_seconds'] / inline['load_seconds']:.2f}"
         )
-    out = args.json or RESULTS / "big_manifest.json"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    document = {
+    out = results_path(args, "big_manifest")
+    write_results(out, {
         "machine": machine(),
         "settings": {"size_bytes": size, "services": services, "interval": args.interval},
         "results": results,
-    }
-    out.write_text(json.dumps(document, indent=2) + "\n")
+    })  # fmt: skip
     print(f"\nresults written to {out}")
 
 

@@ -21,18 +21,12 @@ import ctypes
 import gc
 import io
 import json
-import math
-import os
-import platform
 import pstats
-import random
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import tracemalloc
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -40,19 +34,26 @@ from typing import Any
 
 import yaml
 
+if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from agent.cli import render
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import decode_object
 from agent.model.types import ClusterState, EndpointSlice, Service
 from agent.sources.manifests import YamlLoader, iter_objects, load_manifests
-
-Obj = dict[str, Any]
-
-RESULTS = Path(__file__).resolve().parent / "results"
-THIS_NODE = "node-000"
-ZONES = ("zone-a", "zone-b", "zone-c")
-LWS_GROUP_SIZE = 4  # endpoints per headless per-replica Service (leader + 3 workers)
-SLICE_MAX = 100  # the EndpointSlice controller's default maxEndpointsPerSlice
+from bench.common.report import (
+    GC,
+    RESULTS,
+    Stat,
+    fmt_b,
+    fmt_s,
+    machine,
+    mark,
+    results_path,
+    write_results,
+)
+from bench.common.workload import THIS_NODE, Generator, Obj, Workload
 
 # Targets (issue 2 §6) and published anchors (bench/README.md, PB-4/5/6).
 TARGET_E2E_S_PER_100K_EP = 3.0  # 10k x 10 from JSON to NodeState ≤ 3 s, linear in size
@@ -66,273 +67,6 @@ REF_MEMORY = "kube-proxy nft ≈260 MiB at 10kx2 (PB-6)"
 
 
 # --- workload ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Workload:
-    services: int  # ClusterIP/NodePort/LoadBalancer Services, one EndpointSlice per 100 eps
-    endpoints: int  # endpoints per Service
-    headless: int  # LWS-style headless per-replica Services, LWS_GROUP_SIZE endpoints each
-    nodes: int = 100
-    seed: int = 1
-
-    @property
-    def label(self) -> str:
-        return f"{self.services} x {self.endpoints} (+{self.headless} headless)"
-
-    @property
-    def total_endpoints(self) -> int:
-        """Endpoints the compiler sees (headless slices are skipped at decode)."""
-        return self.services * self.endpoints
-
-
-def ipv4(value: int) -> str:
-    return f"{value >> 24 & 255}.{value >> 16 & 255}.{value >> 8 & 255}.{value & 255}"
-
-
-class Generator:
-    """Deterministic, API-server-shaped objects (as `kubectl get -o json` shows them).
-
-    Address plan: ClusterIPs 10.96.0.0/12 (Service i → 10.96.0.10 + i); pods of node k in
-    10.128.0.0/9 at k x 2^14 (a /18 each); node k's InternalIP 192.168.k/256.k%256;
-    LoadBalancer VIPs 172.16.0.0/12. Node k is node-NNN in zone ZONES[k % 3].
-    """
-
-    def __init__(self, workload: Workload) -> None:
-        self.w = workload
-        self.rng = random.Random(workload.seed)
-        self.pods_on_node = [0] * workload.nodes
-        self.resource_version = 100_000
-
-    def _uid(self) -> str:
-        return str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
-
-    def _suffix(self) -> str:
-        return "".join(self.rng.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
-
-    def _meta(self, namespace: str | None, name: str, **extra: Any) -> Obj:
-        self.resource_version += 1
-        meta: Obj = {"name": name}
-        if namespace is not None:
-            meta["namespace"] = namespace
-        meta.update(
-            uid=self._uid(),
-            resourceVersion=str(self.resource_version),
-            creationTimestamp="2025-01-15T10:00:00Z",
-        )
-        meta.update(extra)
-        return meta
-
-    def _pod_ip(self, node: int) -> str:
-        n = self.pods_on_node[node] = self.pods_on_node[node] + 1
-        return ipv4((10 << 24) + (128 << 16) + node * (1 << 14) + n % (1 << 14))
-
-    def node(self, k: int) -> Obj:
-        name = f"node-{k:03d}"
-        return {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": self._meta(
-                None,
-                name,
-                labels={
-                    "kubernetes.io/hostname": name,
-                    "kubernetes.io/os": "linux",
-                    "node.kubernetes.io/instance-type": "m6i.4xlarge",
-                    "topology.kubernetes.io/region": "region-1",
-                    "topology.kubernetes.io/zone": ZONES[k % len(ZONES)],
-                    "example.com/rack": f"rack-{k // 10:02d}",
-                },
-            ),
-            "spec": {"podCIDR": f"10.{128 + k // 4}.{k % 4 * 64}.0/18"},
-            "status": {
-                "addresses": [
-                    {"type": "InternalIP", "address": f"192.168.{k // 256}.{k % 256 + 1}"},
-                    {"type": "Hostname", "address": name},
-                ]
-            },
-        }
-
-    def _endpoint(self, namespace: str, pod: str, hints: bool) -> Obj:
-        node = self.rng.randrange(self.w.nodes)
-        roll = self.rng.random()
-        if roll < 0.95:
-            ready, serving, terminating = True, True, False
-        elif roll < 0.98:
-            ready, serving, terminating = False, False, False  # starting or failing probe
-        else:
-            ready, serving, terminating = False, True, True  # rolling update in progress
-        zone = ZONES[node % len(ZONES)]
-        endpoint: Obj = {
-            "addresses": [self._pod_ip(node)],
-            "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
-            "nodeName": f"node-{node:03d}",
-            "targetRef": {"kind": "Pod", "namespace": namespace, "name": pod, "uid": self._uid()},
-            "zone": zone,
-        }
-        if hints and ready:
-            endpoint["hints"] = {"forZones": [{"name": zone}]}
-        return endpoint
-
-    def service(self, i: int, namespace: str | None = None) -> list[Obj]:
-        """Service i and its EndpointSlices. About 5 % NodePort, 2 % LoadBalancer (half
-        with externalTrafficPolicy Local), 10 % with a second port, 10 % with topology
-        hints, 4 % with ClientIP affinity; 95 % of endpoints ready, 3 % not ready, 2 %
-        serving-terminating."""
-        namespace = namespace or f"team-{i % 50:02d}"
-        name = f"svc-{i:05d}"
-        cluster_ip = ipv4((10 << 24) + (96 << 16) + 10 + i)
-        ports = [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]
-        slice_ports = [{"name": "http", "port": 8080, "protocol": "TCP"}]
-        if i % 10 == 3:
-            ports.append({"name": "metrics", "port": 9090, "protocol": "TCP", "targetPort": 9090})
-            slice_ports.append({"name": "metrics", "port": 9090, "protocol": "TCP"})
-        spec: Obj = {
-            "clusterIP": cluster_ip,
-            "clusterIPs": [cluster_ip],
-            "internalTrafficPolicy": "Cluster",
-            "ipFamilies": ["IPv4"],
-            "ipFamilyPolicy": "SingleStack",
-            "ports": ports,
-            "selector": {"app.kubernetes.io/name": name},
-            "sessionAffinity": "None",
-            "type": "ClusterIP",
-        }
-        status: Obj = {"loadBalancer": {}}
-        if i % 20 == 0 or i % 50 == 1:
-            spec["type"] = "NodePort" if i % 20 == 0 else "LoadBalancer"
-            spec["externalTrafficPolicy"] = "Cluster"
-            for j, port in enumerate(ports):
-                port["nodePort"] = 30000 + (i * 2 + j) % 2768
-            if spec["type"] == "LoadBalancer":
-                status = {"loadBalancer": {"ingress": [{"ip": ipv4((172 << 24) + (16 << 16) + i)}]}}
-                if i % 100 == 1:
-                    spec["externalTrafficPolicy"] = "Local"
-                    spec["healthCheckNodePort"] = 32000 + i % 700
-        if i % 25 == 7:
-            spec["sessionAffinity"] = "ClientIP"
-            spec["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": 10800}}
-        hints = i % 10 == 5
-        annotations = {"service.kubernetes.io/topology-mode": "Auto"} if hints else {}
-        service: Obj = {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": self._meta(
-                namespace,
-                name,
-                labels={"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "shop"},
-                annotations=annotations,
-            ),
-            "spec": spec,
-            "status": status,
-        }
-        service_uid = service["metadata"]["uid"]
-        out = [service]
-        pod_hash = self._suffix()
-        for first in range(0, self.w.endpoints, SLICE_MAX):
-            count = min(SLICE_MAX, self.w.endpoints - first)
-            endpoints = [
-                self._endpoint(namespace, f"{name}-{pod_hash}-{first + j}", hints)
-                for j in range(count)
-            ]
-            out.append(
-                {
-                    "apiVersion": "discovery.k8s.io/v1",
-                    "kind": "EndpointSlice",
-                    "metadata": self._meta(
-                        namespace,
-                        f"{name}-{self._suffix()}",
-                        generateName=f"{name}-",
-                        labels={
-                            "app.kubernetes.io/name": name,
-                            "endpointslice.kubernetes.io/managed-by": (
-                                "endpointslice-controller.k8s.io"
-                            ),
-                            "kubernetes.io/service-name": name,
-                        },
-                        annotations={
-                            "endpoints.kubernetes.io/last-change-trigger-time": (
-                                "2025-01-15T10:00:00Z"
-                            )
-                        },
-                        ownerReferences=[
-                            {
-                                "apiVersion": "v1",
-                                "blockOwnerDeletion": True,
-                                "controller": True,
-                                "kind": "Service",
-                                "name": name,
-                                "uid": service_uid,
-                            }
-                        ],
-                    ),
-                    "addressType": "IPv4",
-                    "endpoints": endpoints,
-                    "ports": slice_ports,
-                }
-            )
-        return out
-
-    def headless(self, r: int) -> list[Obj]:
-        """LWS replica r of LeaderWorkerSet llm-<r // 100> (subdomainPolicy
-        UniquePerReplica): a headless Service and its slice labelled headless."""
-        lws = f"llm-{r // 100:03d}"
-        name = f"{lws}-{r % 100}"
-        namespace = f"inference-{r % 10}"
-        labels = {"leaderworkerset.sigs.k8s.io/name": lws}
-        service: Obj = {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": self._meta(namespace, name, labels=labels),
-            "spec": {
-                "clusterIP": "None",
-                "clusterIPs": ["None"],
-                "internalTrafficPolicy": "Cluster",
-                "ipFamilies": ["IPv4"],
-                "ipFamilyPolicy": "SingleStack",
-                "publishNotReadyAddresses": True,
-                "selector": {
-                    "leaderworkerset.sigs.k8s.io/name": lws,
-                    "leaderworkerset.sigs.k8s.io/group-index": str(r % 100),
-                },
-                "sessionAffinity": "None",
-                "type": "ClusterIP",
-            },
-            "status": {"loadBalancer": {}},
-        }
-        endpoints = []
-        for w in range(LWS_GROUP_SIZE):
-            endpoint = self._endpoint(namespace, f"{name}-{w}" if w else name, hints=False)
-            endpoint["hostname"] = f"{name}-{w}" if w else name
-            endpoints.append(endpoint)
-        endpoint_slice: Obj = {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": self._meta(
-                namespace,
-                f"{name}-{self._suffix()}",
-                generateName=f"{name}-",
-                labels={
-                    **labels,
-                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
-                    "kubernetes.io/service-name": name,
-                    "service.kubernetes.io/headless": "",
-                },
-            ),
-            "addressType": "IPv4",
-            "endpoints": endpoints,
-            "ports": None,
-        }
-        return [service, endpoint_slice]
-
-    def items(self, headless: bool = True) -> list[Obj]:
-        items = [self.node(k) for k in range(self.w.nodes)]
-        for i in range(self.w.services):
-            items += self.service(i)
-        if headless:
-            for r in range(self.w.headless):
-                items += self.headless(r)
-        return items
 
 
 @dataclass(frozen=True)
@@ -371,62 +105,6 @@ def write_files(workload: Workload, directory: Path) -> Files:
 
 
 # --- measuring ---------------------------------------------------------------------------
-
-
-class GcClock:
-    """Time spent in CPython's cyclic garbage collector, from gc.callbacks."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.collections = [0, 0, 0]
-        self._started = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
-            self.collections[info["generation"]] += 1
-
-
-GC = GcClock()
-
-
-@dataclass
-class Stat:
-    samples: list[float]  # seconds
-    gc: list[float] = field(default_factory=list)  # of which in the cyclic GC, per sample
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples)
-
-    @property
-    def p99(self) -> float:
-        """Nearest-rank 99th percentile; the maximum when there are fewer than 100 samples."""
-        ordered = sorted(self.samples)
-        return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
-
-    @property
-    def gc_share(self) -> float | None:
-        """Median share of the time spent in the cyclic GC."""
-        if not self.gc:
-            return None
-        return statistics.median(g / t for g, t in zip(self.gc, self.samples, strict=True) if t)
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "median": self.median,
-            "p99": self.p99,
-            "min": min(self.samples),
-            "max": max(self.samples),
-            "n": len(self.samples),
-        }
-        if self.gc:
-            out["gc_median"] = statistics.median(self.gc)
-            out["gc_share"] = self.gc_share
-        return out
 
 
 def _run(fn: Callable[[], Any], gc_enabled: bool) -> tuple[float, float]:
@@ -989,24 +667,6 @@ def run_size(workload: Workload, repeats: Repeats, args: argparse.Namespace) -> 
 # --- output ------------------------------------------------------------------------------
 
 
-def mark(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def fmt_s(seconds: float) -> str:
-    if seconds < 0:
-        return "-" + fmt_s(-seconds)
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.{1 if seconds < 0.1 else 0}f} ms"
-    return f"{seconds:.2f} s"
-
-
-def fmt_b(size: float) -> str:
-    return f"{size / 2**20:.1f} MiB"
-
-
 def print_table(result: SizeResult) -> None:
     w = result.workload
     print(
@@ -1040,47 +700,6 @@ def print_table(result: SizeResult) -> None:
             print(f"{row.metric:<50} {row.value}")
             continue
         print(f"{row.metric:<50} {figures}  {row.target:<24} {row.mark:4}  {row.floor}")
-
-
-def machine() -> dict[str, Any]:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "python": sys.version.split()[0],
-        "implementation": platform.python_implementation(),
-        "cpus": os.cpu_count(),
-        "cpu_model": cpu,
-        "kernel": platform.release(),
-        "yaml_libyaml": bool(getattr(yaml, "__with_libyaml__", False)),
-        "yaml_loader": YamlLoader.__name__,
-        "gc_threshold": list(gc.get_threshold()),
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "commit": git_commit(),
-    }
-
-
-def git_commit() -> str:
-    """HEAD of the checkout being measured, with "+dirty" when agent/ has local changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "agent"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def to_json(results: list[SizeResult], args: argparse.Namespace, info: Obj, seconds: float) -> Obj:
@@ -1179,9 +798,8 @@ def main(argv: list[str] | None = None) -> int:
         print_table(result)
         results.append(result)
     seconds = time.perf_counter() - began
-    out = args.json or RESULTS / ("compile-quick.json" if args.quick else "compile.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(to_json(results, args, info, seconds), indent=2) + "\n")
+    out = results_path(args, "compile")
+    write_results(out, to_json(results, args, info, seconds))
     print(f"\nran in {seconds:.0f} s; results in {out}")
     return 0
 

@@ -2,7 +2,7 @@
 through the iptables fallback, with 1 to 30k Services loaded, beside a direct connection
 between two pods without programs or rules (the floor), all measured in turn in one run.
 
-Two namespace labs (tests/kernel/lab.py), so the iptables rules never sit on the eBPF or
+Two namespace labs (agent/lab/nodelab.py), so the iptables rules never sit on the eBPF or
 floor paths (netfilter hooks are per namespace). The eBPF lab has one node namespace and
 six pods on veth pairs: `client` and `server` have the tc programs on their host veths;
 `client0` and `server0` have none (the floor); `client2` and `server2` have an empty tc
@@ -10,7 +10,7 @@ program. The iptables lab (node 2) has `client` and `server` and the IptablesDat
 its node namespace (`--pod-interfaces vethkbp*`). The servers run the lab's podserver on
 ports 8080-8083. Three target Services (ClusterIPs 10.96.255.252-254:80 → the lab's
 server, each on its own port) are named to sort first, in the middle and last among N - 3
-synthetic Services x 10 endpoints (bench/datapath.py's address plan; their backends do not
+synthetic Services x 10 endpoints (bench/common/nodestates.py's address plan; their backends do not
 exist):
 NodeState order is KBP-SERVICES order, whose rules iptables evaluates one by one, so the
 position matters there and should not for eBPF. For each N, rounds of measurement sets
@@ -60,9 +60,9 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 if TYPE_CHECKING:
+    from agent.lab.nodelab import Pod
     from agent.model.nodestate import NodeState, ServiceEntry
-    from bench.datapath import Summary
-    from tests.kernel.lab import Pod
+    from bench.common.report import Summary
 
 # The pod side (modes --pod-connect / --pod-rr) runs in a fresh interpreter in the client
 # pod: keep module-level imports to the standard library so it starts quickly.
@@ -87,7 +87,7 @@ TARGET_IPS = {"first": "10.96.255.252", "middle": "10.96.255.253", "last": TARGE
 BACKEND_PORTS = {"first": 8082, "middle": 8083, "last": PORT}
 SERVER_PORTS = sorted({PORT, DIRECT_PORT, *BACKEND_PORTS.values()})
 DATAPLANES = ("ebpf", "iptables")
-IPTABLES_POD_INTERFACES = ("vethkbp*",)  # the lab's host veths (tests/kernel/lab.py)
+IPTABLES_POD_INTERFACES = ("vethkbp*",)  # the lab's host veths (agent/lab/nodelab.py)
 # The iptables dataplane's tools may run this long here: iptables-nft 1.8.9 needs more
 # than the module's COMMAND_TIMEOUT (300 s) to restore 10k Services x 10 endpoints.
 IPTABLES_TIMEOUT = 3600.0
@@ -221,8 +221,8 @@ def iptables_backend() -> str:
 
 def target_entries(n: int, server_ip: str) -> dict[str, ServiceEntry]:
     """The target Services of a lab for N Services in all: named to sort first, in the
-    middle and last among bench/datapath.py's synthetic `svc-NNNNNN` (one below N = 3)."""
-    from bench.datapath import service_entry
+    middle and last among bench/common/nodestates.py's synthetic `svc-NNNNNN` (one below N = 3)."""
+    from bench.common.nodestates import service_entry
 
     if n < len(POSITIONS):
         backends = [(server_ip, BACKEND_PORTS["last"])]
@@ -244,7 +244,7 @@ def state_with_targets(
 ) -> tuple[NodeState, dict[str, int]]:
     """The NodeState of N Services and each target's 1-based place in it (= its rule's
     place in KBP-SERVICES: every synthetic entry has one ClusterIP frontend)."""
-    from bench.datapath import nodestate_of
+    from bench.common.nodestates import nodestate_of
 
     state = nodestate_of([*others[: n - len(targets)], *targets.values()])
     place = {e.sort_key: i + 1 for i, e in enumerate(state.services)}
@@ -257,20 +257,17 @@ def run(args: argparse.Namespace) -> int:
     from agent.dataplane.ebpf.netlink import TcAttacher
     from agent.dataplane.iptables import backend as iptables_module  # its COMMAND_TIMEOUT
     from agent.dataplane.iptables.dataplane import IptablesDataplane, unavailable_reason
-    from bench.compile import RESULTS
-    from bench.datapath import (
+    from agent.lab.nodelab import Lab
+    from bench.common.kernel import bench_dataplane, calibration_programs, leftovers, map_sizes_for
+    from bench.common.nodestates import synthetic_entries
+    from bench.common.report import (
         Summary,
-        bench_dataplane,
-        calibration_programs,
         header,
-        leftovers,
         machine,
-        map_sizes_for,
-        synthetic_entries,
+        results_path,
         terminate_as_interrupt,
         write_results,
     )
-    from tests.kernel.lab import Lab
 
     dataplanes = [d for d in DATAPLANES if d in args.dataplanes.split(",")]
     ebpf, iptables = "ebpf" in dataplanes, "iptables" in dataplanes
@@ -426,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"IptablesDataplane.cleanup() of the iptables lab took "
               f"{cleanup_seconds['iptables']:.1f} s")  # fmt: skip
     seconds = time.perf_counter() - began
-    out = args.json or RESULTS / ("connect-quick.json" if args.quick else "connect.json")
+    out = results_path(args, "connect")
     write_results(out, {
         "benchmark": "bench/connect.py",
         "id": "PB-2",
@@ -477,8 +474,7 @@ def print_size(
     applied: dict[str, dict[str, Any]],
     places: dict[str, dict[str, int]],
 ) -> dict[str, Any]:
-    from bench.compile import mark
-    from bench.datapath import Summary
+    from bench.common.report import Summary, mark
 
     stats = {k: Summary(v) for k, v in samples.items()}
     floor = stats["floor"].median
@@ -550,7 +546,7 @@ def print_size(
 def print_targets(report: list[dict[str, Any]]) -> dict[str, Any]:
     """The PB-2 targets over all sizes: eBPF near the floor and flat in N, ≥ 10x better
     than iptables at 10k; iptables' own slope (the PB-9 row asks for it)."""
-    from bench.compile import mark
+    from bench.common.report import mark
 
     print(f"\n## targets (bench/README.md PB-2); anchors: {REF_PB2}")
     for e in report:

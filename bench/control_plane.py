@@ -2,7 +2,7 @@
 
 Runs the real KubernetesSource + StateStore + SyncLoop (min_sync_period 0) + a recording
 FakeDataplane in this process against kmock, a Kubernetes API emulator run in a child
-process and loaded with N Services x M endpoints (bench/compile.py's generator); the
+process and loaded with N Services x M endpoints (bench/common/workload.py's generator); the
 source lists and watches it over real HTTP with the `kubernetes` client.
 
 PB-7 (coalescing): after the initial sync, noise-only updates are written through the API
@@ -27,7 +27,6 @@ bench/results/control_plane.json. Not a test: it always exits 0 unless it crashe
 from __future__ import annotations
 
 import argparse
-import asyncio
 import bisect
 import contextlib
 import cProfile
@@ -35,14 +34,12 @@ import gc
 import http.client
 import io
 import json
-import os
 import pstats
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -60,17 +57,9 @@ from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState, ServiceEntry
 from agent.sync.loop import SyncLoop
 from agent.sync.store import KINDS, StateStore, Value, key_of, kind_of
-from bench.compile import (
-    RESULTS,
-    THIS_NODE,
-    Generator,
-    Obj,
-    Stat,
-    Workload,
-    fmt_s,
-    machine,
-    mark,
-)
+from bench.common.apiserver import COLLECTIONS, KmockProcess, fingerprint, process_cpu
+from bench.common.report import RESULTS, Stat, fmt_s, machine, mark, results_path, write_results
+from bench.common.workload import THIS_NODE, Generator, Obj, Workload
 
 # Targets (issue 4 §6) and published anchors (bench/README.md, PB-5, PB-7).
 TARGET_REVISIONS_PER_EVENT = 0.05  # ≤ 1-5 % of API events become NodeState revisions
@@ -80,16 +69,6 @@ REF_PB7 = "kpng: 0.93 % of API events became real changes"
 BURSTS = (("paced", 1.0), ("at_once", 0.0))  # the bursts' spacing, in burst_seconds/burst
 REF_PB5 = "kube-proxy nft: +1 Service beside 10k ≈141 ms; iptables partial sync 0.6-0.9 s"
 
-# kmock resources: kind → (resource, collection path, namespaced)
-COLLECTIONS = {
-    "Service": ("v1/services", "/api/v1/namespaces/{ns}/services", True),
-    "EndpointSlice": (
-        "discovery.k8s.io/v1/endpointslices",
-        "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
-        True,
-    ),
-    "Node": ("v1/nodes", "/api/v1/nodes", False),
-}
 LIST_PATHS = {
     "services": "/api/v1/services",
     "endpointslices": "/apis/discovery.k8s.io/v1/endpointslices",
@@ -98,7 +77,6 @@ LIST_PATHS = {
 NOISE_LABEL = "bench.kube-bpf-proxy.io/churn"
 NOISE_ANNOTATION = "bench.kube-bpf-proxy.io/note"
 TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
-CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 WAIT = 30.0  # seconds to wait for events or applies before reporting them missing
 
 
@@ -109,176 +87,6 @@ def now_rfc3339() -> str:
 def object_path(kind: str, namespace: str | None, name: str) -> str:
     _, collection, namespaced = COLLECTIONS[kind]
     return (collection.format(ns=namespace) if namespaced else collection) + "/" + name
-
-
-# --- kmock, in its own process -----------------------------------------------------------
-
-
-def workload_args(workload: Workload) -> list[str]:
-    return [
-        f"--services={workload.services}",
-        f"--endpoints={workload.endpoints}",
-        f"--nodes={workload.nodes}",
-        f"--seed={workload.seed}",
-    ]
-
-
-def fingerprint(items: list[Obj]) -> str:
-    """Identifies a generated cluster (both processes generate it from the same seed)."""
-    return f"{len(items)}:{items[-1]['metadata']['uid']}"
-
-
-def serve_kmock(workload: Workload) -> int:
-    """The `--serve-kmock` process: kmock loaded with the workload, on a free port.
-
-    Prints one JSON line (port, load time, fingerprint), then reads commands from stdin,
-    one JSON line each, answering each with one JSON line: {"op": "burst", "changes":
-    [[kind, namespace, name, merge patch], ...], "interval": seconds} applies the patches
-    and puts their MODIFIED events on the watch streams, as kmock's PATCH handler does,
-    one every `interval` (0: all at once); the reply says when each was put. Exits at end
-    of input.
-    """
-    import kmock  # only this process runs the emulator
-
-    class Emulator(kmock.KubernetesEmulator):
-        """kmock keeps every request it served and matches each new one against all of
-        them (`request in view` walks the history): each request costs O(requests so
-        far), 50 ms per write after 2,000 writes. Forget a request once it is handled;
-        open watches stay listed. Nothing here uses the history."""
-
-        async def _handle(self, request: Any) -> Any:
-            try:
-                return await super()._handle(request)
-            finally:
-                requests = self._requests
-                for i in range(len(requests) - 1, -1, -1):
-                    if requests[i] is request:
-                        del requests[i]
-                        break
-
-    items = Generator(workload).items(headless=False)
-
-    async def main() -> None:
-        emulator = Emulator()
-        for resource, _, _ in COLLECTIONS.values():
-            emulator.resources[resource] = {}
-        await emulator.__aenter__()
-        started = time.perf_counter()
-        for obj in items:
-            resource, _, namespaced = COLLECTIONS[obj["kind"]]
-            meta = obj["metadata"]
-            emulator.objects[resource, meta["namespace"] if namespaced else None, meta["name"]] = (
-                obj
-            )
-        loaded = time.perf_counter() - started
-        server = kmock.Server(emulator)
-        await server.__aenter__()
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-
-        async def burst(changes: list[list[Any]], interval: float) -> list[float]:
-            """Patch and publish as kmock's PATCH handler does, without its O(objects)
-            lookups: every `interval` seconds, or all at once (0: nothing is streamed
-            before the last event is on the bus). Returns when each event was put."""
-            put_at: list[float] = []
-            began = time.perf_counter()
-            for n, (kind, namespace, name, patch) in enumerate(changes):
-                delay = began + n * interval - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                async with emulator._lock:
-                    resource, _, namespaced = COLLECTIONS[kind]
-                    obj = emulator.objects[resource, namespace if namespaced else None, name]
-                    obj.patch(patch)
-                    event = {"type": "MODIFIED", "object": obj.raw}
-                    await emulator._buses[kmock.resource(resource)].put(event)
-                put_at.append(time.perf_counter())  # CLOCK_MONOTONIC: same in both processes
-            return put_at
-
-        def commands() -> None:
-            for line in sys.stdin:
-                command = json.loads(line)
-                if command["op"] == "burst":
-                    work = burst(command["changes"], command["interval"])
-                    put_at = asyncio.run_coroutine_threadsafe(work, loop).result()
-                    reply = {"ok": True, "put_at": put_at}
-                else:
-                    reply = {"ok": False, "error": f"unknown op {command['op']!r}"}
-                print(json.dumps(reply), flush=True)
-            loop.call_soon_threadsafe(done.set_result, None)
-
-        print(
-            json.dumps({"port": server.port, "load_s": loaded, "fingerprint": fingerprint(items)}),
-            flush=True,
-        )
-        threading.Thread(target=commands, daemon=True).start()
-        await done
-        await server.__aexit__(None, None, None)
-        await emulator.__aexit__(None, None, None)
-
-    asyncio.run(main())
-    return 0
-
-
-class KmockProcess:
-    """The `--serve-kmock` child: start, talk to, measure and stop it."""
-
-    def __init__(self, workload: Workload, log: IO[str], prefix: Sequence[str] = ()) -> None:
-        """`prefix`: what the command runs under (e.g. nsenter into a namespace)."""
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, __file__, "--serve-kmock", *workload_args(workload)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"kmock exited with {self.proc.wait()}; see {log.name}")
-        hello = json.loads(line)
-        self.port: int = hello["port"]
-        self.load_s: float = hello["load_s"]
-        self.fingerprint: str = hello["fingerprint"]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def cpu_seconds(self) -> float:
-        return process_cpu(self.proc.pid)
-
-    def burst(self, changes: list[list[Any]], interval: float) -> list[float]:
-        """Have kmock publish the changes (see `serve_kmock`); when each was put."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        command = {"op": "burst", "changes": changes, "interval": interval}
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        reply = json.loads(line) if line else {"error": "kmock exited"}
-        if not reply.get("ok"):
-            raise RuntimeError(f"kmock burst failed: {reply}")
-        return [float(t) for t in reply["put_at"]]
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()  # the child this benchmark started, by its handle
-            self.proc.wait()
-
-
-def process_cpu(pid: int | str, task: int | None = None) -> float:
-    """User + system CPU seconds of a process (or of one of its threads)."""
-    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
-    try:
-        fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK  # utime, stime
 
 
 # --- writes through the API --------------------------------------------------------------
@@ -1696,12 +1504,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="cProfile the sync thread during PB-7 and PB-5 (bench/results/...-profile-*.txt)",
     )
-    parser.add_argument("--serve-kmock", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-
-    if args.serve_kmock:
-        size = (args.services or [1000])[0]
-        return serve_kmock(Workload(size, args.endpoints, 0, args.nodes, args.seed))
 
     sizes = args.services or ([1000] if args.quick else [1000, 10_000])
     if min(sizes) < 100 or not 3 <= args.endpoints <= 100:
@@ -1738,11 +1541,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\nkmock's stderr: {log.name}")
     seconds = time.perf_counter() - began
-    out = args.json or RESULTS / (
-        "control_plane-quick.json" if args.quick else "control_plane.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(to_json(results, args, plan, info, seconds), indent=2) + "\n")
+    out = results_path(args, "control_plane")
+    write_results(out, to_json(results, args, plan, info, seconds))
     print(f"\nran in {seconds:.0f} s; results in {out}")
     return 0
 

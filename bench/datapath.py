@@ -2,9 +2,9 @@
 BPF_PROG_TEST_RUN, with 10 to 100k Services x 10 endpoints in the maps, each beside an
 empty program of its own type (the floors).
 
-Also the shared pieces of the eBPF benchmarks (connect.py, maps.py): synthetic NodeStates
-of N ClusterIP Services, a bench network namespace, and the real EbpfDataplane loaded
-into a fresh pin directory and removed again, also on failure or Ctrl-C.
+Synthetic NodeStates (bench/common/nodestates.py), the bench namespace and the real
+EbpfDataplane on a fresh pin directory, removed again also on failure or Ctrl-C
+(bench/common/kernel.py), are shared with the other eBPF benchmarks.
 
 Method. `BPF_PROG_TEST_RUN` with repeat > 1 runs the program again on the same skb,
 which the program rewrote on the first run (the DNAT), so later runs would time a
@@ -30,24 +30,16 @@ Frames to local backends and non-Services end in XDP_PASS.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
-import gc
-import ipaddress
 import itertools
 import json
 import math
 import os
 import random
-import re
-import shutil
-import signal
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,62 +49,50 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
 
 from agent.dataplane.ebpf import codec, inspect, libbpf
 from agent.dataplane.ebpf import frames as P
-from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.external import DEFAULT_SNAT_PORTS
 from agent.dataplane.ebpf.inspect import XDP_VERDICTS
 from agent.dataplane.ebpf.plan import MapSizes
-from agent.model.nodestate import (
-    CLUSTER_IP,
-    LOAD_BALANCER,
-    NODE_PORT,
-    Backend,
-    Frontend,
-    NodeInfo,
-    NodeState,
-    ServiceEntry,
-    revision_of,
+from bench.common.kernel import (
+    NEXT_HOP_MAC,
+    bench_dataplane,
+    bench_netns,
+    calibration_programs,
+    inside_netns,
+    leftovers,
+    map_sizes_for,
+    route_external_ranges,
 )
-from bench import compile as compile_bench
-from bench.compile import RESULTS, git_commit, mark
+from bench.common.nodestates import (
+    BACKEND_PORT,
+    CLIENT,
+    EXTERNAL_CLIENT,
+    FRONTEND_PORT,
+    NODE_ADDRESS,
+    NODE_OWN_PORT,
+    NODE_PORT_BASE,
+    NODE_PORTS,
+    NOT_A_SERVICE,
+    backend_ip_of,
+    cluster_ip_of,
+    lb_vip_of,
+    local_entry,
+    nodestate_of,
+    synthetic_entries,
+)
+from bench.common.report import (
+    RESULTS,
+    Summary,
+    header,
+    machine,
+    mark,
+    results_path,
+    terminate_as_interrupt,
+    write_results,
+)
 
-BPFFS = Path("/sys/fs/bpf")
-BENCH_PREFIX = "kbp-bench-"
-NO_INTERFACES = "kbpbench-none"  # a --pod-interfaces glob that matches nothing
-
-# Synthetic address plan (no address is configured on an interface for PB-1 and maps.py;
-# connect.py routes only the target Service's backend, inside its lab):
-#   Service i      ClusterIP 10.96.0.10 + i (10.96.0.0/12), TCP port 80 → 8080
-#   its backends   10.128.0.1 + i x E + j (10.128.0.0/9), port 8080, on node "node-b"
-#   client         10.244.0.2, source ports from 1024 up
-#   not a Service  10.244.9.9:80
-# With external frontends (PB-1's XDP part; `external=True`):
-#   Service i      also LoadBalancer VIP 198.18.0.0 + i, port 80 (198.18.0.0/15, RFC 2544's
-#                  benchmarking range: 131,072 VIPs, one per Service up to 100k and beyond),
-#                  and, for i < 2768 only, NodePort 192.0.2.10:30000 + i: a node has
-#                  one port per NodePort Service in 30000-32767, so like a real cluster
-#                  only 2768 Services can have one (i % 2768 would collide)
-#   node address   192.0.2.10 (NodeInfo; kbp_config's SNAT source), SNAT ports 61000-65535
-#   local Service  one more Service, index N, whose backends are on this node ("node-a")
-#   outside client 203.0.113.7, source ports from 1024 up
-#   not a Service  192.0.2.10:22 (the node's own SSH port)
-#   next hop       198.51.100.1 (02:00:00:00:00:01) on a veth link in the bench
-#                  namespace, the route to 10.128.0.0/9 and 203.0.113.0/24
-CLUSTER_IP_BASE = int(ipaddress.IPv4Address("10.96.0.10"))
-BACKEND_BASE = int(ipaddress.IPv4Address("10.128.0.1"))
-FRONTEND_PORT, BACKEND_PORT = 80, 8080
-CLIENT = "10.244.0.2"
-NOT_A_SERVICE = "10.244.9.9"
 FRAME_BYTES = 64  # a minimum-size Ethernet frame: the 54-byte SYN and trailer padding
 TC_ACT_OK = 0
-NODE_ADDRESS = "192.0.2.10"
-LB_VIP_BASE = int(ipaddress.IPv4Address("198.18.0.0"))
-NODE_PORT_BASE, NODE_PORTS = 30000, 2768  # the default NodePort range, 30000-32767
-EXTERNAL_CLIENT = "203.0.113.7"
-NODE_OWN_PORT = 22
-NEXT_HOP, NEXT_HOP_MAC = "198.51.100.1", "02:00:00:00:00:01"
-FIB_LINK = "kbpbench0"  # the link in the bench namespace the routes point at
 XDP_PASS, XDP_TX, XDP_REDIRECT = 2, 3, 4
-CLONE_NEWNET = 0x40000000
 
 # Targets and anchors (bench/README.md, PB-1).
 TARGET_HOT_NET_NS = 60  # hot ≤ floor + 60 ns
@@ -120,325 +100,14 @@ TARGET_MISS_NET_NS = 40  # miss ≤ floor + 40 ns
 TARGET_SPREAD_GROWTH = 2.0  # spread at 100k ≤ 2 x spread at 10
 REF_PB1 = "Katran's whole XDP LB 101-119 ns/pkt (same method); a BPF hash lookup 20-32 ns"
 
-_names = itertools.count()
-
 
 # --- shared: synthetic NodeStates --------------------------------------------------------
-
-
-def ipv4(value: int) -> str:
-    return str(ipaddress.IPv4Address(value))
-
-
-def cluster_ip_of(i: int) -> str:
-    return ipv4(CLUSTER_IP_BASE + i)
-
-
-def backend_ip_of(i: int, j: int, endpoints: int) -> str:
-    return ipv4(BACKEND_BASE + i * endpoints + j)
-
-
-def lb_vip_of(i: int) -> str:
-    return ipv4(LB_VIP_BASE + i)
-
-
-def external_frontends(i: int) -> tuple[Frontend, ...]:
-    """Service i's LoadBalancer VIP, and its NodePort when i < NODE_PORTS."""
-    vip = (Frontend(LOAD_BALANCER, lb_vip_of(i), FRONTEND_PORT),)
-    if i >= NODE_PORTS:
-        return vip
-    return (Frontend(NODE_PORT, NODE_ADDRESS, NODE_PORT_BASE + i), *vip)
-
-
-def service_entry(
-    name: str,
-    cluster_ip: str,
-    backends: Sequence[tuple[str, int]],
-    *,
-    local: bool = False,
-    external: Sequence[Frontend] = (),
-) -> ServiceEntry:
-    """A ClusterIP entry (TCP 80) with ready backends, as compile() would emit it, plus the
-    `external` frontends (NodePort, LoadBalancer) given."""
-    members = tuple(
-        Backend(ip, port, "node-a" if local else "node-b", None, None, local, True, True, False)
-        for ip, port in backends
-    )
-    return ServiceEntry(
-        namespace="bench",
-        name=name,
-        port="http",
-        protocol="TCP",
-        ip_family="IPv4",
-        frontends=(Frontend(CLUSTER_IP, cluster_ip, FRONTEND_PORT), *external),
-        affinity_timeout=None,
-        internal_traffic_policy="Cluster",
-        external_traffic_policy="Cluster",
-        health_check_node_port=None,
-        topology="None",
-        has_endpoints=True,
-        cluster_backends=members,
-        local_backends=None,
-    ).sealed()
-
-
-def synthetic_entries(
-    count: int, endpoints: int, first: int = 0, *, external: bool = False
-) -> list[ServiceEntry]:
-    """Services first..first+count-1 (named svc-NNNNNN, so they sort in index order), with
-    external frontends (see the address plan) when `external`."""
-    return [
-        service_entry(
-            f"svc-{i:06d}",
-            cluster_ip_of(i),
-            [(backend_ip_of(i, j, endpoints), BACKEND_PORT) for j in range(endpoints)],
-            external=external_frontends(i) if external else (),
-        )
-        for i in range(first, first + count)
-    ]
-
-
-def local_entry(i: int, endpoints: int) -> ServiceEntry:
-    """Service i with external frontends and every backend on this node."""
-    return service_entry(
-        f"svc-{i:06d}-local",
-        cluster_ip_of(i),
-        [(backend_ip_of(i, j, endpoints), BACKEND_PORT) for j in range(endpoints)],
-        local=True,
-        external=external_frontends(i),
-    )
-
-
-def nodestate_of(entries: Iterable[ServiceEntry]) -> NodeState:
-    ordered = tuple(sorted(entries, key=lambda e: e.sort_key))
-    node = NodeInfo("node-a", None, {}, (NODE_ADDRESS,))
-    return NodeState(node, revision_of(e.digest for e in ordered), ordered)
-
-
-def _pow2_at_least(n: float) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1.0, n))))
-
-
-def map_sizes_for(
-    services: int, endpoints: int, ct: int = 262144, frontends: int | None = None
-) -> MapSizes:
-    """Maps sized for N Services x E endpoints with a little headroom (powers of two):
-    100k x 10 gets 131,072 frontends and 1,048,576 slots and backends. `frontends`: when
-    Services have more than their ClusterIP."""
-    return MapSizes(
-        services=_pow2_at_least(max(1024, (frontends or services) * 1.2 + 16)),
-        slots=_pow2_at_least(max(4096, services * endpoints * 1.02 + 64)),
-        backends=_pow2_at_least(max(4096, services * endpoints * 1.02 + 64)),
-        ct=ct,
-        affinity=1024,
-    )
 
 
 # --- shared: namespaces, pins, the dataplane ---------------------------------------------
 
 
-def remove_orphans() -> list[str]:
-    """Remove the namespaces and pin directories of bench runs whose process is gone.
-    `finally` cannot run when a process dies outright: LLVM ends the process when bcc's
-    compile fails a backend check (the BPF stack limit, say), and so does SIGKILL."""
-    pattern = re.compile(rf"^{re.escape(BENCH_PREFIX)}(?:pb3-)?(\d+)-")
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir("/run/netns"):
-            m = pattern.match(name)
-            if m and not _alive(int(m.group(1))):
-                subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
-                removed.append(name)
-    for path in BPFFS.iterdir():
-        m = pattern.match(path.name)
-        if m and not _alive(int(m.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def bench_netns() -> Iterator[str]:
-    """An empty network namespace of this run, for the dataplane's netlink side: nothing
-    is attached to any interface of the machine's own namespace. Orphans of dead runs
-    go first (remove_orphans)."""
-    for name in remove_orphans():
-        print(f"  removed {name}, left by a bench run that died", file=sys.stderr)
-    name = f"{BENCH_PREFIX}{os.getpid()}-{next(_names)}"
-    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
-
-
-def route_external_ranges(netns: str) -> None:
-    """In the bench namespace only: forwarding on, and the backend and outside-client ranges
-    routed via a permanent neighbour on a link of its own, so that the XDP program's FIB lookups
-    succeed as on a node. The link has no address, so the dataplane never takes it for an
-    external interface; it goes away with the namespace."""
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", "-n", netns, *args], check=True, capture_output=True)
-
-    ip("link", "set", "lo", "up")
-    # A veth pair with both ends here (this kernel has no dummy driver): up, with a carrier.
-    ip("link", "add", FIB_LINK, "type", "veth", "peer", "name", f"{FIB_LINK}p")
-    ip("link", "set", f"{FIB_LINK}p", "up")
-    ip("link", "set", FIB_LINK, "address", "02:00:00:00:00:02", "up")
-    ip("neigh", "add", NEXT_HOP, "lladdr", NEXT_HOP_MAC, "dev", FIB_LINK, "nud", "permanent")
-    for net in ("10.128.0.0/9", "203.0.113.0/24"):
-        ip("route", "add", net, "via", NEXT_HOP, "dev", FIB_LINK, "onlink")
-    subprocess.run(
-        ["nsenter", f"--net=/run/netns/{netns}", "sysctl", "-qw", "net.ipv4.conf.all.forwarding=1"],
-        check=True,
-        capture_output=True,
-    )
-
-
-@contextlib.contextmanager
-def inside_netns(netns: str) -> Iterator[None]:
-    """This thread (only) in the bench namespace, and back on exit: test runs use the
-    loopback device of the caller's namespace, and XDP's FIB lookups its routes."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def enter(fd: int, where: str) -> None:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"setns into {where}: {os.strerror(code)}")
-
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        target = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            enter(target, netns)
-        finally:
-            os.close(target)
-        try:
-            yield
-        finally:
-            enter(home, "the original network namespace")
-    finally:
-        os.close(home)
-
-
-@contextlib.contextmanager
-def bench_dataplane(
-    sizes: MapSizes,
-    netns: str,
-    pod_interfaces: Sequence[str] = (NO_INTERFACES,),
-    cgroup: Path | None = None,
-) -> Iterator[EbpfDataplane]:
-    """The real EbpfDataplane (compiled with bcc) on a fresh pin directory, its socket
-    hooks on `cgroup` when one is given (--socket-lb all); detached, unpinned and removed
-    on exit."""
-    pin_dir = BPFFS / f"{BENCH_PREFIX}{os.getpid()}-{next(_names)}"
-    dataplane: EbpfDataplane | None = None
-    try:
-        dataplane = EbpfDataplane(pin_dir, list(pod_interfaces), sizes, netns=netns, watch=False,
-                                  cgroup=cgroup)  # fmt: skip
-        yield dataplane
-    finally:
-        if dataplane is not None:
-            dataplane.cleanup()
-        shutil.rmtree(pin_dir, ignore_errors=True)
-
-
-def terminate_as_interrupt() -> None:
-    """SIGTERM unwinds like Ctrl-C, so every `finally` removes what it made. bench.compile's
-    GC clock (a gc.callbacks hook, registered on import) is removed: an exception raised
-    while a gc callback runs is printed and dropped, so a signal landing there was lost."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    with contextlib.suppress(ValueError):
-        gc.callbacks.remove(compile_bench.GC._callback)
-    signal.signal(signal.SIGTERM, handler)
-
-
-def leftovers() -> list[str]:
-    """Namespaces and pin directories of this process still present (should be none)."""
-    prefix = f"{BENCH_PREFIX}{os.getpid()}-"
-    found = [p.name for p in BPFFS.iterdir() if p.name.startswith(prefix)]
-    with contextlib.suppress(FileNotFoundError):
-        found += [n for n in os.listdir("/run/netns") if n.startswith(prefix)]
-    return found
-
-
 # --- shared: figures ---------------------------------------------------------------------
-
-
-@dataclass
-class Summary:
-    """Samples in one unit (ns here, seconds or µs elsewhere): median, nearest-rank p99
-    (the maximum below 100 samples), min-max, mean."""
-
-    samples: list[float]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples)
-
-    @property
-    def p99(self) -> float:
-        ordered = sorted(self.samples)
-        return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.samples)
-
-    def to_json(self) -> dict[str, float]:
-        return {
-            "median": self.median,
-            "p99": self.p99,
-            "min": min(self.samples),
-            "max": max(self.samples),
-            "mean": self.mean,
-            "n": len(self.samples),
-        }
-
-
-def machine() -> dict[str, Any]:
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "python": sys.version.split()[0],
-        "cpus": os.cpu_count(),
-        "cpu_model": cpu,
-        "kernel": os.uname().release,
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-        "commit": git_commit(),
-    }
-
-
-def header(name: str, info: dict[str, Any], extra: str = "") -> None:
-    print(
-        f"{name}: kernel {info['kernel']}, {info['cpus']} CPUs ({info['cpu_model']}), "
-        f"Python {info['python']}, commit {info['commit']}, load average "
-        f"{info['load_average_at_start'][0]}{extra}",
-        flush=True,
-    )
-
-
-def write_results(path: Path, document: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=2) + "\n")
 
 
 # --- PB-1 ----------------------------------------------------------------------------------
@@ -477,64 +146,6 @@ def repeated(fds: dict[str, tuple[int, bytes]], repeat: int, rounds: int) -> dic
         for name, (fd, data) in fds.items():
             out[name].append(libbpf.prog_test_run(fd, data, repeat=repeat).duration_ns)
     return {name: Summary(samples) for name, samples in out.items()}
-
-
-# The floor and two calibration programs, compiled by bcc like ours: an empty classifier,
-# and one lookup / one update of a 40-byte key (the size of struct kbp_ct_key) taken from
-# the frame, in an LRU hash of the conntrack's size: what one map operation costs here.
-CALIBRATION_C = """
-struct kbp_bench_key { u32 word[10]; };
-BPF_TABLE("lru_hash", struct kbp_bench_key, struct kbp_bench_key, kbp_bench_lru, KBP_BENCH_SIZE);
-
-static __always_inline int kbp_bench_key_of(struct __sk_buff *skb, struct kbp_bench_key *key)
-{
-        void *data = (void *)(long)skb->data, *end = (void *)(long)skb->data_end;
-
-        if (data + 14 + sizeof(*key) > end)
-                return -1;
-        __builtin_memcpy(key, data + 14, sizeof(*key));
-        return 0;
-}
-
-int kbp_bench_empty(struct __sk_buff *skb) { return 0; }
-
-int kbp_bench_xdp_empty(struct xdp_md *ctx) { return XDP_PASS; }
-
-int kbp_bench_lookup(struct __sk_buff *skb)
-{
-        struct kbp_bench_key key = {};
-
-        if (kbp_bench_key_of(skb, &key) == 0 && kbp_bench_lru.lookup(&key))
-                return 0;
-        return 0;
-}
-
-int kbp_bench_update(struct __sk_buff *skb)
-{
-        struct kbp_bench_key key = {};
-
-        if (kbp_bench_key_of(skb, &key) == 0)
-                kbp_bench_lru.update(&key, &key);
-        return 0;
-}
-"""
-CALIBRATION_PROGRAMS = ("kbp_bench_empty", "kbp_bench_lookup", "kbp_bench_update")
-
-
-@contextlib.contextmanager
-def calibration_programs(map_size: int) -> Iterator[dict[str, int]]:
-    """fds of the floor and calibration programs (the bench's own, so agent/ keeps its one
-    bcc import in kernel.py)."""
-    from bcc import BPF
-
-    module = BPF(text=CALIBRATION_C.encode(), cflags=[f"-DKBP_BENCH_SIZE={map_size}"])
-    try:
-        fds = {name: module.load_func(name.encode(), BPF.SCHED_CLS).fd
-               for name in CALIBRATION_PROGRAMS}  # fmt: skip
-        fds["kbp_bench_xdp_empty"] = module.load_func(b"kbp_bench_xdp_empty", BPF.XDP).fd
-        yield fds
-    finally:
-        module.cleanup()
 
 
 def expect(ok: bool, what: str) -> None:
@@ -1022,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     if against:
         print_against(results, against)
     seconds = time.perf_counter() - began
-    out = args.json or RESULTS / ("datapath-quick.json" if args.quick else "datapath.json")
+    out = results_path(args, "datapath")
     write_results(out, {
         "benchmark": "bench/datapath.py",
         "id": "PB-1",

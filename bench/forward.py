@@ -80,6 +80,7 @@ from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.inspect import XDP_VERDICTS
 from agent.dataplane.ebpf.netlink import TcAttacher
 from agent.dataplane.iptables.dataplane import IptablesDataplane
+from agent.lab.toolkit import NO_RP_FILTER, Cleanup, in_netns, ip_batch, link_index, run, sysctl
 from agent.model.nodestate import (
     CLUSTER_IP,
     LOAD_BALANCER,
@@ -90,17 +91,21 @@ from agent.model.nodestate import (
     ServiceEntry,
     revision_of,
 )
-from bench.compile import RESULTS, mark
-from bench.datapath import (
+from bench.common.kernel import (
     BENCH_PREFIX,
     BPFFS,
     NO_INTERFACES,
-    Summary,
-    header,
     inside_netns,
-    machine,
+    leftovers,
     map_sizes_for,
     remove_orphans,
+)
+from bench.common.report import (
+    Summary,
+    header,
+    machine,
+    mark,
+    results_path,
     terminate_as_interrupt,
     write_results,
 )
@@ -162,7 +167,7 @@ def le32(ip: str) -> int:
     return int.from_bytes(socket.inet_aton(ip), "little")
 
 
-# --- the bench's own programs (bcc, like bench/datapath.py's floors) -----------------------
+# --- the bench's own programs (bcc, like bench/common/kernel.py's floors) -----------------------
 
 
 def _mac_stores(pointer: str, offset: int, mac: str) -> str:
@@ -318,23 +323,8 @@ def template_frame(dst: str, dport: int) -> bytes:
 # --- topology --------------------------------------------------------------------------------
 
 
-def _run(argv: Sequence[str], stdin: str | None = None) -> str:
-    proc = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.returncode}")
-    return proc.stdout
-
-
 def in_ns(netns: str, *argv: str) -> str:
-    return _run(["nsenter", f"--net=/run/netns/{netns}", "--", *argv])
-
-
-def ip_batch(netns: str, commands: Sequence[str]) -> None:
-    _run(["ip", "-n", netns, "-batch", "-"], "\n".join(commands) + "\n")
-
-
-def sysctls(netns: str, settings: dict[str, str]) -> None:
-    in_ns(netns, "sysctl", "-qw", *(f"{k}={v}" for k, v in settings.items()))
+    return run(in_netns(netns, argv))
 
 
 @dataclass
@@ -347,7 +337,7 @@ class Topology:
     sink: str
     g0_index: int = 0
     n1_index: int = 0
-    namespaces: list[str] = field(default_factory=list)
+    undo: Cleanup = field(default_factory=lambda: Cleanup("bench.forward"))
 
     @classmethod
     def create(cls, variant: str) -> Topology:
@@ -355,10 +345,8 @@ class Topology:
         topo = cls(variant, f"{base}-gen", f"{base}-node", f"{base}-sink")
         try:
             for name in (topo.gen, topo.node, topo.sink):
-                _run(["ip", "netns", "add", name])
-                topo.namespaces.append(name)
-                sysctls(name, {"net.ipv6.conf.all.disable_ipv6": "1",
-                               "net.ipv6.conf.default.disable_ipv6": "1"})  # fmt: skip
+                topo.undo.namespace(name, {"net.ipv6.conf.all.disable_ipv6": 1,
+                                           "net.ipv6.conf.default.disable_ipv6": 1})  # fmt: skip
             topo._wire()
         except BaseException:
             topo.remove()
@@ -366,9 +354,9 @@ class Topology:
         return topo
 
     def _wire(self) -> None:
-        _run(["ip", "link", "add", "g0", "netns", self.gen, "address", MAC["g0"], "type", "veth",
+        run(["ip", "link", "add", "g0", "netns", self.gen, "address", MAC["g0"], "type", "veth",
               "peer", "name", "n0", "netns", self.node, "address", MAC["n0"]])  # fmt: skip
-        _run(["ip", "link", "add", "n1", "netns", self.node, "address", MAC["n1"], "type", "veth",
+        run(["ip", "link", "add", "n1", "netns", self.node, "address", MAC["n1"], "type", "veth",
               "peer", "name", "r0", "netns", self.sink, "address", MAC["r0"]])  # fmt: skip
         ip_batch(self.gen, [
             "link set lo up",
@@ -376,11 +364,7 @@ class Topology:
             "link set g0 up",
             f"neigh add {NODE_ADDRESS} lladdr {MAC['n0']} dev g0 nud permanent",
         ])  # fmt: skip
-        sysctls(self.node, {
-            "net.ipv4.conf.all.forwarding": "1",
-            "net.ipv4.conf.all.rp_filter": "0",
-            "net.ipv4.conf.default.rp_filter": "0",
-        })  # fmt: skip
+        sysctl(self.node, {"net.ipv4.conf.all.forwarding": 1, **NO_RP_FILTER})
         ip_batch(self.node, [
             "link set lo up",
             f"addr add {NODE_ADDRESS}/24 dev n0",
@@ -392,8 +376,7 @@ class Topology:
             f"neigh add {SINK_ADDRESS} lladdr {MAC['r0']} dev n1 nud permanent",
             f"route add {BACKEND_NET} via {SINK_ADDRESS} dev n1",
         ])  # fmt: skip
-        for link in ("n0", "n1"):
-            sysctls(self.node, {f"net.ipv4.conf.{link}.rp_filter": "0"})
+        sysctl(self.node, {f"net.ipv4.conf.{link}.rp_filter": 0 for link in ("n0", "n1")})
         # n0 needs a NAPI context to take XDP frames from g0; GRO gives it one whatever
         # program sits on n0 (UDP is not aggregated: no rx-udp-gro-forwarding).
         in_ns(self.node, "ethtool", "-K", "n0", "gro", "on")
@@ -407,13 +390,7 @@ class Topology:
         self.n1_index = link_index(self.node, "n1")
 
     def remove(self) -> None:
-        for name in reversed(self.namespaces):
-            subprocess.run(["ip", "netns", "delete", name], check=False, capture_output=True)
-        self.namespaces.clear()
-
-
-def link_index(netns: str, name: str) -> int:
-    return int(json.loads(in_ns(netns, "ip", "-j", "link", "show", name))[0]["ifindex"])
+        self.undo.close()
 
 
 def link_stats(netns: str, name: str) -> dict[str, int]:
@@ -556,15 +533,6 @@ def variant_setups(
             s.topo.remove()
         for pin in pins:
             shutil.rmtree(pin, ignore_errors=True)
-
-
-def leftovers() -> list[str]:
-    """Namespaces and pin directories of this process still present (should be none)."""
-    prefix = f"{PREFIX}{os.getpid()}-"
-    found = [p.name for p in BPFFS.iterdir() if p.name.startswith(prefix)]
-    with contextlib.suppress(FileNotFoundError):
-        found += [n for n in os.listdir("/run/netns") if n.startswith(prefix)]
-    return found
 
 
 # --- measuring ---------------------------------------------------------------------------------
@@ -749,11 +717,11 @@ def main(argv: list[str] | None = None) -> int:
                     s.windows.append(window(progs, s, s.repeat))
             checks = {s.name: verify(s, progs) for s in setups}
     except KeyboardInterrupt:
-        print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
+        print(f"\ninterrupted; cleaned up (left over: {leftovers(PREFIX) or 'nothing'})")
         return 130
     report = print_report(setups, checks, args.cpu)
     seconds = time.perf_counter() - began
-    out = args.json or RESULTS / ("forward-quick.json" if args.quick else "forward.json")
+    out = results_path(args, "forward")
     write_results(out, {
         "benchmark": "bench/forward.py",
         "id": "PB-3",
@@ -783,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": seconds,
     })  # fmt: skip
     print(f"\nran in {seconds:.0f} s (load average now {os.getloadavg()[0]:.2f}); "
-          f"results in {out}; left over: {leftovers() or 'nothing'}")  # fmt: skip
+          f"results in {out}; left over: {leftovers(PREFIX) or 'nothing'}")  # fmt: skip
     return 0
 
 

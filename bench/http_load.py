@@ -25,29 +25,37 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import importlib.util
-import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.api import AgentStatus  # noqa: E402
-from agent.api import serving as current  # noqa: E402
-from agent.api.serving import Request, Response, json_response  # noqa: E402
-from bench.compile import RESULTS, fmt_s, git_commit, mark  # noqa: E402
-from tests.httpload import HostileClients  # noqa: E402
+from agent.api import serving as current
+from bench.common.probe import (
+    Probe,
+    ProbeFigures,
+    cell,
+    healthz_handler,
+    probe_figures,
+    probe_until,
+)
+from bench.common.report import (
+    ROOT,
+    machine,
+    mark,
+    results_path,
+    write_results,
+)
+from tests.httpload import HostileClients
 
 # name, hostile clients, mode, loopback source addresses they come from
 LOADS = [
@@ -61,18 +69,11 @@ TARGET = 1.0  # seconds: every probe answered within this
 
 
 @dataclass
-class Figures:
+class Figures(ProbeFigures):
     server: str
     load: str
     hostile_open: int  # hostile connections open when probing began, as the clients see it
     held: int | None  # connections the server held then (this tree's server only)
-    probes: int
-    answered: int
-    over_target: int
-    median: float | None
-    p99: float | None
-    worst: float | None
-    errors: list[str]
 
 
 def load_baseline(revision: str) -> ModuleType:
@@ -94,16 +95,6 @@ def load_baseline(revision: str) -> ModuleType:
     return module
 
 
-def healthz_handler() -> Callable[[Request], Response]:
-    status = AgentStatus(dataplane="none")
-
-    def healthz(request: Request) -> Response:
-        report = status.health(60.0)
-        return json_response(200 if report.healthy else 503, {"healthy": report.healthy})
-
-    return healthz
-
-
 @contextlib.contextmanager
 def served(module: ModuleType) -> Iterator[Any]:
     routes = {"/healthz": healthz_handler()}
@@ -117,28 +108,11 @@ def served(module: ModuleType) -> Iterator[Any]:
         server.close()
 
 
-def probe(port: int, timeout: float) -> tuple[float, str | None]:
-    started = time.monotonic()
-    try:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        try:
-            conn.request("GET", "/healthz")
-            response = conn.getresponse()
-            response.read()
-        finally:
-            conn.close()
-    except (OSError, http.client.HTTPException) as err:
-        return time.monotonic() - started, type(err).__name__
-    if response.status != 200:
-        return time.monotonic() - started, f"HTTP {response.status}"
-    return time.monotonic() - started, None
-
-
 def measure(
     label: str, module: ModuleType, load: tuple[str, int, str, int], args: argparse.Namespace
 ) -> Figures:
     name, clients, mode, sources = load
-    results: list[tuple[float, str | None]] = []
+    results: list[Probe] = []
     with served(module) as server:
         hostile = (
             HostileClients(
@@ -157,30 +131,13 @@ def measure(
             opened = load_process.last.get("open", 0) if load_process else 0
             held = getattr(server, "open_connections", None)
             end = time.monotonic() + args.seconds
-            while time.monotonic() < end:
-                started = time.monotonic()
-                results.append(probe(server.port, args.probe_timeout))
-                time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
-    ok = sorted(took for took, error in results if error is None)
-    return Figures(
-        server=label,
-        load=name,
-        hostile_open=opened,
-        held=held,
-        probes=len(results),
-        answered=len(ok),
-        over_target=sum(1 for took, error in results if error or took > TARGET),
-        median=ok[len(ok) // 2] if ok else None,
-        p99=ok[min(len(ok) - 1, int(len(ok) * 0.99))] if ok else None,
-        worst=max(took for took, _ in results) if results else None,
-        errors=sorted({error for _, error in results if error}),
-    )
+            probe_until(server.port, args.probe_timeout, args.interval,
+                        lambda: time.monotonic() >= end, results)  # fmt: skip
+    return Figures(server=label, load=name, hostile_open=opened, held=held,
+                   **probe_figures(results, TARGET))  # fmt: skip
 
 
 def show(figures: Figures) -> None:
-    def cell(value: float | None) -> str:
-        return fmt_s(value) if value is not None else "-"
-
     print(
         f"| {figures.server} | {figures.load} | {figures.hostile_open} "
         f"| {'-' if figures.held is None else figures.held} "
@@ -224,29 +181,13 @@ def main() -> None:
             figures = measure(label, module, load, args)
             show(figures)
             results.append(asdict(figures))
-    out = args.json or RESULTS / "http_load.json"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "machine": {
-                    "python": sys.version.split()[0],
-                    "cpus": os.cpu_count(),
-                    "kernel": platform.release(),
-                    "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-                    "commit": git_commit(),
-                },
-                "settings": {
-                    "seconds": args.seconds,
-                    "interval": args.interval,
-                    "probe_timeout": args.probe_timeout,
-                },
-                "results": results,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    out = results_path(args, "http_load")
+    write_results(out, {
+        "machine": machine(),
+        "settings": {"seconds": args.seconds, "interval": args.interval,
+                     "probe_timeout": args.probe_timeout},
+        "results": results,
+    })  # fmt: skip
     print(f"\nresults written to {out}")
 
 

@@ -2,7 +2,7 @@
 Services x 10 endpoints, each beside the floor: an `iptables-restore --noflush` of the rules
 kube-proxy's iptables mode would write for the same NodeState, in a fresh namespace.
 
-Workload: bench/maps.py's generated cluster (bench/compile.py's generator: 5 % NodePort,
+Workload: the generated cluster of bench/common/workload.py (its generator: 5 % NodePort,
 2 % LoadBalancer, some with externalTrafficPolicy Local, 4 % ClientIP affinity, 10 % with
 a second port; nodePorts unique), compiled for `node-000` with the pod CIDR 10.128.0.0/9
 (kube-proxy's `--cluster-cidr`, so both write the "masquerade off-cluster traffic" rule).
@@ -30,7 +30,7 @@ ours is given the backend as `--iptables-backend` would):
     restart   a new IptablesDataplane over its own rules (reads them back, rewrites all);
               floor: the kube-proxy document restored again over its rules
     resync    `apply(state, full=True)` with nothing changed, inside the hour (jump checks)
-    partial   single changes (bench.maps.make_changes: an endpoint not ready, an endpoint
+    partial   single changes (bench.common.workload.make_changes: an endpoint not ready, an endpoint
               added, a Service added, a Service deleted), recompiled with
               `Compiler.update`, applied by ours and by the floor's partial restore, each
               in its namespace; rules written (`dp.last_writes`) and whether the restore
@@ -75,6 +75,7 @@ from agent.dataplane.iptables import dataplane as iptables_module
 from agent.dataplane.iptables import render as iptables_render
 from agent.dataplane.iptables.backend import find_backend
 from agent.dataplane.iptables.dataplane import IptablesDataplane
+from agent.lab.toolkit import in_netns
 from agent.model.compile import CompileOptions, Compiler
 from agent.model.decode import decode_object
 from agent.model.nodestate import (
@@ -86,17 +87,19 @@ from agent.model.nodestate import (
     ServiceEntry,
 )
 from agent.sources.manifests import load_manifests
-from bench.compile import RESULTS, THIS_NODE, mark
-from bench.datapath import (
+from bench.common.kernel import bench_netns, leftovers
+from bench.common.report import (
+    RESULTS,
     Summary,
-    bench_netns,
+    fmt_s,
     header,
-    leftovers,
     machine,
+    mark,
+    results_path,
     terminate_as_interrupt,
     write_results,
 )
-from bench.maps import ENDPOINTS, Change, fmt, generate, make_changes
+from bench.common.workload import ENDPOINTS, THIS_NODE, Change, generate, make_changes
 
 POD_CIDR = "10.128.0.0/9"  # the generator's pod addresses (bench/compile.py)
 LOCK_WAIT = "5"
@@ -166,14 +169,10 @@ BACKENDS = {
 }
 
 
-def in_ns(ns: str, argv: Sequence[str]) -> list[str]:
-    return ["nsenter", f"--net=/run/netns/{ns}", "--", *argv]
-
-
 def run_tool(ns: str, argv: Sequence[str], stdin: str | None = None) -> tuple[float, str]:
     """(seconds, stdout) of one tool run in ns; raises on failure."""
     start = time.perf_counter()
-    proc = subprocess.run(in_ns(ns, argv), input=stdin, capture_output=True, text=True,
+    proc = subprocess.run(in_netns(ns, argv), input=stdin, capture_output=True, text=True,
                           timeout=TOOL_TIMEOUT, check=False)  # fmt: skip
     took = time.perf_counter() - start
     if proc.returncode != 0:
@@ -193,7 +192,7 @@ def flush_tables(ns: str, backend: Backend) -> None:
     for family in ("IPv4", "IPv6"):
         for table in ("nat", "filter"):
             for flag in ("-F", "-X"):
-                subprocess.run(in_ns(ns, [backend.iptables[family], "-w", LOCK_WAIT, "-t",
+                subprocess.run(in_netns(ns, [backend.iptables[family], "-w", LOCK_WAIT, "-t",
                                           table, flag]),
                                capture_output=True, timeout=TOOL_TIMEOUT, check=False)  # fmt: skip
 
@@ -649,7 +648,7 @@ def kernel_rules_per_chain(ns: str, backend: Backend) -> dict[str, dict[str, int
 @dataclass
 class Workload:
     services: int
-    cluster: Any  # bench.maps.Cluster
+    cluster: Any  # bench.common.workload.Cluster
     state: Any  # ClusterState, advanced by each change
     compiler: Compiler
     nodestate: NodeState
@@ -775,10 +774,10 @@ def measure(w: Workload, backend: Backend, repeat: int, per_kind: int,
                     samples[kind].append(calls.seconds(kind))
                 samples["python"].append(took - sum(c.seconds for c in calls.calls))
                 full_rules = dict(dp.last_writes)
-            print(f"  full {r + 1}/{repeat}: floor {fmt(samples['floor'][-1])}, ours "
-                  f"{fmt(samples['ours'][-1])} (restore {fmt(samples['restore'][-1])}, "
-                  f"save {fmt(samples['save'][-1])}, {calls.count('restore')} restores, "
-                  f"{calls.count('other')} iptables calls {fmt(samples['other'][-1])})",
+            print(f"  full {r + 1}/{repeat}: floor {fmt_s(samples['floor'][-1])}, ours "
+                  f"{fmt_s(samples['ours'][-1])} (restore {fmt_s(samples['restore'][-1])}, "
+                  f"save {fmt_s(samples['save'][-1])}, {calls.count('restore')} restores, "
+                  f"{calls.count('other')} iptables calls {fmt_s(samples['other'][-1])})",
                   flush=True)  # fmt: skip
         assert dp is not None
         if w.services <= KP_ORDER_MAX:  # the reference: kube-proxy's order, once
@@ -786,7 +785,7 @@ def measure(w: Workload, backend: Backend, repeat: int, per_kind: int,
                 gc.collect()
                 kube_proxy_order = Summary([restore(ns, backend, kp_full.text)])
             print(f"  reference, the floor's rules in kube-proxy's order: "
-                  f"{fmt(kube_proxy_order.median)}", flush=True)  # fmt: skip
+                  f"{fmt_s(kube_proxy_order.median)}", flush=True)  # fmt: skip
         del ours_text
 
         if "restart" in steps:  # restart and periodic resync, over the rules already there
@@ -804,9 +803,9 @@ def measure(w: Workload, backend: Backend, repeat: int, per_kind: int,
                 resync["other"].append(calls.seconds("other"))
                 dp = again
             save_seconds, _ = run_tool(floor_ns, [backend.save["IPv4"], "-t", "nat"])
-            print(f"  restart: floor {fmt(restart['floor'][-1])}, ours "
-                  f"{fmt(restart['ours'][-1])} (iptables-save {fmt(restart['save'][-1])}); "
-                  f"resync with nothing changed {fmt(resync['ours'][-1])}",
+            print(f"  restart: floor {fmt_s(restart['floor'][-1])}, ours "
+                  f"{fmt_s(restart['ours'][-1])} (iptables-save {fmt_s(restart['save'][-1])}); "
+                  f"resync with nothing changed {fmt_s(resync['ours'][-1])}",
                   flush=True)  # fmt: skip
 
         current = w.nodestate
@@ -831,7 +830,7 @@ def measure(w: Workload, backend: Backend, repeat: int, per_kind: int,
                 )
                 times.floor_rules.append(kp_partial.rules)
                 current = new
-                print(f"  {change.kind}: ours {fmt(took)}, floor {fmt(times.floor[-1])}",
+                print(f"  {change.kind}: ours {fmt_s(took)}, floor {fmt_s(times.floor[-1])}",
                       flush=True)  # fmt: skip
             w.nodestate = current
 
@@ -844,7 +843,7 @@ def measure(w: Workload, backend: Backend, repeat: int, per_kind: int,
             start = time.perf_counter()
             iptables_module.cleanup(ours_ns)
             cleanup_seconds = time.perf_counter() - start
-            print(f"  cleanup(): {fmt(cleanup_seconds)}", flush=True)
+            print(f"  cleanup(): {fmt_s(cleanup_seconds)}", flush=True)
     return Result(
         w.services, backend.name, len(w.nodestate.services), sizes,
         {k: Summary(v) for k, v in samples.items()},
@@ -900,8 +899,8 @@ def ratio_text(ours: float, floor: float) -> str:
 
 
 def row(label: str, s: Summary, extra: str = "", width: int = 50) -> str:
-    spread = f"{fmt(min(s.samples))}-{fmt(max(s.samples))}"
-    return (f"{label:<{width}} {fmt(s.median):>9} {fmt(s.p99):>9} {spread:>21} "
+    spread = f"{fmt_s(min(s.samples))}-{fmt_s(max(s.samples))}"
+    return (f"{label:<{width}} {fmt_s(s.median):>9} {fmt_s(s.p99):>9} {spread:>21} "
             f"{len(s.samples):>3}  {extra}")  # fmt: skip
 
 
@@ -945,10 +944,10 @@ def print_result(r: Result) -> dict[str, Any]:
         print(row("  of which iptables-save", rs["save"]))
         print(row("  of which restore", rs["restore"]))
         print(row("resync, nothing changed (full=True, < 1 h)", r.resync["ours"],
-                  f"jump checks: iptables-save {fmt(r.resync['save'].median)}, "
-                  f"iptables {fmt(r.resync['other'].median)}"))  # fmt: skip
+                  f"jump checks: iptables-save {fmt_s(r.resync['save'].median)}, "
+                  f"iptables {fmt_s(r.resync['other'].median)}"))  # fmt: skip
         label = "(reference: iptables-save -t nat of the floor's rules)"
-        print(f"{label:<50} {fmt(r.save_seconds or 0.0):>9}")
+        print(f"{label:<50} {fmt_s(r.save_seconds or 0.0):>9}")
         report.update({
             "restart": {k: s.to_json() for k, s in rs.items()},
             "restart_ratio": rs["ours"].median / rs["floor"].median,
@@ -957,7 +956,7 @@ def print_result(r: Result) -> dict[str, Any]:
         })  # fmt: skip
     if r.cleanup_seconds is not None:
         label = "cleanup(): every KBP- chain removed"
-        print(f"{label:<50} {fmt(r.cleanup_seconds):>9}")
+        print(f"{label:<50} {fmt_s(r.cleanup_seconds):>9}")
     if r.partial:
         report.update(print_partial(r))
     print(f"kernel chains and rules per chain equal a fresh render of the final state: "
@@ -985,10 +984,10 @@ def print_partial(r: Result) -> dict[str, Any]:
         floor_rules = sorted(t.floor_rules)[len(t.floor_rules) // 2]
         chains = sorted(t.chains_declared)[len(t.chains_declared) // 2]
         only = all(t.only_changed)
-        spread = f"{fmt(min(ours.samples))}-{fmt(max(ours.samples))}"
+        spread = f"{fmt_s(min(ours.samples))}-{fmt_s(max(ours.samples))}"
         print(
-            f"{kind:<18} {fmt(ours.median):>9} {fmt(ours.p99):>9} {spread:>21} "
-            f"{fmt(floor.median):>9} {fmt(floor.p99):>9}  "
+            f"{kind:<18} {fmt_s(ours.median):>9} {fmt_s(ours.p99):>9} {spread:>21} "
+            f"{fmt_s(floor.median):>9} {fmt_s(floor.p99):>9}  "
             f"{ratio_text(ours.median, floor.median):<18} {rules:>8,}/{floor_rules:<8,} "
             f"{rules / max(1, full_written):>7.1%} {chains:>6}  "
             f"{'yes' if only else 'NO'} ({sum(t.only_changed)}/{len(t.only_changed)})"
@@ -1003,8 +1002,8 @@ def print_partial(r: Result) -> dict[str, Any]:
             "nat_chains_declared_median": chains, "only_changed_chains": only,
         }  # fmt: skip
     ours_all, floor_all = Summary(all_ours), Summary(all_floor)
-    print(f"{'all changes':<18} {fmt(ours_all.median):>9} {fmt(ours_all.p99):>9} "
-          f"{'':>21} {fmt(floor_all.median):>9} {fmt(floor_all.p99):>9}  "
+    print(f"{'all changes':<18} {fmt_s(ours_all.median):>9} {fmt_s(ours_all.p99):>9} "
+          f"{'':>21} {fmt_s(floor_all.median):>9} {fmt_s(floor_all.p99):>9}  "
           f"{ratio_text(ours_all.median, floor_all.median)}")  # fmt: skip
     return {
         "partial": partial_report,
@@ -1104,8 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
     for what in skipped:
         print(f"skipped: {what}")
     seconds = time.perf_counter() - began
-    out = args.json or RESULTS / ("iptables_sync-quick.json" if args.quick else
-                                  "iptables_sync.json")  # fmt: skip
+    out = results_path(args, "iptables_sync")
     write_results(out, {
         "benchmark": "bench/iptables_sync.py",
         "id": "PB-9",

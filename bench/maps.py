@@ -32,15 +32,13 @@ are compared with a fresh plan of the final state.
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
 import gc
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,21 +62,31 @@ from agent.dataplane.ebpf.plan import (
 )
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import decode_object
-from agent.model.nodestate import NodeState
-from agent.model.types import ClusterState, EndpointSlice, Service
+from agent.model.nodestate import NodeState, revision_of
+from agent.model.types import ClusterState
 from agent.sources.manifests import load_manifests
-from bench.compile import RESULTS, THIS_NODE, Generator, Obj, Workload, mark
-from bench.datapath import (
-    BACKEND_BASE,
+from bench.common.kernel import bench_dataplane, bench_netns, leftovers
+from bench.common.nodestates import BACKEND_BASE
+from bench.common.report import (
+    RESULTS,
     Summary,
-    bench_dataplane,
-    bench_netns,
+    fmt_s,
     header,
-    ipv4,
-    leftovers,
     machine,
+    mark,
     terminate_as_interrupt,
     write_results,
+)
+from bench.common.workload import (
+    ENDPOINTS,
+    THIS_NODE,
+    Change,
+    Cluster,
+    generate,
+    ipv4,
+    make_changes,
+    set_objects,
+    slices_of,
 )
 
 # Targets and anchors (bench/README.md, PB-4, PB-5, PB-8).
@@ -94,7 +102,6 @@ REF_PB4 = (
 REF_PB5 = "kube-proxy nftables adds 1 Service beside 10k in ≈141 ms; iptables partial 0.6-0.9 s"
 REF_PB8 = "batch 0.32-0.61 µs per element, per element from Python ≈2 µs (here, earlier)"
 SCRATCH_SET = 0x7F000000  # set ids far above any the plan allocates: scratch slots only
-ENDPOINTS = 10
 CHANGE_KINDS = ("not_ready", "endpoint_added", "service_added", "service_deleted")
 
 
@@ -114,18 +121,10 @@ def seconds(fn: Callable[[], Any], gc_enabled: bool = True) -> tuple[float, Any]
         gc.enable()
 
 
-def fmt(s: float) -> str:
-    if s < 1e-3:
-        return f"{s * 1e6:.0f} µs"
-    if s < 1:
-        return f"{s * 1e3:.{1 if s < 0.1 else 0}f} ms"
-    return f"{s:.2f} s"
-
-
 def fmt_row(label: str, s: Summary, extra: str = "", width: int = 46) -> str:
-    spread = f"{fmt(min(s.samples))}-{fmt(max(s.samples))}"
+    spread = f"{fmt_s(min(s.samples))}-{fmt_s(max(s.samples))}"
     return (
-        f"{label:<{width}} {fmt(s.median):>9} {fmt(s.p99):>9} {spread:>21} {len(s.samples):>4}"
+        f"{label:<{width}} {fmt_s(s.median):>9} {fmt_s(s.p99):>9} {spread:>21} {len(s.samples):>4}"
         f"  {extra}"
     )
 
@@ -165,7 +164,7 @@ def scratch_slots(count: int, first: int = 0) -> tuple[bytes, bytes]:
 
 
 def empty_nodestate(like: NodeState) -> NodeState:
-    return NodeState(like.node, "sha256:empty", ())
+    return NodeState(like.node, revision_of(()), ())
 
 
 # --- PB-8 ------------------------------------------------------------------------------------
@@ -315,43 +314,6 @@ def print_pb8(results: list[BatchResult]) -> list[dict[str, Any]]:
 
 
 @dataclass
-class Cluster:
-    workload: Workload
-    path: Path
-    items: list[Obj]
-    json_bytes: int
-    next_node_port: int  # the first nodePort no generated Service uses
-
-
-def unique_node_ports(items: list[Obj], next_port: int = 30000) -> int:
-    """Give every nodePort its own number, as the API server's allocator does: the
-    generator's `30000 + (2i + j) % 2768` repeats past ~1.4k NodePort Services (from 10k
-    Services on), and two entries wanting one frontend send every change of theirs down
-    the dataplane's full (not incremental) plan, which no real cluster would see.
-    Returns the next free port."""
-    for obj in items:
-        if obj["kind"] != "Service":
-            continue
-        for port in obj["spec"]["ports"]:
-            if "nodePort" in port:
-                if next_port > 32767:
-                    raise ValueError("more nodePorts than the default range 30000-32767")
-                port["nodePort"] = next_port
-                next_port += 1
-    return next_port
-
-
-def generate(services: int, directory: Path) -> Cluster:
-    workload = Workload(services=services, endpoints=ENDPOINTS, headless=0)
-    items = Generator(workload).items()
-    next_node_port = unique_node_ports(items)
-    path = directory / f"cluster-{services}.json"
-    with path.open("w") as out:
-        json.dump({"apiVersion": "v1", "kind": "List", "items": items}, out, separators=(",", ":"))
-    return Cluster(workload, path, items, path.stat().st_size, next_node_port)
-
-
-@dataclass
 class FullSync:
     services: int
     entries: int
@@ -482,7 +444,7 @@ def print_pb4(results: list[FullSync], json_bytes: dict[int, int]) -> list[dict[
                 ratio = s.median / r.phases["write_floor"].median
                 ok = mark(s.median <= limit)
                 ok8 = mark(ratio <= TARGET_BATCH_RATIO)
-                extra += f"≤ {fmt(limit)} {ok}; {ratio:.2f}x floor (PB-8: ≤ 1.5x {ok8})"
+                extra += f"≤ {fmt_s(limit)} {ok}; {ratio:.2f}x floor (PB-8: ≤ 1.5x {ok8})"
                 entry["write_batch_mark"] = ok8
                 entry["write_mark"] = ok
                 entry["write_ratio_to_floor"] = ratio
@@ -490,7 +452,7 @@ def print_pb4(results: list[FullSync], json_bytes: dict[int, int]) -> list[dict[
                 limit = TARGET_FULL_SYNC_S_PER_10K * scale
                 ok = mark(s.median <= limit)
                 floor = r.phases["decode_floor"].median + r.phases["write_floor"].median
-                extra += f"≤ {fmt(limit)} {ok}; {s.median / floor:.2f}x floor ({fmt(floor)})"
+                extra += f"≤ {fmt_s(limit)} {ok}; {s.median / floor:.2f}x floor ({fmt_s(floor)})"
                 entry["total_mark"] = ok
             elif name == "decode":
                 extra += f"{s.median / r.phases['decode_floor'].median:.2f}x floor"
@@ -508,13 +470,6 @@ def print_pb4(results: list[FullSync], json_bytes: dict[int, int]) -> list[dict[
 
 
 @dataclass
-class Change:
-    kind: str
-    texts: list[str]  # the events' objects as JSON (what the watch delivers)
-    apply_to_state: Callable[[ClusterState, list[Any]], None]
-
-
-@dataclass
 class ChangeTimes:
     total: list[float] = field(default_factory=list)
     decode: list[float] = field(default_factory=list)
@@ -522,66 +477,6 @@ class ChangeTimes:
     apply: list[float] = field(default_factory=list)
     floor: list[float] = field(default_factory=list)
     writes: list[int] = field(default_factory=list)
-
-
-def slices_of(items: list[Obj]) -> dict[str, list[Obj]]:
-    out: dict[str, list[Obj]] = {}
-    for obj in items:
-        if obj["kind"] == "EndpointSlice":
-            out.setdefault(obj["metadata"]["labels"]["kubernetes.io/service-name"], []).append(obj)
-    return out
-
-
-def set_objects(state: ClusterState, values: list[Any]) -> None:
-    for value in values:
-        if isinstance(value, Service):
-            state.set_service(value)
-        elif isinstance(value, EndpointSlice):
-            state.set_slice(value)
-
-
-def delete_objects(state: ClusterState, values: list[Any]) -> None:
-    for value in values:
-        if isinstance(value, EndpointSlice):
-            state.delete_slice(value.namespace, value.name)
-    for value in values:
-        if isinstance(value, Service):
-            state.delete_service(value.namespace, value.name)
-
-
-def make_changes(cluster: Cluster, per_kind: int) -> Iterator[Change]:
-    """Changes in turn by kind; each built from the generated objects as the watch would
-    deliver them. Readiness flips and added endpoints hit distinct Services."""
-    items = copy.deepcopy(cluster.items)  # keep the generator's copy for later sizes
-    by_service = slices_of(items)
-    names = sorted(by_service)
-    step = max(1, len(names) // (2 * per_kind + 1))
-    picks = iter(names[::step])
-    generator = Generator(dataclasses.replace(cluster.workload, seed=cluster.workload.seed + 7))
-    added: list[list[Obj]] = []
-    node_port = cluster.next_node_port
-    for k in range(per_kind):
-        endpoint_slice = by_service[next(picks)][0]
-        for endpoint in endpoint_slice["endpoints"]:
-            if endpoint["conditions"]["ready"]:
-                endpoint["conditions"] = {"ready": False, "serving": False, "terminating": False}
-                break
-        yield Change("not_ready", [json.dumps(endpoint_slice)], set_objects)
-
-        endpoint_slice = by_service[next(picks)][0]
-        extra = copy.deepcopy(endpoint_slice["endpoints"][0])
-        extra["addresses"] = [f"10.200.{k // 250}.{k % 250 + 1}"]
-        extra["conditions"] = {"ready": True, "serving": True, "terminating": False}
-        extra["targetRef"]["name"] += "-added"
-        extra.pop("hints", None)
-        endpoint_slice["endpoints"].append(extra)
-        yield Change("endpoint_added", [json.dumps(endpoint_slice)], set_objects)
-
-        objects = generator.service(cluster.workload.services + k, namespace="bench-added")
-        node_port = unique_node_ports(objects, node_port)
-        added.append(objects)
-        yield Change("service_added", [json.dumps(o) for o in objects], set_objects)
-        yield Change("service_deleted", [json.dumps(o) for o in added.pop(0)], delete_objects)
 
 
 def timed_change(
@@ -702,7 +597,7 @@ def print_pb5(results: list[ChangeResult]) -> dict[str, Any]:
             median_writes = sorted(t.writes)[len(t.writes) // 2]
             print(fmt_row(f"{kind}: event → last write", total,
                           f"{median_writes:>6}  p99 ≤ 10 ms {ok}; floor "
-                          f"{fmt(Summary(t.floor).median)}"))  # fmt: skip
+                          f"{fmt_s(Summary(t.floor).median)}"))  # fmt: skip
             for part in ("decode", "compile", "apply"):
                 print(fmt_row(f"    {part}", Summary(getattr(t, part))))
             entry["kinds"][kind] = {
@@ -714,13 +609,13 @@ def print_pb5(results: list[ChangeResult]) -> dict[str, Any]:
         ok = mark(total.p99 <= TARGET_CHANGE_P99_S)
         floor = Summary(every.floor)
         print(fmt_row("all changes: event → last write", total,
-                      f"{'':>6}  p99 ≤ 10 ms {ok}; floor {fmt(floor.median)} "
-                      f"(p99 {fmt(floor.p99)}), {total.median / floor.median:.1f}x"))  # fmt: skip
+                      f"{'':>6}  p99 ≤ 10 ms {ok}; floor {fmt_s(floor.median)} "
+                      f"(p99 {fmt_s(floor.p99)}), {total.median / floor.median:.1f}x"))  # fmt: skip
         seconds_, writes = r.burst_coalesced
-        print(f"{'burst of 100 readiness changes, one apply':<46} {fmt(seconds_):>9} "
+        print(f"{'burst of 100 readiness changes, one apply':<46} {fmt_s(seconds_):>9} "
               f"{'':>9} {'':>21} {'':>4}  {writes:>6}  coalesced by the sync loop")  # fmt: skip
         each = Summary(r.burst_each.total)
-        extra = f"{sum(r.burst_each.writes):>6}  total {fmt(sum(r.burst_each.total))}"
+        extra = f"{sum(r.burst_each.writes):>6}  total {fmt_s(sum(r.burst_each.total))}"
         print(fmt_row("the same 100 undone one by one, no pause", each, extra))
         print(f"kernel maps equal the dataplane's view after all changes: "
               f"{'yes' if r.consistent else 'NO'}")  # fmt: skip

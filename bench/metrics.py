@@ -37,18 +37,16 @@ from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState, revision_of
 from agent.sources.manifests import load_manifests
-from bench.compile import RESULTS, THIS_NODE
-from bench.datapath import (
+from bench.common.kernel import bench_dataplane, bench_netns, leftovers
+from bench.common.report import (
+    RESULTS,
     Summary,
-    bench_dataplane,
-    bench_netns,
     header,
-    leftovers,
     machine,
     terminate_as_interrupt,
     write_results,
 )
-from bench.maps import ENDPOINTS, generate
+from bench.common.workload import ENDPOINTS, THIS_NODE, generate
 
 TARGET_SCRAPE_S = 0.100  # issue 18: a scrape under 100 ms at 10k Services
 MODES = ("none", "services", "ports")

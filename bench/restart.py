@@ -50,19 +50,17 @@ from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.netlink import TcAttacher
 from agent.dataplane.iptables.dataplane import cleanup as iptables_cleanup
 from agent.lab.toolkit import in_netns, ip_batch, run
-from bench.compile import RESULTS, THIS_NODE, Workload, mark
-from bench.control_plane import KmockProcess
-from bench.datapath import (
-    BENCH_PREFIX,
-    BPFFS,
-    bench_netns,
+from bench.common.apiserver import KmockProcess
+from bench.common.kernel import BENCH_PREFIX, BPFFS, bench_netns, inside_netns, leftovers
+from bench.common.report import (
+    RESULTS,
     header,
-    inside_netns,
-    leftovers,
     machine,
+    mark,
     terminate_as_interrupt,
     write_results,
 )
+from bench.common.workload import THIS_NODE, Workload
 from tests.kernel.agentproc import AgentProcess
 from tests.kernel.killapply import (
     Cluster,

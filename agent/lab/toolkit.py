@@ -237,6 +237,12 @@ class Cleanup:
                 return
         raise KeyError(what)
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> list[str]:
         problems = []
         while self._steps:

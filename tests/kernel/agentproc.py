@@ -18,7 +18,7 @@ from pathlib import Path
 from agent.lab.toolkit import LabError, in_netns, run
 
 ROOT = Path(__file__).parents[2]
-POD_INTERFACES = "vethkbp*"  # the lab's host veths (tests/kernel/lab.py HOST_VETH_PREFIX)
+POD_INTERFACES = "vethkbp*"  # the lab's host veths (agent/lab/nodelab.py HOST_VETH_PREFIX)
 # Small maps: the labs hold a handful of Services, and every map is allocated in full.
 MAP_SIZES = (
     "--map-size-services", "1024", "--map-size-slots", "4096",

@@ -1,16 +1,16 @@
-"""A two-node namespace lab for external traffic: two node namespaces (tests/kernel/lab.py
+"""A two-node namespace lab for external traffic: two node namespaces (agent/lab/nodelab.py
 nodes with their pods) and outside clients on one bridged segment, an agent per node, and
 clients that run outside, in a pod, or as the node itself.
 
 Address plan (everything lives in namespaces this lab made; the machine's own interfaces,
 addresses and routes are never touched). NAME is kbp-lab-<pid>-ext<k>, so the leak check
-`lab.lab_namespaces()` sees these namespaces too:
+`nodelab.lab_namespaces()` sees these namespaces too:
 
     bridge     NAME-bridge                  br0 (STP and multicast snooping off), with the
                                             bridge ends of every eth0 below; those of the
                                             nodes carry a native XDP_PASS program (see
                                             ExtLab._attach_xdp_pass)
-    node-a     a tests/kernel/lab.py node (node 1), plus
+    node-a     a agent/lab/nodelab.py node (node 1), plus
                eth0: 192.0.2.10/24, 2001:db8::10/64 (nodad)     its external interface
                10.244.2.0/24 via 192.0.2.11, fd00:244:2::/64 via 2001:db8::11
                203.0.113.0/24 dev kbpsink   (see below)
@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent.lab.nodelab import NAMESPACE_PREFIX, Lab, Pod, Result, client_argv, client_result
 from agent.lab.toolkit import (
     BPFFS,
     NO_DAD,
@@ -72,7 +73,6 @@ from agent.lab.toolkit import (
 
 from .agentproc import AgentProcess, run_argv
 from .agentproc import cli as agent_cli
-from .lab import NAMESPACE_PREFIX, Lab, Pod, Result, client_argv, client_result
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class NodePlan:
     """One node's place in the address plan."""
 
     name: str  # the Node object's name (--node)
-    number: int  # tests/kernel/lab.py node number: pods are 10.244.<number>.<n>
+    number: int  # agent/lab/nodelab.py node number: pods are 10.244.<number>.<n>
     ipv4: str
     ipv6: str
 
@@ -126,7 +126,7 @@ def answers(result: Result) -> Counter[tuple[str, str]]:
 
 @dataclass
 class Node:
-    """One node: a tests/kernel/lab.py Lab whose namespace also has eth0 on the bridge."""
+    """One node: a agent/lab/nodelab.py Lab whose namespace also has eth0 on the bridge."""
 
     plan: NodePlan
     lab: Lab

@@ -2,7 +2,7 @@
 on manifest files, then `inspect`, `bpftool`, a restart under a live connection, a file
 change, SIGTERM leaving the dataplane in place, and `cleanup` removing it.
 
-Address plan (tests/kernel/lab.py): node namespace = node-a; pods client 10.244.1.1,
+Address plan (agent/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1,
 be1 10.244.1.2, be2 10.244.1.3 serving TCP/UDP 8080; Service web 10.96.0.80:80.
 """
 
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from agent.dataplane.ebpf import abi
+from agent.lab.nodelab import Lab
 
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv
 from .agentproc import cli as agent_cli
-from .lab import Lab
 
 CLUSTER_IP = "10.96.0.80"
 

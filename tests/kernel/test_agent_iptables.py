@@ -12,7 +12,8 @@ from __future__ import annotations
 import signal
 import time
 
-from .lab import Lab
+from agent.lab.nodelab import Lab
+
 from .test_agent_cli import CLUSTER_IP, Agent, cli, setup, write_manifest
 
 __all__ = ["setup"]  # the fixture, shared with the eBPF agent tests

@@ -2,7 +2,7 @@
 outlive a conntrack map far too small for the traffic around them, one client port used
 for two Services that share their only backend, and a flow whose entries were deleted.
 
-Address plan (tests/kernel/lab.py, as tests/kernel/test_dataplane.py): one node namespace
+Address plan (agent/lab/nodelab.py, as tests/kernel/test_dataplane.py): one node namespace
 with pods client1 10.244.1.1, be1 10.244.1.2, be2 10.244.1.3, be3 10.244.1.4, every
 backend serving TCP on 8080 (the greeting is its pod name, then it echoes lines).
 Services get fresh ClusterIPs 10.96.0.x on port 80. The eBPF dataplane's conntrack map
@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import pytest
 
 from agent.dataplane.ebpf.plan import MapSizes
+from agent.lab.nodelab import Lab
 from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
 
-from .lab import Lab
 from .test_dataplane import DATAPLANES, Env, backends, not_on, service
 
 pytestmark = pytest.mark.kernel

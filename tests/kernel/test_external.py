@@ -37,8 +37,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from agent.lab.nodelab import Result
+
 from .extlab import DATAPLANES, EXTERNAL_IFNAME, EXTERNAL_IP, LB_VIP, ExtLab, answers
-from .lab import Result
 
 # Slow (a two-node lab with agents, built per dataplane in the first test of each):
 # `-m 'not slow'` leaves these out.

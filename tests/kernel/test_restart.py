@@ -23,13 +23,13 @@ import kmock
 import pytest
 
 from agent.dataplane.ebpf import abi
+from agent.lab.nodelab import Lab, Stream
 
 from ..api.conftest import SERVICES, KmockApi
 from ..builders import make_endpoint, make_node, make_service, make_slice
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv
 from .agentproc import cli as agent_cli
-from .lab import Lab, Stream
 
 # Slow (agents restarted against an API server that is down, slow or failing, up to
 # 80 s a test here): `-m 'not slow'` leaves these out.

@@ -1,5 +1,6 @@
-"""The namespace lab for kernel tests: a node network namespace with pods on veth pairs,
-wired like a Calico node, and helpers to serve and connect from inside the pods.
+"""The one-node lab of the kernel tests and the benchmarks: a node network namespace with
+pods on veth pairs, wired like a Calico node (toolkit.py), and helpers to serve and connect
+from inside the pods.
 
 Address plan (everything lives in namespaces the lab made; the machine's own interfaces,
 addresses and routes are never touched):
@@ -53,7 +54,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.lab.toolkit import (
+from .toolkit import (
     NODE_SYSCTLS,
     POD_SYSCTLS,
     PODCLIENT,
