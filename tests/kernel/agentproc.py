@@ -33,6 +33,42 @@ LOG_TIMEOUT = 90.0
 EXIT_GRACE = 2.0
 
 
+SERVICE_MANIFEST = """\
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  clusterIP: {ip}
+  internalTrafficPolicy: {itp}
+  ports:
+  - {{name: http, port: 80, protocol: TCP, targetPort: 8080}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: {name}-1
+  namespace: default
+  labels: {{kubernetes.io/service-name: {name}}}
+addressType: IPv4
+ports:
+- {{name: http, port: 8080, protocol: TCP}}
+endpoints:{endpoints}
+---
+"""
+
+
+def service_manifest(
+    name: str, ip: str, backends: Sequence[str], node: str = "node-a", itp: str = "Cluster"
+) -> str:
+    """A ClusterIP Service `name` at ip:80 (TCP, to 8080) and one EndpointSlice with the
+    backends' IPv4 addresses, ready, on `node`: the manifest of the agent-level tests."""
+    endpoints = "".join(
+        f"\n- addresses: [{address}]\n  conditions: {{ready: true}}\n  nodeName: {node}"
+        for address in backends
+    )
+    return SERVICE_MANIFEST.format(name=name, ip=ip, itp=itp, endpoints=endpoints or " []")
+
+
 def run_argv(manifests: Path | None, node: str, dataplane: str, *flags: str) -> list[str]:
     """`kube-bpf-proxy run` on manifest files (None: give --kubeconfig in `flags`) as
     `node`, with the settings every lab agent shares (its pods' interfaces, servers on

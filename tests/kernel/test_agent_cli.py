@@ -22,41 +22,13 @@ from agent.dataplane.ebpf import abi
 from agent.lab.nodelab import Lab
 
 from ..conftest import BPFFS
-from .agentproc import AgentProcess, run_argv
+from .agentproc import AgentProcess, run_argv, service_manifest
 from .agentproc import cli as agent_cli
 
 CLUSTER_IP = "10.96.0.80"
 
-MANIFEST = """\
-apiVersion: v1
-kind: Service
-metadata: {{name: web, namespace: default}}
-spec:
-  type: ClusterIP
-  clusterIP: {ip}
-  clusterIPs: [{ip}]
-  ports:
-  - {{name: http, port: 80, protocol: TCP, targetPort: 8080}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: web-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: web}}
-addressType: IPv4
-ports:
-- {{name: http, port: 8080, protocol: TCP}}
-endpoints:
-{endpoints}
-"""
-
-
 def write_manifest(path: Path, *ips: str) -> None:
-    endpoints = "".join(
-        f"- addresses: [{ip}]\n  conditions: {{ready: true}}\n  nodeName: node-a\n" for ip in ips
-    )
-    path.write_text(MANIFEST.format(ip=CLUSTER_IP, endpoints=endpoints or "[]\n"))
+    path.write_text(service_manifest("web", CLUSTER_IP, ips))
 
 
 class Agent(AgentProcess):

@@ -3,7 +3,7 @@ it names for a fixed source port is the one that answers a real connection from 
 port; the dry runs leave every map byte for byte as they were; a refused and a dropped
 Service are reported as such; stale maps are reported as a disagreement first.
 
-Address plan (agent/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1 and
+Address plan (tests/kernel/lab.py): node namespace = node-a; pods client 10.244.1.1 and
 be1..be3 10.244.1.2-4 serving TCP 8080. Services: web 10.96.0.80:80 (be1..be3), empty
 10.96.0.81:80 (no endpoints: refused), away 10.96.0.82:80 (internalTrafficPolicy Local,
 its one endpoint on node-b: dropped).
@@ -27,43 +27,13 @@ from agent.dataplane.ebpf.libbpf import Map
 from agent.lab.nodelab import Lab
 
 from ..conftest import BPFFS
-from .agentproc import AgentProcess, cli, run_argv
+from .agentproc import AgentProcess, cli, run_argv, service_manifest
 
 pytestmark = pytest.mark.kernel
 
 WEB, EMPTY, AWAY = "10.96.0.80", "10.96.0.81", "10.96.0.82"
 SOURCE_PORTS = range(41001, 41013)
 SCRATCH = "kbp_explain"  # explain's own scratch map: the only one a dry run writes
-
-SERVICE = """\
-apiVersion: v1
-kind: Service
-metadata: {{name: {name}, namespace: default}}
-spec:
-  clusterIP: {ip}
-  internalTrafficPolicy: {itp}
-  ports:
-  - {{name: http, port: 80, protocol: TCP, targetPort: 8080}}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: {name}-1
-  namespace: default
-  labels: {{kubernetes.io/service-name: {name}}}
-addressType: IPv4
-ports:
-- {{name: http, port: 8080, protocol: TCP}}
-endpoints:{endpoints}
----
-"""
-
-
-def _endpoints(ips: list[str], node: str) -> str:
-    lines = [f"\n- addresses: [{ip}]\n  conditions: {{ready: true}}\n  nodeName: {node}"
-             for ip in ips]  # fmt: skip
-    return "".join(lines) or " []"
-
 
 @contextmanager
 def agent_lab(tmp_path: Path, dataplane: str) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
@@ -75,12 +45,10 @@ def agent_lab(tmp_path: Path, dataplane: str) -> Iterator[tuple[Lab, Path, Path,
             pod.serve([8080], protos=("tcp",))
         manifests = tmp_path / "services.yaml"
         manifests.write_text(
-            SERVICE.format(name="web", ip=WEB, itp="Cluster",
-                           endpoints=_endpoints([p.ipv4 for p in backends], "node-a"))
-            + SERVICE.format(name="empty", ip=EMPTY, itp="Cluster", endpoints=" []")
-            + SERVICE.format(name="away", ip=AWAY, itp="Local",
-                             endpoints=_endpoints(["10.244.2.9"], "node-b"))
-        )  # fmt: skip
+            service_manifest("web", WEB, [p.ipv4 for p in backends])
+            + service_manifest("empty", EMPTY, [])
+            + service_manifest("away", AWAY, ["10.244.2.9"], node="node-b", itp="Local")
+        )
         argv = run_argv(manifests, "node-a", dataplane, "--bpffs", str(pin_dir),
                         "--conntrack-tcp-timeout-time-wait", "5m")  # fmt: skip
         agent = AgentProcess(lab.node_ns, argv, "node-a")
