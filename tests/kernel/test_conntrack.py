@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.plan import MapSizes
 
 from .lab import PODCLIENT, Lab, in_netns, read_line, stop_process
@@ -239,3 +241,106 @@ def test_a_remapped_connection_whose_entries_were_deleted_keeps_its_port(
     assert report["pairs"] == pairs, report
     assert collector.remapped_total() - remapped >= pairs
     assert collector.lost_total() - lost >= 2 * pairs  # every flow found no entry
+
+
+# A server and a client that the test drives line by line over their stdin, so that the
+# server can speak first: the server (port SPARE_PORT) greets, echoes what it reads, and
+# sends "pushed" when told "push"; the client prints what it reads ("read") or the echo of
+# what it sends ("send <text>").
+SPARE_PORT = 9090
+PUSH_SERVER = f"""
+import socket, sys, threading
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("0.0.0.0", {SPARE_PORT}))
+listener.listen(1)
+print("ready", flush=True)
+conn, _ = listener.accept()
+conn.sendall(b"hello\\n")
+def echo():
+    while data := conn.recv(65536):
+        conn.sendall(data)
+threading.Thread(target=echo, daemon=True).start()
+for line in sys.stdin:
+    conn.sendall(b"pushed\\n")
+    print("pushed", flush=True)
+"""
+PUSH_CLIENT = """
+import socket, sys
+sock = socket.create_connection((sys.argv[1], 80), timeout=10)
+buffered = sock.makefile("rb")
+print(sock.getsockname()[1], buffered.readline().decode().strip(), flush=True)
+for line in sys.stdin:
+    try:
+        if line.startswith("send "):
+            sock.sendall(line[5:].encode())
+        print(buffered.readline().decode().strip() or "eof", flush=True)
+    except OSError as exc:
+        print("error", exc, flush=True)
+"""
+
+
+@not_on("iptables", "deletes eBPF conntrack entries by hand (kbp_ct)")
+def test_a_connection_whose_reply_entry_alone_was_deleted_still_works(env: Env) -> None:
+    # Without its reply entry a flow's answers would reach the client from be1's address
+    # and the client would reset be1's connection. A flow older than a second keeps a
+    # spare of the entry (KBP_CT_SPARE), which a reply that finds none writes back.
+    objects, ip4, _ = service(env, "spare", backends(env, "be1"))
+    objects[0]["spec"]["ports"][0]["targetPort"] = SPARE_PORT
+    objects[1]["ports"][0]["port"] = SPARE_PORT
+    env.program(*objects)
+    table = env.dataplane.programs.map("kbp_ct")  # type: ignore[union-attr]
+    python = [sys.executable, "-c"]
+    server = subprocess.Popen(in_netns(env.pod("be1").ns, [*python, PUSH_SERVER]),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    client = None
+    try:
+        assert read_line(server, timeout=30).strip() == "ready"
+        client = subprocess.Popen(in_netns(env.pod("client1").ns, [*python, PUSH_CLIENT, ip4]),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        port_text, greeting = read_line(client, timeout=30).split()
+        assert greeting == "hello"
+        port = int(port_text)
+
+        def tell(proc: subprocess.Popen, line: str) -> None:
+            assert proc.stdin is not None
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+
+        def entries(direction: int) -> list[bytes]:
+            """This flow's kbp_ct keys in `direction` (byte 38 of struct kbp_ct_key)."""
+            stored = table.keys()  # a list read from the kernel
+            ports = (port, 80) if direction == const.KBP_CT_FORWARD else (SPARE_PORT, port)
+            want = struct.pack(">HH", *ports)  # sport, dport: bytes 32-35
+            return [k for k in stored if k[38] == direction and k[32:36] == want]
+
+        def exchange(line: str) -> str:
+            tell(client, f"send {line}")
+            return read_line(client, timeout=30).strip()
+
+        # The coarse clock: a forward packet more than a second after the flow began
+        # writes the spare.
+        time.sleep(2.5)
+        assert exchange("one") == "one"
+        time.sleep(0.5)  # the client's delayed ACK
+        spares = entries(const.KBP_CT_SPARE)
+        assert len(spares) == 1, spares
+        for first in ("server", "client"):
+            replies = entries(const.KBP_CT_REPLY)
+            assert len(replies) == 1, replies
+            table.delete(replies[0])
+            assert entries(const.KBP_CT_REPLY) == []
+            assert len(entries(const.KBP_CT_FORWARD)) >= 1
+            if first == "server":
+                tell(server, "push")
+                assert read_line(server, timeout=30).strip() == "pushed"
+                tell(client, "read")
+                assert read_line(client, timeout=30).strip() == "pushed"
+            assert exchange(f"after {first}") == f"after {first}"
+            assert len(entries(const.KBP_CT_REPLY)) == 1  # written back from the spare
+    finally:
+        if client is not None:
+            stop_process(client)
+        stop_process(server)
