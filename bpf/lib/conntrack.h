@@ -227,7 +227,7 @@ static __always_inline void ct_touch_forward(struct kbp_ct_entry *flow, const st
 static __always_inline struct kbp_ct_entry *__ct_reply_from_spare(struct kbp_ct_key *key)
 {
 	struct kbp_scratch *scratch;
-	struct kbp_ct_entry *spare, *forward;
+	struct kbp_ct_entry *spare, *forward, *reply;
 
 	key->dir = KBP_CT_SPARE;
 	spare = map_lookup_ct(key);
@@ -242,7 +242,9 @@ static __always_inline struct kbp_ct_entry *__ct_reply_from_spare(struct kbp_ct_
 	key->dir = KBP_CT_REPLY;
 	if (map_update_ct(key, spare))
 		return NULL;
-	return map_lookup_ct(key);
+	/* An `explain` dry run writes nothing, so the spare (its copy) stands in there. */
+	reply = map_lookup_ct(key);
+	return reply ? reply : spare;
 }
 
 /* A pod opens a connection straight to addr:port (no service: a pod IP, or a backend
