@@ -296,7 +296,7 @@ class Settings:
         default=262144,
         metadata=_opt(
             "--map-size-ct",
-            "conntrack entries (two per connection; LRU)",
+            "conntrack entries (two per connection, three with a reply entry's spare; LRU)",
             metavar="N",
             check=_between(*MAP_SIZE_RANGES["ct"]),
         ),

@@ -50,6 +50,10 @@
 /* struct kbp_ct_key.dir */
 #define KBP_CT_FORWARD 0 /* client -> frontend, as the client sent it */
 #define KBP_CT_REPLY 1   /* backend -> client (or -> frontend for hairpin), as sent */
+/* A spare copy of a reply entry, under the reply entry's key with this dir, written once
+ * a flow has lived a second (lib/conntrack.h ct_keep_spare): a reply that finds no reply
+ * entry is still translated when the spare and the flow's forward entry are there. */
+#define KBP_CT_SPARE 2
 
 /* struct kbp_ct_entry.flags */
 #define KBP_CT_F_HAIRPIN 1 /* client is its own backend: source NATed to the frontend */
@@ -70,6 +74,7 @@
  * sent with; reply entry: the client and the port to restore), as netfilter's NAT does. */
 #define KBP_CT_F_SPORT 32
 #define KBP_CT_F_RST 64 /* a TCP RST was seen (KBP_CT_F_CLOSING is set too) */
+#define KBP_CT_F_SPARE 128 /* forward entry: its reply entry has a spare (KBP_CT_SPARE) */
 
 /* Indexes of the kbp_ct_stats map (per-CPU __u64): conntrack events the agent reports. */
 #define KBP_CT_STAT_LOST 0   /* a TCP segment other than a SYN found no forward entry (its
@@ -167,7 +172,7 @@ struct kbp_ct_key {
 	__be16 dport;
 	__u8 proto;
 	__u8 family;
-	__u8 dir; /* KBP_CT_FORWARD / KBP_CT_REPLY */
+	__u8 dir; /* KBP_CT_FORWARD / KBP_CT_REPLY / KBP_CT_SPARE */
 	__u8 pad;
 };
 

@@ -32,14 +32,27 @@ static __always_inline void ct_key_of_packet(const struct kbp_tuple *t, __u8 dir
 
 /* Is this packet a backend's reply of a translated flow? Both hooks ask first. A reply
  * comes from a backend's port, so other source ports skip the lookup (kbp_ports). */
-static __always_inline struct kbp_ct_entry *ct_lookup_reply(const struct kbp_tuple *t)
+static __always_inline struct kbp_ct_entry *__ct_reply_from_spare(struct kbp_ct_key *key);
+
+static __always_inline struct kbp_ct_entry *__ct_lookup_reply(const struct kbp_tuple *t,
+							      int spare)
 {
 	struct kbp_ct_key key = {};
+	struct kbp_ct_entry *reply;
 
 	if (!map_port_used(t->sport, KBP_PORT_F_BACKEND))
 		return NULL;
 	ct_key_of_packet(t, KBP_CT_REPLY, &key);
-	return map_lookup_ct(&key);
+	reply = map_lookup_ct(&key);
+	if (reply || !spare)
+		return reply;
+	return __ct_reply_from_spare(&key);
+}
+
+/* The reply entry, or its spare written back when the entry alone was lost. */
+static __always_inline struct kbp_ct_entry *ct_lookup_reply(const struct kbp_tuple *t)
+{
+	return __ct_lookup_reply(t, 1);
 }
 
 static __always_inline struct kbp_ct_entry *ct_lookup_forward(const struct kbp_tuple *t)
@@ -134,6 +147,106 @@ static __always_inline void __ct_reply_key(const struct kbp_tuple *t, const __be
 	key->dir = KBP_CT_REPLY;
 }
 
+/* The reply key of the flow whose forward entry is `fwd` (the packet `t` its tuple): the
+ * backend answered the SNAT address, or the client at its remapped port. */
+static __always_inline void __ct_reply_key_of_forward(const struct kbp_tuple *t,
+						      const struct kbp_ct_entry *fwd,
+						      struct kbp_ct_key *key)
+{
+	__ct_reply_key(t, fwd->addr, fwd->port, fwd->flags & KBP_CT_F_HAIRPIN, key);
+	if (fwd->flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
+		__builtin_memcpy(key->daddr, fwd->nat_addr, sizeof(key->daddr));
+		key->dport = fwd->nat_port;
+	}
+	key->pad = 0;
+}
+
+/* The forward key of the flow whose reply entry (or spare) `held` sits at `key`, the
+ * reverse of __ct_reply_key_of_forward: the client as it sent (its port before a remap)
+ * to the frontend. */
+static __always_inline void __ct_forward_key_of_reply(const struct kbp_ct_key *key,
+						      const struct kbp_ct_entry *held,
+						      struct kbp_ct_key *fkey)
+{
+	if (held->flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
+		__builtin_memcpy(fkey->saddr, held->nat_addr, sizeof(fkey->saddr));
+		fkey->sport = held->nat_port;
+	} else {
+		/* hairpin: the client is the backend, the reply's source */
+		if (held->flags & KBP_CT_F_HAIRPIN)
+			__builtin_memcpy(fkey->saddr, key->saddr, sizeof(fkey->saddr));
+		else
+			__builtin_memcpy(fkey->saddr, key->daddr, sizeof(fkey->saddr));
+		fkey->sport = key->dport;
+	}
+	__builtin_memcpy(fkey->daddr, held->addr, sizeof(fkey->daddr));
+	fkey->dport = held->port;
+	fkey->proto = key->proto;
+	fkey->family = key->family;
+	fkey->dir = KBP_CT_FORWARD;
+	fkey->pad = 0;
+}
+
+/* A flow's reply entry is what turns its backend's answers back into the frontend's; lost
+ * alone (evicted, or deleted), the answers would reach the client from the backend's
+ * address and the client would reset the backend's connection. So a flow that lived a
+ * second keeps a spare copy of its reply entry (KBP_CT_SPARE), written once by its
+ * forward path (the forward entry then carries KBP_CT_F_SPARE) at the coarse touch, so
+ * short flows, and every packet but one of long ones, pay nothing. Uses the scratch key. */
+static __always_inline void __ct_keep_spare(const struct kbp_tuple *t, struct kbp_ct_entry *flow)
+{
+	struct kbp_scratch *scratch = map_scratch();
+	struct kbp_ct_entry *reply;
+
+	if (!scratch)
+		return;
+	__ct_reply_key_of_forward(t, flow, &scratch->key);
+	reply = map_lookup_ct(&scratch->key);
+	if (!reply)
+		return;
+	scratch->key.dir = KBP_CT_SPARE;
+	if (map_update_ct(&scratch->key, reply) == 0)
+		flow->flags |= KBP_CT_F_SPARE;
+}
+
+/* ct_touch for a forward entry, which also writes the spare of a flow older than
+ * KBP_CT_TOUCH_NS that has none (__ct_keep_spare). */
+static __always_inline void ct_touch_forward(struct kbp_ct_entry *flow, const struct kbp_tuple *t,
+					     __u64 now)
+{
+	if (!(flow->flags & KBP_CT_F_SPARE) && now - flow->last_seen > KBP_CT_TOUCH_NS)
+		__ct_keep_spare(t, flow);
+	ct_touch(flow, t, now, 0);
+}
+
+/* A reply found no reply entry (`key`, its reply key): if its flow has a spare and is
+ * still live (its forward entry names this backend, and for a remapped flow this port),
+ * the spare is written back as the reply entry, which is returned; NULL otherwise. A
+ * reply of a connection no Service translated (a pod answering a direct connection from
+ * a port some Service targets) pays this one lookup more. Uses the scratch key. */
+static __always_inline struct kbp_ct_entry *__ct_reply_from_spare(struct kbp_ct_key *key)
+{
+	struct kbp_scratch *scratch;
+	struct kbp_ct_entry *spare, *forward, *reply;
+
+	key->dir = KBP_CT_SPARE;
+	spare = map_lookup_ct(key);
+	if (!spare || !(scratch = map_scratch()))
+		return NULL;
+	__ct_forward_key_of_reply(key, spare, &scratch->key);
+	forward = map_lookup_ct(&scratch->key);
+	if (!forward || forward->port != key->sport || !lb_addr_equal(forward->addr, key->saddr))
+		return NULL;
+	if ((spare->flags & KBP_CT_F_SPORT) && forward->nat_port != key->dport)
+		return NULL;
+	key->dir = KBP_CT_REPLY;
+	if (map_update_ct(key, spare))
+		return NULL;
+	/* An `explain` dry run writes nothing, so the spare (its copy) stands in there. */
+	reply = map_lookup_ct(key);
+	return reply ? reply : spare;
+}
+
 /* A pod opens a connection straight to addr:port (no service: a pod IP, or a backend
  * its socket was pointed at by the socket hooks, lib/sock.h). A reply entry left by an
  * earlier translated flow with the same ports would disguise this connection's answers
@@ -159,8 +272,12 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 	key.family = t->family;
 	key.dir = KBP_CT_REPLY;
 	reply = map_lookup_ct(&key);
-	if (!reply)
-		return;
+	if (!reply) { /* lost alone: its spare would restore it */
+		key.dir = KBP_CT_SPARE;
+		reply = map_lookup_ct(&key);
+		if (!reply)
+			return;
+	}
 	/* The forward key: the client (as it sent, port remapped or not) to the frontend. */
 	__builtin_memcpy(key.saddr, t->saddr, sizeof(key.saddr));
 	__builtin_memcpy(key.daddr, reply->addr, sizeof(key.daddr));
@@ -176,6 +293,8 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 	key.dport = t->sport;
 	key.dir = KBP_CT_REPLY;
 	map_delete_ct(&key);
+	key.dir = KBP_CT_SPARE;
+	map_delete_ct(&key);
 }
 
 /* Forget the reply entry of a forward entry about to be replaced by a new selection,
@@ -190,13 +309,12 @@ static __always_inline void ct_forget_reply_of(const struct kbp_tuple *t,
 		ct_key_of_packet(t, KBP_CT_FORWARD, &key);
 		map_delete_ct_remap(&key);
 	}
-	__ct_reply_key(t, old->addr, old->port, old->flags & KBP_CT_F_HAIRPIN, &key);
-	/* The backend answered the SNAT address, or the client at its remapped port. */
-	if (old->flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
-		__builtin_memcpy(key.daddr, old->nat_addr, sizeof(key.daddr));
-		key.dport = old->nat_port;
-	}
+	__ct_reply_key_of_forward(t, old, &key);
 	map_delete_ct(&key);
+	if (old->flags & KBP_CT_F_SPARE) {
+		key.dir = KBP_CT_SPARE;
+		map_delete_ct(&key);
+	}
 }
 
 /* Is a flow with these entries' flags, idle for `idle_ns`, over? Closed (TCP: a RST, or
@@ -240,23 +358,7 @@ static __always_inline int __ct_take_over(const struct kbp_ct_key *key,
 	if (!cfg || !scratch)
 		return 0;
 	fkey = &scratch->key;
-	if (flags & (KBP_CT_F_SNAT | KBP_CT_F_SPORT)) {
-		__builtin_memcpy(fkey->saddr, held->nat_addr, sizeof(fkey->saddr));
-		fkey->sport = held->nat_port;
-	} else {
-		/* hairpin: the client is the backend, the reply's source */
-		if (flags & KBP_CT_F_HAIRPIN)
-			__builtin_memcpy(fkey->saddr, key->saddr, sizeof(fkey->saddr));
-		else
-			__builtin_memcpy(fkey->saddr, key->daddr, sizeof(fkey->saddr));
-		fkey->sport = key->dport;
-	}
-	__builtin_memcpy(fkey->daddr, held->addr, sizeof(fkey->daddr));
-	fkey->dport = held->port;
-	fkey->proto = key->proto;
-	fkey->family = key->family;
-	fkey->dir = KBP_CT_FORWARD;
-	fkey->pad = 0;
+	__ct_forward_key_of_reply(key, held, fkey);
 	forward = map_lookup_ct(fkey);
 	if (forward) {
 		forward_flags = forward->flags;

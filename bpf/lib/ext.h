@@ -150,6 +150,7 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 	flow = ct_lookup_forward(t);
 	if (flow && ct_forward_is_usable(flow, svc, t)) {
 		v->flow = flow;
+		/* not ct_touch_forward: its spare overflows kbp_from_ext's stack */
 		ct_touch(flow, t, now, 0);
 		__ext_target(t, flow, v);
 		return (flow->flags & KBP_CT_F_SNAT) ? KBP_EXT_FORWARD : KBP_EXT_LOCAL;
@@ -169,7 +170,7 @@ static __always_inline struct kbp_ct_entry *ext_snat_reply(const struct kbp_tupl
 
 	if (port < cfg->snat_port_min || port > cfg->snat_port_max)
 		return NULL;
-	reply = ct_lookup_reply(t);
+	reply = __ct_lookup_reply(t, 0);
 	if (!reply || !(reply->flags & KBP_CT_F_SNAT))
 		return NULL;
 	ct_touch(reply, t, now, KBP_CT_F_SEEN_REPLY);

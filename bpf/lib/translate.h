@@ -88,7 +88,7 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 	int hairpin;
 
 	if (flow && ct_forward_is_usable(flow, svc, t)) {
-		ct_touch(flow, t, now, 0);
+		ct_touch_forward(flow, t, now);
 		__builtin_memcpy(addr, flow->addr, sizeof(addr));
 		port = flow->port;
 		hairpin = flow->flags & KBP_CT_F_HAIRPIN;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.plan import MapSizes
 from agent.lab.nodelab import Lab
 from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
@@ -240,3 +242,134 @@ def test_a_remapped_connection_whose_entries_were_deleted_keeps_its_port(
     assert report["pairs"] == pairs, report
     assert collector.remapped_total() - remapped >= pairs
     assert collector.lost_total() - lost >= 2 * pairs  # every flow found no entry
+
+
+# A server and a client that the test drives line by line over their stdin, so that the
+# server can speak first. The server (port SPARE_PORT) greets each connection, echoes what
+# it reads, and sends "pushed" on its i-th connection when told "push i". The client
+# opens one connection per address, all from one source port (Linux lets a bound port
+# connect to different destinations), and prints what its i-th connection reads
+# ("read i") or the echo of what it sends ("send i <text>").
+SPARE_PORT = 9090
+PUSH_SERVER = f"""
+import socket, sys, threading
+listener = socket.socket()
+listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+listener.bind(("0.0.0.0", {SPARE_PORT}))
+listener.listen(8)
+print("ready", flush=True)
+conns = []
+def echo(conn):
+    while data := conn.recv(65536):
+        conn.sendall(data)
+def accept():
+    while True:
+        conn, _ = listener.accept()
+        conns.append(conn)
+        conn.sendall(b"hello\\n")
+        threading.Thread(target=echo, args=(conn,), daemon=True).start()
+threading.Thread(target=accept, daemon=True).start()
+for line in sys.stdin:
+    conns[int(line.split()[1])].sendall(b"pushed\\n")
+    print("pushed", flush=True)
+"""
+PUSH_CLIENT = """
+import socket, sys
+socks, files = [], []
+for ip in sys.argv[2:]:
+    sock = socket.socket()
+    sock.settimeout(10)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", int(sys.argv[1])))
+    sock.connect((ip, 80))
+    socks.append(sock)
+    files.append(sock.makefile("rb"))
+    assert files[-1].readline() == b"hello\\n"
+print("connected", flush=True)
+for line in sys.stdin:
+    words = line.split(" ", 2)
+    i = int(words[1])
+    try:
+        if words[0] == "send":
+            socks[i].sendall(words[2].encode())
+        print(files[i].readline().decode().strip() or "eof", flush=True)
+    except OSError as exc:
+        print("error", exc, flush=True)
+"""
+
+
+@not_on("iptables", "deletes eBPF conntrack entries by hand (kbp_ct)")
+@pytest.mark.parametrize("remapped", [False, True], ids=["plain", "remapped"])
+def test_a_connection_whose_reply_entry_alone_was_deleted_still_works(
+    env: Env, remapped: bool
+) -> None:
+    # Without its reply entry a flow's answers would reach the client from be1's address
+    # and the client would reset be1's connection. A flow older than a second keeps a
+    # spare of the entry (KBP_CT_SPARE), which a reply that finds none writes back.
+    # `remapped`: two Services share be1, one client port connects to both, and the
+    # flow checked is the second one, whose port was remapped (the clash).
+    ips = []
+    objects = []
+    for n in range(2 if remapped else 1):
+        made, ip4, _ = service(env, f"spare-{int(remapped)}-{n}", backends(env, "be1"))
+        made[0]["spec"]["ports"][0]["targetPort"] = SPARE_PORT
+        made[1]["ports"][0]["port"] = SPARE_PORT
+        objects += made
+        ips.append(ip4)
+    env.program(*objects)
+    table = env.dataplane.programs.map("kbp_ct")  # type: ignore[union-attr]
+    stale = table.keys()  # the module's earlier flows (no collector runs here)
+    for key in stale:
+        table.delete(key)
+    port, checked = (23000 if remapped else 23100), len(ips) - 1
+    python = [sys.executable, "-c"]
+    server = subprocess.Popen(in_netns(env.pod("be1").ns, [*python, PUSH_SERVER]),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    client = None
+
+    def tell(proc: subprocess.Popen, line: str) -> str:
+        assert proc.stdin is not None
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+        return read_line(proc, timeout=30).strip()
+
+    def replies(direction: int) -> list[bytes]:
+        """The checked flow's reply entries (or spares) in kbp_ct: from be1's SPARE_PORT
+        to the client's port, or (remapped) to another port (struct kbp_ct_key: sport
+        and dport at bytes 32-35, dir at 38)."""
+        stored = table.keys()  # a list read from the kernel
+        found = [
+            k for k in stored if k[38] == direction and k[32:34] == struct.pack(">H", SPARE_PORT)
+        ]
+        return [k for k in found if (k[34:36] == struct.pack(">H", port)) != remapped]
+
+    try:
+        assert read_line(server, timeout=30).strip() == "ready"
+        argv = [*python, PUSH_CLIENT, str(port), *ips]
+        argv = in_netns(env.pod("client1").ns, argv)
+        client = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)  # fmt: skip
+        assert read_line(client, timeout=30).strip() == "connected"
+        # The coarse clock: a forward packet more than a second after the flow began
+        # writes the spare.
+        time.sleep(2.5)
+        for i in range(len(ips)):
+            assert tell(client, f"send {i} one") == "one"
+        time.sleep(0.5)  # the client's delayed ACKs
+        assert len(replies(const.KBP_CT_SPARE)) == 1
+        for first in ("server", "client"):
+            (reply,) = replies(const.KBP_CT_REPLY)
+            table.delete(reply)
+            assert replies(const.KBP_CT_REPLY) == []
+            if first == "server":
+                assert tell(server, f"push {checked}") == "pushed"
+                assert tell(client, f"read {checked}") == "pushed"
+            assert tell(client, f"send {checked} after {first}") == f"after {first}"
+            assert replies(const.KBP_CT_REPLY) == [reply]  # written back from the spare
+        for i in range(len(ips)):  # the other flow untouched
+            assert tell(client, f"send {i} last") == "last"
+    finally:
+        if client is not None:
+            stop_process(client)
+        stop_process(server)

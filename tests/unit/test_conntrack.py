@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from agent.dataplane.ebpf import abi
-from agent.dataplane.ebpf.conntrack import flow_state, reply_key_of
+from agent.dataplane.ebpf.conntrack import TCP_ESTABLISHED, flow_state, flows_of, reply_key_of
 
 C = abi.const
 F = {"reply": C.KBP_CT_F_SEEN_REPLY, "fin": C.KBP_CT_F_CLOSING,
@@ -63,3 +63,19 @@ REPLY_KEYS = {
 @pytest.mark.parametrize(("entry", "expected"), REPLY_KEYS.values(), ids=REPLY_KEYS.keys())
 def test_reply_key_of_a_forward_entry(entry: bytes, expected: bytes) -> None:
     assert reply_key_of(FORWARD, entry) == expected
+
+
+def test_a_reply_entrys_spare_belongs_to_its_flow() -> None:
+    # The spare (KBP_CT_SPARE) is collected with its flow, and alone it is a flow of its
+    # own, as a reply entry whose forward entry is gone.
+    entry, reply_key = REPLY_KEYS["plain"]
+    spare_key = reply_key[:-2] + bytes((C.KBP_CT_SPARE, 0))
+    reply = _entry("10.96.0.10", 80, C.KBP_CT_F_SEEN_REPLY)
+    (flow,) = flows_of([(FORWARD, entry), (reply_key, reply), (spare_key, reply)])
+    assert flow.keys == [FORWARD, reply_key, spare_key]
+    assert flow.state == TCP_ESTABLISHED
+    (flow,) = flows_of([(spare_key, reply)])
+    assert flow.keys == [spare_key]
+    (flow,) = flows_of([(FORWARD, entry), (spare_key, reply)])  # the reply entry lost
+    assert flow.keys == [FORWARD, spare_key]
+    assert flow.state == TCP_ESTABLISHED

@@ -28,7 +28,7 @@ from .libbpf import BPF_NOEXIST, Map
 
 log = logging.getLogger(__name__)
 
-_FORWARD, _REPLY = const.KBP_CT_FORWARD, const.KBP_CT_REPLY
+_FORWARD, _REPLY, _SPARE = const.KBP_CT_FORWARD, const.KBP_CT_REPLY, const.KBP_CT_SPARE
 _HAIRPIN = const.KBP_CT_F_HAIRPIN
 _SEEN_REPLY = const.KBP_CT_F_SEEN_REPLY
 _CLOSING = const.KBP_CT_F_CLOSING
@@ -138,8 +138,9 @@ class Flow:
 
 
 def flows_of(items: Iterable[tuple[bytes, bytes]]) -> list[Flow]:
-    """Pair every forward entry with its reply entry; an entry whose partner is gone (the
-    LRU took it) is a flow of its own."""
+    """Pair every forward entry with its reply entry and the reply entry's spare (a copy
+    under dir KBP_CT_SPARE, see lib/conntrack.h); an entry whose partners are gone (the
+    LRU took them) is a flow of its own."""
     by_key = dict(items)
     flows = []
     paired: set[bytes] = set()
@@ -147,20 +148,21 @@ def flows_of(items: Iterable[tuple[bytes, bytes]]) -> list[Flow]:
         if key[_KEY_DIR] != _FORWARD:
             continue
         reply_key = reply_key_of(key, entry)
-        reply = by_key.get(reply_key)
-        last = _LAST_SEEN.unpack_from(entry, _ENTRY_LAST_SEEN)[0]
+        keys, last = [key], _LAST_SEEN.unpack_from(entry, _ENTRY_LAST_SEEN)[0]
+        reply_flags = 0
+        for partner in (reply_key, reply_key[:-2] + bytes((_SPARE, 0))):
+            value = by_key.get(partner)
+            if value is None:
+                continue
+            paired.add(partner)
+            keys.append(partner)
+            reply_flags |= value[_ENTRY_FLAGS]
+            last = max(last, _LAST_SEEN.unpack_from(value, _ENTRY_LAST_SEEN)[0])
         proto = key[_KEY_PROTO]
-        remapped = bool(entry[_ENTRY_FLAGS] & _SPORT)
-        if reply is None:
-            state = flow_state(proto, entry[_ENTRY_FLAGS], 0)
-            flows.append(Flow([key], proto, state, last, remapped))
-            continue
-        paired.add(reply_key)
-        last = max(last, _LAST_SEEN.unpack_from(reply, _ENTRY_LAST_SEEN)[0])
-        state = flow_state(proto, entry[_ENTRY_FLAGS], reply[_ENTRY_FLAGS])
-        flows.append(Flow([key, reply_key], proto, state, last, remapped))
+        state = flow_state(proto, entry[_ENTRY_FLAGS], reply_flags)
+        flows.append(Flow(keys, proto, state, last, bool(entry[_ENTRY_FLAGS] & _SPORT)))
     for key, entry in by_key.items():
-        if key[_KEY_DIR] == _REPLY and key not in paired:
+        if key[_KEY_DIR] != _FORWARD and key not in paired:
             proto = key[_KEY_PROTO]
             last = _LAST_SEEN.unpack_from(entry, _ENTRY_LAST_SEEN)[0]
             flows.append(Flow([key], proto, flow_state(proto, 0, entry[_ENTRY_FLAGS]), last))

@@ -68,6 +68,7 @@ CT_FLAGS = {
     const.KBP_CT_F_SNAT: "snat",
     const.KBP_CT_F_SPORT: "remapped-port",
     const.KBP_CT_F_RST: "rst",
+    const.KBP_CT_F_SPARE: "spare",
 }
 # kbp_xdp_stats index → the verdict's name (KBP_XDP_DROP_RANGE → drop-range).
 XDP_VERDICTS = {
@@ -140,6 +141,10 @@ def backends(pin_dir: Path) -> list[Row]:
     ]
 
 
+_DIRECTIONS = {const.KBP_CT_FORWARD: "forward", const.KBP_CT_REPLY: "reply",
+               const.KBP_CT_SPARE: "spare"}  # fmt: skip
+
+
 def conntrack(pin_dir: Path, timeouts: Timeouts | None = None) -> list[Row]:
     """Every entry with its flow's state and the time it has left under `timeouts` (the
     agent's --conntrack-* settings, which inspect takes too)."""
@@ -164,7 +169,8 @@ def conntrack(pin_dir: Path, timeouts: Timeouts | None = None) -> list[Row]:
                 )
             rows.append(
                 {
-                    "direction": "forward" if forward else "reply",
+                    # spare: the copy of a reply entry kept for when it alone is lost
+                    "direction": _DIRECTIONS.get(direction, str(direction)),
                     "protocol": PROTOCOLS.get(proto, str(proto)),
                     "source": _endpoint(addr_text(saddr, family), int.from_bytes(sport, "big")),
                     "destination": _endpoint(
