@@ -20,11 +20,15 @@ import os
 import random
 import statistics
 import struct
+import sys
+from pathlib import Path
 from typing import Any
 
-from agent.dataplane.ebpf import libbpf
+if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from .datapath import header, machine
+from agent.dataplane.ebpf import libbpf
+from bench.common.report import header, machine
 
 SOURCE = r"""
 struct fe_key { u32 w[6]; };          /* struct kbp_frontend_key's size */
