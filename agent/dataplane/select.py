@@ -61,7 +61,6 @@ def build_ebpf(settings: Settings) -> Dataplane:
         MapSizes(**settings.map_sizes()),
         maglev_table_size=settings.maglev_table_size,
         external_interfaces=settings.external_interfaces,
-        nodeport_addresses=settings.nodeport_addresses,
         xdp=settings.xdp,
         snat_ports=settings.snat_ports(),
         cgroup=cgroup,

@@ -90,6 +90,24 @@ class ServiceEntry:
     def sort_key(self) -> tuple[str, str, str, str, str]:
         return (self.namespace, self.name, self.port, self.protocol, self.ip_family)
 
+    # Which backend set a frontend uses ("Which set a packet uses" in docs/nodestate.md):
+    # the dataplanes and the lab ask these, as kube-proxy's proxiers ask its ServicePort.
+
+    def uses_local(self, frontend_type: str, from_outside: bool = True) -> bool:
+        """Whether a packet to a frontend of this type uses localBackends (else
+        clusterBackends): a ClusterIP follows internalTrafficPolicy whoever sends; an
+        external frontend follows externalTrafficPolicy from outside and uses
+        clusterBackends from a pod or the node."""
+        if frontend_type == CLUSTER_IP:
+            return self.internal_traffic_policy == "Local"
+        return from_outside and self.external_traffic_policy == "Local"
+
+    def backends_for(self, frontend_type: str, from_outside: bool = True) -> tuple[Backend, ...]:
+        """The set a packet to a frontend of this type uses (see `uses_local`); empty
+        when null."""
+        local = self.uses_local(frontend_type, from_outside)
+        return (self.local_backends if local else self.cluster_backends) or ()
+
     def to_dict(self) -> dict[str, Any]:
         affinity = None
         if self.affinity_timeout is not None:
@@ -119,6 +137,17 @@ class ServiceEntry:
         return self
 
 
+def uses_endpoints(itp: str, etp: str, internal: bool, external: bool) -> tuple[bool, bool]:
+    """(cluster, local): whether an entry with these traffic policies and internal
+    (ClusterIP) and external frontends uses clusterBackends, localBackends (kube-proxy's
+    UsesClusterEndpoints / UsesLocalEndpoints). External frontends need clusterBackends
+    even with externalTrafficPolicy Local, for traffic from pods and the node."""
+    itp_local = itp == "Local"
+    cluster = (internal and not itp_local) or external
+    local = (internal and itp_local) or (external and etp == "Local")
+    return cluster, local
+
+
 def _backends(backends: tuple[Backend, ...] | None) -> list[dict[str, Any]] | None:
     return None if backends is None else [b.to_dict() for b in backends]
 
@@ -131,6 +160,17 @@ class NodeInfo:
     addresses: tuple[str, ...]  # primary first per family
     cluster_cidrs: tuple[str, ...] = ()
     cluster_name: str | None = None
+    # The addresses that answer NodePorts (--nodeport-addresses), primary first per
+    # family; None: every address (what a NodeInfo built by hand means).
+    nodeport_addresses: tuple[str, ...] | None = None
+
+    def nodeport_ips(self, family: str | None = None) -> tuple[str, ...]:
+        """The NodePort addresses, of `family` only when given."""
+        chosen = self.addresses if self.nodeport_addresses is None else self.nodeport_addresses
+        if family is None:
+            return chosen
+        v6 = family == "IPv6"
+        return tuple(a for a in chosen if (":" in a) == v6)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +178,7 @@ class NodeInfo:
             "zone": self.zone,
             "labels": dict(sorted(self.labels.items())),
             "addresses": list(self.addresses),
+            "nodePortAddresses": list(self.nodeport_ips()),
             "clusterCIDRs": list(self.cluster_cidrs),
             "clusterName": self.cluster_name,
         }
@@ -189,9 +230,14 @@ def node_state_from_dict(doc: Mapping[str, Any]) -> NodeState:
         addresses=tuple(node.get("addresses") or ()),
         cluster_cidrs=tuple(node.get("clusterCIDRs") or ()),
         cluster_name=node.get("clusterName"),
+        nodeport_addresses=_tuple_or_none(node.get("nodePortAddresses")),
     )
     entries = tuple(_entry_from_dict(e) for e in doc["services"])
     return NodeState(info, doc["revision"], entries)
+
+
+def _tuple_or_none(items: list[str] | None) -> tuple[str, ...] | None:
+    return None if items is None else tuple(items)
 
 
 def _entry_from_dict(e: Mapping[str, Any]) -> ServiceEntry:

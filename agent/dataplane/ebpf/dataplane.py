@@ -32,7 +32,6 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily
 
 from ...metrics import Metrics
-from ...model.compile import nodeport_ips
 from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
 from . import codec, external, service_metrics, sockdiag
@@ -77,7 +76,6 @@ class EbpfDataplane:
         netns: str | None = None,
         watch: bool = True,
         external_interfaces: Sequence[str] = (),
-        nodeport_addresses: Sequence[str] = (),
         xdp: str = "auto",
         snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
         cgroup: Path | None = None,
@@ -86,8 +84,8 @@ class EbpfDataplane:
         ct_sweep_interval: float = 0.0,
     ) -> None:
         """`external_interfaces`: globs of the node's external interfaces; empty means
-        those that carry the node's NodePort addresses (`nodeport_addresses`, as
-        --nodeport-addresses), found at each apply that changes the node. `xdp`: auto
+        those that carry the node's NodePort addresses (the NodeState's
+        node.nodePortAddresses), found at each apply that changes the node. `xdp`: auto
         (native, else generic), native, generic or off. `cgroup`: where the socket hooks
         serve (None: not attached); `socket_lb` (--socket-lb): whose sockets they
         translate, all (the node's and the pods'), host or off. `ct_sweep_interval`: seconds
@@ -97,7 +95,6 @@ class EbpfDataplane:
         self._pods = PodInterfaces(self.pod_interfaces)
         self.external_globs = tuple(external_interfaces)
         self._external = PodInterfaces(self.external_globs) if self.external_globs else None
-        self.nodeport_addresses = tuple(nodeport_addresses)
         self.xdp = external.xdp_mode(xdp)
         self.snat_ports = snat_ports
         if socket_lb not in external.SOCKET_LB_BITS:
@@ -578,9 +575,7 @@ class EbpfDataplane:
         if self._external is not None or (state.node == self._node and not full):
             return
         self._node = state.node
-        wanted_ips = [ip for ips in nodeport_ips(state.node, self.nodeport_addresses).values()
-                      for ip in ips]  # fmt: skip
-        names = external.interfaces_with(self.attacher.addresses(), wanted_ips)
+        names = external.interfaces_with(self.attacher.addresses(), state.node.nodeport_ips())
         links = {link.name: link for link in self.attacher.links()}
         for index, name in list(self._external_attached.items()):
             if name not in names and links.get(name, Link(-1, name)).index == index:

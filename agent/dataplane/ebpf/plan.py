@@ -31,6 +31,7 @@ from ...model.nodestate import (
     Backend,
     NodeState,
     ServiceEntry,
+    uses_endpoints,
 )
 from ..base import DataplaneError
 from .abi import const
@@ -424,19 +425,15 @@ def _cursor_after(ids: Iterable[int], bound: int) -> int:
 
 
 def source_ranged_keys(entry: ServiceEntry) -> dict[FrontendKey, tuple[str, ...]]:
-    """The entry's LoadBalancer frontends that carry loadBalancerSourceRanges → the ranges
-    of the entry's family (normalised networks). A frontend whose ranges are all of the
-    other family admits no one of this family, as the iptables fallback renders it."""
+    """The entry's LoadBalancer frontends that carry loadBalancerSourceRanges → their
+    ranges as normalised networks (the compiler keeps the entry's family only)."""
     found: dict[FrontendKey, tuple[str, ...]] = {}
     for f in entry.frontends:
         if f.type != LOAD_BALANCER or not f.source_ranges:
             continue
         family = _FAMILY[entry.ip_family]
         key = FrontendKey(_canonical(f.ip), f.port, _PROTO[entry.protocol], family)
-        v6 = family == _IPV6
-        found[key] = tuple(
-            str(ipaddress.ip_network(r, strict=False)) for r in f.source_ranges if (":" in r) == v6
-        )
+        found[key] = tuple(str(ipaddress.ip_network(r, strict=False)) for r in f.source_ranges)
     return found
 
 
@@ -554,12 +551,12 @@ class _Builder:
         # Only the sets some frontend uses (docs/nodestate.md): a ClusterIP uses one set whoever
         # sends; an external frontend uses its policy's set from outside and the cluster
         # set from pods. A set nobody points at could not be adopted after a restart.
-        itp_local = entry.internal_traffic_policy == "Local"
-        etp_local = entry.external_traffic_policy == "Local"
-        has_cluster_ip = _CLUSTER_IP_TYPE in keys.values()
-        has_external = any(kind != _CLUSTER_IP_TYPE for kind in keys.values())
-        wants_cluster = (has_cluster_ip and not itp_local) or has_external
-        wants_local = (has_cluster_ip and itp_local) or (has_external and etp_local)
+        wants_cluster, wants_local = uses_endpoints(
+            entry.internal_traffic_policy,
+            entry.external_traffic_policy,
+            _CLUSTER_IP_TYPE in keys.values(),
+            any(kind != _CLUSTER_IP_TYPE for kind in keys.values()),
+        )
 
         ids: dict[tuple[str, int], int] = {}  # (addr, port) → backend id, this entry
         set_ids: dict[SetContent, int] = {}  # content → set id, this entry
@@ -572,8 +569,8 @@ class _Builder:
             members = entry.local_backends
             member_ids = self.backend_ids(entry, members, service_id, ids, known_backends)
             local = self.set_of(entry, members, member_ids, known_sets, set_ids)
-        internal = local if itp_local else cluster
-        external = local if etp_local else cluster
+        internal = local if entry.uses_local(CLUSTER_IP) else cluster
+        external = local if entry.uses_local(LOAD_BALANCER) else cluster  # from outside
 
         flags = _HAS_ENDPOINTS if entry.has_endpoints else 0
         timeout = entry.affinity_timeout
