@@ -29,6 +29,7 @@ from .nodestate import (
     LOAD_BALANCER,
     NODE_PORT,
     Backend,
+    Changes,
     Frontend,
     NodeInfo,
     NodeState,
@@ -218,6 +219,8 @@ class Compiler:
             raise
 
     def _update(self, state: ClusterState, services: set[ServiceKey], ctx: _Context) -> NodeState:
+        assert self._state is not None
+        base = self._state.revision
         slices = state.slices_by_service
         for key in services:
             service = state.services.get(key)
@@ -231,12 +234,16 @@ class Compiler:
             self._entries[low:high] = entries
             self._keys[low:high] = [key] * len(entries)
             self._digests[low:high] = [e.digest for e in entries]
-        return self._publish()
+        return self._publish(Changes(base, frozenset(services)))
 
-    def _publish(self) -> NodeState:
+    def _publish(self, changes: Changes | None = None) -> NodeState:
         assert self._context is not None
         self._state = NodeState(
-            self._context.node, revision_of(self._digests), tuple(self._entries), self._backends
+            self._context.node,
+            revision_of(self._digests),
+            tuple(self._entries),
+            self._backends,
+            changes,
         )
         return self._state
 

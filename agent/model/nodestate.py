@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .types import ServiceKey
 
 API_VERSION = "kube-bpf-proxy/v1"
 KIND = "NodeState"
@@ -195,6 +198,38 @@ def revision_of(digests: Iterable[bytes]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Changes:
+    """What `Compiler.update` recompiled or removed since the NodeState of revision
+    `base`: the entries of `services` may differ, every other entry is the same object
+    in both states (kube-proxy's UpdatedServices, kpng's Changed/Deleted). A consumer
+    that holds `base` looks only at these; any other uses the full path."""
+
+    base: str
+    services: frozenset[ServiceKey]
+
+    def between(
+        self, old: Sequence[ServiceEntry], new: Sequence[ServiceEntry]
+    ) -> tuple[list[ServiceEntry], list[ServiceEntry]]:
+        """(went, came): the entries of the changed Services in `old` (the services of
+        the state at `base`) and in `new`, each in NodeState order."""
+        keys = sorted(self.services)
+        return _entries_of(old, keys), _entries_of(new, keys)
+
+
+def _service_of(entry: ServiceEntry) -> ServiceKey:
+    return entry.namespace, entry.name
+
+
+def _entries_of(entries: Sequence[ServiceEntry], keys: list[ServiceKey]) -> list[ServiceEntry]:
+    out: list[ServiceEntry] = []
+    for key in keys:  # entries are sorted by sort_key, whose head is the Service key
+        low = bisect_left(entries, key, key=_service_of)
+        high = bisect_right(entries, key, low, key=_service_of)
+        out.extend(entries[low:high])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class NodeState:
     node: NodeInfo
     revision: str
@@ -202,6 +237,8 @@ class NodeState:
     # Backends over every entry's sets, when the producer kept count (the Compiler does,
     # per change): logging and gauges then need not walk every entry per sync.
     counted_backends: int | None = field(default=None, compare=False)
+    # Set by Compiler.update: what changed since an earlier revision (not in the document).
+    changes: Changes | None = field(default=None, compare=False, repr=False)
 
     def backend_count(self) -> int:
         if self.counted_backends is not None:

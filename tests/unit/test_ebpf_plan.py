@@ -1265,20 +1265,6 @@ def test_one_changed_service_among_many_is_the_only_one_translated(monkeypatch) 
     assert counts(change.writes) == (0, 1, 2, 1, 0, 1, 0)
 
 
-@SETTINGS
-@given(
-    old=st.lists(st.integers(0, 3), max_size=40),
-    new=st.lists(st.integers(0, 3), max_size=40),
-)
-def test_differing_finds_the_longest_shared_head_and_tail(old, new) -> None:
-    a, b = tuple(old), tuple(new)
-    head, old_end, new_end = plan._differing(a, b)
-    assert a[:head] == b[:head] and a[old_end:] == b[new_end:]
-    assert head <= old_end and head <= new_end
-    if old_end > head and new_end > head:  # neither could go further
-        assert a[head] != b[head] and a[old_end - 1] != b[new_end - 1]
-
-
 def test_a_content_does_not_keep_its_predecessors_alive() -> None:
     first = desired_content(web([ep(1)]), EMPTY)
     second = desired_content(web([ep(2)]), first)
@@ -1300,9 +1286,9 @@ def test_values_are_hashable_and_frozen() -> None:
 @SETTINGS
 @given(history=histories())
 def test_the_source_range_index_follows_every_sync_as_a_full_scan_would(history) -> None:
-    """SourceRangeIndex looks only at the entries between the states' shared head and
-    tail; over generated change sequences (the incremental compiler's states, which share
-    unchanged entries) it must give what scanning every entry gives."""
+    """SourceRangeIndex looks only at the entries of the Services a state's Changes name;
+    over generated change sequences (the incremental compiler's states) it must give
+    what scanning every entry gives."""
     cluster, steps = history
     objects = {object_key(o): o for o in cluster.objects}
     agent_state = cluster_state(objects)

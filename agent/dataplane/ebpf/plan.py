@@ -181,11 +181,12 @@ class _Index:
     cursors: tuple[int, int, int]  # next service, set and backend id to try
     slot_total: int
     service_id_overflow: int  # highest service id handed out past the map size, else 0
-    # The NodeState entries these plans are for, when each has a plan of its own under
-    # its sort key and under its plan's digest (sealed, no repeats): the next sync then
-    # skips the entries both states share (the same objects, mostly) and looks only at
-    # the stretch between. Else None: the next sync scans every entry.
+    # NodeState entries these plans are for, when each has a plan of its own under
+    # its sort key and under its plan's digest (sealed, no repeats), and their revision:
+    # the next sync then looks only at the entries of the Services its state's Changes
+    # name from that revision. Else None: the next sync scans every entry.
     entries: tuple[ServiceEntry, ...] | None
+    revision: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -743,6 +744,7 @@ class _Full:
             builder.slot_total,
             builder.service_id_alloc.overflow,
             _entries_if_keyed(entries, by_key, by_digest),
+            self.state.revision,
         )
         object.__setattr__(out, "_index", index)
         return out
@@ -798,48 +800,6 @@ def _entries_if_keyed(
     that every entry is sealed and `by_digest` holds only the digests of their plans."""
     n = len(entries)
     return entries if len(by_key) == n and len(by_digest) == n else None
-
-
-def _differing(
-    old: tuple[ServiceEntry, ...], new: tuple[ServiceEntry, ...]
-) -> tuple[int, int, int]:
-    """(head, old_end, new_end): outside old[head:old_end] and new[head:new_end] the two
-    hold equal entries in the same order. Cheap when they share the entry objects (the
-    compiler reuses those it did not recompile): tuple comparison checks identity first."""
-    shortest = min(len(old), len(new))
-    head = _shared_run(old, new, shortest, from_end=False)
-    tail = _shared_run(old, new, shortest - head, from_end=True)
-    return head, len(old) - tail, len(new) - tail
-
-
-def _shared_run(
-    old: tuple[ServiceEntry, ...], new: tuple[ServiceEntry, ...], limit: int, from_end: bool
-) -> int:
-    """How many entries (at most `limit`) old and new share from the start (or the end):
-    compares slices of doubling length, then halves the one that differs, so the work
-    is a few C-level passes over the shared run rather than a Python loop."""
-    old_len, new_len = len(old), len(new)
-
-    def same(a: int, b: int) -> bool:  # positions [a, b) counted from the start or the end
-        if from_end:
-            return old[old_len - b : old_len - a] == new[new_len - b : new_len - a]
-        return old[a:b] == new[a:b]
-
-    low, step = 0, 64
-    while low < limit:
-        high = min(limit, low + step)
-        if not same(low, high):
-            break
-        low, step = high, step * 2
-    else:
-        return limit
-    while high - low > 1:  # the first difference is in [low, high)
-        middle = (low + high) // 2
-        if same(low, middle):
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 class _Incremental:
@@ -903,6 +863,7 @@ class _Incremental:
             overflow = builder.service_id_alloc.overflow
         return _Update(
             state.services,
+            state.revision,
             sealed,
             old_plans,
             new_plans,
@@ -918,25 +879,13 @@ class _Incremental:
         """The entries to translate (new or changed, in NodeState order), the plans that go
         (of changed entries and of entries gone), and whether every entry that came (all
         when scanning) is sealed."""
-        entries, index = self.state.services, self.index
-        previous = index.entries
-        if previous is None:
-            return self.changes_by_scan()
-        if previous is entries:
+        state, index = self.state, self.index
+        previous, changes = index.entries, state.changes
+        if previous is state.services:
             return [], [], True
-        both_ends_differ = (
-            bool(previous and entries)
-            and previous[0] is not entries[0]
-            and previous[-1] is not entries[-1]
-        )
-        if both_ends_differ:
-            # Likely not a splice of a few entries into the same objects (fresh ones after a full
-            # compile, say): comparing equal entries field by field would cost more than
-            # comparing all digests.
-            head, old_end, new_end = 0, len(previous), len(entries)
-        else:
-            head, old_end, new_end = _differing(previous, entries)
-        came, went = entries[head:new_end], previous[head:old_end]
+        if previous is None or changes is None or changes.base != index.revision:
+            return self.changes_by_scan()
+        went, came = changes.between(previous, state.services)
         by_digest, by_key = index.by_digest, index.by_key
         came_digests = list(map(_DIGEST, came))
         changed = list(compress(came, map(not_, map(by_digest.__contains__, came_digests))))
@@ -999,6 +948,7 @@ class _Update:
     they write, and the index figures after. `apply` makes it so on a content."""
 
     entries: tuple[ServiceEntry, ...]
+    revision: str
     sealed: bool  # every entry that came has a digest
     old_plans: list[_EntryPlan]
     new_plans: list[_EntryPlan]
@@ -1054,6 +1004,7 @@ class _Update:
             slot_total=slot_total,
             service_id_overflow=self.service_id_overflow,
             entries=entries,
+            revision=self.revision,
         )
         content = journals.content
         object.__setattr__(content, "_index", new_index)
