@@ -6,22 +6,23 @@ and an unchanged backend set its set id across syncs and agent restarts (adopted
 what the kernel holds). A set is never rewritten in place: changed content gets a new set
 id, written in full before the services flip to it (docs/ebpf.md, "Ordered writes").
 
-Two ways in: `desired_content` + `diff` + `check_capacity` leave `current` untouched (and
-copy it, O(N)); `plan_change` changes `current` in place and keeps an undo log, so one
-changed Service costs about the same at 1k as at 30k Services (the agent's path).
+Two ways in: `translate` (the full path) + `diff` + `check_capacity` leave `current`
+untouched; `plan_change` changes `current` in place and keeps an undo log, so one
+changed Service costs about the same at 1k as at 30k Services (the agent's path). The
+full path is the oracle the in-place one is property-tested against.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress
 from operator import attrgetter, not_
 from typing import Any
 
+from ...config import MAP_SIZES
 from ...gcpause import gc_paused
 from ...model.nodestate import (
     CLUSTER_IP,
@@ -101,27 +102,25 @@ class BackendValue:
 
 @dataclass(frozen=True, slots=True)
 class MapSizes:
-    """max_entries of the maps (the -D defaults of bpf/include/kbp_maps.h); `services` also
-    bounds service ids, which index the per-CPU counters array."""
+    """max_entries of the sized maps (defaults: agent.config.MAP_SIZES, one field per
+    entry); `services` also bounds service ids, which index the per-CPU counters array."""
 
-    services: int = 65536
-    slots: int = 262144
-    backends: int = 262144
-    ct: int = 262144
-    affinity: int = 65536
-    src_ranges: int = 16384
-    sock_rev: int = 65536
+    services: int = MAP_SIZES["services"].default
+    slots: int = MAP_SIZES["slots"].default
+    backends: int = MAP_SIZES["backends"].default
+    ct: int = MAP_SIZES["ct"].default
+    affinity: int = MAP_SIZES["affinity"].default
+    src_ranges: int = MAP_SIZES["src_ranges"].default
+    sock_rev: int = MAP_SIZES["sock_rev"].default
 
 
-@dataclass(frozen=True, slots=True, weakref_slot=True)
+@dataclass(slots=True)
 class KernelContent:
     """What the services, slots and backends maps hold (or should hold).
 
-    Only this module changes the dicts, and only through `plan_change` (which bumps
-    `_version`); `desired_content` shares the values between generations and remembers,
-    beside the content it returns, how it built it (`_index`) and what changed since
-    `current` (`_delta`), so that the next sync and `diff` only look at the entries that
-    changed. Content decoded from the kernel has neither and takes the full path. Not
+    Only this module changes it, through `plan_change`, which also keeps `_index`, how
+    the content was built, current: the next sync then translates only the entries that
+    changed. Content decoded from the kernel has no index and takes the full path. Not
     hashable (it holds dicts).
     """
 
@@ -129,8 +128,6 @@ class KernelContent:
     slots: dict[int, SetContent] = field(default_factory=dict)  # set id → backend ids
     backends: dict[int, BackendValue] = field(default_factory=dict)
     _index: _Index | None = field(default=None, init=False, compare=False, repr=False)
-    _delta: _Delta | None = field(default=None, init=False, compare=False, repr=False)
-    _version: int = field(default=0, init=False, compare=False, repr=False)
 
     def slot_count(self) -> int:
         """Slots over all sets (entries of the slots map)."""
@@ -189,34 +186,26 @@ class _Index:
     revision: str
 
 
-@dataclass(frozen=True, slots=True)
-class _Delta:
-    """The keys `desired_content` may have changed relative to `base` (as it was at
-    `version`: a base changed in place since is compared in full)."""
-
-    base: weakref.ref[KernelContent]
-    version: int
-    frontends: dict[FrontendKey, None]
-    sets: dict[int, None]
-    backends: dict[int, None]
-
-
 # --- the writes from one content to the next -------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
 class Writes:
     """Map writes in apply order. Applied phase by phase, every intermediate kernel state
-    is consistent for packets: a service only ever points at complete sets, and a slot at
-    an existing backend.
+    is consistent for packets: a service only ever points at complete sets, a slot at
+    an existing backend, and a ranged frontend has its source ranges.
 
-    0. `counters_reset`: zero the per-CPU counters of newly used service ids;
+    0. `config`, `ports`: kbp_config and the kbp_ports bits of new backend and frontend
+       ports (the dataplane adds these, as raw (key, value) pairs, before writing);
     1. `backends_to_upsert`: new backends (and flag changes of live ones);
     2. `sets_to_write`: every slot of the new sets (never a live set: ids are fresh);
-    3. `services_to_upsert`: the flip, one atomic element per frontend;
-    4. `frontends_to_delete`;
-    5. `sets_to_delete`: set id → its slot count (keys (set_id, 0..count-1));
-    6. `backends_to_delete`.
+    3. `ranges_to_add`: kbp_src_ranges entries the new services need (dataplane);
+    4. `counters_reset`: zero the per-CPU counters of newly used service ids;
+    5. `services_to_upsert`: the flip, one atomic element per frontend;
+    6. `frontends_to_delete`;
+    7. `sets_to_delete`: set id → its slot count (keys (set_id, 0..count-1));
+    8. `backends_to_delete`;
+    9. `ranges_to_delete`: kbp_src_ranges entries no service uses any more (dataplane).
     """
 
     counters_reset: list[int] = field(default_factory=list)
@@ -229,6 +218,10 @@ class Writes:
     # Of backends_to_upsert, the live backends whose value (flags) changed: the slots of
     # live sets carry a copy of each backend's value (struct kbp_slot) to rewrite.
     backends_changed: set[int] = field(default_factory=set)
+    config: list[tuple[bytes, bytes]] = field(default_factory=list)
+    ports: list[tuple[bytes, bytes]] = field(default_factory=list)
+    ranges_to_add: list[tuple[bytes, bytes]] = field(default_factory=list)
+    ranges_to_delete: list[bytes] = field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -241,6 +234,10 @@ class Writes:
             + len(self.frontends_to_delete)
             + sum(self.sets_to_delete.values())
             + len(self.backends_to_delete)
+            + len(self.config)
+            + len(self.ports)
+            + len(self.ranges_to_add)
+            + len(self.ranges_to_delete)
         )
 
     @property
@@ -253,6 +250,10 @@ class Writes:
             or self.frontends_to_delete
             or self.sets_to_delete
             or self.backends_to_delete
+            or self.config
+            or self.ports
+            or self.ranges_to_add
+            or self.ranges_to_delete
         )
 
     def elements(self) -> Iterator[tuple[str, str, Any, Any]]:
@@ -279,35 +280,24 @@ class Writes:
 # --- desired content -------------------------------------------------------------------
 
 
-def desired_content(
+def translate(
     state: NodeState,
     current: KernelContent,
     *,
     maglev_table_size: int = DEFAULT_TABLE_SIZE,
     sizes: MapSizes | None = None,
 ) -> KernelContent:
-    """What the maps should hold for `state`, reusing the ids of `current` (the content
-    the kernel holds now: decoded from the maps, or a previous result of this function
-    once it was applied).
+    """What the maps should hold for `state`, translating every entry and reusing the ids
+    of `current` (the content the kernel holds now: decoded from the maps, or built here),
+    which stays as it is: the full path.
 
-    Only entries whose digest changed are translated again when `current` came from this
-    function; otherwise (restart, full resync) every entry is, adopting ids from the
-    frontends, backends and sets `current` holds. Raises ValueError when the Maglev table
-    size is not prime or too small for a Service's backends. Ids never exceed the map sizes
-    unless the maps are too small: `check_capacity` then reports it.
+    Raises ValueError when the Maglev table size is not prime or too small for a
+    Service's backends. Ids never exceed the map sizes unless the maps are too small:
+    `check_capacity` then reports it.
     """
-    sizes = sizes or MapSizes()
-    update = _update(state, current, maglev_table_size, sizes)
-    if update is not None:
-        if update.empty:
-            return current
-        out = _copy(current)
-        journals = _Journals(out)
-        update.apply(journals)
-        object.__setattr__(out, "_delta", journals.delta(current))
-        return out
+    check_table_size(maglev_table_size)
     with gc_paused():  # ~10^5 acyclic values: generation-2 passes would double the time
-        return _Full(state, current, maglev_table_size, sizes).run()
+        return _Full(state, current, maglev_table_size, sizes or MapSizes()).run()
 
 
 def plan_change(
@@ -317,21 +307,20 @@ def plan_change(
     maglev_table_size: int = DEFAULT_TABLE_SIZE,
     sizes: MapSizes | None = None,
 ) -> Change:
-    """`desired_content`, `diff` and `required_capacity` in one step that changes `current`
-    in place when it came from this module (desired_content or plan_change): the cost
-    follows the entries that changed, not the size of `current`.
+    """`translate`, `diff` and `required_capacity` in one step that changes `current`
+    in place when it came from this module (translate or plan_change): the cost follows
+    the entries that changed, not the size of `current`.
 
     Until the returned Change is committed or rolled back, `current` may already hold the
     new content: use it for nothing else. Content decoded from the kernel (or a change of
     table or map sizes) is translated in full into a new content, leaving `current` as it
-    is. Raises like desired_content, with `current` unchanged.
+    is. Raises like translate, with `current` unchanged.
     """
     sizes = sizes or MapSizes()
     update = _update(state, current, maglev_table_size, sizes)
     if update is not None:
         return Change._in_place(current, update)
-    with gc_paused():
-        desired = _Full(state, current, maglev_table_size, sizes).run()
+    desired = translate(state, current, maglev_table_size=maglev_table_size, sizes=sizes)
     writes = diff(current, desired)
     return Change(current, desired, writes, required_capacity(current, desired, writes), None)
 
@@ -346,21 +335,6 @@ def _update(
     if index is None or index.maglev_table_size != maglev_table_size or index.sizes != sizes:
         return None
     return _Incremental(state, current, index).run()
-
-
-def _copy(content: KernelContent) -> KernelContent:
-    """The same content with dicts of its own (and of its index), to change in place."""
-    out = KernelContent(dict(content.services), dict(content.slots), dict(content.backends))
-    index = content._index
-    if index is not None:
-        index = replace(
-            index,
-            by_key=dict(index.by_key),
-            by_digest=dict(index.by_digest),
-            service_ids=dict(index.service_ids),
-        )
-    object.__setattr__(out, "_index", index)
-    return out
 
 
 def _canonical(ip: str) -> str:
@@ -647,7 +621,7 @@ class _Builder:
 
 class _Full:
     """Translate every entry, adopting ids from `current` (and from how it was built, when
-    it came from desired_content)."""
+    it was built here)."""
 
     def __init__(
         self, state: NodeState, current: KernelContent, maglev_table_size: int, sizes: MapSizes
@@ -700,7 +674,7 @@ class _Full:
         entries = self.state.services
         # Who answers each frontend: the first entry in NodeState order that asks for it.
         owned = [builder.owned(builder.frontend_keys(e)) for e in entries]
-        if index is not None:  # built by desired_content: entries are known by identity
+        if index is not None:  # built here: entries are known by their sort keys
             service_ids = []
             for entry in entries:
                 old = index.by_key.get(entry.sort_key)
@@ -746,7 +720,7 @@ class _Full:
             _entries_if_keyed(entries, by_key, by_digest),
             self.state.revision,
         )
-        object.__setattr__(out, "_index", index)
+        out._index = index
         return out
 
     def adopt_service_ids(self, owned: list[dict[FrontendKey, int]]) -> list[int]:
@@ -1006,10 +980,7 @@ class _Update:
             entries=entries,
             revision=self.revision,
         )
-        content = journals.content
-        object.__setattr__(content, "_index", new_index)
-        object.__setattr__(content, "_delta", None)
-        object.__setattr__(content, "_version", journals.old_version + 1)
+        journals.content._index = new_index
 
 
 # --- changing a content in place -------------------------------------------------------
@@ -1067,8 +1038,6 @@ class _Journals:
         "by_key",
         "content",
         "index",
-        "old_delta",
-        "old_version",
         "service_ids",
         "services",
         "slots",
@@ -1079,8 +1048,6 @@ class _Journals:
         assert index is not None, "only a content built here is changed in place"
         self.content = content
         self.index = index
-        self.old_delta = content._delta
-        self.old_version = content._version
         self.services = _Journal(content.services)
         self.slots = _Journal(content.slots)
         self.backends = _Journal(content.backends)
@@ -1101,16 +1068,6 @@ class _Journals:
             _reset_counters_of_new_ids(writes, self.service_ids.had)
         return writes
 
-    def delta(self, base: KernelContent) -> _Delta:
-        """The keys changed, for `diff(base, content)` (content a copy of base)."""
-        return _Delta(
-            weakref.ref(base),
-            base._version,
-            dict.fromkeys(self.services.before),
-            dict.fromkeys(self.slots.before),
-            dict.fromkeys(self.backends.before),
-        )
-
     def undo(self) -> None:
         for journal in (
             self.services,
@@ -1121,10 +1078,7 @@ class _Journals:
             self.service_ids,
         ):
             journal.undo()
-        content = self.content
-        object.__setattr__(content, "_index", self.index)
-        object.__setattr__(content, "_delta", self.old_delta)
-        object.__setattr__(content, "_version", self.old_version)
+        self.content._index = self.index
 
 
 class Change:
@@ -1200,22 +1154,14 @@ class Change:
 def diff(current: KernelContent, desired: KernelContent) -> Writes:
     """The writes that turn `current` into `desired`, in the order of `Writes`. Raises
     ValueError if `desired` changes the content of a set id `current` holds (a live set
-    is never rewritten in place; desired_content never does that)."""
-    if desired is current:  # desired_content found nothing to change
+    is never rewritten in place; translate never does that)."""
+    if desired is current:
         return Writes()
-    delta = desired._delta
-    if delta is not None and delta.base() is current and delta.version == current._version:
-        frontends: Iterable[FrontendKey] = delta.frontends
-        set_ids: Iterable[int] = delta.sets
-        backend_ids: Iterable[int] = delta.backends
-    else:
-        frontends = chain(
-            desired.services, (k for k in current.services if k not in desired.services)
-        )
-        set_ids = chain(desired.slots, (s for s in current.slots if s not in desired.slots))
-        backend_ids = chain(
-            desired.backends, (b for b in current.backends if b not in desired.backends)
-        )
+    frontends = chain(desired.services, (k for k in current.services if k not in desired.services))
+    set_ids = chain(desired.slots, (s for s in current.slots if s not in desired.slots))
+    backend_ids = chain(
+        desired.backends, (b for b in current.backends if b not in desired.backends)
+    )
     writes = _writes(
         (current.services, desired.services, frontends),
         (current.slots, desired.slots, set_ids),
