@@ -10,10 +10,10 @@ from __future__ import annotations
 import threading
 
 from ..model.nodestate import NodeState
-from .base import DataplaneError
+from .base import DataplaneError, QuietDataplane
 
 
-class FakeDataplane:
+class FakeDataplane(QuietDataplane):
     name = "fake"
 
     def __init__(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ...config import DEFAULT_POD_INTERFACES
 from ...model.ip import ip_family
 from ...model.nodestate import NodeState, ServiceEntry
-from ..base import DataplaneError
+from ..base import DataplaneError, QuietDataplane
 from .backend import (
     BACKENDS,
     Backend,
@@ -233,7 +233,7 @@ class _Held:
     digests: dict[tuple[str, ...], bytes]  # entry_digest of each entry's rules
 
 
-class IptablesDataplane:
+class IptablesDataplane(QuietDataplane):
     name = "iptables"
 
     def __init__(
