@@ -92,7 +92,7 @@ class FillSampler:
 
 def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
     from agent.dataplane.ebpf.conntrack import Timeouts
-    from agent.dataplane.ebpf.plan import MapSizes
+    from agent.dataplane.ebpf.maps import MapSizes
     from agent.model.compile import compile
     from bench.datapath import BENCH_PREFIX, BPFFS
     from tests.builders import default_nodes, make_endpoint, make_service, make_slice, state_of

@@ -60,7 +60,7 @@ from agent.dataplane.ebpf import frames as P
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.external import DEFAULT_SNAT_PORTS
 from agent.dataplane.ebpf.inspect import XDP_VERDICTS
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 from agent.model.nodestate import (
     CLUSTER_IP,
     LOAD_BALANCER,

@@ -53,15 +53,15 @@ from agent.dataplane.ebpf import dataplane as dataplane_module
 from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.libbpf import Map
-from agent.dataplane.ebpf.plan import (
+from agent.dataplane.ebpf.maps import (
     BackendValue,
     KernelContent,
     MapSizes,
     Writes,
     check_capacity,
     diff,
-    translate,
 )
+from agent.dataplane.ebpf.translate import translate
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import decode_object
 from agent.model.nodestate import NodeState

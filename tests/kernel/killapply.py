@@ -57,7 +57,8 @@ from typing import Any
 from agent.dataplane.ebpf import codec
 from agent.dataplane.ebpf.abi import MAP_NAMES, versioned
 from agent.dataplane.ebpf.libbpf import Map
-from agent.dataplane.ebpf.plan import FrontendKey, KernelContent, MapSizes, translate
+from agent.dataplane.ebpf.maps import FrontendKey, KernelContent, MapSizes
+from agent.dataplane.ebpf.translate import translate
 from agent.dataplane.iptables.render import STATE
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState

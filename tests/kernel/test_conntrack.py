@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 
 from .lab import PODCLIENT, Lab, in_netns, read_line, stop_process
 from .test_dataplane import DATAPLANES, Env, backends, not_on, service

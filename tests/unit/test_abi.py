@@ -18,7 +18,7 @@ import pytest
 from agent.config import MAP_SIZES
 from agent.dataplane.ebpf import abi
 from agent.dataplane.ebpf.dataplane import remove_stale_pins
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "abi-layout.txt"
 

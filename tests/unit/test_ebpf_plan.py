@@ -1,4 +1,5 @@
-"""NodeState → kernel map contents, ids, ordered writes and capacity (ebpf/plan.py).
+"""NodeState → kernel map contents, ids, ordered writes and capacity (ebpf/maps.py,
+translate.py, plan.py).
 
 Address plan (tests/builders.py): this node node-a 192.0.2.10 / 2001:db8::10; pods of
 node-a 10.244.1.<n>, node-b 10.244.2.<n>, node-c 10.244.3.<n> (IPv6 fd00:244:<node>::<n>),
@@ -24,7 +25,7 @@ from agent.dataplane.ebpf import external, plan
 from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.maglev import maglev_table
-from agent.dataplane.ebpf.plan import (
+from agent.dataplane.ebpf.maps import (
     BackendValue,
     CapacityError,
     FrontendKey,
@@ -34,10 +35,10 @@ from agent.dataplane.ebpf.plan import (
     Writes,
     check_capacity,
     diff,
-    plan_change,
     required_capacity,
-    translate,
 )
+from agent.dataplane.ebpf.plan import plan_change
+from agent.dataplane.ebpf.translate import translate
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.conventions import ANNOTATION_LB_ALGORITHM
 from agent.model.decode import decode_object
@@ -608,7 +609,8 @@ def test_a_frontend_two_services_claim_goes_to_the_first_and_passes_on() -> None
     assert first.services[key].service_id == a_id
     second = translate(node_state(*b), first)
     assert second.services[key].service_id == b_id
-    assert second == plan._Full(node_state(*b), first, 16381, MapSizes()).run()
+    # The in-place path gives the same.
+    assert second == plan_change(node_state(*b), translate(node_state(*a, *b), EMPTY)).commit()
     third = translate(node_state(*a, *b), second)
     assert third.services[key].service_id != b_id  # "a" is back (with a new id)
 
@@ -852,8 +854,6 @@ def sync(
     sizes = MapSizes()
     desired = translate(state, current, maglev_table_size=31)
     check_ids(desired, sizes)
-    # The incremental path equals a full translation that knows the same ids.
-    assert desired == plan._Full(state, current, 31, sizes).run()
     # A restarted agent, adopting from the decoded maps, gets there consistently too...
     restarted = Kernel(current)
     decoded = bare(current)
@@ -884,7 +884,8 @@ def in_place(
     writes: Writes,
     need: dict[str, tuple[int, int]],
 ) -> KernelContent:
-    """plan_change on `current` plans what the copying path did; rolled back, `current`
+    """plan_change on `current` (the incremental path) plans what the full path
+    (`translate`) did: the property that keeps the two equal; rolled back, `current`
     is exactly as before (contents, ids to come, how it was built); committed, it is the
     next current (so a history goes on from contents changed in place)."""
     before = Snapshot(current)

@@ -48,8 +48,9 @@ from .conntrack import Collector, Timeouts, adopt_earlier_conntrack
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
+from .maps import CapacityError, KernelContent, MapSizes, Writes
 from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher, run_in_netns
-from .plan import CapacityError, KernelContent, MapSizes, Writes, plan_change
+from .plan import plan_change
 from .pods import PodNamespaces
 
 log = logging.getLogger(__name__)

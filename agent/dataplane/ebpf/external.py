@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from ...model.nodestate import NodeState, ServiceEntry
 from .abi import addr_bytes, const, packer, port_bytes
-from .plan import FrontendKey, source_ranged_keys
+from .maps import FrontendKey
+from .translate import source_ranged_keys
 
 _SRC_RANGE_KEY = packer("kbp_src_range_key")
 _SRC_RANGE = packer("kbp_src_range")
@@ -70,7 +71,7 @@ class SourceRange:
 
 def source_ranges(state: NodeState) -> set[SourceRange]:
     """Every (LoadBalancer frontend, admitted network) of the state. A frontend shared by
-    two entries is programmed for the first (plan.py's rule), and so are its ranges."""
+    two entries is programmed for the first (translate.py's rule), and so are its ranges."""
     found: set[SourceRange] = set()
     claimed: set[FrontendKey] = set()
     for entry in state.services:
