@@ -64,7 +64,7 @@ from agent.dataplane.ebpf.maps import (
 from agent.dataplane.ebpf.translate import translate
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import decode_object
-from agent.model.nodestate import NodeState
+from agent.model.nodestate import NodeState, revision_of
 from agent.model.types import ClusterState, EndpointSlice, Service
 from agent.sources.manifests import load_manifests
 from bench.compile import RESULTS, THIS_NODE, Generator, Obj, Workload, mark
@@ -165,7 +165,7 @@ def scratch_slots(count: int, first: int = 0) -> tuple[bytes, bytes]:
 
 
 def empty_nodestate(like: NodeState) -> NodeState:
-    return NodeState(like.node, "sha256:empty", ())
+    return NodeState(like.node, revision_of(()), ())
 
 
 # --- PB-8 ------------------------------------------------------------------------------------
