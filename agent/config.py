@@ -44,19 +44,46 @@ def _opt(flag: str, help: str, *, short: str | None = None, **kwargs: Any) -> di
     return {"flag": flag, "short": short, "help": help, **kwargs}
 
 
-# eBPF map sizes, (fewest, most) entries. The floor is Cilium's smallest table (1024);
-# the ceilings keep a map's memory within what a node can give (a hash map preallocates
-# every entry: 2^24 conntrack entries took 3.1 GB here; the per-CPU counters hold one
-# entry per service id on every CPU). BPF's own limit, 2^32, is far beyond them.
-MAP_SIZE_RANGES: dict[str, tuple[int, int]] = {
-    "services": (1024, 1 << 20),
-    "slots": (1024, 1 << 24),
-    "backends": (1024, 1 << 24),
-    "ct": (1024, 1 << 24),
-    "affinity": (1024, 1 << 24),
-}
+@dataclass(frozen=True)
+class MapSize:
+    """One eBPF map's max_entries setting: the default, the accepted range and the help
+    of its --map-size-NAME flag (None: no flag). The C defaults in
+    bpf/include/kbp_maps.h (KBP_MAX_NAME) are checked against these by a test; the
+    loader always passes every size with -D."""
+
+    default: int
+    low: int = 0  # the range, for a flag
+    high: int = 0
+    help: str | None = None
+
+
+# The floor is Cilium's smallest table (1024); the ceilings keep a map's memory within
+# what a node can give (a hash map preallocates every entry: 2^24 conntrack entries took
+# 3.1 GB here; the per-CPU counters hold one entry per service id on every CPU). BPF's
+# own limit, 2^32, is far beyond them. Keys: the map's name without `kbp_`.
+MAP_SIZES: dict[str, MapSize] = {
+    "services": MapSize(65536, 1024, 1 << 20, "frontend entries (and service ids)"),
+    "slots": MapSize(262144, 1024, 1 << 24, "backend slots over all Services, Maglev tables "
+                     "included"),
+    "backends": MapSize(262144, 1024, 1 << 24, "(Service port, endpoint) pairs"),
+    "ct": MapSize(262144, 1024, 1 << 24, "conntrack entries (two per connection, three with "
+                  "a reply entry's spare; LRU)"),
+    "affinity": MapSize(65536, 1024, 1 << 24, "sessionAffinity ClientIP entries (LRU)"),
+    "src_ranges": MapSize(16384),
+    "sock_rev": MapSize(65536),
+}  # fmt: skip
+# The sizes a flag sets, in flag order.
+FLAG_MAP_SIZES = tuple(name for name, size in MAP_SIZES.items() if size.help)
 # Cilium's choice of Maglev table sizes spans these primes (its default is ours, 16381).
 MAGLEV_TABLE_SIZE_RANGE = (251, 131071)
+
+
+def _map_size_field(name: str) -> dict[str, Any]:
+    """The dataclass field of --map-size-NAME, from MAP_SIZES."""
+    size = MAP_SIZES[name]
+    flag = "--map-size-" + name.replace("_", "-")
+    metadata = _opt(flag, size.help or "", metavar="N", check=_between(size.low, size.high))
+    return {"default": size.default, "metadata": metadata}
 
 
 def _between(low: float, high: float, *, duration: bool = False) -> Callable[[Any], None]:
@@ -265,51 +292,11 @@ class Settings:
             check=lambda size: _maglev_table_size(size),
         ),
     )
-    map_size_services: int = field(
-        default=65536,
-        metadata=_opt(
-            "--map-size-services",
-            "frontend entries (and service ids)",
-            metavar="N",
-            check=_between(*MAP_SIZE_RANGES["services"]),
-        ),
-    )
-    map_size_slots: int = field(
-        default=262144,
-        metadata=_opt(
-            "--map-size-slots",
-            "backend slots over all Services, Maglev tables included",
-            metavar="N",
-            check=_between(*MAP_SIZE_RANGES["slots"]),
-        ),
-    )
-    map_size_backends: int = field(
-        default=262144,
-        metadata=_opt(
-            "--map-size-backends",
-            "(Service port, endpoint) pairs",
-            metavar="N",
-            check=_between(*MAP_SIZE_RANGES["backends"]),
-        ),
-    )
-    map_size_ct: int = field(
-        default=262144,
-        metadata=_opt(
-            "--map-size-ct",
-            "conntrack entries (two per connection, three with a reply entry's spare; LRU)",
-            metavar="N",
-            check=_between(*MAP_SIZE_RANGES["ct"]),
-        ),
-    )
-    map_size_affinity: int = field(
-        default=65536,
-        metadata=_opt(
-            "--map-size-affinity",
-            "sessionAffinity ClientIP entries (LRU)",
-            metavar="N",
-            check=_between(*MAP_SIZE_RANGES["affinity"]),
-        ),
-    )
+    map_size_services: int = field(**_map_size_field("services"))
+    map_size_slots: int = field(**_map_size_field("slots"))
+    map_size_backends: int = field(**_map_size_field("backends"))
+    map_size_ct: int = field(**_map_size_field("ct"))
+    map_size_affinity: int = field(**_map_size_field("affinity"))
     conntrack_tcp_timeout_syn: float = field(
         default=120.0,
         metadata=_opt(
@@ -494,11 +481,8 @@ class Settings:
     )
 
     def map_sizes(self) -> dict[str, int]:
-        """Sizes of the eBPF maps, by map (services, slots, backends, ct, affinity)."""
-        return {
-            name: getattr(self, f"map_size_{name}")
-            for name in ("services", "slots", "backends", "ct", "affinity")
-        }
+        """Sizes of the eBPF maps the flags set, by map (FLAG_MAP_SIZES)."""
+        return {name: getattr(self, f"map_size_{name}") for name in FLAG_MAP_SIZES}
 
     def conntrack_timeouts(self) -> dict[str, float]:
         """The eBPF conntrack's idle timeouts in seconds, by state (the fields of

@@ -58,7 +58,7 @@ class Agent:
         self.status = AgentStatus(
             dataplane=self.dataplane.name,
             dataplane_reason=reason,
-            details=getattr(self.dataplane, "status_details", None),
+            details=self.dataplane.status_details,
         )
         # What the kernel holds now (an earlier agent's last apply) serves until this
         # agent has the cluster's state and has applied it; /state and /readyz say so.
@@ -68,12 +68,8 @@ class Agent:
             log.info("the kernel holds revision %s (an earlier agent's): it serves until "
                      "this agent has the cluster's state", adopted[:19])  # fmt: skip
         self._stoppers: list[Callable[[], None]] = []
-        register_metrics = getattr(self.dataplane, "register_metrics", None)
-        if register_metrics is not None:  # the kernel dataplanes' own gauges and counters
-            register_metrics(self.metrics, settings.service_metrics)
-        close = getattr(self.dataplane, "close", None)
-        if close is not None:  # stops watching interfaces; the kernel state stays
-            self._stoppers.append(close)
+        self.dataplane.register_metrics(self.metrics, settings.service_metrics)
+        self._stoppers.append(self.dataplane.close)  # the kernel state stays
 
     def start(self) -> None:
         s = self.settings

@@ -92,7 +92,7 @@ class FillSampler:
 
 def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
     from agent.dataplane.ebpf.conntrack import Timeouts
-    from agent.dataplane.ebpf.plan import MapSizes
+    from agent.dataplane.ebpf.maps import MapSizes
     from agent.lab.nodelab import Lab
     from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
     from agent.model.compile import compile

@@ -384,8 +384,8 @@ class Probe:
     def install_lines(self) -> None:
         original = self._original_lines
 
-        def lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
-            for line in original(response):
+        def lines(response: urllib3.BaseHTTPResponse, *rest: Any) -> Iterator[bytes]:
+            for line in original(response, *rest):
                 self.line_count += 1
                 if self.recording:
                     self.lines.append((time.perf_counter(), line))

@@ -51,7 +51,7 @@ from agent.dataplane.ebpf import codec, inspect, libbpf
 from agent.dataplane.ebpf import frames as P
 from agent.dataplane.ebpf.external import DEFAULT_SNAT_PORTS
 from agent.dataplane.ebpf.inspect import XDP_VERDICTS
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 from bench.common.kernel import (
     NEXT_HOP_MAC,
     bench_dataplane,

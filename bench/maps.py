@@ -12,7 +12,7 @@ floor), and the way the dataplane writes them (codec.py encodes each entry, join
 PB-4: bench/compile.py's generated cluster (N Services x 10 endpoints, no headless ones,
 nodePorts made unique) as one JSON LIST, synced into empty maps as the agent does at
 start: decode (`load_manifests`), compile, `EbpfDataplane.apply(full=True)` (read the
-maps, plan_change, writes) with its `_write` timed inside; plan (`desired_content`) and
+maps, plan_change, writes) with its `_write` timed inside; plan (`translate`) and
 diff + capacity check also timed on their own. Floors: `json.loads` of the file with the
 cyclic GC off, and a raw batch write of the same elements, pre-encoded. Also the restart
 path (read the maps back, plan and diff against them: no writes) and deleting everything.
@@ -51,15 +51,15 @@ from agent.dataplane.ebpf import dataplane as dataplane_module
 from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.libbpf import Map
-from agent.dataplane.ebpf.plan import (
+from agent.dataplane.ebpf.maps import (
     BackendValue,
     KernelContent,
     MapSizes,
     Writes,
     check_capacity,
-    desired_content,
     diff,
 )
+from agent.dataplane.ebpf.translate import translate
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import decode_object
 from agent.model.nodestate import NodeState, revision_of
@@ -326,7 +326,7 @@ PHASES = (
     ("decode_floor", "floor: json.loads of the LIST, GC off"),
     ("decode", "decode: load_manifests → ClusterState"),
     ("compile", "compile → NodeState"),
-    ("plan", "  (plan alone: desired_content)"),
+    ("plan", "  (plan alone: translate)"),
     ("diff", "  (diff + capacity check alone)"),
     ("apply", "EbpfDataplane.apply(full=True), empty maps"),
     ("write_floor", "floor: raw batch write, pre-encoded"),
@@ -362,7 +362,7 @@ def pb4_once(
     decode, (state, _) = seconds(lambda: load_manifests([cluster.path]))
     comp, nodestate = seconds(lambda: compile(state, THIS_NODE, CompileOptions()))
     empty = KernelContent()
-    plan_s, desired = seconds(lambda: desired_content(
+    plan_s, desired = seconds(lambda: translate(
         nodestate, empty, maglev_table_size=dp.maglev_table_size, sizes=dp.sizes))  # fmt: skip
 
     def diff_and_check() -> Writes:
@@ -549,7 +549,7 @@ def pb5(dp: EbpfDataplane, cluster: Cluster, per_kind: int, pause: float) -> Cha
             name = json.loads(change.texts[0])["metadata"]["labels"]["kubernetes.io/service-name"]
             restore = Change("not_ready", [json.dumps(originals[name][0])], set_objects)
             timed_change(dp, state, compiler, restore, each)
-        fresh = desired_content(compiler.full(state), KernelContent(),
+        fresh = translate(compiler.full(state), KernelContent(),
                                 maglev_table_size=dp.maglev_table_size, sizes=dp.sizes)  # fmt: skip
         consistent = resolved(dp._read_kernel()) == resolved(fresh)
     finally:

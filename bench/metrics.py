@@ -32,7 +32,7 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
 from agent.dataplane.ebpf import codec, service_metrics
 from agent.dataplane.ebpf.abi import DROP_REASONS, packer
 from agent.dataplane.ebpf.libbpf import possible_cpus
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState, revision_of

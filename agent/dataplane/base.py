@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..model.nodestate import NodeState
+
+if TYPE_CHECKING:
+    from ..metrics import Metrics
 
 
 class DataplaneError(Exception):
@@ -35,3 +38,29 @@ class Dataplane(Protocol):
     def cleanup(self) -> None:
         """Remove everything this dataplane installed."""
         ...
+
+    def close(self) -> None:
+        """Stop what runs in the background; the kernel state stays for the next agent."""
+        ...
+
+    def status_details(self) -> dict[str, object]:
+        """The dataplane's own fields of /state's status ({} for none)."""
+        ...
+
+    def register_metrics(self, metrics: Metrics, service_metrics: str = "services") -> None:
+        """Add the dataplane's own gauges and counters to `metrics` (if it has any)."""
+        ...
+
+
+class QuietDataplane:
+    """The optional part of the protocol for a dataplane with nothing running in the
+    background, no status fields and no metrics of its own."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+    def status_details(self) -> dict[str, object]:
+        return {}
+
+    def register_metrics(self, metrics: Metrics, service_metrics: str = "services") -> None:
+        """No metrics of its own."""

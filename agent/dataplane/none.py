@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from ..model.nodestate import NodeState
+from .base import QuietDataplane
 
 
-class NoneDataplane:
+class NoneDataplane(QuietDataplane):
     name = "none"
 
     def __init__(self) -> None:

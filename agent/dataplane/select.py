@@ -49,7 +49,7 @@ def build_ebpf(settings: Settings) -> Dataplane:
     try:
         from .ebpf.conntrack import Timeouts
         from .ebpf.dataplane import EbpfDataplane
-        from .ebpf.plan import MapSizes
+        from .ebpf.maps import MapSizes
     except ImportError as err:  # bcc, cffi or pyroute2 missing
         raise DataplaneError("import", f"{err}; install python3-bpfcc and the agent") from err
     cgroup, why = cgroup_for_hooks(settings.cgroup_root)
@@ -61,7 +61,6 @@ def build_ebpf(settings: Settings) -> Dataplane:
         MapSizes(**settings.map_sizes()),
         maglev_table_size=settings.maglev_table_size,
         external_interfaces=settings.external_interfaces,
-        nodeport_addresses=settings.nodeport_addresses,
         xdp=settings.xdp,
         snat_ports=settings.snat_ports(),
         cgroup=cgroup,

@@ -23,7 +23,7 @@ from ..dataplane.ebpf import abi, codec, frames, libbpf
 from ..dataplane.ebpf.abi import DROP_REASONS, const, packer, versioned
 from ..dataplane.ebpf.inspect import BACKEND_FLAGS, SERVICE_FLAGS, _flags
 from ..dataplane.ebpf.libbpf import Map
-from ..dataplane.ebpf.plan import FrontendKey
+from ..dataplane.ebpf.maps import FrontendKey
 from ..model.nodestate import CLUSTER_IP, Backend, NodeState
 from .semantics import NODE, NOT_A_SERVICE, OUTSIDE, Explanation, address
 

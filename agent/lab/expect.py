@@ -79,9 +79,7 @@ class Verdict:
 
 def used_set(entry: ServiceEntry, frontend: Frontend) -> tuple[str, tuple[Backend, ...]]:
     """The backend set a packet from a pod to this frontend uses, and its name."""
-    if frontend.type == CLUSTER_IP and entry.internal_traffic_policy == "Local":
-        return LOCAL_BACKENDS, entry.local_backends or ()
-    return CLUSTER_BACKENDS, entry.cluster_backends or ()
+    return _named(entry, frontend, from_outside=False)
 
 
 def used_set_from_outside(
@@ -89,11 +87,14 @@ def used_set_from_outside(
 ) -> tuple[str, tuple[Backend, ...]]:
     """The backend set a packet from outside the cluster to this frontend uses, and its
     name. A ClusterIP has one set whoever sends (the ClusterIP rule)."""
-    if frontend.type == CLUSTER_IP:
-        return used_set(entry, frontend)
-    if entry.external_traffic_policy == "Local":
-        return LOCAL_BACKENDS, entry.local_backends or ()
-    return CLUSTER_BACKENDS, entry.cluster_backends or ()
+    return _named(entry, frontend, from_outside=True)
+
+
+def _named(
+    entry: ServiceEntry, frontend: Frontend, from_outside: bool
+) -> tuple[str, tuple[Backend, ...]]:
+    name = LOCAL_BACKENDS if entry.uses_local(frontend.type, from_outside) else CLUSTER_BACKENDS
+    return name, entry.backends_for(frontend.type, from_outside)
 
 
 def source_seen(entry: ServiceEntry, backend: Backend, dataplane: str) -> str:
@@ -110,12 +111,8 @@ def source_allowed(client_ip: str, frontend: Frontend) -> bool:
     """Whether the frontend's loadBalancerSourceRanges (if any) admit client_ip."""
     if frontend.type != LOAD_BALANCER or not frontend.source_ranges:
         return True
-    address = ipaddress.ip_address(client_ip)
-    return any(
-        address in ipaddress.ip_network(cidr)
-        for cidr in frontend.source_ranges
-        if ipaddress.ip_network(cidr).version == address.version
-    )
+    address = ipaddress.ip_address(client_ip)  # never in a network of the other family
+    return any(address in ipaddress.ip_network(cidr) for cidr in frontend.source_ranges)
 
 
 def _without_backends(

@@ -21,7 +21,7 @@ from operator import attrgetter
 
 from ..gcpause import gc_paused
 from . import conventions as c
-from .ip import FAMILIES, in_networks, ip_family, ip_sort_key, parse_ip
+from .ip import in_networks, ip_family, ip_sort_key, parse_ip
 from .nodestate import (
     CLUSTER_IP,
     EXTERNAL_IP,
@@ -29,12 +29,14 @@ from .nodestate import (
     LOAD_BALANCER,
     NODE_PORT,
     Backend,
+    Changes,
     Frontend,
     NodeInfo,
     NodeState,
     ServiceEntry,
     backends_of,
     revision_of,
+    uses_endpoints,
 )
 from .types import ClusterState, Endpoint, EndpointSlice, Node, Service, ServiceKey
 
@@ -68,7 +70,6 @@ class CompileOptions:
 @dataclass(frozen=True)
 class _Context:
     node: NodeInfo
-    nodeport_ips: Mapping[str, tuple[str, ...]]  # family → node addresses for NodePorts
     cluster_name: str | None
     service_proxy_name: str | None
     nodes: Mapping[str, Node]  # every known Node, for topology keys
@@ -90,30 +91,27 @@ def resolve_node(state: ClusterState, name: str, options: CompileOptions) -> Nod
         addresses=addresses,
         cluster_cidrs=options.cluster_cidrs,
         cluster_name=options.cluster_name,
+        nodeport_addresses=_nodeport_ips(addresses, options.nodeport_addresses),
     )
 
 
-def nodeport_ips(node: NodeInfo, nodeport_addresses: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    """Family → the node's addresses that accept NodePort traffic (--nodeport-addresses:
-    CIDRs, `primary`, or every address when empty), primary first."""
-    if nodeport_addresses == (PRIMARY,):
-        chosen: Iterable[str] = {ip_family(a): a for a in reversed(node.addresses)}.values()
-    elif nodeport_addresses:
-        networks = tuple(ipaddress.ip_network(n, strict=False) for n in nodeport_addresses)
-        chosen = [a for a in node.addresses if in_networks(a, networks)]
+def _nodeport_ips(addresses: tuple[str, ...], cidrs: tuple[str, ...]) -> tuple[str, ...]:
+    """The node's addresses that accept NodePort traffic (--nodeport-addresses: CIDRs,
+    `primary`, or every address when empty), in the node's order."""
+    if cidrs == (PRIMARY,):
+        chosen: Iterable[str] = {ip_family(a): a for a in reversed(addresses)}.values()
+    elif cidrs:
+        networks = tuple(ipaddress.ip_network(n, strict=False) for n in cidrs)
+        chosen = [a for a in addresses if in_networks(a, networks)]
     else:
-        chosen = node.addresses
-    chosen = set(chosen)
-    return {
-        f: tuple(a for a in node.addresses if a in chosen and ip_family(a) == f) for f in FAMILIES
-    }
+        return addresses
+    kept = set(chosen)
+    return tuple(a for a in addresses if a in kept)
 
 
 def _context(state: ClusterState, name: str, options: CompileOptions) -> _Context:
-    node = resolve_node(state, name, options)
     return _Context(
-        node=node,
-        nodeport_ips=nodeport_ips(node, options.nodeport_addresses),
+        node=resolve_node(state, name, options),
         cluster_name=options.cluster_name,
         service_proxy_name=options.service_proxy_name,
         nodes=state.nodes,
@@ -204,8 +202,7 @@ class Compiler:
         if (
             self._state is None
             or previous is None
-            or ctx.node != previous.node
-            or ctx.nodeport_ips != previous.nodeport_ips
+            or ctx.node != previous.node  # its NodePort addresses included
         ):
             return self.full(state)
         if not services and not nodes:
@@ -222,6 +219,8 @@ class Compiler:
             raise
 
     def _update(self, state: ClusterState, services: set[ServiceKey], ctx: _Context) -> NodeState:
+        assert self._state is not None
+        base = self._state.revision
         slices = state.slices_by_service
         for key in services:
             service = state.services.get(key)
@@ -235,12 +234,16 @@ class Compiler:
             self._entries[low:high] = entries
             self._keys[low:high] = [key] * len(entries)
             self._digests[low:high] = [e.digest for e in entries]
-        return self._publish()
+        return self._publish(Changes(base, frozenset(services)))
 
-    def _publish(self) -> NodeState:
+    def _publish(self, changes: Changes | None = None) -> NodeState:
         assert self._context is not None
         self._state = NodeState(
-            self._context.node, revision_of(self._digests), tuple(self._entries), self._backends
+            self._context.node,
+            revision_of(self._digests),
+            tuple(self._entries),
+            self._backends,
+            changes,
         )
         return self._state
 
@@ -296,7 +299,7 @@ def compile_service(
             frontends = [Frontend(CLUSTER_IP, cluster_ip, port.port)]
             if has_node_port:
                 frontends += [
-                    Frontend(NODE_PORT, ip, port.node_port) for ip in ctx.nodeport_ips[family]
+                    Frontend(NODE_PORT, ip, port.node_port) for ip in ctx.node.nodeport_ips(family)
                 ]
             frontends += [Frontend(EXTERNAL_IP, ip, port.port) for ip in external_ips]
             frontends += [Frontend(LOAD_BALANCER, ip, port.port, ranges) for ip in lb_ips]
@@ -305,10 +308,7 @@ def compile_service(
             external = has_node_port or bool(external_ips) or bool(lb_ips)
             etp = "Local" if external and service.external_traffic_policy == "Local" else "Cluster"
             itp = service.internal_traffic_policy
-            uses_local = itp == "Local" or etp == "Local"
-            # kube-proxy's UsesClusterEndpoints: external frontends need cluster endpoints
-            # even with externalTrafficPolicy Local, for traffic from pods and the node.
-            uses_cluster = itp != "Local" or external
+            uses_cluster, uses_local = uses_endpoints(itp, etp, True, external)
             candidates = merged.get((port.name, port.protocol), [])
             cluster, topology = (
                 _cluster_backends(candidates, service, ctx) if uses_cluster else (None, NO_TOPOLOGY)
@@ -498,5 +498,5 @@ def endpoint_candidates(
 def node_label(state: ClusterState, node: NodeInfo, other: str | None, key: str) -> str | None:
     """The value of label `key` on node `other` as topology keys read it (this node's
     labels include --node-label)."""
-    ctx = _Context(node, {}, None, None, state.nodes)
+    ctx = _Context(node, None, None, state.nodes)
     return _node_label(other, key, ctx)

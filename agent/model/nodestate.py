@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from .types import ServiceKey
 
 API_VERSION = "kube-bpf-proxy/v1"
 KIND = "NodeState"
@@ -90,6 +93,24 @@ class ServiceEntry:
     def sort_key(self) -> tuple[str, str, str, str, str]:
         return (self.namespace, self.name, self.port, self.protocol, self.ip_family)
 
+    # Which backend set a frontend uses ("Which set a packet uses" in docs/nodestate.md):
+    # the dataplanes and the lab ask these, as kube-proxy's proxiers ask its ServicePort.
+
+    def uses_local(self, frontend_type: str, from_outside: bool = True) -> bool:
+        """Whether a packet to a frontend of this type uses localBackends (else
+        clusterBackends): a ClusterIP follows internalTrafficPolicy whoever sends; an
+        external frontend follows externalTrafficPolicy from outside and uses
+        clusterBackends from a pod or the node."""
+        if frontend_type == CLUSTER_IP:
+            return self.internal_traffic_policy == "Local"
+        return from_outside and self.external_traffic_policy == "Local"
+
+    def backends_for(self, frontend_type: str, from_outside: bool = True) -> tuple[Backend, ...]:
+        """The set a packet to a frontend of this type uses (see `uses_local`); empty
+        when null."""
+        local = self.uses_local(frontend_type, from_outside)
+        return (self.local_backends if local else self.cluster_backends) or ()
+
     def to_dict(self) -> dict[str, Any]:
         affinity = None
         if self.affinity_timeout is not None:
@@ -119,6 +140,17 @@ class ServiceEntry:
         return self
 
 
+def uses_endpoints(itp: str, etp: str, internal: bool, external: bool) -> tuple[bool, bool]:
+    """(cluster, local): whether an entry with these traffic policies and internal
+    (ClusterIP) and external frontends uses clusterBackends, localBackends (kube-proxy's
+    UsesClusterEndpoints / UsesLocalEndpoints). External frontends need clusterBackends
+    even with externalTrafficPolicy Local, for traffic from pods and the node."""
+    itp_local = itp == "Local"
+    cluster = (internal and not itp_local) or external
+    local = (internal and itp_local) or (external and etp == "Local")
+    return cluster, local
+
+
 def _backends(backends: tuple[Backend, ...] | None) -> list[dict[str, Any]] | None:
     return None if backends is None else [b.to_dict() for b in backends]
 
@@ -131,6 +163,17 @@ class NodeInfo:
     addresses: tuple[str, ...]  # primary first per family
     cluster_cidrs: tuple[str, ...] = ()
     cluster_name: str | None = None
+    # The addresses that answer NodePorts (--nodeport-addresses), primary first per
+    # family; None: every address (what a NodeInfo built by hand means).
+    nodeport_addresses: tuple[str, ...] | None = None
+
+    def nodeport_ips(self, family: str | None = None) -> tuple[str, ...]:
+        """The NodePort addresses, of `family` only when given."""
+        chosen = self.addresses if self.nodeport_addresses is None else self.nodeport_addresses
+        if family is None:
+            return chosen
+        v6 = family == "IPv6"
+        return tuple(a for a in chosen if (":" in a) == v6)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +181,7 @@ class NodeInfo:
             "zone": self.zone,
             "labels": dict(sorted(self.labels.items())),
             "addresses": list(self.addresses),
+            "nodePortAddresses": list(self.nodeport_ips()),
             "clusterCIDRs": list(self.cluster_cidrs),
             "clusterName": self.cluster_name,
         }
@@ -154,6 +198,38 @@ def revision_of(digests: Iterable[bytes]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Changes:
+    """What `Compiler.update` recompiled or removed since the NodeState of revision
+    `base`: the entries of `services` may differ, every other entry is the same object
+    in both states (kube-proxy's UpdatedServices, kpng's Changed/Deleted). A consumer
+    that holds `base` looks only at these; any other uses the full path."""
+
+    base: str
+    services: frozenset[ServiceKey]
+
+    def between(
+        self, old: Sequence[ServiceEntry], new: Sequence[ServiceEntry]
+    ) -> tuple[list[ServiceEntry], list[ServiceEntry]]:
+        """(went, came): the entries of the changed Services in `old` (the services of
+        the state at `base`) and in `new`, each in NodeState order."""
+        keys = sorted(self.services)
+        return _entries_of(old, keys), _entries_of(new, keys)
+
+
+def _service_of(entry: ServiceEntry) -> ServiceKey:
+    return entry.namespace, entry.name
+
+
+def _entries_of(entries: Sequence[ServiceEntry], keys: list[ServiceKey]) -> list[ServiceEntry]:
+    out: list[ServiceEntry] = []
+    for key in keys:  # entries are sorted by sort_key, whose head is the Service key
+        low = bisect_left(entries, key, key=_service_of)
+        high = bisect_right(entries, key, low, key=_service_of)
+        out.extend(entries[low:high])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class NodeState:
     node: NodeInfo
     revision: str
@@ -161,6 +237,8 @@ class NodeState:
     # Backends over every entry's sets, when the producer kept count (the Compiler does,
     # per change): logging and gauges then need not walk every entry per sync.
     counted_backends: int | None = field(default=None, compare=False)
+    # Set by Compiler.update: what changed since an earlier revision (not in the document).
+    changes: Changes | None = field(default=None, compare=False, repr=False)
 
     def backend_count(self) -> int:
         if self.counted_backends is not None:
@@ -189,9 +267,14 @@ def node_state_from_dict(doc: Mapping[str, Any]) -> NodeState:
         addresses=tuple(node.get("addresses") or ()),
         cluster_cidrs=tuple(node.get("clusterCIDRs") or ()),
         cluster_name=node.get("clusterName"),
+        nodeport_addresses=_tuple_or_none(node.get("nodePortAddresses")),
     )
     entries = tuple(_entry_from_dict(e) for e in doc["services"])
     return NodeState(info, doc["revision"], entries)
+
+
+def _tuple_or_none(items: list[str] | None) -> tuple[str, ...] | None:
+    return None if items is None else tuple(items)
 
 
 def _entry_from_dict(e: Mapping[str, Any]) -> ServiceEntry:

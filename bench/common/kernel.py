@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 from agent.lab.toolkit import (
     BPFFS,
     Cleanup,

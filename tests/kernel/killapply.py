@@ -57,7 +57,8 @@ from typing import Any
 from agent.dataplane.ebpf import codec
 from agent.dataplane.ebpf.abi import MAP_NAMES, versioned
 from agent.dataplane.ebpf.libbpf import Map
-from agent.dataplane.ebpf.plan import FrontendKey, KernelContent, MapSizes, desired_content
+from agent.dataplane.ebpf.maps import FrontendKey, KernelContent, MapSizes
+from agent.dataplane.ebpf.translate import translate
 from agent.dataplane.iptables.render import STATE
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState
@@ -213,7 +214,7 @@ def resolve(content: KernelContent) -> Resolved:
 
 def expected(state: NodeState, sizes: MapSizes) -> dict[FrontendKey, View]:
     """The views the maps hold once `state` is applied."""
-    resolved = resolve(desired_content(state, KernelContent(), sizes=sizes))
+    resolved = resolve(translate(state, KernelContent(), sizes=sizes))
     assert not resolved.broken, resolved.broken
     return resolved.views
 

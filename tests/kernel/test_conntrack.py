@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent.dataplane.ebpf.abi import const
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 from agent.lab.nodelab import Lab
 from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
 

@@ -38,7 +38,7 @@ import pytest
 from agent.dataplane.base import Dataplane, DataplaneError
 from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 from agent.dataplane.ebpf.pods import cookie_key
 from agent.lab.nodelab import Lab, Pod
 from agent.model.compile import compile

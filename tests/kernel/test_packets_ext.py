@@ -44,8 +44,8 @@ import pytest
 
 from agent.dataplane.ebpf import abi, external, kernel, libbpf
 from agent.dataplane.ebpf import frames as P
+from agent.dataplane.ebpf.maps import FrontendKey
 from agent.dataplane.ebpf.netlink import enter_netns
-from agent.dataplane.ebpf.plan import FrontendKey
 
 from .test_packets import SIZES, Datapath, _ct_entry, assert_checksums_valid, flow_hash
 

@@ -25,8 +25,8 @@ import pytest
 from agent.dataplane import probe
 from agent.dataplane.ebpf import libbpf
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
+from agent.dataplane.ebpf.maps import MapSizes
 from agent.dataplane.ebpf.netlink import TcAttacher
-from agent.dataplane.ebpf.plan import MapSizes
 
 ROOT = Path(__file__).parents[2]
 POD_INTERFACES = ("vethkbp*",)

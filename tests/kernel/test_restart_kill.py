@@ -19,7 +19,7 @@ import pytest
 
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
-from agent.dataplane.ebpf.plan import MapSizes
+from agent.dataplane.ebpf.maps import MapSizes
 from agent.dataplane.iptables import dataplane as iptables_dataplane
 from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup, unavailable_reason
 from agent.dataplane.iptables.render import IPV4

@@ -40,7 +40,7 @@ from agent.dataplane.ebpf import codec, libbpf
 from agent.dataplane.ebpf.abi import const, ffi, from_be16, from_bytes, get_addr, to_bytes
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
-from agent.dataplane.ebpf.plan import FrontendKey, MapSizes
+from agent.dataplane.ebpf.maps import FrontendKey, MapSizes
 from agent.lab.nodelab import Lab
 from agent.lab.toolkit import LabError, in_netns, remove_cgroup
 from agent.model.compile import compile

@@ -7,14 +7,18 @@ Regenerate the golden with KBP_UPDATE_GOLDEN=1 (and bump KBP_ABI_VERSION).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
+from agent.config import MAP_SIZES
 from agent.dataplane.ebpf import abi
 from agent.dataplane.ebpf.dataplane import remove_stale_pins
+from agent.dataplane.ebpf.maps import MapSizes
 
 GOLDEN = Path(__file__).parents[1] / "golden" / "abi-layout.txt"
 
@@ -70,6 +74,26 @@ def test_map_names_fit_the_kernel_name_limit() -> None:
     # BPF_OBJ_NAME_LEN is 16 including the NUL: longer names are cut by the kernel.
     assert all(len(name) <= 15 for name in abi.MAP_NAMES)
     assert abi.versioned("kbp_ct") == f"kbp_ct_v{abi.const.KBP_ABI_VERSION}"
+
+
+def test_maps_are_read_from_their_one_declaration() -> None:
+    assert abi.MAP_NAMES[:3] == ("kbp_services", "kbp_slots", "kbp_backends")
+    assert abi.MAPS["kbp_services"] == abi.MapDecl(
+        "kbp_services", "hash", "struct kbp_frontend_key", "struct kbp_service",
+        "KBP_MAX_SERVICES",
+    )  # fmt: skip
+    assert {"kbp_ct", "kbp_src_ranges", "kbp_config", "kbp_ports", "kbp_meta"} <= set(abi.MAPS)
+
+
+def test_the_c_defaults_of_the_map_sizes_are_the_settings_defaults() -> None:
+    """A sized map is sized by KBP_MAX_<NAME> in kbp_maps.h, whose default (used only
+    when the loader passes none) is the one agent.config.MAP_SIZES declares."""
+    text = abi.MAPS_HEADER.read_text(encoding="utf-8")
+    defaults = dict(re.findall(r"^#define KBP_MAX_(\w+) (\d+)$", text, re.M))
+    for name, size in MAP_SIZES.items():
+        assert abi.MAPS[f"kbp_{name}"].size == f"KBP_MAX_{name.upper()}"
+        assert int(defaults[name.upper()]) == size.default, name
+    assert [f.name for f in dataclasses.fields(MapSizes)] == list(MAP_SIZES)
 
 
 @pytest.mark.parametrize("ip", ["10.96.0.1", "0.0.0.0", "fd00:96::1", "2001:db8::10", "::"])

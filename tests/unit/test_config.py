@@ -10,7 +10,7 @@ import pytest
 
 from agent.cli import RUN_SETTINGS
 from agent.config import (
-    MAP_SIZE_RANGES,
+    MAP_SIZES,
     SETTINGS_FIELDS,
     Settings,
     add_arguments,
@@ -127,7 +127,7 @@ def test_every_setting_has_a_flag_and_help() -> None:
 # --- ranges: every setting has one, checked at start, named with where it came from ---
 
 ALL = [*RUN_SETTINGS, "output", "strict"]  # every setting but inspect's --output
-MAX = {name: high for name, (_, high) in MAP_SIZE_RANGES.items()}
+MAX = {name: size.high for name, size in MAP_SIZES.items()}
 
 
 def parse_all(argv: list[str], environ: dict[str, str] | None = None) -> Settings:

@@ -1,4 +1,5 @@
-"""NodeState → kernel map contents, ids, ordered writes and capacity (ebpf/plan.py).
+"""NodeState → kernel map contents, ids, ordered writes and capacity (ebpf/maps.py,
+translate.py, plan.py).
 
 Address plan (tests/builders.py): this node node-a 192.0.2.10 / 2001:db8::10; pods of
 node-a 10.244.1.<n>, node-b 10.244.2.<n>, node-c 10.244.3.<n> (IPv6 fd00:244:<node>::<n>),
@@ -12,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,7 +25,7 @@ from agent.dataplane.ebpf import external, plan
 from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.maglev import maglev_table
-from agent.dataplane.ebpf.plan import (
+from agent.dataplane.ebpf.maps import (
     BackendValue,
     CapacityError,
     FrontendKey,
@@ -34,11 +34,11 @@ from agent.dataplane.ebpf.plan import (
     ServiceValue,
     Writes,
     check_capacity,
-    desired_content,
     diff,
-    plan_change,
     required_capacity,
 )
+from agent.dataplane.ebpf.plan import plan_change
+from agent.dataplane.ebpf.translate import translate
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.conventions import ANNOTATION_LB_ALGORITHM
 from agent.model.decode import decode_object
@@ -370,14 +370,14 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_translation(case: Case) -> None:
-    content = desired_content(node_state(*case.objects), EMPTY)
+    content = translate(node_state(*case.objects), EMPTY)
     assert view(content) == case.frontends
     if case.backends or not any(s.outside or s.pods for s in case.frontends.values()):
         assert backend_view(content) == case.backends
 
 
 def test_frontends_of_one_entry_share_its_service_id_and_entries_get_their_own() -> None:
-    content = desired_content(
+    content = translate(
         node_state(*svc([ep(5)], node_port()), *svc([ep(6)], name="other", cluster_ip="10.96.0.2")),
         EMPTY,
     )  # fmt: skip
@@ -389,7 +389,7 @@ def test_frontends_of_one_entry_share_its_service_id_and_entries_get_their_own()
 
 
 def test_the_same_endpoint_in_two_services_has_one_backend_id_per_service() -> None:
-    content = desired_content(
+    content = translate(
         node_state(*svc([ep(5)]), *svc([ep(5)], name="other", cluster_ip="10.96.0.2")), EMPTY
     )
     assert len(content.backends) == 2
@@ -397,7 +397,7 @@ def test_the_same_endpoint_in_two_services_has_one_backend_id_per_service() -> N
 
 
 def test_one_set_serves_every_frontend_that_uses_the_same_backends() -> None:
-    content = desired_content(web([ep(5, "node-a"), ep(5)], node_port(etp="Local")), EMPTY)
+    content = translate(web([ep(5, "node-a"), ep(5)], node_port(etp="Local")), EMPTY)
     cluster_ip = content.services[FrontendKey("10.96.0.1", 80, 6, 4)]
     nodeport = content.services[FrontendKey("192.0.2.10", 30080, 6, 4)]
     assert nodeport.internal_set_id == cluster_ip.set_id == cluster_ip.internal_set_id
@@ -412,7 +412,7 @@ def test_an_ipv6_address_with_an_ipv4_tail_is_keyed_in_ipaddress_form() -> None:
         "default", "svc", "http", "TCP", "IPv6", (Frontend("ClusterIP", "::10.96.0.1", 80),),
         None, "Cluster", "Cluster", None, "None", True, (backend,), None,
     ).sealed()  # fmt: skip
-    content = desired_content(NodeState(NodeInfo("node-a", None, {}, ()), "r", (entry,)), EMPTY)
+    content = translate(NodeState(NodeInfo("node-a", None, {}, ()), "r", (entry,)), EMPTY)
     (key,) = content.services
     assert key == FrontendKey("::a60:1", 80, 6, 6)
     assert [b.addr for b in content.backends.values()] == ["::af4:205"]
@@ -423,7 +423,7 @@ def test_an_ipv6_address_with_an_ipv4_tail_is_keyed_in_ipaddress_form() -> None:
 
 def test_a_maglev_service_gets_a_full_table_over_its_backends() -> None:
     state = web([ep(5, "node-a"), ep(5), ep(5, "node-c")], maglev)
-    content = desired_content(state, EMPTY, maglev_table_size=MAGLEV_SIZE)
+    content = translate(state, EMPTY, maglev_table_size=MAGLEV_SIZE)
     seen = view(content)[CIP]
     assert seen.flags == "HAS_ENDPOINTS|MAGLEV"
     names = [A5, B5, C5]  # NodeState order: by ip, then port
@@ -433,29 +433,29 @@ def test_a_maglev_service_gets_a_full_table_over_its_backends() -> None:
 
 
 def test_removing_a_maglev_backend_writes_a_whole_new_table_then_flips() -> None:
-    before = desired_content(
+    before = translate(
         web([ep(5, "node-a"), ep(5), ep(5, "node-c")], maglev), EMPTY, maglev_table_size=13
     )
-    after = desired_content(web([ep(5, "node-a"), ep(5)], maglev), before, maglev_table_size=13)
+    after = translate(web([ep(5, "node-a"), ep(5)], maglev), before, maglev_table_size=13)
     assert counts(diff(before, after)) == (0, 0, 13, 1, 0, 13, 1)
 
 
 def test_a_maglev_table_size_that_is_not_prime_is_refused() -> None:
     with pytest.raises(ValueError, match="16384 is not a prime"):
-        desired_content(web([ep(5)], maglev), EMPTY, maglev_table_size=16384)
+        translate(web([ep(5)], maglev), EMPTY, maglev_table_size=16384)
 
 
 def test_a_maglev_table_smaller_than_the_backends_names_the_service() -> None:
     with pytest.raises(ValueError, match=r"default/svc port 'http'.*too small for 3"):
-        desired_content(web([ep(5), ep(6), ep(7)], maglev), EMPTY, maglev_table_size=3)
+        translate(web([ep(5), ep(6), ep(7)], maglev), EMPTY, maglev_table_size=3)
 
 
 def test_changing_the_maglev_table_size_rewrites_only_maglev_sets() -> None:
     state = node_state(
         *svc([ep(5), ep(6)], maglev), *svc([ep(7)], name="other", cluster_ip="10.96.0.2")
     )
-    small = desired_content(state, EMPTY, maglev_table_size=13)
-    large = desired_content(state, small, maglev_table_size=17)
+    small = translate(state, EMPTY, maglev_table_size=13)
+    large = translate(state, small, maglev_table_size=17)
     assert counts(diff(small, large)) == (0, 0, 17, 1, 0, 13, 0)
 
 
@@ -464,8 +464,8 @@ def test_changing_the_maglev_table_size_rewrites_only_maglev_sets() -> None:
 
 def test_the_same_state_again_writes_nothing() -> None:
     endpoints = [ep(5, "node-a"), ep(5), ep(6)]
-    first = desired_content(web(endpoints, node_port(etp="Local")), EMPTY)
-    again = desired_content(web(endpoints, node_port(etp="Local")), first)  # a new compile
+    first = translate(web(endpoints, node_port(etp="Local")), EMPTY)
+    again = translate(web(endpoints, node_port(etp="Local")), first)  # a new compile
     assert again == first
     assert diff(first, again).empty
     assert diff(first, again).count == 0
@@ -476,9 +476,9 @@ def test_a_restart_adopts_every_id_from_the_kernel_and_writes_nothing() -> None:
         *svc([ep(5, "node-a"), ep(5)], both(node_port(etp="Local"), maglev)),
         *svc([ep(6), ep(7)], name="other", cluster_ip="10.96.0.2"),
     ]
-    before = desired_content(node_state(*objects), EMPTY, maglev_table_size=13)
+    before = translate(node_state(*objects), EMPTY, maglev_table_size=13)
     kernel = bare(before)
-    after = desired_content(node_state(*objects), kernel, maglev_table_size=13)
+    after = translate(node_state(*objects), kernel, maglev_table_size=13)
     assert after == before  # same ids everywhere
     assert diff(kernel, after).empty
 
@@ -531,9 +531,9 @@ CHANGES = [
 @pytest.mark.parametrize("restart", [False, True], ids=["same agent", "after a restart"])
 @pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.name)
 def test_one_change_writes_only_what_it_needs(change: Change, restart: bool) -> None:
-    before = desired_content(web(change.before), EMPTY)
+    before = translate(web(change.before), EMPTY)
     current = bare(before) if restart else before
-    after = desired_content(web(change.after), current)
+    after = translate(web(change.after), current)
     writes = diff(current, after)
     assert counts(writes) == change.counts
     assert writes.count == sum(change.counts)
@@ -541,23 +541,23 @@ def test_one_change_writes_only_what_it_needs(change: Change, restart: bool) -> 
 
 
 def test_a_removed_backend_frees_its_id_and_a_new_one_does_not_take_it_at_once() -> None:
-    first = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY)
+    first = translate(web([ep(1), ep(2), ep(3)]), EMPTY)
     ids = {address(b.addr, b.port): i for i, b in first.backends.items()}
-    second = desired_content(web([ep(1), ep(3)]), first)
+    second = translate(web([ep(1), ep(3)]), first)
     assert diff(first, second).backends_to_delete == [ids["10.244.2.2:8080"]]
     assert ids["10.244.2.2:8080"] not in second.backends
-    third = desired_content(web([ep(1), ep(3), ep(4)]), second)
+    third = translate(web([ep(1), ep(3), ep(4)]), second)
     (new_id,) = diff(second, third).backends_to_upsert
     assert new_id not in ids.values()
 
 
 def test_new_ids_wrap_within_the_map_size_and_skip_live_ones() -> None:
     sizes = MapSizes(services=4, slots=4, backends=5)  # backend ids 1..4
-    content = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY, sizes=sizes)
+    content = translate(web([ep(1), ep(2), ep(3)]), EMPTY, sizes=sizes)
     seen_ids = set(content.backends)
     for n in range(4, 12):  # replace the oldest endpoint, one at a time
         endpoints = [ep(n - 2), ep(n - 1), ep(n)]
-        content = desired_content(web(endpoints), content, sizes=sizes)
+        content = translate(web(endpoints), content, sizes=sizes)
         assert all(0 < i < 5 for i in content.backends)
         assert all(0 < s < 4 for s in content.slots)
         seen_ids |= set(content.backends)
@@ -565,9 +565,9 @@ def test_new_ids_wrap_within_the_map_size_and_skip_live_ones() -> None:
 
 
 def test_a_new_service_gets_a_fresh_id_whose_counters_are_reset() -> None:
-    first = desired_content(web([ep(1)]), EMPTY)
+    first = translate(web([ep(1)]), EMPTY)
     (old_id,) = {v.service_id for v in first.services.values()}
-    second = desired_content(
+    second = translate(
         node_state(*svc([ep(1)]), *svc([ep(2)], name="other", cluster_ip="10.96.0.2")), first
     )
     writes = diff(first, second)
@@ -578,17 +578,17 @@ def test_a_new_service_gets_a_fresh_id_whose_counters_are_reset() -> None:
 
 
 def test_a_deleted_service_loses_its_frontends_sets_and_backends() -> None:
-    first = desired_content(
+    first = translate(
         node_state(*svc([ep(1)], node_port()), *svc([ep(2)], name="other", cluster_ip="10.96.0.2")),
         EMPTY,
     )  # fmt: skip
-    second = desired_content(node_state(*svc([ep(2)], name="other", cluster_ip="10.96.0.2")), first)
+    second = translate(node_state(*svc([ep(2)], name="other", cluster_ip="10.96.0.2")), first)
     assert counts(diff(first, second)) == (0, 0, 0, 0, 2, 1, 1)
 
 
 def test_a_service_flipping_policy_reuses_its_backends_and_points_at_a_new_set() -> None:
-    first = desired_content(web([ep(5, "node-a"), ep(5)]), EMPTY)
-    second = desired_content(
+    first = translate(web([ep(5, "node-a"), ep(5)]), EMPTY)
+    second = translate(
         web([ep(5, "node-a"), ep(5)], spec(internalTrafficPolicy="Local")), first
     )
     # The one-backend local set is new; the cluster set and the remote backend go.
@@ -603,14 +603,15 @@ def test_a_frontend_two_services_claim_goes_to_the_first_and_passes_on() -> None
     a = svc([ep(1)], shared, name="a", cluster_ip="10.96.0.1")
     b = svc([ep(2)], shared, name="b", cluster_ip="10.96.0.2")
     key = FrontendKey("203.0.113.7", 80, 6, 4)
-    first = desired_content(node_state(*a, *b), EMPTY)
+    first = translate(node_state(*a, *b), EMPTY)
     a_id = first.services[FrontendKey("10.96.0.1", 80, 6, 4)].service_id
     b_id = first.services[FrontendKey("10.96.0.2", 80, 6, 4)].service_id
     assert first.services[key].service_id == a_id
-    second = desired_content(node_state(*b), first)
+    second = translate(node_state(*b), first)
     assert second.services[key].service_id == b_id
-    assert second == plan._Full(node_state(*b), first, 16381, MapSizes()).run()
-    third = desired_content(node_state(*a, *b), second)
+    # The in-place path gives the same.
+    assert second == plan_change(node_state(*b), translate(node_state(*a, *b), EMPTY)).commit()
+    third = translate(node_state(*a, *b), second)
     assert third.services[key].service_id != b_id  # "a" is back (with a new id)
 
 
@@ -618,7 +619,7 @@ def test_a_frontend_two_services_claim_goes_to_the_first_and_passes_on() -> None
 
 
 def test_diff_refuses_to_rewrite_a_live_set_in_place() -> None:
-    current = desired_content(web([ep(1), ep(2)]), EMPTY)
+    current = translate(web([ep(1), ep(2)]), EMPTY)
     (set_id,) = current.slots
     tampered = KernelContent(
         dict(current.services), {set_id: current.slots[set_id][:1]}, dict(current.backends)
@@ -629,14 +630,14 @@ def test_diff_refuses_to_rewrite_a_live_set_in_place() -> None:
 
 def test_diff_between_contents_from_elsewhere_compares_everything() -> None:
     """A content not derived from `current` (e.g. decoded twice) is compared in full."""
-    current = desired_content(web([ep(1), ep(2)]), EMPTY)
-    changed = desired_content(web([ep(1)]), current)
+    current = translate(web([ep(1), ep(2)]), EMPTY)
+    changed = translate(web([ep(1)]), current)
     assert counts(diff(bare(current), bare(changed))) == counts(diff(current, changed))
 
 
 def test_writes_list_every_element_in_phase_order() -> None:
-    current = desired_content(web([ep(1), ep(2)]), EMPTY)
-    desired = desired_content(web([ep(2), ep(3)]), current)
+    current = translate(web([ep(1), ep(2)]), EMPTY)
+    desired = translate(web([ep(2), ep(3)]), current)
     writes = diff(current, desired)
     phases = [(m, op) for m, op, _, _ in writes.elements()]
     assert phases == [
@@ -653,8 +654,8 @@ def test_writes_list_every_element_in_phase_order() -> None:
 
 
 def test_required_capacity_counts_old_and_new_sets_at_the_peak() -> None:
-    current = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY)
-    desired = desired_content(web([ep(1), ep(2), ep(4), ep(5)]), current)
+    current = translate(web([ep(1), ep(2), ep(3)]), EMPTY)
+    desired = translate(web([ep(1), ep(2), ep(4), ep(5)]), current)
     need = required_capacity(current, desired, diff(current, desired))
     assert need == {"services": (1, 1), "slots": (4, 7), "backends": (4, 5)}
 
@@ -678,8 +679,8 @@ def test_required_capacity_counts_old_and_new_sets_at_the_peak() -> None:
 def test_check_capacity_says_which_map_how_many_and_which_setting(
     sizes: MapSizes, message: str
 ) -> None:
-    current = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY)
-    desired = desired_content(web([ep(1), ep(2), ep(4), ep(5)]), current)
+    current = translate(web([ep(1), ep(2), ep(3)]), EMPTY)
+    desired = translate(web([ep(1), ep(2), ep(4), ep(5)]), current)
     with pytest.raises(CapacityError) as raised:
         check_capacity(current, desired, diff(current, desired), sizes)
     assert str(raised.value) == message
@@ -693,15 +694,15 @@ def test_more_services_than_the_counters_array_holds_is_a_capacity_error() -> No
         *svc([ep(2)], name="b", cluster_ip="10.96.0.2"),
         *svc([ep(3)], name="c", cluster_ip="10.96.0.3"),
     ]
-    desired = desired_content(node_state(*objects), EMPTY, sizes=sizes)
+    desired = translate(node_state(*objects), EMPTY, sizes=sizes)
     with pytest.raises(CapacityError) as raised:
         check_capacity(EMPTY, desired, diff(EMPTY, desired), sizes)
     assert (raised.value.map, raised.value.needed, raised.value.size) == ("services", 4, 3)
 
 
 def test_a_content_that_fits_passes_the_check() -> None:
-    current = desired_content(web([ep(1), ep(2), ep(3)]), EMPTY)
-    desired = desired_content(web([ep(1), ep(2), ep(4), ep(5)]), current)
+    current = translate(web([ep(1), ep(2), ep(3)]), EMPTY)
+    desired = translate(web([ep(1), ep(2), ep(4), ep(5)]), current)
     check_capacity(
         current, desired, diff(current, desired), MapSizes(services=2, slots=7, backends=5)
     )
@@ -803,7 +804,7 @@ def owners(state: NodeState) -> dict[FrontendKey, tuple[str, ...]]:
     """Frontend key → the entry that answers it (the first in NodeState order)."""
     out: dict[FrontendKey, tuple[str, ...]] = {}
     for entry in state.services:
-        content = desired_content(NodeState(state.node, "", (entry,)), EMPTY, maglev_table_size=31)
+        content = translate(NodeState(state.node, "", (entry,)), EMPTY, maglev_table_size=31)
         for key in content.services:
             out.setdefault(key, entry.sort_key)
     return out
@@ -851,20 +852,18 @@ def sync(
 ) -> KernelContent:
     """One sync from `current` (what `kernel` holds) to `state`, checked on the way."""
     sizes = MapSizes()
-    desired = desired_content(state, current, maglev_table_size=31)
+    desired = translate(state, current, maglev_table_size=31)
     check_ids(desired, sizes)
-    # The incremental path equals a full translation that knows the same ids.
-    assert desired == plan._Full(state, current, 31, sizes).run()
     # A restarted agent, adopting from the decoded maps, gets there consistently too...
     restarted = Kernel(current)
     decoded = bare(current)
-    adopted = desired_content(state, decoded, maglev_table_size=31)
+    adopted = translate(state, decoded, maglev_table_size=31)
     restarted.apply(diff(decoded, adopted))
     assert restarted.content() == adopted
     check_ids(adopted, sizes)
     if old is not None:
         # ... and writes nothing when nothing changed.
-        assert diff(decoded, desired_content(old, decoded, maglev_table_size=31)).empty
+        assert diff(decoded, translate(old, decoded, maglev_table_size=31)).empty
         check_stable(current, old, adopted, state, restarted=True)
     writes = diff(current, desired)
     check_capacity(current, desired, writes, sizes)
@@ -874,7 +873,7 @@ def sync(
     if old is not None:
         check_stable(current, old, desired, state)
     # Applied: the same state again is a no-op.
-    assert diff(desired, desired_content(state, desired, maglev_table_size=31)).empty
+    assert diff(desired, translate(state, desired, maglev_table_size=31)).empty
     return in_place(current, state, desired, writes, need)
 
 
@@ -885,7 +884,8 @@ def in_place(
     writes: Writes,
     need: dict[str, tuple[int, int]],
 ) -> KernelContent:
-    """plan_change on `current` plans what the copying path did; rolled back, `current`
+    """plan_change on `current` (the incremental path) plans what the full path
+    (`translate`) did: the property that keeps the two equal; rolled back, `current`
     is exactly as before (contents, ids to come, how it was built); committed, it is the
     next current (so a history goes on from contents changed in place)."""
     before = Snapshot(current)
@@ -912,8 +912,6 @@ class Snapshot:
     def __init__(self, content: KernelContent) -> None:
         self.content = bare(content)
         self.index = content._index
-        self.delta = content._delta
-        self.version = content._version
         self.index_maps = None
         if self.index is not None:
             self.index_maps = (
@@ -925,8 +923,6 @@ class Snapshot:
     def check(self, content: KernelContent) -> None:
         assert content == self.content
         assert content._index is self.index
-        assert content._delta is self.delta
-        assert content._version == self.version
         if self.index is not None:
             maps = (self.index.by_key, self.index.by_digest, self.index.service_ids)
             assert maps == self.index_maps
@@ -1070,7 +1066,7 @@ def test_a_write_failing_half_way_rolls_back_and_a_sync_from_the_kernel_complete
     kernel.apply(change.writes)
     result = change.commit()
     assert kernel.content() == result
-    assert view(result) == view(desired_content(FITS, EMPTY))
+    assert view(result) == view(translate(FITS, EMPTY))
     assert plan_change(FITS, result).writes.empty
 
 
@@ -1083,7 +1079,6 @@ class ModelDataplane(EbpfDataplane):
         self.maglev_table_size = 31
         self._lock = threading.Lock()
         self._held = None
-        self._pending_writes = 0
         self._serving = True  # nothing attached to take over
         self.pod_netns = None  # no socket hooks
         self.cgroup = None
@@ -1097,13 +1092,13 @@ class ModelDataplane(EbpfDataplane):
     def _check_range_capacity(self, ranges: object) -> None:
         pass
 
-    def _mark_ports(self, flag: int, ports: object) -> None:
+    def _add_external(self, w: Writes, state: object, ranges: object) -> None:
         pass
 
-    def _write_external(self, state: object, ranges: object, before: bool) -> None:
-        pass
+    def _write_meta(self, state: object) -> int:
+        return 0
 
-    def _write_meta(self, state: object) -> None:
+    def _forget_external(self) -> None:
         pass
 
     def _follow_node(self, state: object, full: bool) -> None:
@@ -1131,7 +1126,7 @@ def test_the_dataplane_holds_what_the_kernel_holds_after_a_refused_and_a_failed_
     dataplane.kernel.fail_after = None
     assert dataplane.apply(FITS) > 0
     assert dataplane.current == dataplane.kernel.content()
-    assert view(dataplane.current) == view(desired_content(FITS, EMPTY))
+    assert view(dataplane.current) == view(translate(FITS, EMPTY))
     assert dataplane.held_revision == FITS.revision
     assert dataplane.apply(FITS) == 0
     assert dataplane.apply(FITS, full=True) == 0
@@ -1148,7 +1143,7 @@ def test_a_change_that_cannot_be_translated_leaves_current_as_it_was() -> None:
 
 
 def test_content_decoded_from_the_kernel_is_not_changed_in_place() -> None:
-    decoded = bare(desired_content(FIRST, EMPTY))
+    decoded = bare(translate(FIRST, EMPTY))
     before = Snapshot(decoded)
     change = plan_change(FITS, decoded)
     assert change.content is not decoded
@@ -1162,22 +1157,6 @@ def test_a_change_ends_once() -> None:
     change.commit()
     with pytest.raises(RuntimeError, match="already committed or rolled back"):
         change.commit()
-
-
-def test_diff_against_a_content_changed_in_place_since_compares_in_full() -> None:
-    """A content desired_content derived from `first` remembers what it changed; once
-    `first` itself changed in place, that memory no longer holds."""
-
-    def outcome(current: KernelContent, desired: KernelContent) -> Writes | str:
-        try:
-            return diff(current, desired)
-        except ValueError as e:
-            return str(e)
-
-    first = desired_content(FIRST, EMPTY)
-    second = desired_content(FITS, first)
-    plan_change(web([ep(1), ep(2), ep(9)]), first).commit()
-    assert outcome(first, second) == outcome(bare(first), bare(second))
 
 
 def in_any_order(w: Writes) -> tuple[object, ...]:
@@ -1265,29 +1244,6 @@ def test_one_changed_service_among_many_is_the_only_one_translated(monkeypatch) 
     assert counts(change.writes) == (0, 1, 2, 1, 0, 1, 0)
 
 
-@SETTINGS
-@given(
-    old=st.lists(st.integers(0, 3), max_size=40),
-    new=st.lists(st.integers(0, 3), max_size=40),
-)
-def test_differing_finds_the_longest_shared_head_and_tail(old, new) -> None:
-    a, b = tuple(old), tuple(new)
-    head, old_end, new_end = plan._differing(a, b)
-    assert a[:head] == b[:head] and a[old_end:] == b[new_end:]
-    assert head <= old_end and head <= new_end
-    if old_end > head and new_end > head:  # neither could go further
-        assert a[head] != b[head] and a[old_end - 1] != b[new_end - 1]
-
-
-def test_a_content_does_not_keep_its_predecessors_alive() -> None:
-    first = desired_content(web([ep(1)]), EMPTY)
-    second = desired_content(web([ep(2)]), first)
-    ref = weakref.ref(first)
-    del first
-    assert ref() is None
-    assert second.backends
-
-
 def test_values_are_hashable_and_frozen() -> None:
     key = FrontendKey("10.96.0.1", 80, 6, 4)
     value = ServiceValue(1, 0, 0, 0, 0, 0, 0, 1)
@@ -1300,9 +1256,9 @@ def test_values_are_hashable_and_frozen() -> None:
 @SETTINGS
 @given(history=histories())
 def test_the_source_range_index_follows_every_sync_as_a_full_scan_would(history) -> None:
-    """SourceRangeIndex looks only at the entries between the states' shared head and
-    tail; over generated change sequences (the incremental compiler's states, which share
-    unchanged entries) it must give what scanning every entry gives."""
+    """SourceRangeIndex looks only at the entries of the Services a state's Changes name;
+    over generated change sequences (the incremental compiler's states) it must give
+    what scanning every entry gives."""
     cluster, steps = history
     objects = {object_key(o): o for o in cluster.objects}
     agent_state = cluster_state(objects)
@@ -1359,10 +1315,10 @@ def test_a_live_backends_flag_change_is_named_for_its_slot_copies() -> None:
     # Slots carry a copy of their backend (struct kbp_slot): a live backend whose flags
     # change is listed, so the dataplane rewrites the copies in the sets that name it.
     moving = make_endpoint("10.244.2.9", "node-b")
-    before = desired_content(web([ep(1), moving]), EMPTY)
-    after = desired_content(web([ep(1), make_endpoint("10.244.2.9", "node-a")]), before)
+    before = translate(web([ep(1), moving]), EMPTY)
+    after = translate(web([ep(1), make_endpoint("10.244.2.9", "node-a")]), before)
     writes = diff(before, after)
     assert writes.backends_changed == set(writes.backends_to_upsert)
     assert len(writes.backends_changed) == 1
-    added = diff(after, desired_content(web([ep(1), ep(3)]), after))
+    added = diff(after, translate(web([ep(1), ep(3)]), after))
     assert added.backends_to_upsert and not added.backends_changed  # new ones: no copies yet

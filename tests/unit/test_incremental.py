@@ -3,10 +3,13 @@ the result always equals a full compile."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
+from hypothesis import given
 
+from agent.dataplane.fake import FakeDataplane
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import Value, decode_object
 from agent.model.nodestate import NodeState, ServiceEntry
@@ -21,6 +24,8 @@ from ..builders import (
     make_slice,
     state_of,
 )
+from .strategies import THIS_NODE, histories, object_key
+from .test_ebpf_plan import SETTINGS, cluster_state, feed, forget
 
 
 def decoded(obj: Obj) -> Value:
@@ -273,3 +278,43 @@ def test_an_update_that_raises_loses_no_other_change_of_its_batch(monkeypatch) -
     assert after.revision == compile(state, "node-a").revision
     assert [b.ip for b in entry_of(after, "b").cluster_backends or ()] == ["10.244.2.6"]
     assert [b.ip for b in entry_of(after, "a").cluster_backends or ()] == ["10.244.1.6"]
+
+
+@SETTINGS
+@given(history=histories())
+def test_the_changes_an_update_hands_over_cover_every_entry_that_differs(history) -> None:
+    """Outside the Services an update's Changes name, the state before and after hold
+    the same entry objects; a consumer that follows the Changes (the fake dataplane)
+    counts what the full path counts."""
+    cluster, steps = history
+    objects = {object_key(o): o for o in cluster.objects}
+    agent_state = cluster_state(objects)
+    compiler = Compiler(THIS_NODE, cluster.options)
+    following, scanning = FakeDataplane(), FakeDataplane()
+    before = compiler.update(agent_state)
+    assert before.changes is None  # the first compile is a full one
+    following.apply(before)
+    scanning.apply(before)
+    for change, synced in steps:
+        action, payload = change
+        if action == "upsert":
+            objects[object_key(payload)] = payload
+            feed(agent_state, payload)
+        else:
+            objects.pop(payload, None)
+            forget(agent_state, payload)
+        if not synced:
+            continue
+        after = compiler.update(agent_state)
+        if after is not before and after.changes is not None:
+            assert after.changes.base == before.revision
+            named = after.changes.services
+            kept_before = [e for e in before.services if (e.namespace, e.name) not in named]
+            kept_after = [e for e in after.services if (e.namespace, e.name) not in named]
+            assert len(kept_before) == len(kept_after)
+            assert all(a is b for a, b in zip(kept_before, kept_after, strict=True))
+            went, came = after.changes.between(before.services, after.services)
+            assert [e for e in before.services if (e.namespace, e.name) in named] == went
+            assert [e for e in after.services if (e.namespace, e.name) in named] == came
+        assert following.apply(after) == scanning.apply(dataclasses.replace(after, changes=None))
+        before = after

@@ -15,7 +15,6 @@ it), and the node itself (sending from 192.0.2.10).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -523,18 +522,22 @@ def test_a_source_range_of_the_other_family_is_not_rendered_into_this_familys_ta
     assert send(load(v6, NODE_IPS), STRANGER6, ("2001:db8:9::9", 80)).verdict == "DROP"
 
 
-def test_the_renderer_itself_skips_source_ranges_of_the_other_family():
-    """The compiler already splits ranges by family; the renderer must not trust that."""
-    entry = node_state(*svc(THREE_REMOTE, load_balancer(ranges=("198.51.100.0/24",)))).services[0]
-    mixed = tuple(
-        dataclasses.replace(f, source_ranges=(*f.source_ranges, "2001:db8:100::/64"))
+def test_the_compiler_alone_splits_source_ranges_by_family():
+    """Each LoadBalancer frontend carries the ranges of its entry's family only: the
+    renderer (and the eBPF plan) take them as they are."""
+    ranges = ("198.51.100.0/24", "2001:db8:100::/64")
+    objects = svc(THREE_REMOTE, both(dual_stack, load_balancer(ranges=ranges)), endpoints6=[ep6(1)])
+    for obj in objects:
+        if obj["kind"] == "Service":
+            obj["status"]["loadBalancer"]["ingress"].append({"ip": "2001:db8:9::9"})
+    ranged = {
+        (e.ip_family, f.ip): f.source_ranges
+        for e in node_state(*objects).services
+        for f in e.frontends
         if f.type == LOAD_BALANCER
-        else f
-        for f in entry.frontends
-    )
-    text = render([dataclasses.replace(entry, frontends=mixed)], V4)
-    assert "2001:db8:100::/64" not in text
-    assert send(load(text, NODE_IPS), OUTSIDE, LB_VIP).endpoints() == pytest.approx(EVENLY_THREE)
+    }
+    assert set(ranged.values()) == {("198.51.100.0/24",), ("2001:db8:100::/64",)}
+    assert all((":" in r) == (family == "IPv6") for (family, _), rs in ranged.items() for r in rs)
 
 
 # --- chain names -----------------------------------------------------------------------

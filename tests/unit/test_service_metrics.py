@@ -14,7 +14,7 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.dataplane.ebpf import abi, service_metrics
-from agent.dataplane.ebpf.plan import FrontendKey, ServiceValue
+from agent.dataplane.ebpf.maps import FrontendKey, ServiceValue
 from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, compile
 from agent.sources.manifests import load_manifests

@@ -8,6 +8,7 @@ import ipaddress
 import re
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from struct import Struct
 from types import SimpleNamespace
@@ -69,26 +70,28 @@ DROP_REASONS = {
     if name.startswith("KBP_DROP_") and name != "KBP_DROP_REASONS"
 }
 
-MAP_NAMES = (
-    "kbp_services",
-    "kbp_slots",
-    "kbp_backends",
-    "kbp_ct",
-    "kbp_ct_remap",
-    "kbp_affinity",
-    "kbp_counters",
-    "kbp_drops",
-    "kbp_src_ranges",
-    "kbp_config",
-    "kbp_xdp_stats",
-    "kbp_sock_rev",
-    "kbp_pods",
-    "kbp_ports",
-    "kbp_meta",
-    "kbp_ct_stats",
-    "kbp_explain",
-    "kbp_svc_drops",
+MAPS_HEADER = BPF_DIR / "include" / "kbp_maps.h"
+
+
+@dataclass(frozen=True)
+class MapDecl:
+    """One map as bpf/include/kbp_maps.h declares it (the only declaration)."""
+
+    name: str
+    type: str  # bcc's table type: hash, lru_hash, array, percpu_array, lpm_trie, ...
+    key: str  # C type, e.g. "struct kbp_frontend_key"
+    value: str
+    size: str  # max_entries: a KBP_MAX_* setting (-D from MapSizes), a constant or a number
+
+
+_MAP_DECL = re.compile(
+    r'^BPF_TABLE_PINNED\(\s*"(\w+)",\s*([^,]+?),\s*([^,]+?),\s*(kbp_\w+),\s*(\w+)', re.M
 )
+MAPS: dict[str, MapDecl] = {
+    m[3]: MapDecl(m[3], m[0], m[1], m[2], m[4])
+    for m in _MAP_DECL.findall(MAPS_HEADER.read_text(encoding="utf-8"))
+}
+MAP_NAMES: tuple[str, ...] = tuple(MAPS)
 
 
 def versioned(name: str) -> str:

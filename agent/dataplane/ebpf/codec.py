@@ -1,4 +1,4 @@
-"""Map contents as bytes and back: the plan's values (plan.py) packed with the layouts
+"""Map contents as bytes and back: the values of maps.py packed with the layouts
 abi.py derives from bpf/include/kbp_abi.h, and the kernel's maps decoded into a
 KernelContent."""
 
@@ -11,7 +11,7 @@ from struct import Struct
 from .abi import addr_bytes, addr_text, const, packer, port_bytes
 from .external import SourceRange
 from .libbpf import Map
-from .plan import BackendValue, FrontendKey, KernelContent, ServiceValue
+from .maps import BackendValue, FrontendKey, KernelContent, ServiceValue
 
 _FRONTEND_KEY = packer("kbp_frontend_key")
 _SERVICE = packer("kbp_service")

@@ -31,8 +31,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
 
+from ...config import FLAG_MAP_SIZES
 from ...metrics import Metrics
-from ...model.compile import nodeport_ips
 from ...model.nodestate import NodeInfo, NodeState
 from ..base import DataplaneError
 from . import codec, external, service_metrics, sockdiag
@@ -48,8 +48,9 @@ from .conntrack import Collector, Timeouts, adopt_earlier_conntrack
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
+from .maps import CapacityError, KernelContent, MapSizes, Writes
 from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher, run_in_netns
-from .plan import CapacityError, KernelContent, MapSizes, Writes, plan_change
+from .plan import plan_change
 from .pods import PodNamespaces
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,6 @@ class EbpfDataplane:
         netns: str | None = None,
         watch: bool = True,
         external_interfaces: Sequence[str] = (),
-        nodeport_addresses: Sequence[str] = (),
         xdp: str = "auto",
         snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
         cgroup: Path | None = None,
@@ -86,8 +86,8 @@ class EbpfDataplane:
         ct_sweep_interval: float = 0.0,
     ) -> None:
         """`external_interfaces`: globs of the node's external interfaces; empty means
-        those that carry the node's NodePort addresses (`nodeport_addresses`, as
-        --nodeport-addresses), found at each apply that changes the node. `xdp`: auto
+        those that carry the node's NodePort addresses (the NodeState's
+        node.nodePortAddresses), found at each apply that changes the node. `xdp`: auto
         (native, else generic), native, generic or off. `cgroup`: where the socket hooks
         serve (None: not attached); `socket_lb` (--socket-lb): whose sockets they
         translate, all (the node's and the pods'), host or off. `ct_sweep_interval`: seconds
@@ -97,7 +97,6 @@ class EbpfDataplane:
         self._pods = PodInterfaces(self.pod_interfaces)
         self.external_globs = tuple(external_interfaces)
         self._external = PodInterfaces(self.external_globs) if self.external_globs else None
-        self.nodeport_addresses = tuple(nodeport_addresses)
         self.xdp = external.xdp_mode(xdp)
         self.snat_ports = snat_ports
         if socket_lb not in external.SOCKET_LB_BITS:
@@ -116,7 +115,6 @@ class EbpfDataplane:
         self._lock = threading.Lock()
         self._held: str | None = None
         self._applied: NodeState | None = None  # the last state applied (metrics' labels)
-        self._pending_writes = 0  # external map writes of the apply in progress
         self._watcher: LinkWatcher | None = None
         started = time.perf_counter()
         try:
@@ -134,8 +132,11 @@ class EbpfDataplane:
         # where a bit is missing (a map new to this version), or their packets would skip
         # the lookups that find them.
         content = self.current
-        self._mark_ports(const.KBP_PORT_F_BACKEND, (b.port for b in content.backends.values()))
-        self._mark_ports(const.KBP_PORT_F_FRONTEND, (k.port for k in content.services))
+        backend_ports = (b.port for b in content.backends.values())
+        _update(self.programs.map("kbp_ports"), [
+            *self._port_writes(const.KBP_PORT_F_BACKEND, backend_ports),
+            *self._port_writes(const.KBP_PORT_F_FRONTEND, (k.port for k in content.services)),
+        ])  # fmt: skip
         self._ranges = self._read_ranges()
         self.conntrack = Collector(self.programs.map("kbp_ct"), self.programs.map("kbp_ct_stats"),
                                    ct_timeouts or Timeouts(), ct_sweep_interval,
@@ -233,19 +234,16 @@ class EbpfDataplane:
                 state, self.current, maglev_table_size=self.maglev_table_size, sizes=self.sizes
             )
             ranges = self._range_index.update(state, rescan=full)
+            w = change.writes
             try:
                 change.check_capacity(self.sizes)
                 self._check_range_capacity(ranges)
-                if change.writes.count:
-                    self._write_meta(None)  # "unknown" until every write below is done
-                self._write_external(state, ranges, before=True)
-                w = change.writes
-                self._mark_ports(const.KBP_PORT_F_BACKEND,
-                                 (b.port for b in w.backends_to_upsert.values()))  # fmt: skip
-                self._mark_ports(const.KBP_PORT_F_FRONTEND, (k.port for k in w.services_to_upsert))
-                self._write(change.writes)
-                self._write_external(state, ranges, before=False)
-                self._write_meta(state)
+                busy = w.count
+                self._add_external(w, state, ranges)
+                # kbp_meta says "unknown" until every write is done
+                meta_writes = self._write_meta(None) if busy else 0
+                self._write(w)
+                meta_writes += self._write_meta(state)
             except CapacityError as err:  # nothing was written
                 self.current = change.rollback()
                 raise DataplaneError("capacity", str(err)) from err
@@ -253,14 +251,14 @@ class EbpfDataplane:
                 # The kernel may hold something between the old and the new content: read
                 # it back (the next apply then compares in full) rather than trust either.
                 self.current = self._read_kernel_or(change.rollback())
+                self._forget_external()
                 if isinstance(err, OSError):
                     raise DataplaneError("map_write", str(err)) from err
                 raise
             self.current = change.commit()
             self._held = state.revision
             self._applied = state
-            writes = change.writes.count + self._pending_writes
-            self._pending_writes = 0
+            writes = w.count + meta_writes
             backends_left = bool(change.writes.backends_to_delete)
         if backends_left:
             self._release_udp_sockets()
@@ -339,6 +337,9 @@ class EbpfDataplane:
     def _write(self, w: Writes) -> None:
         m = self.programs.map
         services, slots, backends = m("kbp_services"), m("kbp_slots"), m("kbp_backends")
+        # 0. kbp_config and the ports lookups must know before packets reach new entries
+        _update(m("kbp_config"), w.config)
+        _update(m("kbp_ports"), w.ports)
         # 1. backends that new sets will name; 2. the new sets, complete, each slot with a
         # copy of its backend's entry (self.current is the new content here: plan_change)
         upserts = {i: codec.backend_value(v) for i, v in w.backends_to_upsert.items()}
@@ -361,7 +362,9 @@ class EbpfDataplane:
                             for set_id, members in self.current.slots.items()
                             if set_id not in w.sets_to_write
                             for index, b in enumerate(members) if b in changed])  # fmt: skip
-        # 3. zeroed counters for new service ids, then the flip: services point at new sets
+        # 3. the ranges new services need, zeroed counters for new service ids, then the
+        # flip: services point at new sets
+        _update(m("kbp_src_ranges"), w.ranges_to_add)
         if w.counters_reset:
             counters = m("kbp_counters")
             zero = bytes(counters.value_size)
@@ -376,6 +379,9 @@ class EbpfDataplane:
                         for set_id, size in w.sets_to_delete.items()
                         for index in range(size)])  # fmt: skip
         _delete(backends, [codec.backend_key(i) for i in w.backends_to_delete])
+        # 9. ranges no service uses now (LPM tries have no batch delete)
+        for key in w.ranges_to_delete:
+            m("kbp_src_ranges").delete(key)
 
     # --- kernel state ----------------------------------------------------------------------
 
@@ -395,9 +401,8 @@ class EbpfDataplane:
         ask for another, and plan with what the kernel really has."""
         wanted = asdict(self.sizes)
         actual = {}
-        for field, name in (("services", "kbp_services"), ("slots", "kbp_slots"),
-                            ("backends", "kbp_backends"), ("ct", "kbp_ct"),
-                            ("affinity", "kbp_affinity")):  # fmt: skip
+        for field in FLAG_MAP_SIZES:
+            name = f"kbp_{field}"
             actual[field] = self.programs.map(name).info.max_entries
             if actual[field] != wanted[field]:
                 log.warning(
@@ -578,9 +583,7 @@ class EbpfDataplane:
         if self._external is not None or (state.node == self._node and not full):
             return
         self._node = state.node
-        wanted_ips = [ip for ips in nodeport_ips(state.node, self.nodeport_addresses).values()
-                      for ip in ips]  # fmt: skip
-        names = external.interfaces_with(self.attacher.addresses(), wanted_ips)
+        names = external.interfaces_with(self.attacher.addresses(), state.node.nodeport_ips())
         links = {link.name: link for link in self.attacher.links()}
         for index, name in list(self._external_attached.items()):
             if name not in names and links.get(name, Link(-1, name)).index == index:
@@ -625,11 +628,12 @@ class EbpfDataplane:
 
     # --- external maps -----------------------------------------------------------------------
 
-    def _write_meta(self, state: NodeState | None) -> None:
-        """kbp_meta: the revision the maps now hold wholly (None: an apply is under way)."""
+    def _write_meta(self, state: NodeState | None) -> int:
+        """kbp_meta: the revision the maps now hold wholly (None: an apply is under way).
+        Returns the writes made (0 or 1)."""
         revision = state.revision if state is not None else None
         if revision == self._meta_revision:
-            return
+            return 0
         if state is None:
             value = codec.NO_META
         else:
@@ -637,61 +641,66 @@ class EbpfDataplane:
                                      state.backend_count())  # fmt: skip
         self.programs.map("kbp_meta").update(bytes(4), value)
         self._meta_revision = revision
-        self._pending_writes += 1
+        return 1
 
     def _check_range_capacity(self, ranges: frozenset[SourceRange]) -> None:
         size = self.programs.map("kbp_src_ranges").info.max_entries
         if len(ranges) > size:
             raise CapacityError("src_ranges", len(ranges), size)
 
-    def _mark_ports(self, flag: int, ports: Iterable[int]) -> None:
-        """Set `flag` (KBP_PORT_F_*) in kbp_ports for these ports, before backends or
-        frontends with them are written: the programs look replies up only from backend
-        ports and frontends only at frontend ports. Never cleared, so removed backends'
-        flows drain; a stale bit costs a lookup. Only bits not known to be set are read
-        and written."""
+    def _add_external(self, w: Writes, state: NodeState, ranges: frozenset[SourceRange]) -> None:
+        """The writes of kbp_config, kbp_ports and kbp_src_ranges into their phases of
+        `w`, and what this agent then knows the maps hold (forgotten if a write fails)."""
+        config = external.config_value(state.node.addresses, state.node.cluster_cidrs,
+                                       self._netns_cookie, self.snat_ports, self.socket_lb,
+                                       self.conntrack.timeouts.lifetimes())  # fmt: skip
+        if config != self._config:
+            w.config.append((bytes(4), config))
+            self._config = config
+        backend_ports = (b.port for b in w.backends_to_upsert.values())
+        w.ports.extend(self._port_writes(const.KBP_PORT_F_BACKEND, backend_ports))
+        frontend_ports = (k.port for k in w.services_to_upsert)
+        w.ports.extend(self._port_writes(const.KBP_PORT_F_FRONTEND, frontend_ports))
+        added, gone = ranges - self._ranges, self._ranges - ranges
+        w.ranges_to_add.extend((r.key(), r.value()) for r in added)
+        w.ranges_to_delete.extend(r.key() for r in gone)
+        self._ranges = set(ranges)
+
+    def _forget_external(self) -> None:
+        """After a failed write: read kbp_src_ranges back; write kbp_config and look the
+        ports up again at the next apply."""
+        self._config = None
+        self._ports = {}
+        try:
+            self._ranges = self._read_ranges()
+        except OSError:
+            log.exception("ebpf: cannot read kbp_src_ranges back after a failed write")
+            self._ranges = set()
+
+    def _port_writes(self, flag: int, ports: Iterable[int]) -> list[tuple[bytes, bytes]]:
+        """The kbp_ports writes that set `flag` (KBP_PORT_F_*) for these ports, before
+        backends or frontends with them are written: the programs look replies up only
+        from backend ports and frontends only at frontend ports. Never cleared, so removed
+        backends' flows drain; a stale bit costs a lookup. Only ports whose bits are not
+        known are read (an earlier agent's bits stay unwritten)."""
         known = self._ports
         new = {port for port in ports if not known.get(port, 0) & flag}
+        out: list[tuple[bytes, bytes]] = []
         if not new:
-            return
+            return out
         table = self.programs.map("kbp_ports")
         for port in sorted(new):
             key = struct.pack("=I", port)
-            raw = table.lookup(key)
-            bits = raw[0] if raw else 0
-            if not bits & flag:  # an earlier agent's bits stay unwritten
+            if port in known:
+                bits = known[port]
+            else:
+                raw = table.lookup(key)
+                bits = raw[0] if raw else 0
+            if not bits & flag:
                 bits |= flag
-                table.update(key, bytes([bits]))
-                self._pending_writes += 1
+                out.append((key, bytes([bits])))
             known[port] = bits
-
-    def _write_external(
-        self, state: NodeState, ranges: frozenset[SourceRange], before: bool
-    ) -> None:
-        """kbp_config and kbp_src_ranges. New ranges go in before the services that
-        start to use them (`before`), ranges no longer wanted leave after the services
-        stopped using them, so no packet sees a ranged frontend without its ranges."""
-        m = self.programs.map
-        if before:
-            config = external.config_value(state.node.addresses, state.node.cluster_cidrs,
-                                           self._netns_cookie, self.snat_ports,
-                                           self.socket_lb,
-                                           self.conntrack.timeouts.lifetimes())  # fmt: skip
-            if config != self._config:
-                m("kbp_config").update(bytes(4), config)
-                self._config = config
-                self._pending_writes += 1
-            added = ranges - self._ranges
-            if added:
-                _update(m("kbp_src_ranges"), [(r.key(), r.value()) for r in added])
-                self._ranges |= added
-                self._pending_writes += len(added)
-            return
-        gone = self._ranges - ranges
-        for r in gone:  # LPM tries have no batch delete
-            m("kbp_src_ranges").delete(r.key())
-        self._ranges -= gone
-        self._pending_writes += len(gone)
+        return out
 
     def _read_ranges(self) -> set[SourceRange]:
         """What kbp_src_ranges holds (an earlier agent's writes), to diff against."""

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from ...model.nodestate import NodeState, ServiceEntry
 from .abi import addr_bytes, const, packer, port_bytes
-from .plan import FrontendKey, _differing, source_ranged_keys
+from .maps import FrontendKey
+from .translate import source_ranged_keys
 
 _SRC_RANGE_KEY = packer("kbp_src_range_key")
 _SRC_RANGE = packer("kbp_src_range")
@@ -70,7 +71,7 @@ class SourceRange:
 
 def source_ranges(state: NodeState) -> set[SourceRange]:
     """Every (LoadBalancer frontend, admitted network) of the state. A frontend shared by
-    two entries is programmed for the first (plan.py's rule), and so are its ranges."""
+    two entries is programmed for the first (translate.py's rule), and so are its ranges."""
     found: set[SourceRange] = set()
     claimed: set[FrontendKey] = set()
     for entry in state.services:
@@ -84,25 +85,26 @@ def source_ranges(state: NodeState) -> set[SourceRange]:
 
 class SourceRangeIndex:
     """`source_ranges` of successive NodeStates at the cost of the entries that changed:
-    the compiler hands unchanged entries over as the same objects, so the two states'
-    shared head and tail are skipped at C speed (plan.py's `_differing`), and only the
-    entries between them are looked at. A change to a frontend that more than one entry
-    ranges (the first one wins, which depends on every entry's order) rescans."""
+    a state whose Changes start from the revision looked at last is followed through the
+    entries of the Services they name; any other state, and a change to a frontend that
+    more than one entry ranges (the first one wins, which depends on every entry's
+    order), rescans."""
 
     # Above this share of changed entries a scan is as cheap as the bookkeeping.
     RESCAN_FRACTION = 0.25
 
     def __init__(self) -> None:
         self._entries: tuple[ServiceEntry, ...] = ()
+        self._revision = ""  # of the state `_entries` came from
         self._ranges: set[SourceRange] = set()
         self._owners: dict[FrontendKey, int] = {}  # ranged frontend → entries ranging it
 
     def update(self, state: NodeState, rescan: bool = False) -> frozenset[SourceRange]:
         """The source ranges of `state` (a copy: later updates leave it alone)."""
         entries = state.services
-        if rescan or not self._incremental(entries):
+        if rescan or not self._incremental(state):
             self._scan(entries)
-        self._entries = entries
+        self._entries, self._revision = entries, state.revision
         return frozenset(self._ranges)
 
     def _scan(self, entries: tuple[ServiceEntry, ...]) -> None:
@@ -114,16 +116,18 @@ class SourceRangeIndex:
                 if self._owners[key] == 1:
                     self._ranges.update(SourceRange(key, n) for n in networks)
 
-    def _incremental(self, entries: tuple[ServiceEntry, ...]) -> bool:
-        """Apply the entries between the shared head and tail; False: rescan instead."""
-        previous = self._entries
-        if not previous:
+    def _incremental(self, state: NodeState) -> bool:
+        """Apply the entries of the Services that changed; False: rescan instead."""
+        changes, entries = state.changes, state.services
+        if entries is self._entries:
+            return True
+        if changes is None or changes.base != self._revision or not self._entries:
             return False
-        head, old_end, new_end = _differing(previous, entries)
-        if (old_end - head) + (new_end - head) > self.RESCAN_FRACTION * max(len(entries), 1):
+        went_entries, came_entries = changes.between(self._entries, entries)
+        if len(went_entries) + len(came_entries) > self.RESCAN_FRACTION * max(len(entries), 1):
             return False
-        went = [source_ranged_keys(e) for e in previous[head:old_end]]
-        came = [source_ranged_keys(e) for e in entries[head:new_end]]
+        went = [source_ranged_keys(e) for e in went_entries]
+        came = [source_ranged_keys(e) for e in came_entries]
         owners = dict(self._owners)
         for ranged in went:
             for key in ranged:

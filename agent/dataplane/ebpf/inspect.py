@@ -17,7 +17,7 @@ from .abi import DROP_REASONS, addr_bytes, addr_text, const, packer, versioned
 from .conntrack import Timeouts, seconds_left
 from .conntrack import flows_of as conntrack_flows
 from .libbpf import Map
-from .plan import FrontendKey
+from .maps import FrontendKey
 
 Row = dict[str, Any]
 

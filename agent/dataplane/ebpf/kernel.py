@@ -54,17 +54,6 @@ PROGRAMS: dict[str, ProgramSpec] = {
     "kbp_release": ProgramSpec("CGROUP_SOCK", attach_type=34),  # INET_SOCK_RELEASE
 }
 
-# -D names of the map sizes (bpf/include/kbp_maps.h), by MapSizes field.
-SIZE_DEFINES = {
-    "services": "KBP_MAX_SERVICES",
-    "slots": "KBP_MAX_SLOTS",
-    "backends": "KBP_MAX_BACKENDS",
-    "ct": "KBP_MAX_CT",
-    "affinity": "KBP_MAX_AFFINITY",
-    "src_ranges": "KBP_MAX_SRC_RANGES",
-    "sock_rev": "KBP_MAX_SOCK_REV",
-}
-
 
 class LoadError(Exception):
     """The programs did not compile or load (bcc's message, verifier log included)."""
@@ -76,8 +65,8 @@ def cflags_for(pin_dir: Path, sizes: Mapping[str, int] | None = None) -> list[st
         f"-I{BPF_DIR / 'include'}",
         f'-DKBP_PIN_DIR="{pin_dir}"',
     ]
-    for name, value in (sizes or {}).items():
-        flags.append(f"-D{SIZE_DEFINES[name]}={int(value)}")
+    for name, value in (sizes or {}).items():  # by MapSizes field: KBP_MAX_<FIELD>
+        flags.append(f"-DKBP_MAX_{name.upper()}={int(value)}")
     return flags
 
 

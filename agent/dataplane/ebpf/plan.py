@@ -1,311 +1,45 @@
-"""NodeState → the contents of the kernel maps, the ordered writes from one content to the
-next, and the map capacity they need. Pure Python: no kernel, bcc or netlink here.
-
-Ids are stable: a ServiceEntry keeps its service id, a (service, endpoint) its backend id
-and an unchanged backend set its set id across syncs and agent restarts (adopted from
-what the kernel holds). A set is never rewritten in place: changed content gets a new set
-id, written in full before the services flip to it (docs/ebpf.md, "Ordered writes").
-
-Two ways in: `desired_content` + `diff` + `check_capacity` leave `current` untouched (and
-copy it, O(N)); `plan_change` changes `current` in place and keeps an undo log, so one
-changed Service costs about the same at 1k as at 30k Services (the agent's path).
+"""The agent's planning path: `plan_change` turns the content the maps hold into the
+content for a new NodeState in place, translating only the entries that changed
+(translate.py's per-entry translation), and keeps journals to undo it, so one changed
+Service costs about the same at 1k as at 30k Services. Content without an index (decoded
+from the kernel), or a change of table or map sizes, takes the full path
+(`translate`). Pure Python: no kernel, bcc or netlink here.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from itertools import chain, compress
-from operator import attrgetter, not_
+from dataclasses import dataclass, replace
+from itertools import compress
+from operator import not_
 from typing import Any
 
-from ...gcpause import gc_paused
-from ...model.nodestate import (
-    CLUSTER_IP,
-    EXTERNAL_IP,
-    LOAD_BALANCER,
-    NODE_PORT,
-    Backend,
-    NodeState,
-    ServiceEntry,
+from ...model.nodestate import NodeState, ServiceEntry
+from .maglev import DEFAULT_TABLE_SIZE, check_table_size
+from .maps import (
+    BackendValue,
+    FrontendKey,
+    KernelContent,
+    MapSizes,
+    ServiceValue,
+    SetContent,
+    SortKey,
+    Writes,
+    _check,
+    _required,
+    _reset_counters_of_new_ids,
+    _writes,
+    diff,
+    required_capacity,
 )
-from ..base import DataplaneError
-from .abi import const
-from .maglev import DEFAULT_TABLE_SIZE, check_table_size, maglev_table
-
-_FAMILY = {"IPv4": const.KBP_FAMILY_IPV4, "IPv6": const.KBP_FAMILY_IPV6}
-_PROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": socket.IPPROTO_SCTP}
-_FRONTEND_TYPE = {
-    CLUSTER_IP: const.KBP_FE_CLUSTER_IP,
-    NODE_PORT: const.KBP_FE_NODE_PORT,
-    EXTERNAL_IP: const.KBP_FE_EXTERNAL_IP,
-    LOAD_BALANCER: const.KBP_FE_LOAD_BALANCER,
-}
-_CLUSTER_IP_TYPE = const.KBP_FE_CLUSTER_IP
-_IPV6 = const.KBP_FAMILY_IPV6
-_HAS_ENDPOINTS = const.KBP_SVC_F_HAS_ENDPOINTS
-_AFFINITY = const.KBP_SVC_F_AFFINITY
-_MAGLEV = const.KBP_SVC_F_MAGLEV
-_RANDOM = const.KBP_SVC_F_RANDOM
-_SOURCE_RANGES = const.KBP_SVC_F_SOURCE_RANGES
-_LOCAL = const.KBP_BE_F_LOCAL
-_TERMINATING = const.KBP_BE_F_TERMINATING
-
-MAPS = ("services", "slots", "backends")  # the maps a plan fills, in capacity-check order
-
-SortKey = tuple[str, str, str, str, str]
-SetContent = tuple[int, ...]
-
-
-# --- what the maps hold ----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class FrontendKey:
-    """struct kbp_frontend_key: addr is canonical IP text (`ipaddress` compressed form)."""
-
-    addr: str
-    port: int
-    proto: int  # IPPROTO_TCP 6 / IPPROTO_UDP 17 / IPPROTO_SCTP 132
-    family: int  # KBP_FAMILY_IPV4 / KBP_FAMILY_IPV6
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceValue:
-    """struct kbp_service."""
-
-    service_id: int
-    flags: int  # KBP_SVC_F_*
-    set_id: int  # 0 with count 0: the empty set
-    count: int
-    internal_set_id: int
-    internal_count: int
-    affinity_timeout: int  # seconds; 0 without KBP_SVC_F_AFFINITY
-    type: int  # KBP_FE_*
-
-
-@dataclass(frozen=True, slots=True)
-class BackendValue:
-    """struct kbp_backend."""
-
-    addr: str
-    port: int
-    family: int
-    flags: int  # KBP_BE_F_*
-    service_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class MapSizes:
-    """max_entries of the maps (the -D defaults of bpf/include/kbp_maps.h); `services` also
-    bounds service ids, which index the per-CPU counters array."""
-
-    services: int = 65536
-    slots: int = 262144
-    backends: int = 262144
-    ct: int = 262144
-    affinity: int = 65536
-    src_ranges: int = 16384
-    sock_rev: int = 65536
-
-
-@dataclass(frozen=True, slots=True, weakref_slot=True)
-class KernelContent:
-    """What the services, slots and backends maps hold (or should hold).
-
-    Only this module changes the dicts, and only through `plan_change` (which bumps
-    `_version`); `desired_content` shares the values between generations and remembers,
-    beside the content it returns, how it built it (`_index`) and what changed since
-    `current` (`_delta`), so that the next sync and `diff` only look at the entries that
-    changed. Content decoded from the kernel has neither and takes the full path. Not
-    hashable (it holds dicts).
-    """
-
-    services: dict[FrontendKey, ServiceValue] = field(default_factory=dict)
-    slots: dict[int, SetContent] = field(default_factory=dict)  # set id → backend ids
-    backends: dict[int, BackendValue] = field(default_factory=dict)
-    _index: _Index | None = field(default=None, init=False, compare=False, repr=False)
-    _delta: _Delta | None = field(default=None, init=False, compare=False, repr=False)
-    _version: int = field(default=0, init=False, compare=False, repr=False)
-
-    def slot_count(self) -> int:
-        """Slots over all sets (entries of the slots map)."""
-        if self._index is not None:
-            return self._index.slot_total
-        return sum(map(len, self.slots.values()))
-
-
-# --- errors ----------------------------------------------------------------------------
-
-
-class CapacityError(DataplaneError):
-    """A map is too small for the NodeState; nothing was written."""
-
-    def __init__(self, map: str, needed: int, size: int) -> None:
-        self.map = map
-        self.needed = needed
-        self.size = size
-        super().__init__(
-            "capacity",
-            f"map kbp_{map} needs {needed} entries but holds {size} "
-            f"({needed - size} short); raise it with --map-size-{map}",
-        )
-
-
-# --- how a content was built (kept beside it for the next sync) ------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _EntryPlan:
-    """What one ServiceEntry owns in a content."""
-
-    entry: ServiceEntry
-    service_id: int  # 0: the entry programs nothing (no frontend of its own)
-    frontends: tuple[FrontendKey, ...]
-    set_ids: tuple[int, ...]
-    backend_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Index:
-    maglev_table_size: int
-    sizes: MapSizes
-    by_key: dict[SortKey, _EntryPlan]
-    by_digest: dict[bytes, _EntryPlan]  # entries that carry a digest
-    service_ids: dict[int, SortKey]  # live service ids and their entries
-    contested: frozenset[FrontendKey]  # frontends more than one entry asked for
-    cursors: tuple[int, int, int]  # next service, set and backend id to try
-    slot_total: int
-    service_id_overflow: int  # highest service id handed out past the map size, else 0
-    # The NodeState entries these plans are for, when each has a plan of its own under
-    # its sort key and under its plan's digest (sealed, no repeats): the next sync then
-    # skips the entries both states share (the same objects, mostly) and looks only at
-    # the stretch between. Else None: the next sync scans every entry.
-    entries: tuple[ServiceEntry, ...] | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Delta:
-    """The keys `desired_content` may have changed relative to `base` (as it was at
-    `version`: a base changed in place since is compared in full)."""
-
-    base: weakref.ref[KernelContent]
-    version: int
-    frontends: dict[FrontendKey, None]
-    sets: dict[int, None]
-    backends: dict[int, None]
-
-
-# --- the writes from one content to the next -------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Writes:
-    """Map writes in apply order. Applied phase by phase, every intermediate kernel state
-    is consistent for packets: a service only ever points at complete sets, and a slot at
-    an existing backend.
-
-    0. `counters_reset`: zero the per-CPU counters of newly used service ids;
-    1. `backends_to_upsert`: new backends (and flag changes of live ones);
-    2. `sets_to_write`: every slot of the new sets (never a live set: ids are fresh);
-    3. `services_to_upsert`: the flip, one atomic element per frontend;
-    4. `frontends_to_delete`;
-    5. `sets_to_delete`: set id → its slot count (keys (set_id, 0..count-1));
-    6. `backends_to_delete`.
-    """
-
-    counters_reset: list[int] = field(default_factory=list)
-    backends_to_upsert: dict[int, BackendValue] = field(default_factory=dict)
-    sets_to_write: dict[int, SetContent] = field(default_factory=dict)
-    services_to_upsert: dict[FrontendKey, ServiceValue] = field(default_factory=dict)
-    frontends_to_delete: list[FrontendKey] = field(default_factory=list)
-    sets_to_delete: dict[int, int] = field(default_factory=dict)
-    backends_to_delete: list[int] = field(default_factory=list)
-    # Of backends_to_upsert, the live backends whose value (flags) changed: the slots of
-    # live sets carry a copy of each backend's value (struct kbp_slot) to rewrite.
-    backends_changed: set[int] = field(default_factory=set)
-
-    @property
-    def count(self) -> int:
-        """Element writes in total (a set counts one per slot)."""
-        return (
-            len(self.counters_reset)
-            + len(self.backends_to_upsert)
-            + sum(map(len, self.sets_to_write.values()))
-            + len(self.services_to_upsert)
-            + len(self.frontends_to_delete)
-            + sum(self.sets_to_delete.values())
-            + len(self.backends_to_delete)
-        )
-
-    @property
-    def empty(self) -> bool:
-        return not (
-            self.counters_reset
-            or self.backends_to_upsert
-            or self.sets_to_write
-            or self.services_to_upsert
-            or self.frontends_to_delete
-            or self.sets_to_delete
-            or self.backends_to_delete
-        )
-
-    def elements(self) -> Iterator[tuple[str, str, Any, Any]]:
-        """Every element write in order: (map, "update" | "delete" | "reset", key, value);
-        slot keys are (set_id, index). For tests and element-by-element fallbacks."""
-        for service_id in self.counters_reset:
-            yield "counters", "reset", service_id, None
-        for backend_id, backend in self.backends_to_upsert.items():
-            yield "backends", "update", backend_id, backend
-        for set_id, content in self.sets_to_write.items():
-            for index, backend_id in enumerate(content):
-                yield "slots", "update", (set_id, index), backend_id
-        for key, value in self.services_to_upsert.items():
-            yield "services", "update", key, value
-        for key in self.frontends_to_delete:
-            yield "services", "delete", key, None
-        for set_id, count in self.sets_to_delete.items():
-            for index in range(count):
-                yield "slots", "delete", (set_id, index), None
-        for backend_id in self.backends_to_delete:
-            yield "backends", "delete", backend_id, None
-
-
-# --- desired content -------------------------------------------------------------------
-
-
-def desired_content(
-    state: NodeState,
-    current: KernelContent,
-    *,
-    maglev_table_size: int = DEFAULT_TABLE_SIZE,
-    sizes: MapSizes | None = None,
-) -> KernelContent:
-    """What the maps should hold for `state`, reusing the ids of `current` (the content
-    the kernel holds now: decoded from the maps, or a previous result of this function
-    once it was applied).
-
-    Only entries whose digest changed are translated again when `current` came from this
-    function; otherwise (restart, full resync) every entry is, adopting ids from the
-    frontends, backends and sets `current` holds. Raises ValueError when the Maglev table
-    size is not prime or too small for a Service's backends. Ids never exceed the map sizes
-    unless the maps are too small: `check_capacity` then reports it.
-    """
-    sizes = sizes or MapSizes()
-    update = _update(state, current, maglev_table_size, sizes)
-    if update is not None:
-        if update.empty:
-            return current
-        out = _copy(current)
-        journals = _Journals(out)
-        update.apply(journals)
-        object.__setattr__(out, "_delta", journals.delta(current))
-        return out
-    with gc_paused():  # ~10^5 acyclic values: generation-2 passes would double the time
-        return _Full(state, current, maglev_table_size, sizes).run()
+from .translate import (
+    _DIGEST,
+    _Builder,
+    _entries_if_keyed,
+    _EntryPlan,
+    _Ids,
+    _Index,
+    translate,
+)
 
 
 def plan_change(
@@ -315,21 +49,20 @@ def plan_change(
     maglev_table_size: int = DEFAULT_TABLE_SIZE,
     sizes: MapSizes | None = None,
 ) -> Change:
-    """`desired_content`, `diff` and `required_capacity` in one step that changes `current`
-    in place when it came from this module (desired_content or plan_change): the cost
-    follows the entries that changed, not the size of `current`.
+    """`translate`, `diff` and `required_capacity` in one step that changes `current`
+    in place when it came from this module (translate or plan_change): the cost follows
+    the entries that changed, not the size of `current`.
 
     Until the returned Change is committed or rolled back, `current` may already hold the
     new content: use it for nothing else. Content decoded from the kernel (or a change of
     table or map sizes) is translated in full into a new content, leaving `current` as it
-    is. Raises like desired_content, with `current` unchanged.
+    is. Raises like translate, with `current` unchanged.
     """
     sizes = sizes or MapSizes()
     update = _update(state, current, maglev_table_size, sizes)
     if update is not None:
         return Change._in_place(current, update)
-    with gc_paused():
-        desired = _Full(state, current, maglev_table_size, sizes).run()
+    desired = translate(state, current, maglev_table_size=maglev_table_size, sizes=sizes)
     writes = diff(current, desired)
     return Change(current, desired, writes, required_capacity(current, desired, writes), None)
 
@@ -344,505 +77,6 @@ def _update(
     if index is None or index.maglev_table_size != maglev_table_size or index.sizes != sizes:
         return None
     return _Incremental(state, current, index).run()
-
-
-def _copy(content: KernelContent) -> KernelContent:
-    """The same content with dicts of its own (and of its index), to change in place."""
-    out = KernelContent(dict(content.services), dict(content.slots), dict(content.backends))
-    index = content._index
-    if index is not None:
-        index = replace(
-            index,
-            by_key=dict(index.by_key),
-            by_digest=dict(index.by_digest),
-            service_ids=dict(index.service_ids),
-        )
-    object.__setattr__(out, "_index", index)
-    return out
-
-
-def _canonical(ip: str) -> str:
-    """The model's canonical text (inet_ntop) except for IPv6 with an embedded IPv4 part,
-    which `ipaddress` writes in hex: the kernel side decodes with `ipaddress`."""
-    if "." in ip and ":" in ip:
-        return str(ipaddress.IPv6Address(ip))
-    return ip
-
-
-def _maglev_name(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
-class _Ids:
-    """Hands out ids upward from a cursor, wrapping below `bound`, skipping ids present in
-    any of `taken`: ids freed by this sync are still in `current`, so they are not reused
-    at once. Past a full space it goes on above `bound` (check_capacity reports that)."""
-
-    __slots__ = ("bound", "cursor", "exhausted", "overflow", "taken")
-
-    def __init__(self, bound: int, cursor: int, taken: tuple[Any, ...]) -> None:
-        self.bound = bound
-        self.cursor = cursor if 0 < cursor < bound else 1
-        self.taken = taken
-        self.overflow = 0
-        self.exhausted = False  # a whole scan found no free id: go straight to overflow
-
-    def take(self) -> int:
-        i = self.cursor
-        if self.exhausted:
-            i = self.bound
-        elif i < self.bound:  # usually the cursor itself is free
-            for used in self.taken:
-                if i in used:
-                    break
-            else:
-                self.cursor = i + 1
-                return i
-        for _ in range(self.bound if not self.exhausted else 0):
-            if i >= self.bound:
-                i = 1
-            for used in self.taken:
-                if i in used:
-                    break
-            else:
-                self.cursor = i + 1
-                return i
-            i += 1
-        # Without this, every further id would rescan the full space: planning a state
-        # far too big for its maps took minutes before check_capacity could say so.
-        self.exhausted = True
-        i = max(self.bound, self.overflow + 1)
-        while any(i in used for used in self.taken):
-            i += 1
-        self.overflow = i
-        return i
-
-
-def _cursor_after(ids: Iterable[int], bound: int) -> int:
-    highest = max(ids, default=0)
-    return highest + 1 if highest + 1 < bound else 1
-
-
-def source_ranged_keys(entry: ServiceEntry) -> dict[FrontendKey, tuple[str, ...]]:
-    """The entry's LoadBalancer frontends that carry loadBalancerSourceRanges → the ranges
-    of the entry's family (normalised networks). A frontend whose ranges are all of the
-    other family admits no one of this family, as the iptables fallback renders it."""
-    found: dict[FrontendKey, tuple[str, ...]] = {}
-    for f in entry.frontends:
-        if f.type != LOAD_BALANCER or not f.source_ranges:
-            continue
-        family = _FAMILY[entry.ip_family]
-        key = FrontendKey(_canonical(f.ip), f.port, _PROTO[entry.protocol], family)
-        v6 = family == _IPV6
-        found[key] = tuple(
-            str(ipaddress.ip_network(r, strict=False)) for r in f.source_ranges if (":" in r) == v6
-        )
-    return found
-
-
-class _Builder:
-    """Shared by both paths: translates one entry into `services`/`slots`/`backends`."""
-
-    def __init__(
-        self,
-        current: KernelContent,
-        maglev_table_size: int,
-        sizes: MapSizes,
-        services: dict[FrontendKey, ServiceValue],
-        slots: dict[int, SetContent],
-        backends: dict[int, BackendValue],
-    ) -> None:
-        self.current = current
-        self.maglev_table_size = maglev_table_size
-        self.sizes = sizes
-        self.services = services
-        self.slots = slots
-        self.backends = backends
-        self.slot_total = 0  # slots added (the caller accounts for what it removed)
-        self.service_ids: dict[int, SortKey] = {}
-        self.claimed_keys: set[FrontendKey] = set()
-        self.contested: set[FrontendKey] = set()
-        # Set by the path before translating.
-        self.service_id_alloc: _Ids
-        self.set_id_alloc: _Ids
-        self.backend_id_alloc: _Ids
-
-    @staticmethod
-    def frontend_keys(entry: ServiceEntry) -> dict[FrontendKey, int]:
-        """The entry's frontends as keys → KBP_FE_* (the first type wins on a repeat)."""
-        family = _FAMILY[entry.ip_family]
-        proto = _PROTO[entry.protocol]
-        keys: dict[FrontendKey, int] = {}
-        for f in entry.frontends:
-            key = FrontendKey(_canonical(f.ip), f.port, proto, family)
-            if key not in keys:
-                keys[key] = _FRONTEND_TYPE[f.type]
-        return keys
-
-    def owned(self, keys: dict[FrontendKey, int]) -> dict[FrontendKey, int]:
-        """The keys no earlier entry asked for, now this entry's; the others are contested.
-        Call in NodeState order."""
-        claimed = self.claimed_keys
-        free = {}
-        for key, kind in keys.items():
-            if key in claimed:
-                self.contested.add(key)
-            else:
-                claimed.add(key)
-                free[key] = kind
-        return free
-
-    def backend_ids(
-        self,
-        entry: ServiceEntry,
-        members: tuple[Backend, ...] | None,
-        service_id: int,
-        ids: dict[tuple[str, int], int],
-        known: Mapping[tuple[str, int], int],
-    ) -> list[int]:
-        """Backend ids of `members` in order, writing their values; `ids` collects the
-        entry's backends (a local backend is in both of its sets under one id)."""
-        if not members:
-            return []
-        family = _FAMILY[entry.ip_family]
-        v6 = family == _IPV6
-        backends = self.backends
-        take = self.backend_id_alloc.take
-        out = []
-        if not known and not ids:  # a new service's first set: every backend is new
-            for b in members:
-                addr = _canonical(b.ip) if v6 and "." in b.ip else b.ip
-                backend_id = take()
-                flags = (_LOCAL if b.local else 0) | (_TERMINATING if b.terminating else 0)
-                backends[backend_id] = BackendValue(addr, b.port, family, flags, service_id)
-                ids[(addr, b.port)] = backend_id
-                out.append(backend_id)
-            return out
-        previous = self.current.backends
-        for b in members:
-            addr = _canonical(b.ip) if v6 and "." in b.ip else b.ip
-            port = b.port
-            key = (addr, port)
-            backend_id = ids.get(key)
-            if backend_id is None:
-                flags = (_LOCAL if b.local else 0) | (_TERMINATING if b.terminating else 0)
-                backend_id = known.get(key)
-                value = None
-                if backend_id is None:
-                    backend_id = take()
-                else:  # same service, address and port: keep the value if flags agree
-                    value = previous.get(backend_id)
-                    if value is not None and value.flags != flags:
-                        value = None
-                if value is None:
-                    value = BackendValue(addr, port, family, flags, service_id)
-                backends[backend_id] = value
-                ids[key] = backend_id
-            out.append(backend_id)
-        return out
-
-    def translate(
-        self,
-        entry: ServiceEntry,
-        keys: dict[FrontendKey, int],
-        service_id: int,
-        known_backends: Mapping[tuple[str, int], int],
-        known_sets: Mapping[SetContent, int],
-    ) -> _EntryPlan:
-        """Write `entry` with `service_id` under `keys`; backend and set ids come from the
-        known_* maps when their content matches, else are new."""
-        # Only the sets some frontend uses (docs/nodestate.md): a ClusterIP uses one set whoever
-        # sends; an external frontend uses its policy's set from outside and the cluster
-        # set from pods. A set nobody points at could not be adopted after a restart.
-        itp_local = entry.internal_traffic_policy == "Local"
-        etp_local = entry.external_traffic_policy == "Local"
-        has_cluster_ip = _CLUSTER_IP_TYPE in keys.values()
-        has_external = any(kind != _CLUSTER_IP_TYPE for kind in keys.values())
-        wants_cluster = (has_cluster_ip and not itp_local) or has_external
-        wants_local = (has_cluster_ip and itp_local) or (has_external and etp_local)
-
-        ids: dict[tuple[str, int], int] = {}  # (addr, port) → backend id, this entry
-        set_ids: dict[SetContent, int] = {}  # content → set id, this entry
-        cluster = local = (0, 0)
-        if wants_cluster:
-            members = entry.cluster_backends
-            member_ids = self.backend_ids(entry, members, service_id, ids, known_backends)
-            cluster = self.set_of(entry, members, member_ids, known_sets, set_ids)
-        if wants_local:
-            members = entry.local_backends
-            member_ids = self.backend_ids(entry, members, service_id, ids, known_backends)
-            local = self.set_of(entry, members, member_ids, known_sets, set_ids)
-        internal = local if itp_local else cluster
-        external = local if etp_local else cluster
-
-        flags = _HAS_ENDPOINTS if entry.has_endpoints else 0
-        timeout = entry.affinity_timeout
-        if timeout is not None:
-            flags |= _AFFINITY
-        if entry.lb_algorithm == "maglev":
-            flags |= _MAGLEV
-        elif entry.lb_algorithm == "random":
-            flags |= _RANDOM
-        services = self.services
-        ranged = source_ranged_keys(entry)
-        for key, kind in keys.items():
-            if kind == _CLUSTER_IP_TYPE:
-                (set_id, count), (inner_id, inner_count) = internal, internal
-            else:
-                (set_id, count), (inner_id, inner_count) = external, cluster
-            services[key] = ServiceValue(
-                service_id,
-                flags | _SOURCE_RANGES if ranged and key in ranged else flags,
-                set_id, count, inner_id, inner_count, timeout or 0, kind,
-            )  # fmt: skip
-        self.service_ids[service_id] = entry.sort_key
-        return _EntryPlan(
-            entry, service_id, tuple(keys), tuple(set_ids.values()), tuple(ids.values())
-        )
-
-    def set_of(
-        self,
-        entry: ServiceEntry,
-        members: tuple[Backend, ...] | None,
-        member_ids: list[int],
-        known_sets: Mapping[SetContent, int],
-        set_ids: dict[SetContent, int],
-    ) -> tuple[int, int]:
-        """(set id, count) of a backend list: a Maglev table over it or the list itself;
-        the same content within an entry is one set, known content keeps its id."""
-        if not member_ids:
-            return 0, 0
-        if entry.lb_algorithm == "maglev":
-            names = [_maglev_name(_canonical(b.ip), b.port) for b in members or ()]
-            try:
-                table = maglev_table(names, self.maglev_table_size)
-            except ValueError as e:
-                raise ValueError(
-                    f"{entry.namespace}/{entry.name} port {entry.port!r}: {e}; "
-                    "raise --maglev-table-size"
-                ) from e
-            content: SetContent = tuple(map(member_ids.__getitem__, table))
-        else:
-            content = tuple(member_ids)
-        set_id = set_ids.get(content)
-        if set_id is None:
-            set_id = known_sets.get(content)
-            if set_id is None or set_id in self.slots:
-                set_id = self.set_id_alloc.take()
-            set_ids[content] = set_id
-            self.slots[set_id] = content
-            self.slot_total += len(content)
-        return set_id, len(content)
-
-    def known_from_plan(
-        self, plan: _EntryPlan
-    ) -> tuple[dict[tuple[str, int], int], dict[SetContent, int]]:
-        """The backend and set ids an entry owned in `current`, by content."""
-        current = self.current
-        known_backends = {}
-        for backend_id in plan.backend_ids:
-            b = current.backends[backend_id]
-            known_backends[(b.addr, b.port)] = backend_id
-        known_sets = {current.slots[s]: s for s in plan.set_ids}
-        return known_backends, known_sets
-
-
-class _Full:
-    """Translate every entry, adopting ids from `current` (and from how it was built, when
-    it came from desired_content)."""
-
-    def __init__(
-        self, state: NodeState, current: KernelContent, maglev_table_size: int, sizes: MapSizes
-    ) -> None:
-        self.state = state
-        self.current = current
-        self.index = current._index
-        self.maglev_table_size = maglev_table_size
-        self.sizes = sizes
-        self._by_service: dict[int, dict[tuple[str, int], int]] | None = None
-
-    def backends_of(self, service_id: int) -> dict[tuple[str, int], int]:
-        if self._by_service is None:
-            by_service: dict[int, dict[tuple[str, int], int]] = {}
-            for backend_id, b in self.current.backends.items():
-                by_service.setdefault(b.service_id, {})[(b.addr, b.port)] = backend_id
-            self._by_service = by_service
-        return self._by_service.get(service_id, {})
-
-    def run(self) -> KernelContent:
-        current, sizes, index = self.current, self.sizes, self.index
-        out = KernelContent()
-        builder = _Builder(
-            current, self.maglev_table_size, sizes, out.services, out.slots, out.backends
-        )
-        # Ids `current` uses in any way stay reserved until it is gone: a new id never
-        # names something a packet or a conntrack entry may still find under it.
-        live_services = {v.service_id for v in current.services.values()}
-        live_services.update(b.service_id for b in current.backends.values())
-        live_sets = set(current.slots)
-        for v in current.services.values():
-            live_sets.add(v.set_id)
-            live_sets.add(v.internal_set_id)
-        live_backends = set(current.backends)
-        live_backends.update(chain.from_iterable(current.slots.values()))
-        if index is not None and index.sizes == sizes:
-            cursors = index.cursors
-        else:
-            cursors = (
-                _cursor_after(live_services, sizes.services),
-                _cursor_after(live_sets, sizes.slots),
-                _cursor_after(live_backends, sizes.backends),
-            )
-        builder.service_id_alloc = _Ids(
-            sizes.services, cursors[0], (live_services, builder.service_ids)
-        )
-        builder.set_id_alloc = _Ids(sizes.slots, cursors[1], (live_sets, out.slots))
-        builder.backend_id_alloc = _Ids(sizes.backends, cursors[2], (live_backends, out.backends))
-
-        entries = self.state.services
-        # Who answers each frontend: the first entry in NodeState order that asks for it.
-        owned = [builder.owned(builder.frontend_keys(e)) for e in entries]
-        if index is not None:  # built by desired_content: entries are known by identity
-            service_ids = []
-            for entry in entries:
-                old = index.by_key.get(entry.sort_key)
-                service_ids.append(old.service_id if old is not None else 0)
-        else:  # decoded from the kernel: entries are known by their frontends
-            service_ids = self.adopt_service_ids(owned)
-
-        by_key: dict[SortKey, _EntryPlan] = {}
-        by_digest: dict[bytes, _EntryPlan] = {}
-        for entry, keys, service_id in zip(entries, owned, service_ids, strict=True):
-            if not keys:
-                plan = _EntryPlan(entry, 0, (), (), ())
-            else:
-                known_backends: Mapping[tuple[str, int], int] = {}
-                known_sets: Mapping[SetContent, int] = {}
-                if not service_id:
-                    service_id = builder.service_id_alloc.take()
-                elif index is not None:
-                    known_backends, known_sets = builder.known_from_plan(
-                        index.by_key[entry.sort_key]
-                    )
-                else:
-                    known_backends = self.backends_of(service_id)
-                    known_sets = self.sets_of(keys, service_id)
-                plan = builder.translate(entry, keys, service_id, known_backends, known_sets)
-            by_key[entry.sort_key] = plan
-            if entry.digest:
-                by_digest[entry.digest] = plan
-        index = _Index(
-            self.maglev_table_size,
-            sizes,
-            by_key,
-            by_digest,
-            builder.service_ids,
-            frozenset(builder.contested),
-            (
-                builder.service_id_alloc.cursor,
-                builder.set_id_alloc.cursor,
-                builder.backend_id_alloc.cursor,
-            ),
-            builder.slot_total,
-            builder.service_id_alloc.overflow,
-            _entries_if_keyed(entries, by_key, by_digest),
-        )
-        object.__setattr__(out, "_index", index)
-        return out
-
-    def adopt_service_ids(self, owned: list[dict[FrontendKey, int]]) -> list[int]:
-        """Per entry, the service id its frontends have in `current` (0: none). ClusterIPs
-        are matched first: they are unique per Service, so a NodePort or ExternalIP that
-        moved to another Service does not take the id of the Service it left."""
-        services = self.current.services
-        result = [0] * len(owned)
-        taken: set[int] = set()
-        for only_cluster_ips in (True, False):
-            for i, keys in enumerate(owned):
-                if result[i]:
-                    continue
-                for key, kind in keys.items():
-                    if only_cluster_ips and kind != _CLUSTER_IP_TYPE:
-                        continue
-                    value = services.get(key)
-                    if value is not None and value.service_id and value.service_id not in taken:
-                        result[i] = value.service_id
-                        taken.add(value.service_id)
-                        break
-        return result
-
-    def sets_of(self, keys: Iterable[FrontendKey], service_id: int) -> dict[SetContent, int]:
-        """Complete sets the entry's frontends point at in `current`, by content."""
-        current = self.current
-        found: dict[SetContent, int] = {}
-        for key in keys:
-            value = current.services.get(key)
-            if value is None or value.service_id != service_id:
-                continue
-            for set_id, count in (
-                (value.set_id, value.count),
-                (value.internal_set_id, value.internal_count),
-            ):
-                content = current.slots.get(set_id) if set_id else None
-                if content is not None and len(content) == count:
-                    found[content] = set_id
-        return found
-
-
-_DIGEST = attrgetter("digest")
-
-
-def _entries_if_keyed(
-    entries: tuple[ServiceEntry, ...],
-    by_key: Mapping[SortKey, _EntryPlan],
-    by_digest: Mapping[bytes, _EntryPlan],
-) -> tuple[ServiceEntry, ...] | None:
-    """`entries` if each has a plan of its own (see `_Index.entries`); the caller knows
-    that every entry is sealed and `by_digest` holds only the digests of their plans."""
-    n = len(entries)
-    return entries if len(by_key) == n and len(by_digest) == n else None
-
-
-def _differing(
-    old: tuple[ServiceEntry, ...], new: tuple[ServiceEntry, ...]
-) -> tuple[int, int, int]:
-    """(head, old_end, new_end): outside old[head:old_end] and new[head:new_end] the two
-    hold equal entries in the same order. Cheap when they share the entry objects (the
-    compiler reuses those it did not recompile): tuple comparison checks identity first."""
-    shortest = min(len(old), len(new))
-    head = _shared_run(old, new, shortest, from_end=False)
-    tail = _shared_run(old, new, shortest - head, from_end=True)
-    return head, len(old) - tail, len(new) - tail
-
-
-def _shared_run(
-    old: tuple[ServiceEntry, ...], new: tuple[ServiceEntry, ...], limit: int, from_end: bool
-) -> int:
-    """How many entries (at most `limit`) old and new share from the start (or the end):
-    compares slices of doubling length, then halves the one that differs, so the work
-    is a few C-level passes over the shared run rather than a Python loop."""
-    old_len, new_len = len(old), len(new)
-
-    def same(a: int, b: int) -> bool:  # positions [a, b) counted from the start or the end
-        if from_end:
-            return old[old_len - b : old_len - a] == new[new_len - b : new_len - a]
-        return old[a:b] == new[a:b]
-
-    low, step = 0, 64
-    while low < limit:
-        high = min(limit, low + step)
-        if not same(low, high):
-            break
-        low, step = high, step * 2
-    else:
-        return limit
-    while high - low > 1:  # the first difference is in [low, high)
-        middle = (low + high) // 2
-        if same(low, middle):
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 class _Incremental:
@@ -906,6 +140,7 @@ class _Incremental:
             overflow = builder.service_id_alloc.overflow
         return _Update(
             state.services,
+            state.revision,
             sealed,
             old_plans,
             new_plans,
@@ -921,25 +156,13 @@ class _Incremental:
         """The entries to translate (new or changed, in NodeState order), the plans that go
         (of changed entries and of entries gone), and whether every entry that came (all
         when scanning) is sealed."""
-        entries, index = self.state.services, self.index
-        previous = index.entries
-        if previous is None:
-            return self.changes_by_scan()
-        if previous is entries:
+        state, index = self.state, self.index
+        previous, changes = index.entries, state.changes
+        if previous is state.services:
             return [], [], True
-        both_ends_differ = (
-            bool(previous and entries)
-            and previous[0] is not entries[0]
-            and previous[-1] is not entries[-1]
-        )
-        if both_ends_differ:
-            # Likely not a splice of a few entries into the same objects (fresh ones after a full
-            # compile, say): comparing equal entries field by field would cost more than
-            # comparing all digests.
-            head, old_end, new_end = 0, len(previous), len(entries)
-        else:
-            head, old_end, new_end = _differing(previous, entries)
-        came, went = entries[head:new_end], previous[head:old_end]
+        if previous is None or changes is None or changes.base != index.revision:
+            return self.changes_by_scan()
+        went, came = changes.between(previous, state.services)
         by_digest, by_key = index.by_digest, index.by_key
         came_digests = list(map(_DIGEST, came))
         changed = list(compress(came, map(not_, map(by_digest.__contains__, came_digests))))
@@ -1002,6 +225,7 @@ class _Update:
     they write, and the index figures after. `apply` makes it so on a content."""
 
     entries: tuple[ServiceEntry, ...]
+    revision: str
     sealed: bool  # every entry that came has a digest
     old_plans: list[_EntryPlan]
     new_plans: list[_EntryPlan]
@@ -1057,11 +281,9 @@ class _Update:
             slot_total=slot_total,
             service_id_overflow=self.service_id_overflow,
             entries=entries,
+            revision=self.revision,
         )
-        content = journals.content
-        object.__setattr__(content, "_index", new_index)
-        object.__setattr__(content, "_delta", None)
-        object.__setattr__(content, "_version", journals.old_version + 1)
+        journals.content._index = new_index
 
 
 # --- changing a content in place -------------------------------------------------------
@@ -1119,8 +341,6 @@ class _Journals:
         "by_key",
         "content",
         "index",
-        "old_delta",
-        "old_version",
         "service_ids",
         "services",
         "slots",
@@ -1131,8 +351,6 @@ class _Journals:
         assert index is not None, "only a content built here is changed in place"
         self.content = content
         self.index = index
-        self.old_delta = content._delta
-        self.old_version = content._version
         self.services = _Journal(content.services)
         self.slots = _Journal(content.slots)
         self.backends = _Journal(content.backends)
@@ -1153,16 +371,6 @@ class _Journals:
             _reset_counters_of_new_ids(writes, self.service_ids.had)
         return writes
 
-    def delta(self, base: KernelContent) -> _Delta:
-        """The keys changed, for `diff(base, content)` (content a copy of base)."""
-        return _Delta(
-            weakref.ref(base),
-            base._version,
-            dict.fromkeys(self.services.before),
-            dict.fromkeys(self.slots.before),
-            dict.fromkeys(self.backends.before),
-        )
-
     def undo(self) -> None:
         for journal in (
             self.services,
@@ -1173,10 +381,7 @@ class _Journals:
             self.service_ids,
         ):
             journal.undo()
-        content = self.content
-        object.__setattr__(content, "_index", self.index)
-        object.__setattr__(content, "_delta", self.old_delta)
-        object.__setattr__(content, "_version", self.old_version)
+        self.content._index = self.index
 
 
 class Change:
@@ -1244,138 +449,3 @@ class Change:
         if not self._open:
             raise RuntimeError("this change was already committed or rolled back")
         self._open = False
-
-
-# --- diff ------------------------------------------------------------------------------
-
-
-def diff(current: KernelContent, desired: KernelContent) -> Writes:
-    """The writes that turn `current` into `desired`, in the order of `Writes`. Raises
-    ValueError if `desired` changes the content of a set id `current` holds (a live set
-    is never rewritten in place; desired_content never does that)."""
-    if desired is current:  # desired_content found nothing to change
-        return Writes()
-    delta = desired._delta
-    if delta is not None and delta.base() is current and delta.version == current._version:
-        frontends: Iterable[FrontendKey] = delta.frontends
-        set_ids: Iterable[int] = delta.sets
-        backend_ids: Iterable[int] = delta.backends
-    else:
-        frontends = chain(
-            desired.services, (k for k in current.services if k not in desired.services)
-        )
-        set_ids = chain(desired.slots, (s for s in current.slots if s not in desired.slots))
-        backend_ids = chain(
-            desired.backends, (b for b in current.backends if b not in desired.backends)
-        )
-    writes = _writes(
-        (current.services, desired.services, frontends),
-        (current.slots, desired.slots, set_ids),
-        (current.backends, desired.backends, backend_ids),
-    )
-    if writes.services_to_upsert:
-        if current._index is not None:
-            live: Mapping[int, Any] | set[int] = current._index.service_ids
-        else:
-            live = {v.service_id for v in current.services.values()}
-        _reset_counters_of_new_ids(writes, live.__contains__)
-    return writes
-
-
-# One map before and after, and the keys that may differ.
-_MapChange = tuple[Mapping[Any, Any], Mapping[Any, Any], Iterable[Any]]
-
-
-def _writes(services: _MapChange, slots: _MapChange, backends: _MapChange) -> Writes:
-    """The writes for the keys given (counters_reset aside): shared by `diff` and the
-    in-place changes, whose `before` maps hold only the keys that changed."""
-    writes = Writes()
-    cur, new, backend_ids = backends
-    for backend_id in backend_ids:
-        before, after = cur.get(backend_id), new.get(backend_id)
-        if after is None:
-            if before is not None:
-                writes.backends_to_delete.append(backend_id)
-        elif before is not after and before != after:
-            writes.backends_to_upsert[backend_id] = after
-            if before is not None:
-                writes.backends_changed.add(backend_id)
-
-    cur_slots, new_slots, set_ids = slots
-    for set_id in set_ids:
-        before_set, after_set = cur_slots.get(set_id), new_slots.get(set_id)
-        if after_set is None:
-            if before_set is not None:
-                writes.sets_to_delete[set_id] = len(before_set)
-        elif before_set is None:
-            writes.sets_to_write[set_id] = after_set
-        elif before_set is not after_set and before_set != after_set:
-            raise ValueError(f"set {set_id} would be rewritten in place")
-
-    cur_services, new_services, frontends = services
-    for key in frontends:
-        old_value, new_value = cur_services.get(key), new_services.get(key)
-        if new_value is None:
-            if old_value is not None:
-                writes.frontends_to_delete.append(key)
-        elif old_value is not new_value and old_value != new_value:
-            writes.services_to_upsert[key] = new_value
-    return writes
-
-
-def _reset_counters_of_new_ids(writes: Writes, was_live: Callable[[int], bool]) -> None:
-    fresh = {v.service_id for v in writes.services_to_upsert.values()}
-    writes.counters_reset.extend(sorted(s for s in fresh if not was_live(s)))
-
-
-# --- capacity --------------------------------------------------------------------------
-
-
-def required_capacity(
-    current: KernelContent, desired: KernelContent, writes: Writes
-) -> dict[str, tuple[int, int]]:
-    """Entries each map needs: (steady, peak). The peak is during the apply, when the new
-    sets, backends and frontends are written before the old ones are deleted. For
-    `services` it is also at least the highest service id + 1 (ids index the counters)."""
-    sizes_before = (len(current.services), current.slot_count(), len(current.backends))
-    return _required(
-        sizes_before, current.services.__contains__, current.backends.__contains__, desired, writes
-    )
-
-
-def _required(
-    sizes_before: tuple[int, int, int],
-    had_frontend: Callable[[FrontendKey], bool],
-    had_backend: Callable[[int], bool],
-    desired: KernelContent,
-    writes: Writes,
-) -> dict[str, tuple[int, int]]:
-    services_before, slots_before, backends_before = sizes_before
-    new_frontends = sum(1 for k in writes.services_to_upsert if not had_frontend(k))
-    new_backends = sum(1 for b in writes.backends_to_upsert if not had_backend(b))
-    new_slots = sum(map(len, writes.sets_to_write.values()))
-    services_peak = services_before + new_frontends
-    index = desired._index
-    if index is not None and index.service_id_overflow:
-        services_peak = max(services_peak, index.service_id_overflow + 1)
-    return {
-        "services": (len(desired.services), services_peak),
-        "slots": (desired.slot_count(), slots_before + new_slots),
-        "backends": (len(desired.backends), backends_before + new_backends),
-    }
-
-
-def check_capacity(
-    current: KernelContent, desired: KernelContent, writes: Writes, sizes: MapSizes
-) -> None:
-    """Raise CapacityError for the first map (services, slots, backends) whose peak need
-    exceeds its size; call before writing anything."""
-    _check(required_capacity(current, desired, writes), sizes)
-
-
-def _check(need: dict[str, tuple[int, int]], sizes: MapSizes) -> None:
-    for name in MAPS:
-        peak = need[name][1]
-        size = getattr(sizes, name)
-        if peak > size:
-            raise CapacityError(name, peak, size)

@@ -177,7 +177,7 @@ def _escape(value: str) -> str:
 def labels_of(entries: Any, services: Any, mode: str) -> dict[int, tuple[str, ...]]:
     """service id -> labels, for NodeState entries whose ClusterIP frontend the kernel
     content (`services`: FrontendKey -> ServiceValue) holds."""
-    from .plan import FrontendKey
+    from .maps import FrontendKey
 
     out: dict[int, tuple[str, ...]] = {}
     for entry in entries:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ...config import DEFAULT_POD_INTERFACES
 from ...model.ip import ip_family
 from ...model.nodestate import NodeState, ServiceEntry
-from ..base import DataplaneError
+from ..base import DataplaneError, QuietDataplane
 from .backend import (
     BACKENDS,
     Backend,
@@ -233,7 +233,7 @@ class _Held:
     digests: dict[tuple[str, ...], bytes]  # entry_digest of each entry's rules
 
 
-class IptablesDataplane:
+class IptablesDataplane(QuietDataplane):
     name = "iptables"
 
     def __init__(
@@ -259,6 +259,7 @@ class IptablesDataplane:
         self._clock = clock
         self._held: dict[str, _Held] = {}
         self._revision: str | None = None
+        self._services: tuple[ServiceEntry, ...] = ()  # of the state at _revision, if applied
         self._needs_full = True  # the first apply reads the kernel and rewrites it all
         self._last_full = 0.0
         self._conntrack = shutil.which("conntrack")
@@ -311,6 +312,7 @@ class IptablesDataplane:
                 return 0
         writes = 0
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
+        changed = self._changed_keys(state)
         try:
             if full and not rewrite_all and self._missing_jumps():
                 # Someone removed our rules since the last full write (a flush, another
@@ -321,7 +323,7 @@ class IptablesDataplane:
                 options = self._options(state, family)
                 writes += self._apply_family(
                     family, options, by_family[family], rewrite_all, removed_udp, state.revision,
-                    rendered.get(family),
+                    rendered.get(family), changed,
                 )  # fmt: skip
             if rewrite_all or full:
                 writes += self._ensure_jumps()
@@ -331,10 +333,19 @@ class IptablesDataplane:
         if rewrite_all:
             self._last_full = now
         self._needs_full = False
-        self._revision = state.revision
+        self._revision, self._services = state.revision, state.services
         self._clear_udp_conntrack(removed_udp)
         self._clear_other_backend()
         return writes
+
+    def _changed_keys(self, state: NodeState) -> dict[tuple[str, ...], None] | None:
+        """The sort keys of the entries `state`'s Changes name, when they start from the
+        state these tables hold; None: compare every entry."""
+        changes = state.changes
+        if changes is None or changes.base != self._revision or not self._held:
+            return None
+        went, came = changes.between(self._services, state.services)
+        return dict.fromkeys(e.sort_key for e in (*went, *came))
 
     def _clear_other_backend(self) -> None:
         """Once, after the first apply: remove our chains and jumps from the backend this
@@ -392,7 +403,7 @@ class IptablesDataplane:
             return False
         self._held = dict(rendered)
         self._needs_full = False
-        self._revision = state.revision
+        self._revision, self._services = state.revision, state.services
         self.last_writes = dict.fromkeys(FAMILIES, 0)
         log.info("iptables: the tables already hold revision %s (written by an earlier agent): "
                  "nothing to write", state.revision[:19])  # fmt: skip
@@ -411,9 +422,11 @@ class IptablesDataplane:
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]],
         revision: str = "",
         rendered: _Held | None = None,
+        changed: dict[tuple[str, ...], None] | None = None,
     ) -> int:
         """Write one family's changes (all of it with `rewrite_all`); `rendered`: rules
-        this apply already rendered for these entries and options, reused."""
+        this apply already rendered for these entries and options, reused; `changed`:
+        the only keys whose entries may differ from what is held (None: any)."""
         held = self._held.get(family)
         if rendered is not None and rendered.options != options:
             rendered = None
@@ -428,7 +441,11 @@ class IptablesDataplane:
         rewritten: list[EntryRules] = []
         for key, entry in new_entries.items():
             old = old_entries.get(key)
-            if not rewrite_all and old is not None and old.digest == entry.digest:
+            if (
+                not rewrite_all
+                and old is not None
+                and ((changed is not None and key not in changed) or old.digest == entry.digest)
+            ):
                 rules[key] = old_rules[key]
                 digests[key] = old_digests[key]
                 continue
@@ -440,7 +457,8 @@ class IptablesDataplane:
             rewritten.append(rules[key])
             if old is not None and old.protocol == "UDP":
                 removed_udp.append((old, entry))
-        gone = [key for key in old_entries if key not in new_entries]
+        maybe_gone = old_entries if changed is None else changed
+        gone = [key for key in maybe_gone if key in old_entries and key not in new_entries]
         for key in gone:
             if old_entries[key].protocol == "UDP":
                 removed_udp.append((old_entries[key], None))
@@ -454,7 +472,9 @@ class IptablesDataplane:
             stale -= set(NAT_BASE_CHAINS)
         else:
             previous: set[str] = set()
-            for key in old_entries:
+            for key in old_entries if changed is None else changed:
+                if key not in old_entries:
+                    continue
                 if key in new_entries and rules[key] is old_rules.get(key):
                     continue
                 previous.update(old_rules[key].chains)

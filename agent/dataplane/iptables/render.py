@@ -145,13 +145,6 @@ def _frontend_label(frontend: Frontend) -> str:
     }[frontend.type]
 
 
-def _uses_local(entry: ServiceEntry, frontend: Frontend) -> bool:
-    """Whether traffic from outside to this frontend uses localBackends (docs/nodestate.md)."""
-    if frontend.type == CLUSTER_IP:
-        return entry.internal_traffic_policy == "Local"
-    return entry.external_traffic_policy == "Local"
-
-
 def _backend_set(entry: ServiceEntry, local: bool) -> tuple[Backend, ...]:
     return (entry.local_backends if local else entry.cluster_backends) or ()
 
@@ -175,10 +168,10 @@ def entry_rules(entry: ServiceEntry, options: RenderOptions) -> EntryRules:
     for frontend in entry.frontends:
         dest = _dest(frontend, entry, family)
         label = _quote(f"{name} {_frontend_label(frontend)}")
-        used = _backend_set(entry, _uses_local(entry, frontend))
+        used = entry.backends_for(frontend.type)  # from outside
         if frontend.type == CLUSTER_IP:
             if used:
-                target = svl if entry.internal_traffic_policy == "Local" else svc
+                target = svl if entry.uses_local(CLUSTER_IP) else svc
                 dispatch.append(f"-A {SERVICES} {dest} -m comment --comment {label} -j {target}")
         elif cluster or local:  # pods and the node use clusterBackends, outsiders `used`
             target = fw if frontend in source_ranged else ext
@@ -196,7 +189,7 @@ def entry_rules(entry: ServiceEntry, options: RenderOptions) -> EntryRules:
     endpoint_chains: dict[str, tuple[str, ...]] = {}
     # kube-proxy's "masquerade off-cluster traffic to the cluster IP", in the chain the
     # ClusterIP uses; only when pods can be told apart from everything else.
-    internal = svl if entry.internal_traffic_policy == "Local" else svc
+    internal = svl if entry.uses_local(CLUSTER_IP) else svc
     outsiders = tuple(
         f"-A {internal} {_dest(f, entry, family)} "
         f"-m comment --comment {_quote(f'{name} cluster IP')} -j {MASQ_NON_POD}"
@@ -217,7 +210,6 @@ def entry_rules(entry: ServiceEntry, options: RenderOptions) -> EntryRules:
             f"-m comment --comment {_quote(f'{name} loadbalancer IP')} -j {ext}"
             for f in source_ranged
             for cidr in f.source_ranges
-            if (":" in cidr) == (family == IPV6)
         )
     chains.update(endpoint_chains)
     return EntryRules(tuple(dispatch), tuple(filter_rules), chains)
