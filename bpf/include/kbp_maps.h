@@ -128,6 +128,19 @@ BPF_TABLE_PINNED("percpu_array", __u32, __u64, kbp_ct_stats, KBP_CT_STATS,
  * maps live (removed backends' flows still drain; a stale bit costs one lookup). */
 BPF_TABLE_PINNED("array", __u32, __u8, kbp_ports, 65536, KBP_PIN(kbp_ports));
 
+/* Could tc have translated a flow whose reply entry has this (source, source port,
+ * destination)? A filter over kbp_ct's reply entries, so that packets of flows tc never
+ * translated (the socket hooks' flows to backends, pods' direct connections to a pod
+ * that is a backend elsewhere) skip the conntrack lookups. Index: a hash of the reply
+ * key's backend address and port and client address (lib/maps.h map_ct_gate_slot, the
+ * collector's ctgate.py the same), on two sides of KBP_CT_GATE_SLOTS bytes each, then
+ * the selector (KBP_CT_GATE_*): the datapath sets a slot on both sides after it writes a
+ * reply entry; the collector zeroes the side not read, dumps kbp_ct, sets that side's
+ * slots of the reply entries it keeps and makes it the side read. A slot reads 0 only
+ * when no reply entry with its hash can exist; a set slot costs the lookup as before. */
+BPF_TABLE_PINNED("array", __u32, __u8, kbp_ct_gate, 2 * KBP_CT_GATE_SLOTS + 1,
+		 KBP_PIN(kbp_ct_gate));
+
 /* Index 0: the NodeState revision the maps hold (struct kbp_meta); the agent's alone. */
 BPF_TABLE_PINNED("array", __u32, struct kbp_meta, kbp_meta, 1, KBP_PIN(kbp_meta));
 

@@ -31,7 +31,9 @@ static __always_inline void ct_key_of_packet(const struct kbp_tuple *t, __u8 dir
 }
 
 /* Is this packet a backend's reply of a translated flow? Both hooks ask first. A reply
- * comes from a backend's port, so other source ports skip the lookup (kbp_ports). */
+ * comes from a backend's port, so other source ports skip the lookup (kbp_ports), and so
+ * do packets between addresses no translated flow joins (kbp_ct_gate: the socket hooks'
+ * flows, direct connections to pods that are backends). */
 static __always_inline struct kbp_ct_entry *ct_lookup_reply(const struct kbp_tuple *t)
 {
 	struct kbp_ct_key key = {};
@@ -39,6 +41,8 @@ static __always_inline struct kbp_ct_entry *ct_lookup_reply(const struct kbp_tup
 	if (!map_port_used(t->sport, KBP_PORT_F_BACKEND))
 		return NULL;
 	ct_key_of_packet(t, KBP_CT_REPLY, &key);
+	if (!map_ct_reply_maybe(&key))
+		return NULL;
 	return map_lookup_ct(&key);
 }
 
@@ -158,6 +162,8 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 	key.proto = t->proto;
 	key.family = t->family;
 	key.dir = KBP_CT_REPLY;
+	if (!map_ct_reply_maybe(&key))
+		return;
 	reply = map_lookup_ct(&key);
 	if (!reply)
 		return;

@@ -86,6 +86,7 @@ MAP_NAMES = (
     "kbp_ports",
     "kbp_meta",
     "kbp_ct_stats",
+    "kbp_ct_gate",
     "kbp_explain",
     "kbp_svc_drops",
 )

@@ -24,6 +24,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .abi import const, layout, versioned
+from .ctgate import ReplyGate
 from .libbpf import BPF_NOEXIST, Map
 
 log = logging.getLogger(__name__)
@@ -182,16 +183,20 @@ class SweepReport:
     by_state: Counter[tuple[str, str]] = field(default_factory=Counter)  # (proto, state)
     seconds: float = 0.0  # wall time of the pass
     cpu_seconds: float = 0.0  # CPU time of the sweeping thread
+    gate_slots: int | None = None  # kbp_ct_gate slots set by the pass (None: no gate)
 
 
 def sweep(
-    table: Map, timeouts: Timeouts, now: int | None = None, remap: Map | None = None
-) -> SweepReport:
+    table: Map, timeouts: Timeouts, now: int | None = None, remap: Map | None = None,
+    gate: ReplyGate | None = None,
+) -> SweepReport:  # fmt: skip
     """Read kbp_ct, delete the flows past their timeout, count the rest by state. A flow
     is read again just before its deletion, so one a packet refreshed meanwhile stays.
     A deleted remapped flow's port record goes too (`remap`: kbp_ct_remap), or a new
-    connection on the same tuple would later be recovered with the old flow's port."""
+    connection on the same tuple would later be recovered with the old flow's port.
+    `gate` (kbp_ct_gate) is rebuilt from the reply entries kept (ctgate.py)."""
     started, cpu_started = time.perf_counter(), time.thread_time()
+    side = gate.begin() if gate is not None else 0  # before the dump: see ctgate.py
     items = table.items()
     now = time.monotonic_ns() if now is None else now
     report = SweepReport(entries=len(items), collected=0)
@@ -211,6 +216,10 @@ def sweep(
         for key in records:  # few: only clashing flows are remapped
             remap.delete(key)
     report.collected = len(expired)
+    if gate is not None:
+        gone = set(expired)
+        kept = (key for key, _ in items if key[_KEY_DIR] == _REPLY and key not in gone)
+        report.gate_slots = gate.commit(side, kept)
     report.seconds = time.perf_counter() - started
     report.cpu_seconds = time.thread_time() - cpu_started
     return report
@@ -238,11 +247,12 @@ class Collector:
 
     def __init__(
         self, table: Map, stats: Map, timeouts: Timeouts, interval: float,
-        capacity: int | None = None, remap: Map | None = None,
+        capacity: int | None = None, remap: Map | None = None, gate: Map | None = None,
     ) -> None:  # fmt: skip
         self.table = table
         self.stats = stats
         self.remap = remap
+        self.gate = ReplyGate(gate) if gate is not None else None
         self.timeouts = timeouts
         self.interval = interval
         self.capacity = capacity or table.info.max_entries
@@ -276,7 +286,7 @@ class Collector:
 
     def run_once(self, now: int | None = None) -> SweepReport:
         with self._lock:
-            report = sweep(self.table, self.timeouts, now, self.remap)
+            report = sweep(self.table, self.timeouts, now, self.remap, self.gate)
             self.last = report
             self.collected_total += report.collected
         log.debug("ebpf: conntrack sweep: %d entries, %d collected in %.3f s", report.entries,

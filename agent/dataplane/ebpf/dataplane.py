@@ -139,7 +139,8 @@ class EbpfDataplane:
         self._ranges = self._read_ranges()
         self.conntrack = Collector(self.programs.map("kbp_ct"), self.programs.map("kbp_ct_stats"),
                                    ct_timeouts or Timeouts(), ct_sweep_interval,
-                                   remap=self.programs.map("kbp_ct_remap"))  # fmt: skip
+                                   remap=self.programs.map("kbp_ct_remap"),
+                                   gate=self.programs.map("kbp_ct_gate"))  # fmt: skip
         self._config = self.programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
         # The revision an earlier agent's last complete apply left in the maps (None: none,
         # or that apply was cut short): reported as held until this agent applies.
