@@ -276,6 +276,11 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key)
 	return kbp_sock_rev.delete(key);
 }
 
+static __always_inline struct kbp_sock_peer *map_sock_peer(struct bpf_sock *sk, int create)
+{
+	return kbp_sock_peer.sk_storage_get(sk, NULL, create ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+}
+
 static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie)
 {
 	return kbp_pods.lookup(netns_cookie);

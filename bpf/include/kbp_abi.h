@@ -300,6 +300,18 @@ struct kbp_sock_rev {
 	__u32 service_id;
 };
 
+/* kbp_sock_peer (socket storage): a TCP socket the connect hook pointed at a backend, and
+ * the frontend that backend stands for (getpeername() shows it). Freed with the socket. */
+struct kbp_sock_peer {
+	__be32 backend[4];     /* the address the socket was pointed at */
+	__be32 frontend[4];    /* the address the application asked for */
+	__be16 backend_port;
+	__be16 frontend_port;
+	__u32 service_id;
+	__u8 family;           /* KBP_FAMILY_* of both */
+	__u8 pad[7];
+};
+
 /* kbp_meta (array, one entry at index 0): which NodeState the maps hold, written by the
  * agent only (no program reads it). A restarted agent reports it as the held revision
  * until it has the cluster's state again. Zeroed before an apply starts writing and set

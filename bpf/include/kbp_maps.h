@@ -112,6 +112,13 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_xdp_stats,
 BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_rev,
 		 KBP_MAX_SOCK_REV, KBP_PIN(kbp_sock_rev));
 
+/* Per TCP socket the connect hook translated: its backend and frontend (struct
+ * kbp_sock_peer), kept by the socket itself and freed with it. kbp_sock_rev above holds
+ * UDP sockets' (one socket may send to many backends) and TCP sockets' of programs older
+ * than this map. */
+BPF_TABLE_PINNED("sk_storage", int, struct kbp_sock_peer, kbp_sock_peer, 0,
+		 KBP_PIN(kbp_sock_peer), BPF_F_NO_PREALLOC);
+
 /* Pod network namespace cookie -> the pod's addresses: whose sockets are pods'. */
 BPF_TABLE_PINNED("hash", __u64, struct kbp_pod, kbp_pods, KBP_MAX_PODS, KBP_PIN(kbp_pods));
 

@@ -87,6 +87,7 @@ MAP_NAMES = (
     "kbp_meta",
     "kbp_ct_stats",
     "kbp_ct_gate",
+    "kbp_sock_peer",
     "kbp_explain",
     "kbp_svc_drops",
 )
