@@ -38,8 +38,9 @@ flag would, and makes a conntrack collector pass, as the agent does every few se
 (it rebuilds kbp_ct_gate). The floor is the strictest one: no program at all on its
 path, where on a node running the dataplane every pod's veth has them.
 
-Then a request/response set per dataplane: one connection, 1-byte messages echoed by
-the server (its Python event loop dominates; all kinds share it).
+Then request/response sets (floor, ebpf:last, sock:last, iptables:last), in rounds of
+rotating order as the connect() sets: each one connection, 1-byte messages echoed by the
+server (its Python event loop dominates; all kinds share it).
 
     .venv/bin/python -m bench.connect [--quick] [--services N ...] [--dataplanes ebpf,iptables]
                                       [--socket-lb all,off]
@@ -422,14 +423,19 @@ def run(args: argparse.Namespace) -> int:
                             errors[kind] += out["errors"]
                             if out["first_error"]:
                                 notes.setdefault(kind, out["first_error"])
-                    rr: dict[str, Summary] = {}
-                    for kind in ("floor", "ebpf:last", "sock:last", "iptables:last"):
-                        if kind in kinds:
+                    # Request/response in rounds of rotating order too, so that the
+                    # machine's drift (others' work) falls on every kind alike.
+                    rr_kinds = [k for k in ("floor", "ebpf:last", "sock:last", "iptables:last")
+                                if k in kinds]  # fmt: skip
+                    rr_ns: dict[str, list[int]] = {k: [] for k in rr_kinds}
+                    for r in range(rounds):
+                        for kind in rr_kinds[r % len(rr_kinds) :] + rr_kinds[: r % len(rr_kinds)]:
                             pod, ip, port = targets[kind]
                             cgroup = prepare(kind)
-                            rr[kind] = Summary(
-                                run_in_pod(pod, "--pod-rr", ip, port, exchanges, cgroup)["ns"]
-                            )
+                            out = run_in_pod(pod, "--pod-rr", ip, port,
+                                             max(1, exchanges // rounds), cgroup)  # fmt: skip
+                            rr_ns[kind] += out["ns"]
+                    rr = {kind: Summary(ns) for kind, ns in rr_ns.items()}
                     report.append(print_size(n, samples, errors, notes, rr, applied, places))
     except KeyboardInterrupt:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
