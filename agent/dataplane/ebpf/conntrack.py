@@ -247,12 +247,12 @@ class Collector:
 
     def __init__(
         self, table: Map, stats: Map, timeouts: Timeouts, interval: float,
-        capacity: int | None = None, remap: Map | None = None, gate: Map | None = None,
+        capacity: int | None = None, remap: Map | None = None,
     ) -> None:  # fmt: skip
         self.table = table
         self.stats = stats
         self.remap = remap
-        self.gate = ReplyGate(gate) if gate is not None else None
+        self.gate: ReplyGate | None = None  # kbp_ct_gate, rebuilt once use_gate gave it
         self.timeouts = timeouts
         self.interval = interval
         self.capacity = capacity or table.info.max_entries
@@ -263,6 +263,11 @@ class Collector:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    def use_gate(self, gate: ReplyGate) -> None:
+        """Rebuild kbp_ct_gate at every pass from now on (ctgate.py)."""
+        with self._lock:
+            self.gate = gate
 
     def start(self) -> None:
         if self._thread is None and self.interval > 0:

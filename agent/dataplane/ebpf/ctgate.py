@@ -60,6 +60,10 @@ class ReplyGate:
             return 1
         return None
 
+    def reset(self) -> None:
+        """Back to KBP_CT_GATE_UNBUILT: the datapath makes every lookup until a commit."""
+        self.table.update(_INDEX.pack(SELECTOR), bytes((const.KBP_CT_GATE_UNBUILT,)))
+
     def begin(self) -> int:
         """Zero the side not read, before kbp_ct is dumped; returns it for `commit`."""
         side = 1 if self.current_side() == 0 else 0
