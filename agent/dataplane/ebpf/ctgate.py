@@ -49,6 +49,7 @@ class ReplyGate:
 
     def __init__(self, table: Map) -> None:
         self.table = table
+        self._side_keys: dict[int, bytes] = {}  # every index of a side, for `begin`
 
     def current_side(self) -> int | None:
         """0 or 1: the side the datapath reads; None before the first commit."""
@@ -67,7 +68,10 @@ class ReplyGate:
     def begin(self) -> int:
         """Zero the side not read, before kbp_ct is dumped; returns it for `commit`."""
         side = 1 if self.current_side() == 0 else 0
-        self._write(side, range(SLOTS), 0)
+        if side not in self._side_keys:
+            base = side * SLOTS
+            self._side_keys[side] = b"".join(_INDEX.pack(base + i) for i in range(SLOTS))
+        self.table.update_batch(self._side_keys[side], bytes(SLOTS), SLOTS)
         return side
 
     def commit(self, side: int, reply_keys: Iterable[bytes]) -> int:
@@ -79,9 +83,7 @@ class ReplyGate:
         self.table.update(_INDEX.pack(SELECTOR), bytes((selector,)))
         return len(slots)
 
-    def _write(self, side: int, slots: Iterable[int], value: int) -> None:
+    def _write(self, side: int, slots: list[int], value: int) -> None:
         base = side * SLOTS
         keys = b"".join(_INDEX.pack(base + slot) for slot in slots)
-        count = len(keys) // _INDEX.size
-        if count:
-            self.table.update_batch(keys, bytes((value,)) * count, count)
+        self.table.update_batch(keys, bytes((value,)) * len(slots), len(slots))
