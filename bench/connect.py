@@ -4,9 +4,9 @@ between two pods without programs or rules (the floor), all measured in turn in 
 
 Two namespace labs (agent/lab/nodelab.py), so the iptables rules never sit on the eBPF or
 floor paths (netfilter hooks are per namespace). The eBPF lab has one node namespace and
-six pods on veth pairs: `client` and `server` have the tc programs on their host veths;
-`client0` and `server0` have none (the floor); `client2` and `server2` have an empty tc
-program. The iptables lab (node 2) has `client` and `server` and the IptablesDataplane in
+seven pods on veth pairs: `client`, `client3` and `server` have the tc programs on their
+host veths; `client0` and `server0` have none (the floor); `client2` and `server2` have an
+empty tc program. The iptables lab (node 2) has `client` and `server` and the IptablesDataplane in
 its node namespace (`--pod-interfaces vethkbp*`). The servers run the lab's podserver on
 ports 8080-8083. Three target Services (ClusterIPs 10.96.255.252-254:80 → the lab's
 server, each on its own port) are named to sort first, in the middle and last among N - 3
@@ -22,21 +22,25 @@ connect() calls (and closes each with a RST, so no TIME_WAIT piles up):
                      veths (what the tc hook itself costs)
     ebpf:POSITION    client → the target ClusterIP:80 with --socket-lb off: DNAT at the
                      client's veth, reverse NAT at the server's
-    sock:POSITION    client → the target ClusterIP:80 with --socket-lb all: the cgroup
+    sock:POSITION    client3 → the target ClusterIP:80 with --socket-lb all: the cgroup
                      connect hook points the socket at the backend; tc sees only packets to
-                     and from the pod IP (its miss path)
+                     and from the pod IP (its miss path, kbp_ct_gate clear for the pair)
     pod_ip           client → server pod IP:8081 with the programs attached (their miss path)
     iptables:POSITION  iptables lab: client → the target ClusterIP:80 (nat KBP-SERVICES)
     iptables:pod_ip  iptables lab: client → server pod IP:8081 (every KBP-SERVICES rule
                      checked, none matches)
 
-The socket hooks are attached to a cgroup the lab made, which only the `client` pod's
-measuring processes join (the floor's and the noop's clients stay outside it, so no hook
-runs for them); before each set the bench writes --socket-lb into kbp_config (off for
-ebpf:* and pod_ip, all for sock:*), as an agent restarted with that flag would.
+The socket hooks are attached to a cgroup the lab made, which only the `client` and
+`client3` pods' measuring processes join (the floor's and the noop's clients stay outside
+it, so no hook runs for them); before each set the bench writes --socket-lb into
+kbp_config (off for ebpf:* and pod_ip, all for sock:*), as an agent restarted with that
+flag would, and makes a conntrack collector pass, as the agent does every few seconds
+(it rebuilds kbp_ct_gate). The floor is the strictest one: no program at all on its
+path, where on a node running the dataplane every pod's veth has them.
 
-Then a request/response set per dataplane: one connection, 1-byte messages echoed by
-the server (its Python event loop dominates; all kinds share it).
+Then request/response sets (floor, ebpf:last, sock:last, iptables:last), in rounds of
+rotating order as the connect() sets: each one connection, 1-byte messages echoed by the
+server (its Python event loop dominates; all kinds share it).
 
     .venv/bin/python -m bench.connect [--quick] [--services N ...] [--dataplanes ebpf,iptables]
                                       [--socket-lb all,off]
@@ -74,6 +78,11 @@ PORT = 8080
 # port) is hijacked by that flow's stale conntrack reply entry (see the report), which
 # would time this set out instead of measuring the miss path.
 DIRECT_PORT = 8081
+# The pod the sock:* sets connect from. tc's flows of the ebpf:* sets (from `client`, to
+# the same backends) keep their conntrack entries for the time-wait after each set, and
+# kbp_ct_gate lets tc skip its lookups only for (backend, client) pairs no such entry
+# names: with --socket-lb all a pod's flows are the hooks', so its own pod measures that.
+SOCK_CLIENT = "client3"
 MAX_FAILURES = 20  # a set stops after this many failed connects (each waits 2 s)
 TARGET_IP = "10.96.255.254"  # the target that sorts last (also the only one below N = 3)
 TARGET_PORT = 80
@@ -307,10 +316,13 @@ def run(args: argparse.Namespace) -> int:
                 if ebpf:
                     client, server = lab.add_pod("client"), lab.add_pod("server")
                     client2, server2 = lab.add_pod("client2"), lab.add_pod("server2")
+                    # The socket hooks' client: a pod of its own, as under --socket-lb all
+                    # no flow of tc's joins it and the backends (see SOCK_CLIENT).
+                    client3 = lab.add_pod(SOCK_CLIENT)
                     server.serve(SERVER_PORTS, ("tcp",))
                     server2.serve([PORT], ("tcp",))
                     sizes = map_sizes_for(max(all_n), endpoints)
-                    attached = [client.host_ifname, server.host_ifname]
+                    attached = [client.host_ifname, server.host_ifname, client3.host_ifname]
                     dp = stack.enter_context(bench_dataplane(sizes, lab.node_ns, attached,
                                                              lab.cgroup))  # fmt: skip
                     # The hook's own cost: an empty program on both hooks of another pair
@@ -328,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
                     targets["pod_ip"] = (client, server.ipv4, DIRECT_PORT)
                     for pos in POSITIONS:
                         targets[f"ebpf:{pos}"] = (client, TARGET_IPS[pos], TARGET_PORT)
-                        targets[f"sock:{pos}"] = (client, TARGET_IPS[pos], TARGET_PORT)
+                        targets[f"sock:{pos}"] = (client3, TARGET_IPS[pos], TARGET_PORT)
                 if iptables:
                     # Its own node namespace: the rules must not sit on the floor's path.
                     lab2 = labs.enter_context(Lab(node=2))
@@ -361,6 +373,9 @@ def run(args: argparse.Namespace) -> int:
                     if dp is None or not (kind.startswith(("ebpf:", "sock:")) or kind == "pod_ip"):
                         return None
                     set_socket_lb(dp, "all" if kind.startswith("sock:") else "off")
+                    # The collector's pass, as a running agent makes every few seconds:
+                    # it rebuilds kbp_ct_gate from the flows tc still holds.
+                    dp.conntrack.run_once()
                     return lab.cgroup
 
                 for n in all_n:
@@ -405,14 +420,19 @@ def run(args: argparse.Namespace) -> int:
                             errors[kind] += out["errors"]
                             if out["first_error"]:
                                 notes.setdefault(kind, out["first_error"])
-                    rr: dict[str, Summary] = {}
-                    for kind in ("floor", "ebpf:last", "sock:last", "iptables:last"):
-                        if kind in kinds:
+                    # Request/response in rounds of rotating order too, so that the
+                    # machine's drift (others' work) falls on every kind alike.
+                    rr_kinds = [k for k in ("floor", "ebpf:last", "sock:last", "iptables:last")
+                                if k in kinds]  # fmt: skip
+                    rr_ns: dict[str, list[int]] = {k: [] for k in rr_kinds}
+                    for r in range(rounds):
+                        for kind in rr_kinds[r % len(rr_kinds) :] + rr_kinds[: r % len(rr_kinds)]:
                             pod, ip, port = targets[kind]
                             cgroup = prepare(kind)
-                            rr[kind] = Summary(
-                                run_in_pod(pod, "--pod-rr", ip, port, exchanges, cgroup)["ns"]
-                            )
+                            out = run_in_pod(pod, "--pod-rr", ip, port,
+                                             max(1, exchanges // rounds), cgroup)  # fmt: skip
+                            rr_ns[kind] += out["ns"]
+                    rr = {kind: Summary(ns) for kind, ns in rr_ns.items()}
                     report.append(print_size(n, samples, errors, notes, rr, applied, places))
     except KeyboardInterrupt:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")

@@ -97,13 +97,71 @@ static __always_inline int __explain_ct_write(struct kbp_explain *dry, struct kb
 	return 0;
 }
 
+/* --- kbp_ct_gate (kbp_maps.h) ------------------------------------------------------------ */
+
+/* The slot of a reply key: its backend (source) address and port and its client
+ * (destination) address, mixed with multiplications and a 32-bit finalizer. The
+ * collector computes the same (agent/dataplane/ebpf/ctgate.py slot_of). */
+static __always_inline __u32 __ct_gate_slot(const struct kbp_ct_key *key)
+{
+	__u32 h = key->saddr[0] ^ key->saddr[1] ^ key->saddr[2] ^ key->saddr[3];
+	__u32 c = key->daddr[0] ^ key->daddr[1] ^ key->daddr[2] ^ key->daddr[3];
+
+	h = (h * 0x9e3779b1U) ^ c;
+	h = (h * 0x85ebca6bU) ^ (__u32)key->sport;
+	h ^= h >> 16;
+	h *= 0x7feb352dU;
+	h ^= h >> 15;
+	return h & (KBP_CT_GATE_SLOTS - 1);
+}
+
+static __always_inline void __ct_gate_set(__u32 index)
+{
+	__u8 *slot = kbp_ct_gate.lookup(&index);
+
+	if (slot && *slot == 0)
+		*slot = 1;
+}
+
+/* After a reply entry or its spare (same addresses and ports) was written: its slot on
+ * both sides, so that neither the side read now nor the one the collector is building can
+ * miss it. */
+static __always_inline void __ct_gate_note(const struct kbp_ct_key *key)
+{
+	__u32 slot;
+
+	if (key->dir == KBP_CT_FORWARD)
+		return;
+	slot = __ct_gate_slot(key);
+	__ct_gate_set(slot);
+	__ct_gate_set(slot + KBP_CT_GATE_SLOTS);
+}
+
+static __always_inline int map_ct_reply_maybe(const struct kbp_ct_key *key)
+{
+	__u32 index = 2 * KBP_CT_GATE_SLOTS;
+	__u8 *selector = kbp_ct_gate.lookup(&index), *slot;
+
+	if (!selector || *selector == KBP_CT_GATE_UNBUILT)
+		return 1;
+	index = __ct_gate_slot(key);
+	if (*selector == KBP_CT_GATE_SIDE1)
+		index += KBP_CT_GATE_SLOTS;
+	slot = kbp_ct_gate.lookup(&index);
+	return !slot || *slot;
+}
+
 static __always_inline int map_update_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry)
 {
 	struct kbp_explain *dry = __explain_dry();
+	int err;
 
 	if (dry)
 		return __explain_ct_write(dry, key, entry);
-	return kbp_ct.update(key, entry);
+	err = kbp_ct.update(key, entry);
+	if (err == 0)
+		__ct_gate_note(key);
+	return err;
 }
 
 static __always_inline int map_delete_ct(struct kbp_ct_key *key)
@@ -185,9 +243,14 @@ static __always_inline int map_insert_ct(struct kbp_ct_key *key, struct kbp_ct_e
 {
 	struct kbp_explain *dry = __explain_dry();
 
+	int err;
+
 	if (dry)
 		return kbp_ct.lookup(key) ? -17 : __explain_ct_write(dry, key, entry);
-	return kbp_ct.insert(key, entry);
+	err = kbp_ct.insert(key, entry);
+	if (err == 0)
+		__ct_gate_note(key);
+	return err;
 }
 
 static __always_inline struct kbp_drop_counters *map_lookup_xdp_stats(__u32 *verdict)
@@ -212,6 +275,11 @@ static __always_inline int map_update_sock_rev(struct kbp_sock_key *key, struct 
 static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key)
 {
 	return kbp_sock_rev.delete(key);
+}
+
+static __always_inline struct kbp_sock_peer *map_sock_peer(struct bpf_sock *sk, int create)
+{
+	return kbp_sock_peer.sk_storage_get(sk, NULL, create ? BPF_SK_STORAGE_GET_F_CREATE : 0);
 }
 
 static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie)

@@ -114,6 +114,13 @@
 #define KBP_PORT_F_BACKEND 1  /* a backend served on it: replies can come from it */
 #define KBP_PORT_F_FRONTEND 2 /* a frontend used it: packets to it can be for a Service */
 
+/* kbp_ct_gate (see kbp_maps.h): slots per side, a power of two; the selector's index is
+ * 2 * KBP_CT_GATE_SLOTS, its values: */
+#define KBP_CT_GATE_SLOTS 65536
+#define KBP_CT_GATE_UNBUILT 0 /* no side built yet: every reply lookup is made */
+#define KBP_CT_GATE_SIDE0 1   /* side 0 (indexes 0 .. SLOTS - 1) is the one read */
+#define KBP_CT_GATE_SIDE1 2   /* side 1 (SLOTS .. 2 * SLOTS - 1) */
+
 /* kbp_services: frontend address:port/protocol -> service. */
 struct kbp_frontend_key {
 	__be32 addr[4];  /* frontend IP (see the address rule above) */
@@ -296,6 +303,18 @@ struct kbp_sock_rev {
 	__be16 port;    /* frontend port */
 	__u8 pad[2];
 	__u32 service_id;
+};
+
+/* kbp_sock_peer (socket storage): a TCP socket the connect hook pointed at a backend, and
+ * the frontend that backend stands for (getpeername() shows it). Freed with the socket. */
+struct kbp_sock_peer {
+	__be32 backend[4];     /* the address the socket was pointed at */
+	__be32 frontend[4];    /* the address the application asked for */
+	__be16 backend_port;
+	__be16 frontend_port;
+	__u32 service_id;
+	__u8 family;           /* KBP_FAMILY_* of both */
+	__u8 pad[7];
 };
 
 /* kbp_meta (array, one entry at index 0): which NodeState the maps hold, written by the

@@ -112,6 +112,13 @@ BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_xdp_stats,
 BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_rev,
 		 KBP_MAX_SOCK_REV, KBP_PIN(kbp_sock_rev));
 
+/* Per TCP socket the connect hook translated: its backend and frontend (struct
+ * kbp_sock_peer), kept by the socket itself and freed with it. kbp_sock_rev above holds
+ * UDP sockets' (one socket may send to many backends) and TCP sockets' of programs older
+ * than this map. */
+BPF_TABLE_PINNED("sk_storage", int, struct kbp_sock_peer, kbp_sock_peer, 0,
+		 KBP_PIN(kbp_sock_peer), BPF_F_NO_PREALLOC);
+
 /* Pod network namespace cookie -> the pod's addresses: whose sockets are pods'. */
 BPF_TABLE_PINNED("hash", __u64, struct kbp_pod, kbp_pods, KBP_MAX_PODS, KBP_PIN(kbp_pods));
 
@@ -127,6 +134,19 @@ BPF_TABLE_PINNED("percpu_array", __u32, __u64, kbp_ct_stats, KBP_CT_STATS,
  * before it writes a backend or frontend with that port and never clears one while the
  * maps live (removed backends' flows still drain; a stale bit costs one lookup). */
 BPF_TABLE_PINNED("array", __u32, __u8, kbp_ports, 65536, KBP_PIN(kbp_ports));
+
+/* Could tc have translated a flow whose reply entry has this (source, source port,
+ * destination)? A filter over kbp_ct's reply entries, so that packets of flows tc never
+ * translated (the socket hooks' flows to backends, pods' direct connections to a pod
+ * that is a backend elsewhere) skip the conntrack lookups. Index: a hash of the reply
+ * key's backend address and port and client address (lib/maps.h map_ct_gate_slot, the
+ * collector's ctgate.py the same), on two sides of KBP_CT_GATE_SLOTS bytes each, then
+ * the selector (KBP_CT_GATE_*): the datapath sets a slot on both sides after it writes a
+ * reply entry; the collector zeroes the side not read, dumps kbp_ct, sets that side's
+ * slots of the reply entries it keeps and makes it the side read. A slot reads 0 only
+ * when no reply entry with its hash can exist; a set slot costs the lookup as before. */
+BPF_TABLE_PINNED("array", __u32, __u8, kbp_ct_gate, 2 * KBP_CT_GATE_SLOTS + 1,
+		 KBP_PIN(kbp_ct_gate));
 
 /* Index 0: the NodeState revision the maps hold (struct kbp_meta); the agent's alone. */
 BPF_TABLE_PINNED("array", __u32, struct kbp_meta, kbp_meta, 1, KBP_PIN(kbp_meta));

@@ -31,7 +31,10 @@ static __always_inline void ct_key_of_packet(const struct kbp_tuple *t, __u8 dir
 }
 
 /* Is this packet a backend's reply of a translated flow? Both hooks ask first. A reply
- * comes from a backend's port, so other source ports skip the lookup (kbp_ports). */
+ * comes from a backend's port, so other source ports skip the lookup (kbp_ports), and so
+ * do packets between addresses no translated flow joins (kbp_ct_gate: the socket hooks'
+ * flows, direct connections to pods that are backends; a spare has its reply entry's
+ * addresses, so the gate covers it too). */
 static __always_inline struct kbp_ct_entry *__ct_reply_from_spare(struct kbp_ct_key *key);
 
 static __always_inline struct kbp_ct_entry *__ct_lookup_reply(const struct kbp_tuple *t,
@@ -43,6 +46,8 @@ static __always_inline struct kbp_ct_entry *__ct_lookup_reply(const struct kbp_t
 	if (!map_port_used(t->sport, KBP_PORT_F_BACKEND))
 		return NULL;
 	ct_key_of_packet(t, KBP_CT_REPLY, &key);
+	if (!map_ct_reply_maybe(&key))
+		return NULL;
 	reply = map_lookup_ct(&key);
 	if (reply || !spare)
 		return reply;
@@ -271,6 +276,8 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 	key.proto = t->proto;
 	key.family = t->family;
 	key.dir = KBP_CT_REPLY;
+	if (!map_ct_reply_maybe(&key))
+		return;
 	reply = map_lookup_ct(&key);
 	if (!reply) { /* lost alone: its spare would restore it */
 		key.dir = KBP_CT_SPARE;

@@ -17,6 +17,8 @@ static __always_inline struct kbp_backend *map_lookup_backend(__u32 *backend_id)
 static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key);
 static __always_inline int map_update_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry);
 static __always_inline int map_delete_ct(struct kbp_ct_key *key);
+/* May kbp_ct hold a reply entry at this reply key (kbp_ct_gate)? 0 only when none can. */
+static __always_inline int map_ct_reply_maybe(const struct kbp_ct_key *key);
 static __always_inline struct kbp_affinity *map_lookup_affinity(struct kbp_affinity_key *key);
 static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
 					       struct kbp_affinity *value);
@@ -31,6 +33,9 @@ static __always_inline struct kbp_sock_rev *map_lookup_sock_rev(struct kbp_sock_
 static __always_inline int map_update_sock_rev(struct kbp_sock_key *key,
 					       struct kbp_sock_rev *value);
 static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key);
+/* The socket's kbp_sock_peer, created (zeroed) when `create` and it has none; NULL when
+ * it has none (or it could not be created). */
+static __always_inline struct kbp_sock_peer *map_sock_peer(struct bpf_sock *sk, int create);
 static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie);
 static __always_inline int map_port_used(__be16 port, __u8 what);
 static __always_inline __u64 *map_lookup_ct_stats(__u32 *what);

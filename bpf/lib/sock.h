@@ -317,6 +317,31 @@ static __always_inline int sock_remember_frontend(__u64 cookie, const struct kbp
 	return 1;
 }
 
+/* The same for a TCP socket at connect(), in the socket's own storage (kbp_sock_peer):
+ * no shared map entry to write, and nothing to remove when it closes. Falls back to
+ * kbp_sock_rev when the storage cannot be created. */
+static __always_inline int sock_remember_peer(struct bpf_sock_addr *ctx, __u64 cookie,
+					      const struct kbp_backend *backend,
+					      const struct sock_user_addr *frontend,
+					      __u32 service_id)
+{
+	struct kbp_sock_peer *peer = map_sock_peer(ctx->sk, 1);
+
+	if (!peer)
+		return sock_remember_frontend(cookie, backend, frontend, service_id);
+	if (peer->service_id == service_id && peer->backend_port == backend->port &&
+	    peer->frontend_port == frontend->port && lb_addr_equal(peer->backend, backend->addr) &&
+	    lb_addr_equal(peer->frontend, frontend->addr))
+		return 0;
+	__builtin_memcpy(peer->backend, backend->addr, sizeof(peer->backend));
+	__builtin_memcpy(peer->frontend, frontend->addr, sizeof(peer->frontend));
+	peer->backend_port = backend->port;
+	peer->frontend_port = frontend->port;
+	peer->service_id = service_id;
+	peer->family = backend->family;
+	return 1;
+}
+
 /* A UDP socket's first datagram to `backend` (its port is known at sendmsg()): a reply
  * entry that tc left for an earlier flow with the same ports would disguise the backend's
  * answers as the frontend's, and this socket would drop them. tc forgets such entries at
@@ -338,7 +363,8 @@ static __always_inline void sock_forget_tc_flow(const struct kbp_tuple *t,
  * success `*backend_out` names the address to write; returns KBP_SOCK_ALLOW with
  * *backend_out NULL when the destination is not a service (or the socket not ours), or
  * KBP_SOCK_REJECT after setting the errno. */
-static __always_inline int sock_lb_select(void *ctx, const struct sock_user_addr *frontend,
+static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
+					  const struct sock_user_addr *frontend,
 					  const struct sock_user_addr *bound, __u32 protocol,
 					  struct kbp_backend **backend_out)
 {
@@ -374,7 +400,8 @@ static __always_inline int sock_lb_select(void *ctx, const struct sock_user_addr
 	/* Service ids are per family: a backend of another family means a corrupt entry. */
 	if (backend->family != frontend->family)
 		return sock_refuse(svc, KBP_DROP_NAT_FAILED, EHOSTUNREACH);
-	if (sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
+	if (proto == IPPROTO_TCP ? sock_remember_peer(ctx, cookie, backend, frontend, svc->service_id)
+				 : sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
 		lb_remember_affinity(&t, svc, now, backend_id);
 		count_new_flow(svc->service_id);
 		sock_forget_tc_flow(&t, backend);
@@ -415,14 +442,25 @@ static __always_inline int sock6_to_backend(struct bpf_sock_addr *ctx)
 
 /* The frontend this socket's peer `peer` (a backend) stands for, or NULL. Whatever
  * kbp_config.sock_lb says now: a socket translated before a mode switch still shows its
- * frontend. Only peers on a port some backend served on can be in kbp_sock_rev. */
-static __always_inline struct kbp_sock_rev *sock_frontend_of(void *ctx,
-							     const struct sock_user_addr *peer)
+ * frontend. Only peers on a port some backend served on can be in kbp_sock_rev. A TCP
+ * socket's is in its kbp_sock_peer (sock_remember_peer), copied to `*found`. */
+static __always_inline struct kbp_sock_rev *sock_frontend_of(struct bpf_sock_addr *ctx,
+							     const struct sock_user_addr *peer,
+							     struct kbp_sock_rev *found)
 {
 	struct kbp_sock_key key = {};
+	struct kbp_sock_peer *mine;
 
 	if (!map_port_used(peer->port, KBP_PORT_F_BACKEND))
 		return NULL;
+	if (ctx->protocol == IPPROTO_TCP && (mine = map_sock_peer(ctx->sk, 0)) &&
+	    mine->family == peer->family && mine->backend_port == peer->port &&
+	    lb_addr_equal(mine->backend, peer->addr)) {
+		__builtin_memcpy(found->addr, mine->frontend, sizeof(found->addr));
+		found->port = mine->frontend_port;
+		found->service_id = mine->service_id;
+		return found;
+	}
 	key.cookie = kbp_socket_cookie(ctx);
 	__builtin_memcpy(key.addr, peer->addr, sizeof(key.addr));
 	key.port = peer->port;
@@ -435,10 +473,10 @@ static __always_inline struct kbp_sock_rev *sock_frontend_of(void *ctx,
 static __always_inline int sock4_to_frontend(struct bpf_sock_addr *ctx)
 {
 	struct sock_user_addr peer = {};
-	struct kbp_sock_rev *rev;
+	struct kbp_sock_rev found = {}, *rev;
 
 	sock4_read_user(ctx, &peer);
-	rev = sock_frontend_of(ctx, &peer);
+	rev = sock_frontend_of(ctx, &peer, &found);
 	if (rev)
 		sock4_write_user(ctx, rev->addr, rev->port);
 	return KBP_SOCK_ALLOW;
@@ -447,10 +485,10 @@ static __always_inline int sock4_to_frontend(struct bpf_sock_addr *ctx)
 static __always_inline int sock6_to_frontend(struct bpf_sock_addr *ctx)
 {
 	struct sock_user_addr peer = {};
-	struct kbp_sock_rev *rev;
+	struct kbp_sock_rev found = {}, *rev;
 
 	sock6_read_user(ctx, &peer);
-	rev = sock_frontend_of(ctx, &peer);
+	rev = sock_frontend_of(ctx, &peer, &found);
 	if (rev)
 		sock6_write_user(ctx, &peer, rev->addr, rev->port);
 	return KBP_SOCK_ALLOW;
@@ -468,6 +506,10 @@ static __always_inline int sock_forget(struct bpf_sock *ctx)
 	if (!sock_proto_of(ctx->protocol) || ctx->dst_port == 0)
 		return KBP_SOCK_ALLOW;
 	if (!map_port_used((__be16)ctx->dst_port, KBP_PORT_F_BACKEND))
+		return KBP_SOCK_ALLOW;
+	/* A TCP socket with a kbp_sock_peer has no kbp_sock_rev entry: the storage goes
+	 * with the socket. */
+	if (ctx->protocol == IPPROTO_TCP && map_sock_peer(ctx, 0))
 		return KBP_SOCK_ALLOW;
 	if (ctx->family == AF_INET) {
 		peer.addr[0] = ctx->dst_ip4;

@@ -339,18 +339,73 @@ def test_udp_flow_to_a_removed_backend_moves_to_another(env: Env) -> None:
     assert now in kept, f"the flow stayed on removed backend {gone}"
 
 
-def test_one_client_port_alternating_between_a_service_and_its_backend(env: Env) -> None:
+@pytest.mark.parametrize("sweep", [False, True], ids=["gate-unbuilt", "swept"])
+def test_one_client_port_alternating_between_a_service_and_its_backend(
+    env: Env, sweep: bool
+) -> None:
     """A pod reaches a Service, then the backend's own address, then the Service again,
     all from one source port (what the socket hooks and tc together produce when a pod's
-    connections are translated now at connect(), now at tc): every connection works."""
-    objects, ip4, _ = service(env, "reuse", backends(env, "be1"))
+    connections are translated now at connect(), now at tc): every connection works.
+    `swept`: the collector runs before each connection, so tc consults kbp_ct_gate as the
+    collector built it (the closed flow's entries are kept until their time-wait ends),
+    not only as the datapath set it."""
+    objects, ip4, _ = service(env, "reuse-swept" if sweep else "reuse", backends(env, "be1"))
     env.program(*objects)
     client, backend = env.pod("client1"), env.pod("be1")
-    port = UDP_SOURCE_PORT + 1
+    port = UDP_SOURCE_PORT + (2 if sweep else 1)
     for ip, target in ((ip4, 80), (backend.ipv4, PORT), (ip4, 80), (backend.ipv4, PORT),
                        (ip4, 80)):  # fmt: skip
+        if sweep and isinstance(env.running(), EbpfDataplane):
+            env.running().conntrack.run_once()  # type: ignore[attr-defined]
         result = client.connect_many(ip, target, "tcp", 1, source_port=port)
         assert result.counts == {"be1": 1}, (ip, result.details)
+
+
+@not_on("iptables", "kbp_ct_gate is the eBPF dataplane's")
+def test_reply_gate_covers_every_reply_entry_and_forgets_collected_flows(env: Env) -> None:
+    """kbp_ct_gate, which lets tc skip the conntrack lookups of flows it never translated:
+    the datapath sets a reply entry's slot on both sides (the C and Python hashes agree),
+    a sweep keeps the slots of the entries it keeps, and a flow the collector removed no
+    longer holds its slot."""
+    if env.sockets_translated:
+        pytest.skip("the pods' flows are translated at connect() here: tc writes no entries")
+    from agent.dataplane.ebpf.abi import const
+    from agent.dataplane.ebpf.ctgate import SLOTS, ReplyGate, slot_of
+
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane)
+    objects, ip4, _ = service(env, "gate", backends(env, *BACKENDS))
+    env.program(*objects)
+    result = env.pod("client2").connect_many(ip4, 80, "tcp", 6)
+    assert result.errors == {}, result.details
+    table, gate = dataplane.programs.map("kbp_ct"), dataplane.programs.map("kbp_ct_gate")
+
+    def replies() -> set[bytes]:
+        return {key for key, _ in table.items() if key[-2] == const.KBP_CT_REPLY}  # dir
+
+    def slot(index: int) -> int:
+        raw = gate.lookup(index.to_bytes(4, "little"))
+        assert raw is not None
+        return raw[0]
+
+    before = replies()
+    assert len(before) >= 6
+    for key in replies():
+        assert slot(slot_of(key)) == 1 and slot(SLOTS + slot_of(key)) == 1, key.hex()
+    report = dataplane.conntrack.run_once()
+    side = ReplyGate(gate).current_side()
+    assert side is not None and report.gate_slots is not None
+    for key in replies():
+        assert slot(side * SLOTS + slot_of(key)) == 1, key.hex()
+    # A minute on: the closed flows' time-wait (10 s) is over, they are collected.
+    report = dataplane.conntrack.run_once(time.monotonic_ns() + 60 * 10**9)
+    assert report.collected >= 12, report
+    side = ReplyGate(gate).current_side()
+    assert side is not None
+    live = {slot_of(key) for key in replies()}
+    freed = {slot_of(key) for key in before} - live
+    assert freed, "every collected flow shares a slot with a live one"
+    assert all(slot(side * SLOTS + s) == 0 for s in freed)
 
 
 # A connected UDP socket kept open: one exchange per line read on stdin, printed as JSON

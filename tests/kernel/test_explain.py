@@ -85,10 +85,13 @@ def from_agent(agent: AgentProcess, pin_dir: Path) -> list[str]:
 
 
 def snapshot(pin_dir: Path) -> dict[str, dict[bytes, bytes]]:
-    """Every map's every entry (per-CPU values for all CPUs), but explain's scratch."""
+    """Every map's every entry (per-CPU values for all CPUs), but explain's scratch,
+    socket storage (no dump; the dry runs never meet a socket hook) and kbp_ct_gate,
+    which the agent's conntrack collector rewrites at every pass (a dry run's conntrack
+    writes, which would set it, are counted instead of made: lib/maps.h)."""
     out = {}
     for name in abi.MAP_NAMES:
-        if name == SCRATCH:
+        if name in (SCRATCH, "kbp_ct_gate") or name in abi.SOCKET_STORAGE:
             continue
         with Map.pinned(str(pin_dir / abi.versioned(name))) as table:
             out[name] = dict(table.items())

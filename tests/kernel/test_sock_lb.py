@@ -605,17 +605,24 @@ def _reverse_entries(env: Env) -> dict[bytes, tuple[str, int]]:
 
 
 def test_closed_sockets_leave_no_reverse_entries(env: Env) -> None:
-    """sock_release forgets a connected socket's entry: the LRU holds live sockets."""
+    """A TCP socket keeps its frontend in its own storage (kbp_sock_peer), not in the
+    kbp_sock_rev LRU: getpeername() shows the ClusterIP and no entry is written; the
+    LRU holds UDP sockets' entries."""
     objects, ip4, _ = env.service("release", env.backends(*BACKENDS))
     env.program(*objects)
     before = _reverse_entries(env)
     with env.stream(ip4, PORT) as stream:
         assert stream.first["peer"] == [ip4, PORT]
-        added = set(_reverse_entries(env).items()) - set(before.items())
-        assert [frontend for _, frontend in added] == [(ip4, PORT)]
+        assert _reverse_entries(env) == before
     assert _reverse_entries(env) == before
     assert env.client("tcp", ip4, PORT, 10).errors == {}
     assert env.client("tcp", f"::ffff:{ip4}", PORT, 10).errors == {}
+    assert _reverse_entries(env) == before
+    # Connected UDP sockets have kbp_sock_rev entries; sock_release removes them.
+    objects, udp4, _ = env.service("release-udp", env.backends(*BACKENDS), protocol="UDP")
+    env.program(*objects)
+    seen = env.client("udp-connected", udp4, PORT, 10)
+    assert seen.errors == {} and seen.all("peer") == {(udp4, PORT)}, seen.results[:3]
     assert _reverse_entries(env) == before
 
 

@@ -94,6 +94,11 @@ MAPS: dict[str, MapDecl] = {
 MAP_NAMES: tuple[str, ...] = tuple(MAPS)
 
 
+# Maps of socket storage, read and written only through a socket: userspace cannot
+# iterate them (the kernel answers a dump with ENOTSUPP).
+SOCKET_STORAGE = frozenset({"kbp_sock_peer"})
+
+
 def versioned(name: str) -> str:
     """`kbp_services` → `kbp_services_v1`: the map's name and pin file name."""
     return f"{name}_v{const.KBP_ABI_VERSION}"

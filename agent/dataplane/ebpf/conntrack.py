@@ -24,6 +24,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .abi import const, layout, versioned
+from .ctgate import ReplyGate
 from .libbpf import BPF_NOEXIST, Map
 
 log = logging.getLogger(__name__)
@@ -184,16 +185,20 @@ class SweepReport:
     by_state: Counter[tuple[str, str]] = field(default_factory=Counter)  # (proto, state)
     seconds: float = 0.0  # wall time of the pass
     cpu_seconds: float = 0.0  # CPU time of the sweeping thread
+    gate_slots: int | None = None  # kbp_ct_gate slots set by the pass (None: no gate)
 
 
 def sweep(
-    table: Map, timeouts: Timeouts, now: int | None = None, remap: Map | None = None
-) -> SweepReport:
+    table: Map, timeouts: Timeouts, now: int | None = None, remap: Map | None = None,
+    gate: ReplyGate | None = None,
+) -> SweepReport:  # fmt: skip
     """Read kbp_ct, delete the flows past their timeout, count the rest by state. A flow
     is read again just before its deletion, so one a packet refreshed meanwhile stays.
     A deleted remapped flow's port record goes too (`remap`: kbp_ct_remap), or a new
-    connection on the same tuple would later be recovered with the old flow's port."""
+    connection on the same tuple would later be recovered with the old flow's port.
+    `gate` (kbp_ct_gate) is rebuilt from the reply entries and spares kept (ctgate.py)."""
     started, cpu_started = time.perf_counter(), time.thread_time()
+    side = gate.begin() if gate is not None else 0  # before the dump: see ctgate.py
     items = table.items()
     now = time.monotonic_ns() if now is None else now
     report = SweepReport(entries=len(items), collected=0)
@@ -213,6 +218,10 @@ def sweep(
         for key in records:  # few: only clashing flows are remapped
             remap.delete(key)
     report.collected = len(expired)
+    if gate is not None:
+        gone = set(expired)
+        kept = (key for key, _ in items if key[_KEY_DIR] in (_REPLY, _SPARE) and key not in gone)
+        report.gate_slots = gate.commit(side, kept)
     report.seconds = time.perf_counter() - started
     report.cpu_seconds = time.thread_time() - cpu_started
     return report
@@ -245,6 +254,7 @@ class Collector:
         self.table = table
         self.stats = stats
         self.remap = remap
+        self.gate: ReplyGate | None = None  # kbp_ct_gate, rebuilt once use_gate gave it
         self.timeouts = timeouts
         self.interval = interval
         self.capacity = capacity or table.info.max_entries
@@ -255,6 +265,11 @@ class Collector:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    def use_gate(self, gate: ReplyGate) -> None:
+        """Rebuild kbp_ct_gate at every pass from now on (ctgate.py)."""
+        with self._lock:
+            self.gate = gate
 
     def start(self) -> None:
         if self._thread is None and self.interval > 0:
@@ -278,7 +293,7 @@ class Collector:
 
     def run_once(self, now: int | None = None) -> SweepReport:
         with self._lock:
-            report = sweep(self.table, self.timeouts, now, self.remap)
+            report = sweep(self.table, self.timeouts, now, self.remap, self.gate)
             self.last = report
             self.collected_total += report.collected
         log.debug("ebpf: conntrack sweep: %d entries, %d collected in %.3f s", report.entries,

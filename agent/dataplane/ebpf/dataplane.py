@@ -45,6 +45,7 @@ from .cgroup import (
     socket_hooks_pinned,
 )
 from .conntrack import Collector, Timeouts, adopt_earlier_conntrack
+from .ctgate import ReplyGate
 from .external import DEFAULT_SNAT_PORTS, SourceRange
 from .kernel import LoadedPrograms, LoadError, load_programs
 from .libbpf import Map, prog_name
@@ -141,6 +142,11 @@ class EbpfDataplane:
         self.conntrack = Collector(self.programs.map("kbp_ct"), self.programs.map("kbp_ct_stats"),
                                    ct_timeouts or Timeouts(), ct_sweep_interval,
                                    remap=self.programs.map("kbp_ct_remap"))  # fmt: skip
+        # kbp_ct_gate is trusted only while every tc program is one that sets it: an
+        # earlier agent's programs (maybe of a release without the gate) serve until our
+        # first apply, so the gate reads "unbuilt" (every lookup made) until _take_over.
+        self._gate = ReplyGate(self.programs.map("kbp_ct_gate"))
+        self._gate.reset()
         self._config = self.programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
         # The revision an earlier agent's last complete apply left in the maps (None: none,
         # or that apply was cut short): reported as held until this agent applies.
@@ -468,11 +474,15 @@ class EbpfDataplane:
         with self._takeover_lock:
             self._serving = True
             deferred, self._deferred = list(self._deferred.values()), {}
+        replaced = True
         for link in deferred:
             try:
                 self._on_link(link)
             except DataplaneError as err:
+                replaced = False
                 log.error("ebpf: replacing the programs on %s: %s", link.name, err)
+        if replaced:  # else an earlier program may write reply entries the gate misses
+            self.conntrack.use_gate(self._gate)
         if self._cgroup_deferred:
             self._cgroup_deferred = False
             self._attach_socket_hooks()

@@ -95,10 +95,16 @@ class LoadedPrograms:
         return self.map(name).fd
 
     def map(self, name: str) -> Map:
-        """A map by short name (`kbp_services`); the fd belongs to the bcc module."""
+        """A map by short name (`kbp_services`); the fd belongs to the bcc module. Asked
+        for its fd directly: bcc 0.26's Python side has no table class for socket storage
+        (kbp_sock_peer), which only the programs use."""
         if name not in self.maps:
-            table = self._bpf[name.encode()]
-            self.maps[name] = Map(table.map_fd, versioned(name))
+            from bcc.libbcc import lib as bcc_lib
+
+            fd = bcc_lib.bpf_table_fd(self._bpf.module, name.encode())
+            if fd < 0:
+                raise KeyError(f"no map {name} in the compiled module")
+            self.maps[name] = Map(fd, versioned(name))
         return self.maps[name]
 
     def close(self) -> None:
