@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
 import sys
@@ -11,6 +10,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
 
+from . import gcpause
 from .api.healthcheck import HealthCheckServers
 from .api.server import AgentStatus, HealthServer, MetricsServer
 from .api.serving import raise_open_files_limit
@@ -88,12 +88,12 @@ class Agent:
         # them took over a third of the time to the first apply at 10k Services. The sync
         # loop re-enables it after freezing the first programmed state; the timer makes
         # sure it comes back even if that never happens.
-        gc.disable()
-        gc_timer = threading.Timer(GC_PAUSE_LIMIT, gc.enable)
+        gcpause.disable()
+        gc_timer = threading.Timer(GC_PAUSE_LIMIT, gcpause.enable, kwargs={"freeze": True})
         gc_timer.daemon = True
         gc_timer.start()
         self._stoppers.append(gc_timer.cancel)
-        self._stoppers.append(gc.enable)
+        self._stoppers.append(gcpause.enable)
         raise_open_files_limit()  # every connection the HTTP servers hold is an open file
         sys.setswitchinterval(SWITCH_INTERVAL)
         try:

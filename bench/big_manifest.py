@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -166,6 +167,12 @@ def get(port: int, path: str, timeout: float) -> tuple[float, str | None, bytes]
     return time.monotonic() - started, error, body
 
 
+def clock(monotonic: float) -> str:
+    """A time.monotonic() value as the wall-clock time the agents' logs show."""
+    wall = time.time() - (time.monotonic() - monotonic)
+    return time.strftime("%H:%M:%S", time.localtime(wall)) + f".{int(wall % 1 * 10)}"
+
+
 def free_port() -> int:
     import socket
 
@@ -200,7 +207,8 @@ class AgentRun:
         )  # fmt: skip
         self.phase = "start"
         self.phases: dict[str, float] = {}
-        self.samples: list[tuple[str, str, float, str | None]] = []  # phase, path, took, error
+        # phase, path, seconds taken, error, time.monotonic() at the start
+        self.samples: list[tuple[str, str, float, str | None, float]] = []
         self.revisions = 0.0
         self.ready = False
         self.done = threading.Event()
@@ -226,7 +234,7 @@ class AgentRun:
                 error = None if error in (None, "HTTP 503") else error  # not ready yet is an answer
             elif path == "/metrics" and error is None:
                 self.revisions = revisions(body)
-            self.samples.append((self.phase, path, took, error))
+            self.samples.append((self.phase, path, took, error, started))
             time.sleep(max(0.0, self.args.interval - (time.monotonic() - started)))
 
     def run(self, changed: Path) -> None:
@@ -268,14 +276,14 @@ class AgentRun:
         rows = []
         for phase in ("load", "reload", "after"):
             samples = [s for s in self.samples if s[0] == phase]
-            ok = sorted(took for _, _, took, error in samples if error is None)
-            over = [
-                (path, took, error) for _, path, took, error in samples if error or took > TARGET
-            ]
+            ok = sorted(took for _, _, took, error, _ in samples if error is None)
+            over = [(path, took, error, when) for _, path, took, error, when in samples
+                    if error or took > TARGET]  # fmt: skip
             rows.append({
                 "agent": self.label, "phase": phase, "seconds": self.phases.get(phase),
                 "probes": len(samples), "over_target": len(over),
-                "over_detail": [f"{p} {fmt_s(t)}{' ' + e if e else ''}" for p, t, e in over[:10]],
+                "over_detail": [f"{p} {fmt_s(t)}{' ' + e if e else ''} at {clock(w)}"
+                                for p, t, e, w in over[:10]],
                 "median": ok[len(ok) // 2] if ok else None,
                 "p99": ok[min(len(ok) - 1, int(len(ok) * 0.99))] if ok else None,
                 "worst": max((s[2] for s in samples), default=None),
@@ -315,6 +323,10 @@ def agent_main(args: argparse.Namespace) -> None:
         for thread in threads:
             thread.join()
         load_end = [round(x, 2) for x in os.getloadavg()]
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for run, _ in runs:
+                shutil.copy(run.log.name, args.logs / f"{run.label.split()[0]}.log")
         rows = [row for run, _ in runs for row in run.figures()]
     columns = ["agent", "phase", "time", "probes", "median", "p99", "worst", "> 1 s"]
     print(f"load average at the end {load_end}\n\n| " + " | ".join(columns) + " |")
@@ -354,6 +366,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="results file (default bench/results/)")
     parser.add_argument("--agent", action="store_true", help="whole agents: load, then reload")
     parser.add_argument("--baseline", help="git ref of the other agent (default: merge base)")
+    parser.add_argument("--logs", type=Path, help="--agent: copy the agents' logs here")
     args = parser.parse_args()
     if args.agent:
         agent_main(args)
