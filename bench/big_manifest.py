@@ -24,7 +24,8 @@ and decoded again and the old objects are freed); this process probes `/healthz`
 `/readyz` and `/metrics` in turn every `--interval` seconds on new connections, from the
 start; once the new revision is in, the first file comes back (what the first reload
 decoded is freed then), and probing goes on until 30 s after that revision. Printed per
-agent and phase (load, reload, reload 2, after): the phase's time, the probes, median, p99, worst and how many over 1 s.
+agent and phase (load, reload, reload 2, after): the phase's time, the probes, median,
+p99, worst and how many over 1 s.
 """
 
 from __future__ import annotations
