@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from bench.api_cost import baseline_tree, default_baseline  # noqa: E402
 from bench.compile import RESULTS, fmt_s, machine, mark  # noqa: E402
 from bench.http_load import healthz_handler, probe  # noqa: E402
-from tests.bigmanifest import write_list  # noqa: E402
+from tests.bigmanifest import ENDPOINTS, write_list  # noqa: E402
 
 TARGET = 1.0  # seconds: every probe answered within this
 WAYS = {"in the agent's process": "inline", "parser child process": "child"}
@@ -183,9 +183,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def revisions(body: bytes) -> float:
+def metric(body: bytes, name: str) -> float:
+    """A metric without labels from /metrics (0 when absent)."""
     for line in body.decode(errors="replace").splitlines():
-        if line.startswith("kbp_nodestate_revisions_total "):
+        if line.startswith(f"{name} "):
             return float(line.split()[1])
     return 0.0
 
@@ -212,6 +213,7 @@ class AgentRun:
         # phase, path, seconds taken, error, time.monotonic() at the start
         self.samples: list[tuple[str, str, float, str | None, float]] = []
         self.revisions = 0.0
+        self.backends = 0.0  # in the applied state: says which file's state is in
         self.ready = False
         self.done = threading.Event()
 
@@ -235,7 +237,8 @@ class AgentRun:
                 self.ready = error is None
                 error = None if error in (None, "HTTP 503") else error  # not ready yet is an answer
             elif path == "/metrics" and error is None:
-                self.revisions = revisions(body)
+                self.revisions = metric(body, "kbp_nodestate_revisions_total")
+                self.backends = metric(body, "kbp_programmed_backends")
             self.samples.append((self.phase, path, took, error, started))
             time.sleep(max(0.0, self.args.interval - (time.monotonic() - started)))
 
@@ -252,22 +255,22 @@ class AgentRun:
             self.phases["load"] = time.monotonic() - started
             time.sleep(5)  # past the first freeze and the sync loop's follow-ups
             self.phase = "reload"
-            before = self.revisions
+            backends = self.backends
             started = time.monotonic()
             os.replace(changed, self.manifest)
-            while self.revisions <= before:
+            # A Service and its slice may come in as two revisions: wait for both.
+            while self.backends != backends + ENDPOINTS:
                 self.check_alive()
                 time.sleep(0.2)
             self.phases["reload"] = time.monotonic() - started
             time.sleep(5)
             # Back to the first file: what the first reload decoded is freed now.
             self.phase = "reload 2"
-            before = self.revisions
             started = time.monotonic()
             back = self.manifest.with_suffix(".back")
             os.link(original, back)
             os.replace(back, self.manifest)
-            while self.revisions <= before:
+            while self.backends != backends:
                 self.check_alive()
                 time.sleep(0.2)
             self.phases["reload 2"] = time.monotonic() - started
