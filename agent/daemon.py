@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
 
+from . import gcpause
 from .api.healthcheck import HealthCheckServers
 from .api.server import AgentStatus, HealthServer, MetricsServer
 from .api.serving import raise_open_files_limit
@@ -23,6 +24,12 @@ from .sync.store import StateStore
 log = logging.getLogger("kube-bpf-proxy")
 
 GC_PAUSE_LIMIT = 300.0  # seconds the cyclic GC may stay paused waiting for the first apply
+# How long a thread that wants the interpreter lock waits for a busy one to let go
+# (CPython's default: 5 ms). Answering one health probe takes the lock several times
+# (accept, read, handle, write, on the event loop and a worker), so while the source
+# decodes a large manifest each probe waited that long several times over; 1 ms keeps
+# probes short, at the cost of more frequent switches between busy threads.
+SWITCH_INTERVAL = 0.001
 
 
 class Source(Protocol):
@@ -77,13 +84,14 @@ class Agent:
         # them took over a third of the time to the first apply at 10k Services. The sync
         # loop re-enables it after freezing the first programmed state; the timer makes
         # sure it comes back even if that never happens.
-        gc.disable()
-        gc_timer = threading.Timer(GC_PAUSE_LIMIT, gc.enable)
+        gcpause.disable()
+        gc_timer = threading.Timer(GC_PAUSE_LIMIT, gcpause.enable, kwargs={"freeze": True})
         gc_timer.daemon = True
         gc_timer.start()
         self._stoppers.append(gc_timer.cancel)
-        self._stoppers.append(gc.enable)
+        self._stoppers.append(gcpause.enable)
         raise_open_files_limit()  # every connection the HTTP servers hold is an open file
+        sys.setswitchinterval(SWITCH_INTERVAL)
         try:
             metrics_server = MetricsServer(s.metrics_bind_address, self.status, self.metrics)
             self._stoppers.append(metrics_server.close)

@@ -46,7 +46,6 @@ import random
 import resource
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -839,26 +838,6 @@ class Child:
             self.process.wait()
 
 
-def baseline_tree(ref: str, into: Path) -> str:
-    """Extract `ref`'s agent/ into `into`; return the commit."""
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", ref], check=True, capture_output=True, text=True
-    ).stdout.strip()
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit, "agent"], check=True, capture_output=True
-    ).stdout
-    with tarfile.open(fileobj=__import__("io").BytesIO(archive)) as tar:
-        tar.extractall(into)  # our own repository's archive
-    return commit
-
-
-def default_baseline() -> str:
-    result = subprocess.run(
-        ["git", "-C", str(ROOT), "merge-base", "HEAD", "main"], capture_output=True, text=True
-    )
-    return result.stdout.strip() or "HEAD~1"
-
-
 def get(url: str) -> Obj:
     import urllib.request
 
@@ -995,7 +974,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    from bench.common.report import machine, mark, results_path, write_results
+    from bench.common.report import (
+        baseline_tree,
+        default_baseline,
+        machine,
+        mark,
+        results_path,
+        write_results,
+    )
 
     started = time.monotonic()
     info = machine()

@@ -16,12 +16,14 @@ A missing prerequisite skips the test with the precise reason, except when
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import os
 import shutil
 import site
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +35,12 @@ KERNEL_TESTS_DIR = Path(__file__).parent / "kernel"
 # default, --cgroup-root auto, is the cgroup2 root): tests that exercise the hooks pass a
 # cgroup of their own with --cgroup-root, which wins over this variable.
 os.environ.setdefault("KBP_CGROUP_ROOT", "none")
+# The eBPF dataplane remembers the texts that compiled in its trial compile (see
+# agent/dataplane/ebpf/kernel.py) as files: in a directory of this run's own, not in the
+# machine's /run.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="kbp-test-compiled-")
+os.environ.setdefault("KBP_COMPILE_CACHE_DIR", _COMPILE_CACHE)
+atexit.register(shutil.rmtree, _COMPILE_CACHE, True)
 BPFFS = Path("/sys/fs/bpf")
 VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
 

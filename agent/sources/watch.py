@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..model.types import ClusterState
+from ..release import release
 from ..sync.store import StateStore, Value
 from .manifests import CHILD_FROM, Entry, FileLoad, load_file, manifest_files, merge, unreadable
 
@@ -135,7 +136,7 @@ class ManifestSource:
                 # unchanged: a pending removal is now due (the file stayed as it was)
                 files[path] = self._settle(path, key, old, old.load, True) if old.pending else old
                 continue
-            load = load_file(Path(path), self.child_from)
+            load = self._reuse(load_file(Path(path), self.child_from))
             fresh_paths.add(path)
             files[path] = self._settle(path, key, old, load, stable=first)
         gone_roots: dict[str, list[Entry]] = {}
@@ -157,13 +158,21 @@ class ManifestSource:
                     "until it is back", root, _objects(len(entries)),
                 )  # fmt: skip
         self._missing = set(gone_roots)
-        self._files = files
+        # What the last read held goes in batches, off this thread (agent/release.py):
+        # dropped here, a 200 MB file's objects were freed in one stretch that kept the
+        # health server from answering. What the new state shares stays.
+        old_files, self._files = self._files, files
         state = ClusterState()
         duplicates = merge((f.entries for f in files.values()), state)
         for report in duplicates:  # logged when a file involved was read again
             if any(report.where == p or report.where.startswith(f"{p} ") for p in fresh_paths):
                 log.warning("%s", report)
-        self._values = {e.ref: e.value for f in files.values() for e in f.entries}
+        old_values, self._values = (
+            self._values,
+            {e.ref: e.value for f in files.values() for e in f.entries},
+        )
+        release(old_files, old_values)
+        del old_files, old_values
         self.loads += 1
         changed = False
         for kind, values in (
@@ -172,7 +181,21 @@ class ManifestSource:
             ("EndpointSlice", state.slices.values()),
         ):
             changed |= self.store.replace(kind, list(values))
+        release(state)
+        del state
         return changed
+
+    def _reuse(self, load: FileLoad) -> FileLoad:
+        """`load` with each value equal to the one last handed to the store replaced by
+        that one: the copy just decoded is freed now, one object at a time, instead of
+        being held beside the store's (twice the memory) and freed all at once later."""
+        values = self._values
+        entries = load.entries
+        for index, entry in enumerate(entries):
+            old = values.get(entry.ref)
+            if old is not None and old is not entry.value and old == entry.value:
+                entries[index] = Entry(entry.where, entry.ref, old)
+        return load
 
     @property
     def pending(self) -> bool:

@@ -9,12 +9,12 @@ reason, and is retried with capped exponential backoff as a full resync.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .. import gcpause
 from ..dataplane.base import Dataplane, DataplaneError
 from ..metrics import Metrics
 from ..model.compile import CompileOptions, Compiler
@@ -124,8 +124,7 @@ class SyncLoop:
             # The first full state is programmed: move the millions of long-lived model
             # objects out of the cyclic GC's generations, so later collections do not
             # rescan them (a 10k-Service heap made each full collection take ~0.2 s).
-            gc.freeze()
-            gc.enable()  # the daemon pauses it during the initial lists
+            gcpause.enable(freeze=True)  # the daemon pauses it during the initial lists
             self._frozen = True
         self._needs_full = False
         self._succeeded(state, started, writes, triggers)

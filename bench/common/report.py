@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import json
 import math
 import os
@@ -14,6 +15,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,3 +191,23 @@ def terminate_as_interrupt() -> None:
     with contextlib.suppress(ValueError):
         gc.callbacks.remove(GC._callback)
     signal.signal(signal.SIGTERM, handler)
+
+
+def baseline_tree(ref: str, into: Path) -> str:
+    """Extract `ref`'s agent/ into `into`; return the commit."""
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", ref], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", commit, "agent"], check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into)  # our own repository's archive
+    return commit
+
+
+def default_baseline() -> str:
+    result = subprocess.run(
+        ["git", "-C", str(ROOT), "merge-base", "HEAD", "main"], capture_output=True, text=True
+    )
+    return result.stdout.strip() or "HEAD~1"

@@ -310,7 +310,7 @@ def test_the_daemonset_mounts_bpffs_kernel_headers_the_xtables_lock_and_netns(tm
             assert mount["mountPath"] == path
     assert set(by_path) == {
         "/sys/fs/bpf", "/lib/modules", "/usr/src", "/run/xtables.lock", "/sys/fs/cgroup",
-        "/run/netns",
+        "/run/netns", "/run/kube-bpf-proxy/compiled",
     }  # fmt: skip
     env = {e["name"]: e.get("value") for e in container(daemonset)["env"]}
     assert env["KBP_CGROUP_ROOT"] == by_path["/sys/fs/cgroup"][0]["mountPath"]

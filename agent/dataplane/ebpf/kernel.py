@@ -4,13 +4,25 @@ bcc compiles the entry files of bpf/ as one text (one set of map definitions) an
 creates or re-opens the pinned maps under the pin directory; the programs' fds are then
 attached by netlink.py (tc, XDP) and cgroup.py (socket hooks). Everything after loading
 (map reads and writes, test runs) goes through libbpf.py with plain fds.
+
+Some compile errors end the process instead of raising: LLVM reports a program over the
+BPF stack's 512 bytes as a fatal error and exits (status 1, no traceback), which would
+take the whole agent down before `--dataplane auto` could fall back to iptables. So the
+text is compiled once in a child process first (`trial_compile`), and only a text that
+compiled there is compiled here; a text that compiled once is remembered by its digest
+(in this process, and as a file under `KBP_COMPILE_CACHE_DIR`) so the trial is not
+repeated at every start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -55,14 +67,28 @@ PROGRAMS: dict[str, ProgramSpec] = {
 }
 
 
+# Tests (and developers) may compile the programs from another copy of bpf/; the agent
+# otherwise always uses the bpf/ beside its package.
+SOURCE_DIR_ENV = "KBP_BPF_SOURCE_DIR"
+CACHE_DIR_ENV = "KBP_COMPILE_CACHE_DIR"  # "" turns the file cache off
+DEFAULT_CACHE_DIR = "/run/kube-bpf-proxy/compiled"
+TRIAL_TIMEOUT = 600.0  # seconds: bcc takes tens of seconds on a loaded 2-core machine
+
+
 class LoadError(Exception):
     """The programs did not compile or load (bcc's message, verifier log included)."""
 
 
+def source_dir() -> Path:
+    """The bpf/ directory compiled: the one beside the agent unless KBP_BPF_SOURCE_DIR."""
+    return Path(os.environ.get(SOURCE_DIR_ENV) or BPF_DIR)
+
+
 def cflags_for(pin_dir: Path, sizes: Mapping[str, int] | None = None) -> list[str]:
+    bpf_dir = source_dir()
     flags = [
-        f"-I{BPF_DIR}",
-        f"-I{BPF_DIR / 'include'}",
+        f"-I{bpf_dir}",
+        f"-I{bpf_dir / 'include'}",
         f'-DKBP_PIN_DIR="{pin_dir}"',
     ]
     for name, value in (sizes or {}).items():  # by MapSizes field: KBP_MAX_<FIELD>
@@ -120,10 +146,97 @@ def entry_text() -> str:
     programs (not those of included files), so the files are concatenated; `#line` keeps
     compiler messages pointing at the real file and line."""
     parts = []
+    bpf_dir = source_dir()
     for name in ENTRY_FILES:
-        path = BPF_DIR / name
+        path = bpf_dir / name
         parts.append(f'#line 1 "{path}"\n{path.read_text(encoding="utf-8")}\n')
     return "".join(parts)
+
+
+# What the child runs: bcc compiles the text (stdin) with the flags (argv) and loads the
+# maps; a Python exception exits with status 3 and its message; LLVM's fatal errors exit
+# with their own status and write "error: ..." lines to stderr.
+_TRIAL = """import sys
+try:
+    from bcc import BPF
+    BPF(text=sys.stdin.buffer.read(), cflags=sys.argv[1:])
+except Exception as err:
+    print(f"{type(err).__name__}: {err}", file=sys.stderr)
+    sys.exit(3)
+"""
+_compiled: set[str] = set()  # digests of texts that compiled in this process
+
+
+def _digest(text: str, cflags: Sequence[str]) -> str:
+    """What decides whether a compile succeeds: the text, the flags but the pin directory
+    (a string the code never branches on), bcc's version, the kernel's and where bcc
+    is told to find its headers."""
+    import bcc
+
+    kept = [flag for flag in cflags if not flag.startswith("-DKBP_PIN_DIR=")]
+    where = [
+        os.environ.get(name, "") for name in ("BCC_KERNEL_SOURCE", "BCC_KERNEL_MODULES_SUFFIX")
+    ]
+    key = "\0".join([text, *kept, getattr(bcc, "__version__", "?"), os.uname().release, *where])
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _cache_file(digest: str) -> Path | None:
+    directory = os.environ.get(CACHE_DIR_ENV, DEFAULT_CACHE_DIR)
+    return Path(directory) / digest if directory else None
+
+
+def trial_compile(text: str, cflags: Sequence[str]) -> float | None:
+    """Compile `text` in a child process unless it compiled before; the seconds the trial
+    took (None when skipped). LoadError naming the compiler's complaint when it fails,
+    however the child ended."""
+    digest = _digest(text, cflags)
+    cache = _cache_file(digest)
+    if digest in _compiled or (cache is not None and cache.exists()):
+        return None
+    started = time.perf_counter()
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", _TRIAL, *cflags], input=text.encode(),
+            capture_output=True, timeout=TRIAL_TIMEOUT, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise LoadError(f"a trial compile in a child process failed to run: {err}") from err
+    took = time.perf_counter() - started
+    if child.returncode != 0:
+        raise LoadError(f"bcc cannot compile the datapath: {_complaint(child)}")
+    _compiled.add(digest)
+    if cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.write_text(f"compiled in a trial of {took:.1f} s\n")
+        except OSError as err:  # a read-only /run: the trial runs at every start
+            log.debug("cannot remember the trial compile in %s: %s", cache, err)
+    return took
+
+
+def _complaint(child: subprocess.CompletedProcess[bytes]) -> str:
+    """The child's errors on one line, and how it ended."""
+    lines = [line.strip() for line in child.stderr.decode(errors="replace").splitlines()]
+    errors = [line for line in lines if "error" in line.lower()][:3]
+    last = next((line for line in reversed(lines) if line), "")
+    if last and last not in errors:  # a Python exception's message (status 3)
+        errors.append(last)
+    text = "; ".join(_short(line) for line in errors)
+    status = child.returncode
+    how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+    return f"{text or 'no message'} (trial compile in a child process: {how})"
+
+
+_LOCATION = re.compile(r"^(?:error: )?(?P<path>/[^:]*):(?P<at>\d+:\d+): ")
+_SIGNATURE = re.compile(r"(in function \S+) [^:]*\): ")  # LLVM's IR type of the function
+
+
+def _short(line: str) -> str:
+    """A compiler line without what makes it long: the directories of the file, and the
+    IR signature LLVM adds to a function's name."""
+    line = _LOCATION.sub(lambda m: f"{Path(m['path']).name}:{m['at']}: ", line)
+    return _SIGNATURE.sub(r"\1: ", line)
 
 
 def load_programs(
@@ -136,9 +249,13 @@ def load_programs(
         raise LoadError(f"bcc is not importable ({err}); install python3-bpfcc") from err
     os.makedirs(pin_dir, exist_ok=True)
     text = entry_text()
+    flags = [*cflags_for(pin_dir, sizes), *cflags]
+    trial = trial_compile(text, flags)  # LoadError rather than this process ending
+    if trial is not None:
+        log.info("datapath compiled in a child process first (%.1f s); remembered", trial)
     started = time.perf_counter()
     try:
-        bpf = BPF(text=text.encode(), cflags=[*cflags_for(pin_dir, sizes), *cflags])
+        bpf = BPF(text=text.encode(), cflags=flags)
     except Exception as err:  # bcc raises bare Exception on compile/load failures
         raise LoadError(f"compiling {', '.join(ENTRY_FILES)}: {err}") from err
     loaded = LoadedPrograms(bpf, pin_dir, time.perf_counter() - started)
