@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from agent.dataplane.ebpf import kernel
+from agent.lab.toolkit import in_netns
 
 from .agentproc import AgentProcess, run_argv
-from .lab import in_netns
 
 ROOT = Path(__file__).parents[2]
 STACK_HOG = """
