@@ -85,6 +85,7 @@ from bench.common.workload import (
     generate,
     ipv4,
     make_changes,
+    map_sizes_for_generated,
     set_objects,
     slices_of,
 )
@@ -687,16 +688,7 @@ def main(argv: list[str] | None = None) -> int:
             wanted = sorted({*(pb4_sizes if 4 in args.pb else []),
                              *(pb5_sizes if 5 in args.pb else [])})  # fmt: skip
             if wanted:
-                top = max(wanted)
-                # Generated entries: ~1.1 per Service (10 % have a second port), 1-2
-                # frontends each; a set per entry and one more for Local policies.
-                sizes = MapSizes(
-                    services=max(4096, 1 << (int(top * 2.6) - 1).bit_length()),
-                    slots=max(16384, 1 << (int(top * ENDPOINTS * 2.4) - 1).bit_length()),
-                    backends=max(16384, 1 << (int(top * ENDPOINTS * 2.4) - 1).bit_length()),
-                    ct=4096,
-                    affinity=1024,
-                )
+                sizes = map_sizes_for_generated(max(wanted))
                 print(f"\nPB-4/PB-5 maps: {sizes}", flush=True)
                 with bench_dataplane(sizes, netns) as dp:
                     full_syncs: list[FullSync] = []

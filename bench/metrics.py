@@ -32,7 +32,6 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
 from agent.dataplane.ebpf import codec, service_metrics
 from agent.dataplane.ebpf.abi import DROP_REASONS, packer
 from agent.dataplane.ebpf.libbpf import possible_cpus
-from agent.dataplane.ebpf.maps import MapSizes
 from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState, revision_of
@@ -46,7 +45,7 @@ from bench.common.report import (
     terminate_as_interrupt,
     write_results,
 )
-from bench.common.workload import ENDPOINTS, THIS_NODE, generate
+from bench.common.workload import THIS_NODE, generate, map_sizes_for_generated
 
 TARGET_SCRAPE_S = 0.100  # issue 18: a scrape under 100 ms at 10k Services
 MODES = ("none", "services", "ports")
@@ -223,13 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     header("bench/metrics.py (PB-14)", info)
     top = max(sizes_wanted)
-    sizes = MapSizes(
-        services=max(4096, 1 << (int(top * 2.6) - 1).bit_length()),
-        slots=max(16384, 1 << (int(top * ENDPOINTS * 2.4) - 1).bit_length()),
-        backends=max(16384, 1 << (int(top * ENDPOINTS * 2.4) - 1).bit_length()),
-        ct=4096,
-        affinity=1024,
-    )
+    sizes = map_sizes_for_generated(top)
     results = []
     began = time.perf_counter()
     try:

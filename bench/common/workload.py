@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.dataplane.ebpf.maps import MapSizes
 from agent.model.types import ClusterState, EndpointSlice, Service
 
 Obj = dict[str, Any]
@@ -291,6 +292,19 @@ class Generator:
 
 
 ENDPOINTS = 10
+
+
+def map_sizes_for_generated(services: int) -> MapSizes:
+    """Maps for `generate`'s cluster of up to `services` Services (powers of two):
+    ~1.1 entries per Service (10 % have a second port), 1-2 frontends each, a set per
+    entry and one more for Local policies."""
+    return MapSizes(
+        services=max(4096, 1 << (int(services * 2.6) - 1).bit_length()),
+        slots=max(16384, 1 << (int(services * ENDPOINTS * 2.4) - 1).bit_length()),
+        backends=max(16384, 1 << (int(services * ENDPOINTS * 2.4) - 1).bit_length()),
+        ct=4096,
+        affinity=1024,
+    )
 
 
 @dataclass
