@@ -21,7 +21,7 @@ from typing import Any
 
 from ..dataplane.ebpf import abi, codec, frames, libbpf
 from ..dataplane.ebpf.abi import DROP_REASONS, const, packer, versioned
-from ..dataplane.ebpf.inspect import BACKEND_FLAGS, SERVICE_FLAGS, _flags
+from ..dataplane.ebpf.inspect import BACKEND_FLAGS, SERVICE_FLAGS, flag_names
 from ..dataplane.ebpf.libbpf import Map
 from ..dataplane.ebpf.maps import FrontendKey
 from ..model.nodestate import CLUSTER_IP, Backend, NodeState
@@ -158,7 +158,7 @@ def _service_lines(
 ) -> list[str]:
     lines = [
         f"frontend:  service id {svc.service_id}, flags "
-        f"{_flags(svc.flags, SERVICE_FLAGS)}"
+        f"{flag_names(svc.flags, SERVICE_FLAGS)}"
         + (f", affinity {svc.affinity_timeout} s" if svc.affinity_timeout else "")
     ]
     outside = source.kind == OUTSIDE and (ex.frontend is None or ex.frontend.type != CLUSTER_IP)
@@ -200,7 +200,7 @@ def _service_lines(
         seen.add((b.addr, b.port))
         lines.append(
             f"  backend id {backend_id}: {address(b.addr, b.port)} ({held} slot"
-            f"{'s' if held != 1 else ''}, {_flags(b.flags, BACKEND_FLAGS)})"
+            f"{'s' if held != 1 else ''}, {flag_names(b.flags, BACKEND_FLAGS)})"
         )
     wanted = {(b.ip, b.port) for b in ex.backends}
     if ex.frontend is not None and ex.outcome != NOT_A_SERVICE and seen != wanted:

@@ -144,7 +144,7 @@ def _utf8(data: bytes, want_text: bool) -> str:
     return "".join(parts)
 
 
-class _Count:
+class ParseCount:
     """How many documents (YAML) or values (JSON) a file held."""
 
     documents = 0
@@ -156,7 +156,7 @@ CHILD_FROM = 4 << 20  # bytes: larger files are parsed in a child process (see p
 def read_objects(
     path: Path,
     reports: list[Report],
-    count: _Count | None = None,
+    count: ParseCount | None = None,
     child_from: int | None = None,
     stream: bool = False,
 ) -> Iterator[tuple[str, Any]]:
@@ -164,7 +164,7 @@ def read_objects(
     file become reports (objects before a syntax error are kept). A file larger than
     `child_from` bytes is parsed by `parse_in_child`, with the same result. `stream`
     (the parser child's way) hands on the items of a YAML list as they are parsed."""
-    count = count if count is not None else _Count()
+    count = count if count is not None else ParseCount()
     problem = unreadable(path)
     if problem is not None:
         reports.append(Report(str(path), "", problem))
@@ -329,7 +329,9 @@ _DATETIME = frozenset({"date", "datetime", "time", "timedelta", "timezone"})
 _AGENT_ROOT = str(Path(__file__).resolve().parents[2])  # the directory holding agent/
 
 
-def parse_in_child(path: Path, reports: list[Report], count: _Count) -> Iterator[tuple[str, Any]]:
+def parse_in_child(
+    path: Path, reports: list[Report], count: ParseCount
+) -> Iterator[tuple[str, Any]]:
     """`read_objects` run by a child process (`python -m agent.sources.parse`): parsing
     a large document holds the interpreter lock in long stretches (a 200 MB `kind: List`
     kept the health server from answering for seconds); here this process only
@@ -520,7 +522,7 @@ def load_file(path: Path, child_from: int | None = CHILD_FROM) -> FileLoad:
     """Read and decode one file; never raises for bad input. A file larger than
     `child_from` bytes is parsed in a child process (None: never)."""
     load = FileLoad(path)
-    count = _Count()
+    count = ParseCount()
     with gc_paused():
         for where, obj in read_objects(path, load.reports, count, child_from):
             decoded = decode_object(obj)

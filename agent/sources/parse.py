@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .manifests import Report, _Count, read_objects
+from .manifests import ParseCount, Report, read_objects
 
 PROTOCOL = 5
 DEEP = 20_000  # recursion allowed to compose YAML (about two levels per level of nesting,
@@ -30,7 +30,7 @@ DEEP = 20_000  # recursion allowed to compose YAML (about two levels per level o
 
 def messages(path: Path) -> Iterator[tuple[Any, ...]]:
     reports: list[Report] = []
-    count = _Count()
+    count = ParseCount()
     for where, obj in read_objects(path, reports, count, stream=True):
         yield ("object", where, obj)
     for report in reports:

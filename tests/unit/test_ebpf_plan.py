@@ -1232,13 +1232,13 @@ def test_one_changed_service_among_many_is_the_only_one_translated(monkeypatch) 
     current = plan_change(first, EMPTY).commit()
 
     translated = []
-    original = plan._Builder.translate
+    original = plan.EntryBuilder.translate
 
     def translate(self, entry, *args):
         translated.append(entry.name)
         return original(self, entry, *args)
 
-    monkeypatch.setattr(plan._Builder, "translate", translate)
+    monkeypatch.setattr(plan.EntryBuilder, "translate", translate)
     change = plan_change(second, current)
     assert translated == ["s07"]
     assert counts(change.writes) == (0, 1, 2, 1, 0, 1, 0)

@@ -23,9 +23,7 @@ def imports_of(path: Path) -> set[str]:
 
 def importers(package: str) -> set[str]:
     return {
-        str(path.relative_to(AGENT))
-        for path in AGENT.rglob("*.py")
-        if package in imports_of(path)
+        str(path.relative_to(AGENT)) for path in AGENT.rglob("*.py") if package in imports_of(path)
     }
 
 
@@ -47,3 +45,35 @@ def test_the_model_imports_no_dataplane_or_heavy_dependency() -> None:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         relative = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not any("dataplane" in module for module in relative), path
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from x import _name` and `module._name` for a module imported by name: a private
+    name used outside the module that defines it."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{node.module}.{a.name}" for a in node.names if private(a.name)]
+            modules.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name.split(".")[0] for a in node.names)
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and private(node.attr)
+        ):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_in_agent_uses_another_modules_private_name() -> None:
+    """A name shared between modules is public in the module that owns it."""
+    found = {str(p.relative_to(AGENT)): private_imports(p) for p in AGENT.rglob("*.py")}
+    assert {path: names for path, names in found.items() if names} == {}

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from agent.sources import manifests
 from agent.sources.manifests import (
     FileLoad,
+    ParseCount,
     Report,
-    _Count,
     load_file,
     manifest_files,
     read_objects,
@@ -83,7 +83,7 @@ def same(a: Any, b: Any) -> bool:
 
 def read(path: Path, stream: bool) -> tuple[list[tuple[str, Any]], list[str], int]:
     reports: list[Report] = []
-    count = _Count()
+    count = ParseCount()
     with recursion(DEEP if stream else 0):  # as the parser child allows
         objects = list(read_objects(path, reports, count, stream=stream))
     return objects, [str(r) for r in reports], count.documents

@@ -45,7 +45,7 @@ def _open(pin_dir: Path, name: str) -> Map:
         ) from err
 
 
-def _flags(value: int, names: dict[int, str]) -> str:
+def flag_names(value: int, names: dict[int, str]) -> str:
     return ",".join(name for bit, name in names.items() if value & bit) or "-"
 
 
@@ -100,7 +100,7 @@ def frontends(pin_dir: Path) -> list[Row]:
                     "id": backend_id,
                     "address": _endpoint(b.addr, b.port) if b else "?",
                     "slots": slots_held,
-                    "flags": _flags(b.flags, BACKEND_FLAGS) if b else "missing",
+                    "flags": flag_names(b.flags, BACKEND_FLAGS) if b else "missing",
                 }
             )
         rows.append(
@@ -109,7 +109,7 @@ def frontends(pin_dir: Path) -> list[Row]:
                 "protocol": PROTOCOLS.get(key.proto, str(key.proto)),
                 "type": FRONTEND_TYPES.get(value.type, str(value.type)),
                 "serviceId": value.service_id,
-                "flags": _flags(value.flags, SERVICE_FLAGS),
+                "flags": flag_names(value.flags, SERVICE_FLAGS),
                 "affinitySeconds": value.affinity_timeout or None,
                 "set": value.set_id,
                 "slots": value.count,
@@ -135,7 +135,7 @@ def backends(pin_dir: Path) -> list[Row]:
             "id": backend_id,
             "address": _endpoint(b.addr, b.port),
             "serviceId": b.service_id,
-            "flags": _flags(b.flags, BACKEND_FLAGS),
+            "flags": flag_names(b.flags, BACKEND_FLAGS),
         }
         for backend_id, b in sorted(items)
     ]
@@ -182,7 +182,7 @@ def conntrack(pin_dir: Path, timeouts: Timeouts | None = None) -> list[Row]:
                     "translation": translation,
                     "backendId": backend_id,
                     "serviceId": service_id,
-                    "flags": _flags(flags, CT_FLAGS),
+                    "flags": flag_names(flags, CT_FLAGS),
                     "state": flow_of[k].state,
                     "idleSeconds": round(max(0, now - last_seen) / 1e9, 1),
                     # until the collector removes the flow (both entries together)

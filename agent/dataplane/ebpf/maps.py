@@ -13,7 +13,7 @@ from ...config import MAP_SIZES
 from ..base import DataplaneError
 
 if TYPE_CHECKING:
-    from .translate import _Index
+    from .translate import ContentIndex
 
 MAPS = ("services", "slots", "backends")  # the maps a plan fills, in capacity-check order
 
@@ -86,7 +86,7 @@ class KernelContent:
     services: dict[FrontendKey, ServiceValue] = field(default_factory=dict)
     slots: dict[int, SetContent] = field(default_factory=dict)  # set id → backend ids
     backends: dict[int, BackendValue] = field(default_factory=dict)
-    _index: _Index | None = field(default=None, init=False, compare=False, repr=False)
+    _index: ContentIndex | None = field(default=None, init=False, compare=False, repr=False)
 
     def slot_count(self) -> int:
         """Slots over all sets (entries of the slots map)."""
@@ -217,7 +217,7 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
     backend_ids = chain(
         desired.backends, (b for b in current.backends if b not in desired.backends)
     )
-    writes = _writes(
+    writes = writes_for(
         (current.services, desired.services, frontends),
         (current.slots, desired.slots, set_ids),
         (current.backends, desired.backends, backend_ids),
@@ -227,7 +227,7 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
             live: Mapping[int, Any] | set[int] = current._index.service_ids
         else:
             live = {v.service_id for v in current.services.values()}
-        _reset_counters_of_new_ids(writes, live.__contains__)
+        reset_counters_of_new_ids(writes, live.__contains__)
     return writes
 
 
@@ -235,7 +235,7 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
 _MapChange = tuple[Mapping[Any, Any], Mapping[Any, Any], Iterable[Any]]
 
 
-def _writes(services: _MapChange, slots: _MapChange, backends: _MapChange) -> Writes:
+def writes_for(services: _MapChange, slots: _MapChange, backends: _MapChange) -> Writes:
     """The writes for the keys given (counters_reset aside): shared by `diff` and the
     in-place changes, whose `before` maps hold only the keys that changed."""
     writes = Writes()
@@ -272,7 +272,7 @@ def _writes(services: _MapChange, slots: _MapChange, backends: _MapChange) -> Wr
     return writes
 
 
-def _reset_counters_of_new_ids(writes: Writes, was_live: Callable[[int], bool]) -> None:
+def reset_counters_of_new_ids(writes: Writes, was_live: Callable[[int], bool]) -> None:
     fresh = {v.service_id for v in writes.services_to_upsert.values()}
     writes.counters_reset.extend(sorted(s for s in fresh if not was_live(s)))
 
@@ -287,12 +287,12 @@ def required_capacity(
     sets, backends and frontends are written before the old ones are deleted. For
     `services` it is also at least the highest service id + 1 (ids index the counters)."""
     sizes_before = (len(current.services), current.slot_count(), len(current.backends))
-    return _required(
+    return capacity_needed(
         sizes_before, current.services.__contains__, current.backends.__contains__, desired, writes
     )
 
 
-def _required(
+def capacity_needed(
     sizes_before: tuple[int, int, int],
     had_frontend: Callable[[FrontendKey], bool],
     had_backend: Callable[[int], bool],
@@ -319,10 +319,10 @@ def check_capacity(
 ) -> None:
     """Raise CapacityError for the first map (services, slots, backends) whose peak need
     exceeds its size; call before writing anything."""
-    _check(required_capacity(current, desired, writes), sizes)
+    check_need(required_capacity(current, desired, writes), sizes)
 
 
-def _check(need: dict[str, tuple[int, int]], sizes: MapSizes) -> None:
+def check_need(need: dict[str, tuple[int, int]], sizes: MapSizes) -> None:
     for name in MAPS:
         peak = need[name][1]
         size = getattr(sizes, name)

@@ -24,20 +24,20 @@ from .maps import (
     SetContent,
     SortKey,
     Writes,
-    _check,
-    _required,
-    _reset_counters_of_new_ids,
-    _writes,
+    capacity_needed,
+    check_need,
     diff,
     required_capacity,
+    reset_counters_of_new_ids,
+    writes_for,
 )
 from .translate import (
-    _DIGEST,
-    _Builder,
-    _entries_if_keyed,
-    _EntryPlan,
-    _Ids,
-    _Index,
+    DIGEST,
+    ContentIndex,
+    EntryBuilder,
+    EntryPlan,
+    Ids,
+    entries_if_keyed,
     translate,
 )
 
@@ -85,7 +85,7 @@ class _Incremental:
     a changed entry touches a frontend that more than one entry wants, as the winner then
     depends on the order of all entries."""
 
-    def __init__(self, state: NodeState, current: KernelContent, index: _Index) -> None:
+    def __init__(self, state: NodeState, current: KernelContent, index: ContentIndex) -> None:
         self.state = state
         self.current = current
         self.index = index
@@ -98,12 +98,12 @@ class _Incremental:
             return None
 
         sizes = index.sizes
-        builder = _Builder(current, index.maglev_table_size, sizes, {}, {}, {})
-        builder.service_id_alloc = _Ids(
+        builder = EntryBuilder(current, index.maglev_table_size, sizes, {}, {}, {})
+        builder.service_id_alloc = Ids(
             sizes.services, index.cursors[0], (index.service_ids, builder.service_ids)
         )
-        builder.set_id_alloc = _Ids(sizes.slots, index.cursors[1], (current.slots, builder.slots))
-        builder.backend_id_alloc = _Ids(
+        builder.set_id_alloc = Ids(sizes.slots, index.cursors[1], (current.slots, builder.slots))
+        builder.backend_id_alloc = Ids(
             sizes.backends, index.cursors[2], (current.backends, builder.backends)
         )
         # Frontends stay taken by the entries that keep their plans.
@@ -120,7 +120,7 @@ class _Incremental:
                 return None
             old = by_key.get(entry.sort_key)
             if not keys:
-                plan = _EntryPlan(entry, 0, (), (), ())
+                plan = EntryPlan(entry, 0, (), (), ())
             elif old is not None and old.service_id:
                 known_backends, known_sets = builder.known_from_plan(old)
                 plan = builder.translate(entry, keys, old.service_id, known_backends, known_sets)
@@ -152,7 +152,7 @@ class _Incremental:
             overflow,
         )
 
-    def changes(self) -> tuple[list[ServiceEntry], list[_EntryPlan], bool]:
+    def changes(self) -> tuple[list[ServiceEntry], list[EntryPlan], bool]:
         """The entries to translate (new or changed, in NodeState order), the plans that go
         (of changed entries and of entries gone), and whether every entry that came (all
         when scanning) is sealed."""
@@ -164,20 +164,20 @@ class _Incremental:
             return self.changes_by_scan()
         went, came = changes.between(previous, state.services)
         by_digest, by_key = index.by_digest, index.by_key
-        came_digests = list(map(_DIGEST, came))
+        came_digests = list(map(DIGEST, came))
         changed = list(compress(came, map(not_, map(by_digest.__contains__, came_digests))))
         staying = set(came_digests)
         staying.discard(b"")
         old_plans = []
         # Usually only the went entries whose digest is not staying; an entry equal to the
         # one it was planned for may lack a digest, so the plan's own digest decides.
-        for entry in compress(went, map(not_, map(staying.__contains__, map(_DIGEST, went)))):
+        for entry in compress(went, map(not_, map(staying.__contains__, map(DIGEST, went)))):
             plan = by_key[entry.sort_key]
             if plan.entry.digest not in staying:
                 old_plans.append(plan)
         return changed, old_plans, all(came_digests)
 
-    def changes_by_scan(self) -> tuple[list[ServiceEntry], list[_EntryPlan], bool]:
+    def changes_by_scan(self) -> tuple[list[ServiceEntry], list[EntryPlan], bool]:
         """`changes` looking at every entry (and every plan when some went)."""
         state, index = self.state, self.index
         by_digest, by_key = index.by_digest, index.by_key
@@ -195,7 +195,7 @@ class _Incremental:
                     hits += 1
                     continue
             changed.append(entry)
-        sealed = all(map(_DIGEST, state.services))
+        sealed = all(map(DIGEST, state.services))
         if not changed and hits == len(by_key):
             return [], [], sealed
 
@@ -227,8 +227,8 @@ class _Update:
     entries: tuple[ServiceEntry, ...]
     revision: str
     sealed: bool  # every entry that came has a digest
-    old_plans: list[_EntryPlan]
-    new_plans: list[_EntryPlan]
+    old_plans: list[EntryPlan]
+    new_plans: list[EntryPlan]
     services: dict[FrontendKey, ServiceValue]
     slots: dict[int, SetContent]
     backends: dict[int, BackendValue]
@@ -274,7 +274,7 @@ class _Update:
             service_ids.set(service_id, sort_key)
         entries = None
         if self.sealed:  # then by_digest holds the digests of the plans of `self.entries`
-            entries = _entries_if_keyed(self.entries, by_key.target, by_digest.target)
+            entries = entries_if_keyed(self.entries, by_key.target, by_digest.target)
         new_index = replace(
             index,
             cursors=self.cursors,
@@ -362,13 +362,13 @@ class _Journals:
         """`diff` from the content before to the content now, over the changed keys."""
         content = self.content
         services, slots, backends = self.services, self.slots, self.backends
-        writes = _writes(
+        writes = writes_for(
             (services.old_values(), content.services, services.before),
             (slots.old_values(), content.slots, slots.before),
             (backends.old_values(), content.backends, backends.before),
         )
         if writes.services_to_upsert:
-            _reset_counters_of_new_ids(writes, self.service_ids.had)
+            reset_counters_of_new_ids(writes, self.service_ids.had)
         return writes
 
     def undo(self) -> None:
@@ -414,7 +414,7 @@ class Change:
         try:
             update.apply(journals)
             writes = journals.writes()
-            need = _required(
+            need = capacity_needed(
                 sizes_before, journals.services.had, journals.backends.had, current, writes
             )
         except BaseException:
@@ -428,7 +428,7 @@ class Change:
 
     def check_capacity(self, sizes: MapSizes) -> None:
         """As `check_capacity`: raises CapacityError; call before writing anything."""
-        _check(self._need, sizes)
+        check_need(self._need, sizes)
 
     def commit(self) -> KernelContent:
         """The writes are in the kernel: returns `content`, the new current."""

@@ -64,7 +64,7 @@ _TERMINATING = const.KBP_BE_F_TERMINATING
 
 
 @dataclass(frozen=True, slots=True)
-class _EntryPlan:
+class EntryPlan:
     """What one ServiceEntry owns in a content."""
 
     entry: ServiceEntry
@@ -75,11 +75,11 @@ class _EntryPlan:
 
 
 @dataclass(frozen=True, slots=True)
-class _Index:
+class ContentIndex:
     maglev_table_size: int
     sizes: MapSizes
-    by_key: dict[SortKey, _EntryPlan]
-    by_digest: dict[bytes, _EntryPlan]  # entries that carry a digest
+    by_key: dict[SortKey, EntryPlan]
+    by_digest: dict[bytes, EntryPlan]  # entries that carry a digest
     service_ids: dict[int, SortKey]  # live service ids and their entries
     contested: frozenset[FrontendKey]  # frontends more than one entry asked for
     cursors: tuple[int, int, int]  # next service, set and backend id to try
@@ -128,7 +128,7 @@ def _maglev_name(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-class _Ids:
+class Ids:
     """Hands out ids upward from a cursor, wrapping below `bound`, skipping ids present in
     any of `taken`: ids freed by this sync are still in `current`, so they are not reused
     at once. Past a full space it goes on above `bound` (check_capacity reports that)."""
@@ -191,7 +191,7 @@ def source_ranged_keys(entry: ServiceEntry) -> dict[FrontendKey, tuple[str, ...]
     return found
 
 
-class _Builder:
+class EntryBuilder:
     """Shared by both paths: translates one entry into `services`/`slots`/`backends`."""
 
     def __init__(
@@ -214,9 +214,9 @@ class _Builder:
         self.claimed_keys: set[FrontendKey] = set()
         self.contested: set[FrontendKey] = set()
         # Set by the path before translating.
-        self.service_id_alloc: _Ids
-        self.set_id_alloc: _Ids
-        self.backend_id_alloc: _Ids
+        self.service_id_alloc: Ids
+        self.set_id_alloc: Ids
+        self.backend_id_alloc: Ids
 
     @staticmethod
     def frontend_keys(entry: ServiceEntry) -> dict[FrontendKey, int]:
@@ -299,7 +299,7 @@ class _Builder:
         service_id: int,
         known_backends: Mapping[tuple[str, int], int],
         known_sets: Mapping[SetContent, int],
-    ) -> _EntryPlan:
+    ) -> EntryPlan:
         """Write `entry` with `service_id` under `keys`; backend and set ids come from the
         known_* maps when their content matches, else are new."""
         # Only the sets some frontend uses (docs/nodestate.md): a ClusterIP uses one set whoever
@@ -347,7 +347,7 @@ class _Builder:
                 set_id, count, inner_id, inner_count, timeout or 0, kind,
             )  # fmt: skip
         self.service_ids[service_id] = entry.sort_key
-        return _EntryPlan(
+        return EntryPlan(
             entry, service_id, tuple(keys), tuple(set_ids.values()), tuple(ids.values())
         )
 
@@ -386,7 +386,7 @@ class _Builder:
         return set_id, len(content)
 
     def known_from_plan(
-        self, plan: _EntryPlan
+        self, plan: EntryPlan
     ) -> tuple[dict[tuple[str, int], int], dict[SetContent, int]]:
         """The backend and set ids an entry owned in `current`, by content."""
         current = self.current
@@ -423,7 +423,7 @@ class _Full:
     def run(self) -> KernelContent:
         current, sizes, index = self.current, self.sizes, self.index
         out = KernelContent()
-        builder = _Builder(
+        builder = EntryBuilder(
             current, self.maglev_table_size, sizes, out.services, out.slots, out.backends
         )
         # Ids `current` uses in any way stay reserved until it is gone: a new id never
@@ -444,11 +444,11 @@ class _Full:
                 _cursor_after(live_sets, sizes.slots),
                 _cursor_after(live_backends, sizes.backends),
             )
-        builder.service_id_alloc = _Ids(
+        builder.service_id_alloc = Ids(
             sizes.services, cursors[0], (live_services, builder.service_ids)
         )
-        builder.set_id_alloc = _Ids(sizes.slots, cursors[1], (live_sets, out.slots))
-        builder.backend_id_alloc = _Ids(sizes.backends, cursors[2], (live_backends, out.backends))
+        builder.set_id_alloc = Ids(sizes.slots, cursors[1], (live_sets, out.slots))
+        builder.backend_id_alloc = Ids(sizes.backends, cursors[2], (live_backends, out.backends))
 
         entries = self.state.services
         # Who answers each frontend: the first entry in NodeState order that asks for it.
@@ -461,11 +461,11 @@ class _Full:
         else:  # decoded from the kernel: entries are known by their frontends
             service_ids = self.adopt_service_ids(owned)
 
-        by_key: dict[SortKey, _EntryPlan] = {}
-        by_digest: dict[bytes, _EntryPlan] = {}
+        by_key: dict[SortKey, EntryPlan] = {}
+        by_digest: dict[bytes, EntryPlan] = {}
         for entry, keys, service_id in zip(entries, owned, service_ids, strict=True):
             if not keys:
-                plan = _EntryPlan(entry, 0, (), (), ())
+                plan = EntryPlan(entry, 0, (), (), ())
             else:
                 known_backends: Mapping[tuple[str, int], int] = {}
                 known_sets: Mapping[SetContent, int] = {}
@@ -482,7 +482,7 @@ class _Full:
             by_key[entry.sort_key] = plan
             if entry.digest:
                 by_digest[entry.digest] = plan
-        index = _Index(
+        index = ContentIndex(
             self.maglev_table_size,
             sizes,
             by_key,
@@ -496,7 +496,7 @@ class _Full:
             ),
             builder.slot_total,
             builder.service_id_alloc.overflow,
-            _entries_if_keyed(entries, by_key, by_digest),
+            entries_if_keyed(entries, by_key, by_digest),
             self.state.revision,
         )
         out._index = index
@@ -541,15 +541,15 @@ class _Full:
         return found
 
 
-_DIGEST = attrgetter("digest")
+DIGEST = attrgetter("digest")
 
 
-def _entries_if_keyed(
+def entries_if_keyed(
     entries: tuple[ServiceEntry, ...],
-    by_key: Mapping[SortKey, _EntryPlan],
-    by_digest: Mapping[bytes, _EntryPlan],
+    by_key: Mapping[SortKey, EntryPlan],
+    by_digest: Mapping[bytes, EntryPlan],
 ) -> tuple[ServiceEntry, ...] | None:
-    """`entries` if each has a plan of its own (see `_Index.entries`); the caller knows
+    """`entries` if each has a plan of its own (see `ContentIndex.entries`); the caller knows
     that every entry is sealed and `by_digest` holds only the digests of their plans."""
     n = len(entries)
     return entries if len(by_key) == n and len(by_digest) == n else None

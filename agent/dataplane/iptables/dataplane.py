@@ -88,7 +88,7 @@ def _run(
     return run_command(netns, argv, stdin)
 
 
-def _backend(backend: Backend | None, netns: str | None) -> Backend:
+def backend_or_auto(backend: Backend | None, netns: str | None) -> Backend:
     """The backend given, else the one `--iptables-backend auto` picks in `netns`."""
     return backend if backend is not None else choose_backend("auto", netns)[0]
 
@@ -97,7 +97,7 @@ def unavailable_reason(netns: str | None = None, backend: Backend | None = None)
     """Why this dataplane cannot work here with `backend` (None: it can): the tools are
     missing, or the kernel refuses the nat table for a family."""
     try:
-        backend = _backend(backend, netns)
+        backend = backend_or_auto(backend, netns)
     except BackendError as err:
         return str(err)
     for family in FAMILIES:
@@ -117,7 +117,7 @@ def unavailable_reason(netns: str | None = None, backend: Backend | None = None)
 TABLES = ("nat", "filter")  # the tables our chains live in
 
 
-def _saved(
+def saved_tables(
     family: str, netns: str | None, backend: Backend, tables: Sequence[str] = TABLES
 ) -> dict[str, list[str]]:
     """`iptables-save -t TABLE` of `tables`, as lines per table."""
@@ -157,7 +157,7 @@ def kernel_marker(
 ) -> tuple[str, str, int] | None:
     """(revision, rules digest, written at, Unix ns) of the KBP-STATE marker the kernel
     holds for a family; None when there is none."""
-    proc = _run(netns, [_backend(backend, netns).save(family), "-t", "filter"])
+    proc = _run(netns, [backend_or_auto(backend, netns).save(family), "-t", "filter"])
     if proc.returncode != 0:
         return None
     for line in proc.stdout.splitlines():
@@ -176,7 +176,9 @@ def kernel_chains(
     """The KBP- chains the kernel holds, per table."""
     return {
         table: {line[1:].split(" ", 1)[0] for line in lines if line.startswith(":" + PREFIX)}
-        for table, lines in _saved(family, netns, _backend(backend, netns), tables).items()
+        for table, lines in saved_tables(
+            family, netns, backend_or_auto(backend, netns), tables
+        ).items()
     }
 
 
@@ -516,7 +518,7 @@ class IptablesDataplane(QuietDataplane):
         """The rules of the tables our jumps live in, as restore lines per table: only
         the built-in chains' on nf_tables, the whole tables' otherwise."""
         if not self.backend.nf_tables:
-            saved = _saved(family, self.netns, self.backend)
+            saved = saved_tables(family, self.netns, self.backend)
             return {table: set(lines) for table, lines in saved.items()}
         rules: dict[str, set[str]] = {"nat": set(), "filter": set()}
         for table, builtin in sorted({(j[0], j[1]) for j in JUMPS}):

@@ -677,8 +677,8 @@ def live(
 ) -> Ruleset:
     """The rules this network namespace holds for a family (IPv4 | IPv6), ours only, in
     `backend` (None: the one `--iptables-backend auto` picks)."""
-    from .dataplane import _backend, _saved
+    from .dataplane import backend_or_auto, saved_tables
 
     ruleset = Ruleset(local_addresses)
-    ruleset.restore(ours(_saved(family, netns, _backend(backend, netns))))
+    ruleset.restore(ours(saved_tables(family, netns, backend_or_auto(backend, netns))))
     return ruleset
