@@ -519,7 +519,7 @@ def variant_setups(
                     s.label = "xdp (generic)"
                 pins.append(pin)
                 s.ebpf.apply(state)
-                s.xdp_mode = s.ebpf.xdp_modes.get("n0", "off")
+                s.xdp_mode = s.ebpf.links.xdp_modes.get("n0", "off")
             elif name == "iptables":
                 s.frame, s.expected_slot = to_vip, SINK_TRANSLATED
                 s.iptables = IptablesDataplane([NO_INTERFACES], netns=topo.node)

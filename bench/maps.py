@@ -47,7 +47,6 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from agent.dataplane.ebpf import codec
-from agent.dataplane.ebpf import dataplane as dataplane_module
 from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.libbpf import Map
@@ -243,10 +242,10 @@ def pb8_size(name: str, target: Map, e: Elements, count: int, repeat: int) -> Ba
     cleared, as at agent start."""
 
     def agent_update() -> None:
-        dataplane_module._update(target, e.agent_items())
+        target.update_items(e.agent_items())
 
     def agent_delete() -> None:
-        dataplane_module._delete(target, e.agent_keys())
+        target.delete_keys(e.agent_keys())
 
     def each_update() -> None:
         update = target.update
@@ -357,35 +356,36 @@ def pb4_once(
     `apply(full=True)`: read the empty maps, plan_change, writes), with plan and diff also
     timed on their own; then the restart path, deleting everything, and the floor's raw
     batch write of the same elements (removed again)."""
-    assert not dp.current.services, "maps not empty"
+    assert not dp.maps.current.services, "maps not empty"
     took, _ = seconds(lambda: json.loads(text), gc_enabled=False)
     samples["decode_floor"].append(took)
     decode, (state, _) = seconds(lambda: load_manifests([cluster.path]))
     comp, nodestate = seconds(lambda: compile(state, THIS_NODE, CompileOptions()))
     empty = KernelContent()
     plan_s, desired = seconds(lambda: translate(
-        nodestate, empty, maglev_table_size=dp.maglev_table_size, sizes=dp.sizes))  # fmt: skip
+        nodestate, empty, maglev_table_size=dp.maps.maglev_table_size,
+        sizes=dp.maps.sizes))  # fmt: skip
 
     def diff_and_check() -> Writes:
         writes = diff(empty, desired)
-        check_capacity(empty, desired, writes, dp.sizes)
+        check_capacity(empty, desired, writes, dp.maps.sizes)
         return writes
 
     diff_s, writes = seconds(diff_and_check)
     # The real path; its map writes timed by wrapping the instance's _write.
     write_times: list[float] = []
-    write = dp._write
+    write = dp.maps._write
 
     def timed_write(w: Writes) -> None:
         start = time.perf_counter()
         write(w)
         write_times.append(time.perf_counter() - start)
 
-    dp._write = timed_write  # type: ignore[method-assign]
+    dp.maps._write = timed_write  # type: ignore[method-assign]
     try:
         apply_s, count = seconds(lambda: dp.apply(nodestate, full=True))
     finally:
-        del dp._write
+        del dp.maps._write
     assert count == writes.count, f"apply wrote {count}, diff said {writes.count}"
     phases = {"decode": decode, "compile": comp, "plan": plan_s, "diff": diff_s,
               "apply": apply_s, "write": write_times[0]}  # fmt: skip
@@ -551,8 +551,9 @@ def pb5(dp: EbpfDataplane, cluster: Cluster, per_kind: int, pause: float) -> Cha
             restore = Change("not_ready", [json.dumps(originals[name][0])], set_objects)
             timed_change(dp, state, compiler, restore, each)
         fresh = translate(compiler.full(state), KernelContent(),
-                                maglev_table_size=dp.maglev_table_size, sizes=dp.sizes)  # fmt: skip
-        consistent = resolved(dp._read_kernel()) == resolved(fresh)
+                          maglev_table_size=dp.maps.maglev_table_size,
+                          sizes=dp.maps.sizes)  # fmt: skip
+        consistent = resolved(dp.maps._read_kernel()) == resolved(fresh)
     finally:
         gc.unfreeze()
     dp.apply(empty_nodestate(nodestate))

@@ -125,7 +125,7 @@ def run_size(dp: Any, n: int, tmp: Path, scrapes: int) -> dict[str, Any]:
     cluster.path.unlink()
     dp.apply(node_state, full=True)
     gc.freeze()  # as the agent's sync loop does with the first programmed state
-    labels = service_metrics.labels_of(node_state.services, dp.current.services, "ports")
+    labels = service_metrics.labels_of(node_state.services, dp.maps.current.services, "ports")
     ids = sorted(labels)
     dropped = fill_counters(dp, ids)
     print(

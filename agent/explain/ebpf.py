@@ -20,14 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from ..dataplane.ebpf import abi, codec, frames, libbpf
-from ..dataplane.ebpf.abi import DROP_REASONS, const, packer, versioned
+from ..dataplane.ebpf.abi import DROP_REASONS, PROTOCOLS, const, packer, versioned
 from ..dataplane.ebpf.inspect import BACKEND_FLAGS, SERVICE_FLAGS, flag_names
 from ..dataplane.ebpf.libbpf import Map
 from ..dataplane.ebpf.maps import FrontendKey
 from ..model.nodestate import CLUSTER_IP, Backend, NodeState
 from .semantics import NODE, NOT_A_SERVICE, OUTSIDE, Explanation, address
 
-PROTO_NUMBERS = {"TCP": 6, "UDP": 17, "SCTP": 132}
 DEFAULT_SPORT = 40000  # the source port of the packet when --sport is not given
 TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT = 0, 2, 7
 MAPS = (
@@ -84,7 +83,7 @@ def explain_ebpf(
     fe = ex.frontend
     dst_ip = fe.ip if fe else target.ip
     dst_port = fe.port if fe else target.port
-    proto = PROTO_NUMBERS[ex.protocol]
+    proto = PROTOCOLS[ex.protocol]
     lines: list[str] = []
     disagree: list[str] = []
     with _maps(pin_dir) as maps:

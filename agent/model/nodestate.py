@@ -20,12 +20,15 @@ from .types import ServiceKey
 API_VERSION = "kube-bpf-proxy/v1"
 KIND = "NodeState"
 
-# Frontend types in document order.
+# Frontend types in document order, each with its words in iptables rule comments
+# (kube-proxy's). The one table of them: the eBPF ABI's KBP_FE_* derive from it too.
 CLUSTER_IP = "ClusterIP"
 NODE_PORT = "NodePort"
 EXTERNAL_IP = "ExternalIP"
 LOAD_BALANCER = "LoadBalancer"
-FRONTEND_ORDER = {CLUSTER_IP: 0, NODE_PORT: 1, EXTERNAL_IP: 2, LOAD_BALANCER: 3}
+FRONTEND_TYPES = {CLUSTER_IP: "cluster IP", NODE_PORT: "node port", EXTERNAL_IP: "external IP",
+                  LOAD_BALANCER: "loadbalancer IP"}  # fmt: skip
+FRONTEND_ORDER = {name: order for order, name in enumerate(FRONTEND_TYPES)}
 
 
 @dataclass(frozen=True, slots=True)

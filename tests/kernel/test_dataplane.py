@@ -628,7 +628,7 @@ def test_new_pod_reaches_a_service_without_an_apply(env: Env) -> None:
         # (iptables rules match the pods' interfaces by name pattern: nothing to attach.)
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            if pod.host_ifindex in env.dataplane._attached:
+            if pod.host_ifindex in env.dataplane.links.attached:
                 break
             time.sleep(0.02)
     result = pod.connect_many(ip4, 80, "tcp", 5)
@@ -683,8 +683,8 @@ def test_a_pod_whose_namespace_is_unknown_is_served_by_tc(env: Env) -> None:
     if not env.sockets_translated:
         pytest.skip("only --socket-lb all translates the pods' sockets")
     dataplane = env.running()
-    assert isinstance(dataplane, EbpfDataplane) and dataplane.pod_netns is not None
-    known = {pod.ifname: pod for pod in dataplane.pod_netns.pods()}
+    assert isinstance(dataplane, EbpfDataplane) and dataplane.links.pod_netns is not None
+    known = {pod.ifname: pod for pod in dataplane.links.pod_netns.pods()}
     assert set(known) == {pod.host_ifname for pod in env.pods.values()}
     client = env.pod("client2")
     assert known[client.host_ifname].ipv4 == client.ipv4

@@ -184,8 +184,8 @@ def test_restarted_ebpf_agent_reads_the_maps_once_before_its_first_apply(
     restarted = EbpfDataplane(pins, [NO_INTERFACES], sizes, netns=ns, watch=False)
     try:
         reads = []
-        read = restarted._read_kernel
-        restarted._read_kernel = lambda: reads.append(1) or read()  # type: ignore[method-assign]
+        read = restarted.maps._read_kernel
+        restarted.maps._read_kernel = lambda: reads.append(1) or read()  # type: ignore[method-assign]
         assert restarted.apply(state, full=True) == 0
         assert reads == []
         assert restarted.apply(state, full=True) == 0

@@ -282,7 +282,7 @@ class Env:
         """(packets, bytes, new_flows, drops) of the service behind frontend ip:80."""
         family = const.KBP_FAMILY_IPV6 if ":" in ip else const.KBP_FAMILY_IPV4
         key = FrontendKey(ip, PORT, proto, family)
-        service_id = self.dataplane.current.services[key].service_id
+        service_id = self.dataplane.maps.current.services[key].service_id
         sums = codec.percpu_sums(self.dataplane.programs.map("kbp_counters"), "kbp_counters")
         return sums[service_id]
 
@@ -651,7 +651,7 @@ def test_a_restarted_agent_replaces_the_programs_in_place(env: Env) -> None:
     env.program(*objects)
     expected = {hook: [program] for hook, (program, _) in sockhooks.socket_programs().items()}
     assert _attached(env) == expected
-    restarted = load_programs(env.pin_dir, asdict(env.dataplane.sizes))
+    restarted = load_programs(env.pin_dir, asdict(env.dataplane.maps.sizes))
     try:
         with env.stream(ip4, PORT) as stream:
             assert stream.first["answer"] in BACKENDS and stream.first["peer"] == [ip4, PORT]

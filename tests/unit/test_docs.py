@@ -21,7 +21,7 @@ from agent.api import AgentStatus, HealthServer, MetricsServer
 from agent.config import ENV_PREFIX, Settings, default_node_name
 from agent.dataplane.ebpf import service_metrics
 from agent.dataplane.ebpf.abi import DROP_REASONS
-from agent.dataplane.ebpf.dataplane import _DropCollector
+from agent.dataplane.ebpf.writer import DropCollector
 from agent.dataplane.probe import PROBE_NAMES
 from agent.metrics import Metrics
 
@@ -137,7 +137,7 @@ def test_every_metric_has_a_row_with_its_type_and_labels(name: str, kind: str, l
 
 
 def test_the_drop_counter_documented_is_the_one_the_dataplane_registers() -> None:
-    family = _DropCollector._family()
+    family = DropCollector.family()
     assert (family.name, family.type) == ("kbp_datapath_drops", "counter")
 
 

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.ebpf import external, plan
 from agent.dataplane.ebpf.abi import const
-from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.maglev import maglev_table
 from agent.dataplane.ebpf.maps import (
     BackendValue,
@@ -39,6 +38,7 @@ from agent.dataplane.ebpf.maps import (
 )
 from agent.dataplane.ebpf.plan import plan_change
 from agent.dataplane.ebpf.translate import translate
+from agent.dataplane.ebpf.writer import MapWriter
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.conventions import ANNOTATION_LB_ALGORITHM
 from agent.model.decode import decode_object
@@ -1070,27 +1070,21 @@ def test_a_write_failing_half_way_rolls_back_and_a_sync_from_the_kernel_complete
     assert plan_change(FITS, result).writes.empty
 
 
-class ModelDataplane(EbpfDataplane):
-    """EbpfDataplane.apply over the Kernel model: no programs, pinned maps or links (so
-    none of the external interfaces' maps and links either)."""
+class ModelWriter(MapWriter):
+    """MapWriter.apply over the Kernel model: no programs or pinned maps (so none of the
+    external interfaces' maps either)."""
 
     def __init__(self, sizes: MapSizes) -> None:
         self.sizes = sizes
         self.maglev_table_size = 31
-        self._lock = threading.Lock()
-        self._held = None
-        self._serving = True  # nothing attached to take over
-        self.pod_netns = None  # no socket hooks
-        self.cgroup = None
+        self.lock = threading.Lock()
+        self.held = None
         self._range_index = external.SourceRangeIndex()
         self.kernel = Kernel(EMPTY)
         self.current = self._read_kernel()
 
     def _write(self, w: Writes) -> None:
         self.kernel.apply(w)
-
-    def _check_range_capacity(self, ranges: object) -> None:
-        pass
 
     def _add_external(self, w: Writes, state: object, ranges: object) -> None:
         pass
@@ -1101,35 +1095,32 @@ class ModelDataplane(EbpfDataplane):
     def _forget_external(self) -> None:
         pass
 
-    def _follow_node(self, state: object, full: bool) -> None:
-        pass
-
     def _read_kernel(self) -> KernelContent:
         return self.kernel.content()
 
 
-def test_the_dataplane_holds_what_the_kernel_holds_after_a_refused_and_a_failed_apply() -> None:
-    dataplane = ModelDataplane(MapSizes(services=4))
-    assert dataplane.apply(FIRST) == 6  # counters, 2 backends, 2 slots, 1 frontend
-    held = dataplane.kernel.content()
-    assert dataplane.current == held
+def test_the_map_writer_holds_what_the_kernel_holds_after_a_refused_and_a_failed_apply() -> None:
+    writer = ModelWriter(MapSizes(services=4))
+    assert writer.apply(FIRST) == (6, False)  # counters, 2 backends, 2 slots, 1 frontend
+    held = writer.kernel.content()
+    assert writer.current == held
     with pytest.raises(DataplaneError) as raised:
-        dataplane.apply(TOO_BIG)
+        writer.apply(TOO_BIG)
     assert raised.value.reason == "capacity"
-    assert dataplane.current == dataplane.kernel.content() == held
-    dataplane.kernel.fail_after = 3  # the counters reset and both new backends
+    assert writer.current == writer.kernel.content() == held
+    writer.kernel.fail_after = 3  # the counters reset and both new backends
     with pytest.raises(DataplaneError) as raised:
-        dataplane.apply(FITS)
+        writer.apply(FITS)
     assert raised.value.reason == "map_write"
-    assert dataplane.current == dataplane.kernel.content() != held  # read back
-    assert dataplane.held_revision == FIRST.revision
-    dataplane.kernel.fail_after = None
-    assert dataplane.apply(FITS) > 0
-    assert dataplane.current == dataplane.kernel.content()
-    assert view(dataplane.current) == view(translate(FITS, EMPTY))
-    assert dataplane.held_revision == FITS.revision
-    assert dataplane.apply(FITS) == 0
-    assert dataplane.apply(FITS, full=True) == 0
+    assert writer.current == writer.kernel.content() != held  # read back
+    assert writer.held == FIRST.revision
+    writer.kernel.fail_after = None
+    assert writer.apply(FITS)[0] > 0
+    assert writer.current == writer.kernel.content()
+    assert view(writer.current) == view(translate(FITS, EMPTY))
+    assert writer.held == FITS.revision
+    assert writer.apply(FITS) == (0, False)
+    assert writer.apply(FITS, full=True) == (0, False)
 
 
 def test_a_change_that_cannot_be_translated_leaves_current_as_it_was() -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import cffi
 
+from ...model.nodestate import FRONTEND_ORDER
+
 BPF_DIR = Path(__file__).resolve().parents[3] / "bpf"
 ABI_HEADER = BPF_DIR / "include" / "kbp_abi.h"
 
@@ -63,12 +65,28 @@ ffi, const = _build()
 # Every struct of the header, in header order.
 STRUCTS: tuple[str, ...] = tuple(re.findall(r"^struct (kbp_\w+) \{", _header_text(), re.M))
 
+
+def named(prefix: str, count: str) -> dict[int, str]:
+    """value → name of each constant <prefix>X but `count` (KBP_DROP_NO_BACKEND → no-backend)."""
+    return {
+        value: name.removeprefix(prefix).lower().replace("_", "-")
+        for name, value in vars(const).items()
+        if name.startswith(prefix) and name != count
+    }
+
+
 # kbp_drops index → the reason label of /metrics' kbp_datapath_drops_total and `inspect`.
-DROP_REASONS = {
-    value: name.removeprefix("KBP_DROP_").lower().replace("_", "-")
-    for name, value in vars(const).items()
-    if name.startswith("KBP_DROP_") and name != "KBP_DROP_REASONS"
+DROP_REASONS = named("KBP_DROP_", "KBP_DROP_REASONS")
+
+# The NodeState's names → the ABI's numbers. Each frontend type has its KBP_FE_<TYPE> in
+# kbp_abi.h, the type's name in upper snake case (ClusterIP → KBP_FE_CLUSTER_IP).
+PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": socket.IPPROTO_SCTP}
+FAMILIES = {"IPv4": const.KBP_FAMILY_IPV4, "IPv6": const.KBP_FAMILY_IPV6}
+FRONTEND_TYPES = {
+    name: getattr(const, "KBP_FE_" + re.sub("(?<=[a-z])(?=[A-Z])", "_", name).upper())
+    for name in FRONTEND_ORDER
 }
+PROTOCOL_NAMES = {number: name for name, number in PROTOCOLS.items()}
 
 MAPS_HEADER = BPF_DIR / "include" / "kbp_maps.h"
 

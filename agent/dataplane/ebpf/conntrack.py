@@ -23,7 +23,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .abi import const, layout, versioned
+from .abi import PROTOCOL_NAMES, const, layout, versioned
 from .ctgate import ReplyGate
 from .libbpf import BPF_NOEXIST, Map
 
@@ -37,7 +37,6 @@ _RST = const.KBP_CT_F_RST
 _SPORT = const.KBP_CT_F_SPORT
 _SOURCE_REWRITTEN = const.KBP_CT_F_SNAT | _SPORT
 
-PROTOCOLS = {6: "TCP", 17: "UDP", 132: "SCTP"}
 
 # Flow states, as `inspect conntrack` and kbp_conntrack_entries{state} name them.
 TCP_SYN = "syn-sent"  # TCP: no reply yet
@@ -207,13 +206,12 @@ def sweep(
     for flow in flows_of(items):
         if seconds_left(flow, timeouts, now) >= 0 or not _still_expired(table, flow):
             for _ in flow.keys:
-                report.by_state[(PROTOCOLS.get(flow.proto, str(flow.proto)), flow.state)] += 1
+                report.by_state[(PROTOCOL_NAMES.get(flow.proto, str(flow.proto)), flow.state)] += 1
             continue
         expired.extend(flow.keys)
         if flow.remapped:
             records.append(flow.keys[0])
-    if expired:
-        table.delete_batch(b"".join(expired), len(expired))
+    table.delete_keys(expired)
     if records and remap is not None:
         for key in records:  # few: only clashing flows are remapped
             remap.delete(key)

@@ -2,7 +2,7 @@
 kbp_config maps hold for a NodeState, and which interfaces are the node's external ones.
 
 The programs on external interfaces (bpf/tc_ext.c, bpf/xdp_ext.c) read these maps;
-dataplane.py writes them beside the service maps.
+writer.py writes them beside the service maps.
 """
 
 from __future__ import annotations

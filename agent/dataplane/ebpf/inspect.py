@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from . import codec
-from .abi import DROP_REASONS, addr_bytes, addr_text, const, packer, versioned
+from .abi import (
+    DROP_REASONS,
+    FRONTEND_TYPES,
+    PROTOCOL_NAMES,
+    addr_bytes,
+    addr_text,
+    const,
+    named,
+    packer,
+    versioned,
+)
 from .conntrack import Timeouts, seconds_left
 from .conntrack import flows_of as conntrack_flows
 from .libbpf import Map
@@ -21,13 +31,7 @@ from .maps import FrontendKey
 
 Row = dict[str, Any]
 
-PROTOCOLS = {6: "TCP", 17: "UDP", 132: "SCTP"}
-FRONTEND_TYPES = {
-    const.KBP_FE_CLUSTER_IP: "ClusterIP",
-    const.KBP_FE_NODE_PORT: "NodePort",
-    const.KBP_FE_EXTERNAL_IP: "ExternalIP",
-    const.KBP_FE_LOAD_BALANCER: "LoadBalancer",
-}
+FRONTEND_TYPE_NAMES = {number: name for name, number in FRONTEND_TYPES.items()}
 
 
 class InspectError(Exception):
@@ -71,11 +75,7 @@ CT_FLAGS = {
     const.KBP_CT_F_SPARE: "spare",
 }
 # kbp_xdp_stats index → the verdict's name (KBP_XDP_DROP_RANGE → drop-range).
-XDP_VERDICTS = {
-    value: name.removeprefix("KBP_XDP_").lower().replace("_", "-")
-    for name, value in vars(const).items()
-    if name.startswith("KBP_XDP_") and name != "KBP_XDP_VERDICTS"
-}
+XDP_VERDICTS = named("KBP_XDP_", "KBP_XDP_VERDICTS")
 
 
 def frontends(pin_dir: Path) -> list[Row]:
@@ -106,8 +106,8 @@ def frontends(pin_dir: Path) -> list[Row]:
         rows.append(
             {
                 "frontend": _endpoint(key.addr, key.port),
-                "protocol": PROTOCOLS.get(key.proto, str(key.proto)),
-                "type": FRONTEND_TYPES.get(value.type, str(value.type)),
+                "protocol": PROTOCOL_NAMES.get(key.proto, str(key.proto)),
+                "type": FRONTEND_TYPE_NAMES.get(value.type, str(value.type)),
                 "serviceId": value.service_id,
                 "flags": flag_names(value.flags, SERVICE_FLAGS),
                 "affinitySeconds": value.affinity_timeout or None,
@@ -171,7 +171,7 @@ def conntrack(pin_dir: Path, timeouts: Timeouts | None = None) -> list[Row]:
                 {
                     # spare: the copy of a reply entry kept for when it alone is lost
                     "direction": _DIRECTIONS.get(direction, str(direction)),
-                    "protocol": PROTOCOLS.get(proto, str(proto)),
+                    "protocol": PROTOCOL_NAMES.get(proto, str(proto)),
                     "source": _endpoint(addr_text(saddr, family), int.from_bytes(sport, "big")),
                     "destination": _endpoint(
                         addr_text(daddr, family), int.from_bytes(dport, "big")
@@ -260,7 +260,7 @@ def counters(pin_dir: Path) -> list[Row]:
 def xdp(pin_dir: Path) -> dict[str, Any]:
     """Where our XDP program is attached (this network namespace) and in which mode, and
     the per-verdict counters of kbp_xdp_stats."""
-    from .dataplane import is_ours
+    from .attach import is_ours
     from .netlink import TcAttacher  # pyroute2, no compiler
 
     interfaces = []

@@ -62,15 +62,7 @@ BPF_ANY = 0
 BPF_NOEXIST = 1
 
 # enum bpf_map_type values the agent cares about (include/uapi/linux/bpf.h).
-MAP_TYPE_NAMES = {
-    1: "hash",
-    2: "array",
-    5: "percpu_hash",
-    6: "percpu_array",
-    9: "lru_hash",
-    10: "lru_percpu_hash",
-}
-PERCPU_TYPES = {5, 6, 10}
+PERCPU_TYPES = {5, 6, 10}  # percpu_hash, percpu_array, lru_percpu_hash
 
 
 @functools.cache
@@ -116,10 +108,6 @@ class MapInfo:
     max_entries: int
     flags: int
     name: str
-
-    @property
-    def type_name(self) -> str:
-        return MAP_TYPE_NAMES.get(self.type, str(self.type))
 
     @property
     def percpu(self) -> bool:
@@ -242,6 +230,16 @@ class Map:
                     return
                 _check(rc, f"batch update of {count} in {self.name} (written {done + n[0]})")
             done += n[0]
+
+    def update_items(self, items: list[tuple[bytes, bytes]]) -> None:
+        """update_batch of (key, value) pairs; no call at all for none."""
+        if items:
+            keys, values = b"".join(k for k, _ in items), b"".join(v for _, v in items)
+            self.update_batch(keys, values, len(items))
+
+    def delete_keys(self, keys: list[bytes]) -> None:
+        if keys:
+            self.delete_batch(b"".join(keys), len(keys))
 
     def _update_each(self, keys: bytes, values: bytes, count: int) -> None:
         ks, vs = self.key_size, self.value_size

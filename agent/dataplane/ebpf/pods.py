@@ -67,25 +67,20 @@ def _candidates() -> Iterator[str]:
     """Paths of network namespaces this process may open: bind mounts first (cheap, and
     where pod namespaces live), then every process's; each namespace once."""
     seen: set[tuple[int, int]] = set()
+    for path in _namespace_paths():
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                yield path
+
+
+def _namespace_paths() -> Iterator[str]:
     for directory in NETNS_RUN_DIRS:
         with contextlib.suppress(OSError):
-            for entry in sorted(os.listdir(directory)):
-                path = str(directory / entry)
-                with contextlib.suppress(OSError):
-                    st = os.stat(path)
-                    if (st.st_dev, st.st_ino) not in seen:
-                        seen.add((st.st_dev, st.st_ino))
-                        yield path
+            yield from [str(directory / entry) for entry in sorted(os.listdir(directory))]
     with contextlib.suppress(OSError):
-        for entry in os.listdir(PROC):
-            if not entry.isdigit():
-                continue
-            path = f"{PROC}/{entry}/ns/net"
-            with contextlib.suppress(OSError):
-                st = os.stat(path)
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    yield path
+        yield from [f"{PROC}/{entry}/ns/net" for entry in os.listdir(PROC) if entry.isdigit()]
 
 
 def _read_pod(path: str, peer_index: int) -> tuple[int, list[str]]:

@@ -20,13 +20,12 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily
 
 from ...gcpause import gc_paused
-from .abi import DROP_REASONS, family_of, packer
+from .abi import DROP_REASONS, PROTOCOLS, family_of, packer
 from .libbpf import Map, possible_cpus
 
 log = logging.getLogger(__name__)
 
 SERVICE_METRICS = ("none", "services", "ports")
-PROTO_NUMBERS = {"TCP": 6, "UDP": 17, "SCTP": 132}
 
 # service id -> labels (namespace, service[, port, protocol]), from the applied state
 Labeller = Callable[[], dict[int, tuple[str, ...]]]
@@ -183,7 +182,7 @@ def labels_of(entries: Any, services: Any, mode: str) -> dict[int, tuple[str, ..
     for entry in entries:
         fe = entry.frontends[0]
         value = services.get(
-            FrontendKey(fe.ip, fe.port, PROTO_NUMBERS[entry.protocol], family_of(fe.ip))
+            FrontendKey(fe.ip, fe.port, PROTOCOLS[entry.protocol], family_of(fe.ip))
         )
         if value is None:
             continue

@@ -11,7 +11,6 @@ id, written in full before the services flip to it (docs/ebpf.md, "Ordered write
 from __future__ import annotations
 
 import ipaddress
-import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -21,15 +20,13 @@ from typing import Any
 from ...gcpause import gc_paused
 from ...model.nodestate import (
     CLUSTER_IP,
-    EXTERNAL_IP,
     LOAD_BALANCER,
-    NODE_PORT,
     Backend,
     NodeState,
     ServiceEntry,
     uses_endpoints,
 )
-from .abi import const
+from .abi import FAMILIES, FRONTEND_TYPES, PROTOCOLS, const
 from .maglev import DEFAULT_TABLE_SIZE, check_table_size, maglev_table
 from .maps import (
     BackendValue,
@@ -41,14 +38,6 @@ from .maps import (
     SortKey,
 )
 
-_FAMILY = {"IPv4": const.KBP_FAMILY_IPV4, "IPv6": const.KBP_FAMILY_IPV6}
-_PROTO = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": socket.IPPROTO_SCTP}
-_FRONTEND_TYPE = {
-    CLUSTER_IP: const.KBP_FE_CLUSTER_IP,
-    NODE_PORT: const.KBP_FE_NODE_PORT,
-    EXTERNAL_IP: const.KBP_FE_EXTERNAL_IP,
-    LOAD_BALANCER: const.KBP_FE_LOAD_BALANCER,
-}
 _CLUSTER_IP_TYPE = const.KBP_FE_CLUSTER_IP
 _IPV6 = const.KBP_FAMILY_IPV6
 _HAS_ENDPOINTS = const.KBP_SVC_F_HAS_ENDPOINTS
@@ -185,8 +174,8 @@ def source_ranged_keys(entry: ServiceEntry) -> dict[FrontendKey, tuple[str, ...]
     for f in entry.frontends:
         if f.type != LOAD_BALANCER or not f.source_ranges:
             continue
-        family = _FAMILY[entry.ip_family]
-        key = FrontendKey(_canonical(f.ip), f.port, _PROTO[entry.protocol], family)
+        family = FAMILIES[entry.ip_family]
+        key = FrontendKey(_canonical(f.ip), f.port, PROTOCOLS[entry.protocol], family)
         found[key] = tuple(str(ipaddress.ip_network(r, strict=False)) for r in f.source_ranges)
     return found
 
@@ -221,13 +210,13 @@ class EntryBuilder:
     @staticmethod
     def frontend_keys(entry: ServiceEntry) -> dict[FrontendKey, int]:
         """The entry's frontends as keys → KBP_FE_* (the first type wins on a repeat)."""
-        family = _FAMILY[entry.ip_family]
-        proto = _PROTO[entry.protocol]
+        family = FAMILIES[entry.ip_family]
+        proto = PROTOCOLS[entry.protocol]
         keys: dict[FrontendKey, int] = {}
         for f in entry.frontends:
             key = FrontendKey(_canonical(f.ip), f.port, proto, family)
             if key not in keys:
-                keys[key] = _FRONTEND_TYPE[f.type]
+                keys[key] = FRONTEND_TYPES[f.type]
         return keys
 
     def owned(self, keys: dict[FrontendKey, int]) -> dict[FrontendKey, int]:
@@ -255,7 +244,7 @@ class EntryBuilder:
         entry's backends (a local backend is in both of its sets under one id)."""
         if not members:
             return []
-        family = _FAMILY[entry.ip_family]
+        family = FAMILIES[entry.ip_family]
         v6 = family == _IPV6
         backends = self.backends
         take = self.backend_id_alloc.take

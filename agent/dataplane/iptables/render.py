@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from ...model.nodestate import (
     CLUSTER_IP,
+    FRONTEND_TYPES,
     LOAD_BALANCER,
     Backend,
     Frontend,
@@ -136,15 +137,6 @@ def _dest(frontend: Frontend, entry: ServiceEntry, family: str) -> str:
     return f"-d {frontend.ip}{_HOST_PREFIX[family]} -p {proto} -m {proto} --dport {frontend.port}"
 
 
-def _frontend_label(frontend: Frontend) -> str:
-    return {
-        CLUSTER_IP: "cluster IP",
-        "NodePort": "node port",
-        "ExternalIP": "external IP",
-        LOAD_BALANCER: "loadbalancer IP",
-    }[frontend.type]
-
-
 def _backend_set(entry: ServiceEntry, local: bool) -> tuple[Backend, ...]:
     return (entry.local_backends if local else entry.cluster_backends) or ()
 
@@ -167,7 +159,7 @@ def entry_rules(entry: ServiceEntry, options: RenderOptions) -> EntryRules:
 
     for frontend in entry.frontends:
         dest = _dest(frontend, entry, family)
-        label = _quote(f"{name} {_frontend_label(frontend)}")
+        label = _quote(f"{name} {FRONTEND_TYPES[frontend.type]}")
         used = entry.backends_for(frontend.type)  # from outside
         if frontend.type == CLUSTER_IP:
             if used:

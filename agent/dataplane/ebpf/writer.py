@@ -1,0 +1,353 @@
+"""The map writer of the eBPF dataplane: at each apply it translates the NodeState to
+map contents (plan.py), checks capacity and writes only the differences, in the order
+that keeps every intermediate state whole for packets; it owns the conntrack collector
+and reports the maps' fill and the datapath's counters on /metrics.
+
+It knows nothing of interfaces: which programs run where is attach.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily
+
+from ...config import FLAG_MAP_SIZES
+from ...metrics import Metrics
+from ...model.nodestate import NodeState
+from ..base import DataplaneError
+from . import codec, external, service_metrics
+from .abi import DROP_REASONS, const, versioned
+from .conntrack import Collector, Timeouts
+from .ctgate import ReplyGate
+from .external import SourceRange
+from .kernel import LoadedPrograms
+from .libbpf import Map
+from .maps import CapacityError, KernelContent, MapSizes, Writes
+from .plan import plan_change
+
+log = logging.getLogger(__name__)
+
+
+class MapWriter:
+    """The pinned maps as this agent last wrote (or read) them, and the one write path."""
+
+    def __init__(
+        self,
+        programs: LoadedPrograms,
+        sizes: MapSizes,
+        maglev_table_size: int,
+        settings: tuple[int, tuple[int, int], str],
+        ct_timeouts: Timeouts | None,
+        ct_sweep_interval: float,
+    ) -> None:
+        """`settings`: kbp_config's (netns cookie, SNAT ports, --socket-lb)."""
+        self.programs = programs
+        self.sizes = sizes
+        self.maglev_table_size = maglev_table_size
+        self._settings = settings
+        self.lock = threading.Lock()
+        self.applied: NodeState | None = None  # the last state applied (metrics' labels)
+        self._range_index = external.SourceRangeIndex()  # the applied state's, wanted
+        self._ports: dict[int, int] = {}  # kbp_ports bits this agent knows are set
+        self._check_pinned_sizes()
+        self.current = self._read_kernel()
+        # The first apply (a full one: the sync loop's first is) compares with what was
+        # just read rather than read the maps again: at 10k Services x 10 a read takes
+        # ~1.5 s, more than the restarted agent's whole plan, and nothing else writes
+        # them meanwhile (an earlier agent is gone before this one starts).
+        self._just_read = True
+        # The ports of the backends and frontends found (an earlier agent's): set again
+        # where a bit is missing (a map new to this version), or their packets would skip
+        # the lookups that find them.
+        backends, frontends = self.current.backends.values(), self.current.services
+        programs.map("kbp_ports").update_items([
+            *self._port_writes(const.KBP_PORT_F_BACKEND, (b.port for b in backends)),
+            *self._port_writes(const.KBP_PORT_F_FRONTEND, (k.port for k in frontends)),
+        ])  # fmt: skip
+        self._ranges = self._read_ranges()  # kbp_src_ranges as written
+        self.conntrack = Collector(programs.map("kbp_ct"), programs.map("kbp_ct_stats"),
+                                   ct_timeouts or Timeouts(), ct_sweep_interval,
+                                   remap=programs.map("kbp_ct_remap"))  # fmt: skip
+        # kbp_ct_gate is trusted only while every tc program is one that sets it: an
+        # earlier agent's programs (maybe of a release without the gate) serve until our
+        # first apply, so the gate reads "unbuilt" (every lookup made) until the collector
+        # is handed it (EbpfDataplane.apply).
+        self.gate = ReplyGate(programs.map("kbp_ct_gate"))
+        self.gate.reset()
+        self._config = programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
+        # The revision an earlier agent's last complete apply left in the maps (None: none,
+        # or that apply was cut short): reported as held until this agent applies.
+        self.meta_revision = codec.meta_revision(programs.map("kbp_meta").lookup(bytes(4)))
+        self.held = self.meta_revision
+
+    def apply(self, state: NodeState, full: bool = False) -> tuple[int, bool]:
+        """Write what differs from `state`: (writes made, whether backends were removed)."""
+        with self.lock:
+            if full and not self._just_read:
+                self.current = self._read_kernel()
+            self._just_read = False
+            # Changes self.current in place (cost: what changed): every way out below
+            # commits or rolls back.
+            change = plan_change(
+                state, self.current, maglev_table_size=self.maglev_table_size, sizes=self.sizes
+            )
+            ranges = self._range_index.update(state, rescan=full)
+            w = change.writes
+            try:
+                change.check_capacity(self.sizes)
+                busy = w.count
+                self._add_external(w, state, ranges)
+                # kbp_meta says "unknown" until every write is done
+                meta_writes = self._write_meta(None) if busy else 0
+                self._write(w)
+                meta_writes += self._write_meta(state)
+            except CapacityError as err:  # nothing was written
+                self.current = change.rollback()
+                raise DataplaneError("capacity", str(err)) from err
+            except BaseException as err:
+                # The kernel may hold something between the old and the new content: read
+                # it back (the next apply then compares in full) rather than trust either.
+                try:
+                    self.current = self._read_kernel()
+                except OSError:
+                    log.exception("ebpf: cannot read the maps back after a failed write")
+                    self.current = change.rollback()
+                self._forget_external()
+                if isinstance(err, OSError):
+                    raise DataplaneError("map_write", str(err)) from err
+                raise
+            self.current = change.commit()
+            self.held = state.revision
+            self.applied = state
+            return w.count + meta_writes, bool(w.backends_to_delete)
+
+    def live_backends(self) -> set[tuple[int, str, int]]:
+        """(service id, address, port) of every backend the maps hold."""
+        with self.lock:
+            return {(b.service_id, b.addr, b.port) for b in self.current.backends.values()}
+
+    # --- metrics -------------------------------------------------------------------------
+
+    def register_metrics(self, metrics: Metrics, service_metrics: str = "services") -> None:
+        """Map fill ratios (from what the agent wrote), the datapath's drop counters and,
+        unless service_metrics is none, per-Service traffic (read from the kernel at each
+        scrape)."""
+
+        def filled(count: Callable[[KernelContent], int], size: int) -> Callable[[], float]:
+            def ratio() -> float:
+                with self.lock:  # an apply in progress may hold a change it will roll back
+                    return count(self.current) / size
+
+            return ratio
+
+        for name, count in (
+            ("kbp_services", lambda c: len(c.services)),
+            ("kbp_slots", lambda c: c.slot_count()),
+            ("kbp_backends", lambda c: len(c.backends)),
+        ):
+            size = self.programs.map(name).info.max_entries
+            metrics.map_fill.labels(versioned(name)).set_function(filled(count, size))
+        metrics.registry.register(DropCollector(self.programs.map("kbp_drops")))
+        if service_metrics != "none":
+            metrics.text_sections.append(self._service_traffic(service_metrics).render)
+        metrics.registry.register(self.conntrack)
+        if self.conntrack.interval > 0:  # counted by each sweep (a scan of the whole map)
+            metrics.map_fill.labels(versioned("kbp_ct")).set_function(self.conntrack.fill_ratio)
+
+    def _service_traffic(self, mode: str) -> service_metrics.ServiceTraffic:
+        cache: dict[str, Any] = {}
+
+        def labeller() -> dict[int, tuple[str, ...]]:
+            with self.lock:
+                state, content = self.applied, self.current
+            if state is None:
+                return {}
+            if cache.get("revision") != state.revision:  # entries and ids change together
+                cache["labels"] = service_metrics.labels_of(state.services, content.services,
+                                                            mode)  # fmt: skip
+                cache["revision"] = state.revision
+            return cache["labels"]
+
+        m = self.programs.map
+        return service_metrics.ServiceTraffic(m("kbp_counters"), m("kbp_svc_drops"), labeller, mode)
+
+    # --- writes --------------------------------------------------------------------------
+
+    def _write(self, w: Writes) -> None:
+        m = self.programs.map
+        services, slots, backends = m("kbp_services"), m("kbp_slots"), m("kbp_backends")
+        # 0. kbp_config and the ports lookups must know before packets reach new entries
+        m("kbp_config").update_items(w.config)
+        m("kbp_ports").update_items(w.ports)
+        # 1. backends that new sets will name; 2. the new sets, complete, each slot with a
+        # copy of its backend's entry (self.current is the new content here: plan_change)
+        upserts = {i: codec.backend_value(v) for i, v in w.backends_to_upsert.items()}
+        backends.update_items([(codec.backend_key(i), value) for i, value in upserts.items()])
+        known = self.current.backends
+
+        def copy_of(backend_id: int) -> bytes:
+            value = upserts.get(backend_id)
+            return value if value is not None else codec.backend_value(known[backend_id])
+
+        slots.update_items([(codec.slot_key(set_id, index), codec.slot_value(backend_id,
+                                                                           copy_of(backend_id)))
+                            for set_id, members in w.sets_to_write.items()
+                            for index, backend_id in enumerate(members)])  # fmt: skip
+        # A live backend whose flags changed: the slots of live sets that name it get the
+        # new copy (the set itself, its ids, is unchanged).
+        changed = w.backends_changed
+        if changed:  # rare (a fallback set's endpoint terminating): one pass over the sets
+            slots.update_items([(codec.slot_key(set_id, index), codec.slot_value(b, upserts[b]))
+                                for set_id, members in self.current.slots.items()
+                                if set_id not in w.sets_to_write
+                                for index, b in enumerate(members) if b in changed])  # fmt: skip
+        # 3. the ranges new services need, zeroed counters for new service ids, then the
+        # flip: services point at new sets
+        m("kbp_src_ranges").update_items(w.ranges_to_add)
+        if w.counters_reset:
+            counters = m("kbp_counters")
+            zero = bytes(counters.value_size)
+            counters.update_items([(codec.backend_key(i), zero) for i in w.counters_reset])
+            drops = m("kbp_svc_drops")  # and their drop counts, in one batch if any
+            drops.delete_keys(service_metrics.keys_of_ids(drops.keys(), w.counters_reset))
+        services.update_items([(codec.frontend_key(k), codec.service_value(v))
+                               for k, v in w.services_to_upsert.items()])  # fmt: skip
+        # 4. frontends gone; 5. sets nobody points at; 6. backends no set names
+        services.delete_keys([codec.frontend_key(k) for k in w.frontends_to_delete])
+        slots.delete_keys([codec.slot_key(set_id, index)
+                           for set_id, size in w.sets_to_delete.items()
+                           for index in range(size)])  # fmt: skip
+        backends.delete_keys([codec.backend_key(i) for i in w.backends_to_delete])
+        # 9. ranges no service uses now (LPM tries have no batch delete)
+        for key in w.ranges_to_delete:
+            m("kbp_src_ranges").delete(key)
+
+    def _read_kernel(self) -> KernelContent:
+        m = self.programs.map
+        return codec.read_content(m("kbp_services"), m("kbp_slots"), m("kbp_backends"))
+
+    def _check_pinned_sizes(self) -> None:
+        """Pinned maps keep the size they were created with: say so when the settings
+        ask for another, and plan with what the kernel really has."""
+        wanted = asdict(self.sizes)
+        actual = {}
+        for field in FLAG_MAP_SIZES:
+            name = f"kbp_{field}"
+            actual[field] = self.programs.map(name).info.max_entries
+            if actual[field] != wanted[field]:
+                log.warning(
+                    "ebpf: pinned map %s has %d entries, --map-size-%s asks for %d; "
+                    "keeping the pinned size (run `kube-bpf-proxy cleanup` to recreate it)",
+                    versioned(name), actual[field], field, wanted[field],
+                )  # fmt: skip
+        self.sizes = MapSizes(**actual)
+
+    # --- the maps beside the service maps ----------------------------------------------------
+
+    def _write_meta(self, state: NodeState | None) -> int:
+        """kbp_meta: the revision the maps now hold wholly (None: an apply is under way).
+        Returns the writes made (0 or 1)."""
+        revision = state.revision if state is not None else None
+        if revision == self.meta_revision:
+            return 0
+        value = codec.NO_META if state is None else codec.meta_value(
+            state.revision, time.time_ns(), len(state.services), state.backend_count())  # fmt: skip
+        self.programs.map("kbp_meta").update(bytes(4), value)
+        self.meta_revision = revision
+        return 1
+
+    def _add_external(self, w: Writes, state: NodeState, ranges: frozenset[SourceRange]) -> None:
+        """The writes of kbp_config, kbp_ports and kbp_src_ranges into their phases of
+        `w`, and what this agent then knows the maps hold (forgotten if a write fails).
+        CapacityError first if kbp_src_ranges cannot hold `ranges`."""
+        size = self.programs.map("kbp_src_ranges").info.max_entries
+        if len(ranges) > size:
+            raise CapacityError("src_ranges", len(ranges), size)
+        node, ct = state.node, self.conntrack.timeouts.lifetimes()
+        config = external.config_value(node.addresses, node.cluster_cidrs, *self._settings, ct)
+        if config != self._config:
+            w.config.append((bytes(4), config))
+            self._config = config
+        backend_ports = (b.port for b in w.backends_to_upsert.values())
+        w.ports.extend(self._port_writes(const.KBP_PORT_F_BACKEND, backend_ports))
+        frontend_ports = (k.port for k in w.services_to_upsert)
+        w.ports.extend(self._port_writes(const.KBP_PORT_F_FRONTEND, frontend_ports))
+        added, gone = ranges - self._ranges, self._ranges - ranges
+        w.ranges_to_add.extend((r.key(), r.value()) for r in added)
+        w.ranges_to_delete.extend(r.key() for r in gone)
+        self._ranges = set(ranges)
+
+    def _forget_external(self) -> None:
+        """After a failed write: read kbp_src_ranges back; write kbp_config and look the
+        ports up again at the next apply."""
+        self._config = None
+        self._ports = {}
+        try:
+            self._ranges = self._read_ranges()
+        except OSError:
+            log.exception("ebpf: cannot read kbp_src_ranges back after a failed write")
+            self._ranges = set()
+
+    def _port_writes(self, flag: int, ports: Iterable[int]) -> list[tuple[bytes, bytes]]:
+        """The kbp_ports writes that set `flag` (KBP_PORT_F_*) for these ports, before
+        backends or frontends with them are written: the programs look replies up only
+        from backend ports and frontends only at frontend ports. Never cleared, so removed
+        backends' flows drain; a stale bit costs a lookup. Only ports whose bits are not
+        known are read (an earlier agent's bits stay unwritten)."""
+        known = self._ports
+        new = {port for port in ports if not known.get(port, 0) & flag}
+        out: list[tuple[bytes, bytes]] = []
+        table = self.programs.map("kbp_ports")
+        for port in sorted(new):
+            key = struct.pack("=I", port)
+            if port in known:
+                bits = known[port]
+            else:
+                raw = table.lookup(key)
+                bits = raw[0] if raw else 0
+            if not bits & flag:
+                bits |= flag
+                out.append((key, bytes([bits])))
+            known[port] = bits
+        return out
+
+    def _read_ranges(self) -> set[SourceRange]:
+        """What kbp_src_ranges holds (an earlier agent's writes), to diff against."""
+        items = self.programs.map("kbp_src_ranges").items()
+        return {codec.decode_src_range_key(key) for key, _ in items}
+
+
+class DropCollector:
+    """kbp_datapath_drops_total{reason}: the per-CPU kbp_drops map, summed at scrape."""
+
+    def __init__(self, drops: Map) -> None:
+        self._drops = drops
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [self.family()]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = self.family()
+        try:
+            sums = codec.percpu_sums(self._drops, "kbp_drop_counters")
+        except OSError:
+            log.exception("ebpf: reading kbp_drops for /metrics")
+            return [family]
+        for reason, (packets, _bytes) in sorted(sums.items()):
+            family.add_metric([DROP_REASONS.get(reason, str(reason))], packets)
+        return [family]
+
+    @staticmethod
+    def family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "kbp_datapath_drops",
+            "Packets the eBPF datapath dropped or rejected, by reason.",
+            labels=["reason"],
+        )
