@@ -62,7 +62,8 @@ def cgroup2_mount(mounts: Path = MOUNTS) -> Path | None:
     return found[0] if found else None
 
 
-def _cookie_of_this_netns() -> int:
+def cookie_of_this_netns() -> int:
+    """netns_cookie() of the calling thread's namespace (for run_in_netns callers)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
             raw = sock.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8)
@@ -78,13 +79,8 @@ def netns_cookie(netns: str | None = None) -> int:
     the calling thread's namespace, or of the named one (/run/netns/NAME, or a path),
     read from a socket made there by a short-lived thread."""
     if netns is None:
-        return _cookie_of_this_netns()
-    return run_in_netns(netns, _cookie_of_this_netns)
-
-
-def cookie_of_this_netns() -> int:
-    """netns_cookie() of the calling thread's namespace (for run_in_netns callers)."""
-    return _cookie_of_this_netns()
+        return cookie_of_this_netns()
+    return run_in_netns(netns, cookie_of_this_netns)
 
 
 def _link_pin(pin_dir: Path, hook: str) -> Path:

@@ -168,19 +168,7 @@ class Writes:
 
     @property
     def empty(self) -> bool:
-        return not (
-            self.counters_reset
-            or self.backends_to_upsert
-            or self.sets_to_write
-            or self.services_to_upsert
-            or self.frontends_to_delete
-            or self.sets_to_delete
-            or self.backends_to_delete
-            or self.config
-            or self.ports
-            or self.ranges_to_add
-            or self.ranges_to_delete
-        )
+        return self.count == 0
 
     def elements(self) -> Iterator[tuple[str, str, Any, Any]]:
         """Every element write in order: (map, "update" | "delete" | "reset", key, value);
