@@ -282,6 +282,13 @@ static __always_inline struct kbp_sock_peer *map_sock_peer(struct bpf_sock *sk, 
 	return kbp_sock_peer.sk_storage_get(sk, NULL, create ? BPF_SK_STORAGE_GET_F_CREATE : 0);
 }
 
+static __always_inline struct kbp_sock_slot *map_sock_slot(__u64 cookie)
+{
+	__u32 index = cookie % KBP_MAX_SOCK_REV;
+
+	return kbp_sock_slots.lookup(&index);
+}
+
 static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie)
 {
 	return kbp_pods.lookup(netns_cookie);

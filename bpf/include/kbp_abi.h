@@ -317,6 +317,15 @@ struct kbp_sock_peer {
 	__u8 pad[7];
 };
 
+/* kbp_sock_slots (array): a TCP socket's kbp_sock_peer in the slot its cookie names
+ * (cookie modulo the array's size), held until the socket is released; a socket whose
+ * slot another live socket holds keeps it in kbp_sock_peer instead (lib/sock.h). */
+struct kbp_sock_slot {
+	__u64 cookie;              /* bpf_get_socket_cookie() of the holder; 0: free */
+	struct kbp_sock_peer peer; /* its backend and frontend */
+	__u8 pad[8];               /* one 64-byte entry */
+};
+
 /* kbp_meta (array, one entry at index 0): which NodeState the maps hold, written by the
  * agent only (no program reads it). A restarted agent reports it as the held revision
  * until it has the cluster's state again. Zeroed before an apply starts writing and set

@@ -119,6 +119,13 @@ BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_
 BPF_TABLE_PINNED("sk_storage", int, struct kbp_sock_peer, kbp_sock_peer, 0,
 		 KBP_PIN(kbp_sock_peer), BPF_F_NO_PREALLOC);
 
+/* The same records, first choice: slot (cookie % KBP_MAX_SOCK_REV) of the TCP socket that
+ * holds it (struct kbp_sock_slot). Writing one is a compare-and-swap and a few stores,
+ * where creating a socket's storage allocates (about 0.35 µs a connect(), bench/README.md
+ * PB-2); kbp_sock_peer takes the sockets whose slot is held. */
+BPF_TABLE_PINNED("array", __u32, struct kbp_sock_slot, kbp_sock_slots, KBP_MAX_SOCK_REV,
+		 KBP_PIN(kbp_sock_slots));
+
 /* Pod network namespace cookie -> the pod's addresses: whose sockets are pods'. */
 BPF_TABLE_PINNED("hash", __u64, struct kbp_pod, kbp_pods, KBP_MAX_PODS, KBP_PIN(kbp_pods));
 

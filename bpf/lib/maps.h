@@ -36,6 +36,8 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key);
 /* The socket's kbp_sock_peer, created (zeroed) when `create` and it has none; NULL when
  * it has none (or it could not be created). */
 static __always_inline struct kbp_sock_peer *map_sock_peer(struct bpf_sock *sk, int create);
+/* The kbp_sock_slots entry a socket cookie names (whoever holds it). */
+static __always_inline struct kbp_sock_slot *map_sock_slot(__u64 cookie);
 static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie);
 static __always_inline int map_port_used(__be16 port, __u8 what);
 static __always_inline __u64 *map_lookup_ct_stats(__u32 *what);

@@ -2,10 +2,20 @@
 /*
  * Socket-level load balancing: the cgroup/sock_addr hooks rewrite the destination at
  * connect() and at sendmsg() of unconnected UDP, before any packet exists, and record
- * (socket, backend) -> frontend in kbp_sock_rev so that recvmsg() and getpeername() show
- * the frontend the application asked for (a DNS client checks the source of the answer).
- * The packets then carry the backend's address from the start: no per-packet NAT and no
- * conntrack entry, at tc or anywhere else.
+ * (socket, backend) -> frontend so that recvmsg() and getpeername() show the frontend the
+ * application asked for (a DNS client checks the source of the answer). The packets then
+ * carry the backend's address from the start: no per-packet NAT and no conntrack entry,
+ * at tc or anywhere else.
+ *
+ * Records. A TCP socket has one backend: its record (struct kbp_sock_peer) goes to the
+ * slot of kbp_sock_slots its cookie names (cookie % size), taken with a compare-and-swap
+ * and freed by sock_release; cookies count up, so the slots of live sockets rarely meet.
+ * A socket whose slot another live socket holds gets socket storage (kbp_sock_peer)
+ * instead, which costs an allocation (about 0.35 µs of the connect hook's 0.55, PB-2 in
+ * bench/README.md) where the slot costs a few stores. A reader trusts a slot only under
+ * its own cookie, which the kernel never hands out twice, so a slot left held (a socket
+ * released while the hooks were detached) wastes that slot and misleads nobody. A UDP
+ * socket may send to many backends: (cookie, backend) -> frontend in the kbp_sock_rev LRU.
  *
  * Whose sockets (sock_client_of): the node's own network namespace
  * (kbp_config.host_netns_cookie) when kbp_config.sock_lb has KBP_SOCK_LB_HOST, and the
@@ -317,19 +327,52 @@ static __always_inline int sock_remember_frontend(__u64 cookie, const struct kbp
 	return 1;
 }
 
-/* The same for a TCP socket at connect(), in the socket's own storage (kbp_sock_peer):
- * no shared map entry to write, and nothing to remove when it closes. Falls back to
- * kbp_sock_rev when the storage cannot be created. */
+/* Where a TCP socket's record goes (see "Records" above): its slot of kbp_sock_slots
+ * when the slot is free or already its own, else its own kbp_sock_peer, created. `*fresh`
+ * says the slot was just taken: what it holds is its last holder's, not this socket's.
+ * NULL when neither can be had. */
+static __always_inline struct kbp_sock_peer *sock_peer_claim(struct bpf_sock_addr *ctx,
+							     __u64 cookie, int *fresh)
+{
+	struct kbp_sock_slot *slot = map_sock_slot(cookie);
+	__u64 holder;
+
+	*fresh = 0;
+	if (slot) {
+		/* One compare-and-swap: two sockets that name the slot at once on two CPUs
+		 * never both take it. */
+		holder = __sync_val_compare_and_swap(&slot->cookie, 0, cookie);
+		*fresh = holder == 0;
+		if (holder == 0 || holder == cookie)
+			return &slot->peer;
+	}
+	return map_sock_peer(ctx->sk, 1);
+}
+
+/* The record of a TCP socket, if it has one: its slot if it holds it, else its
+ * kbp_sock_peer. */
+static __always_inline struct kbp_sock_peer *sock_peer_of(struct bpf_sock *sk, __u64 cookie)
+{
+	struct kbp_sock_slot *slot = map_sock_slot(cookie);
+
+	if (slot && slot->cookie == cookie)
+		return &slot->peer;
+	return map_sock_peer(sk, 0);
+}
+
+/* The same as sock_remember_frontend for a TCP socket at connect(), in the record
+ * sock_peer_claim finds (kbp_sock_rev when it finds none). */
 static __always_inline int sock_remember_peer(struct bpf_sock_addr *ctx, __u64 cookie,
 					      const struct kbp_backend *backend,
 					      const struct sock_user_addr *frontend,
 					      __u32 service_id)
 {
-	struct kbp_sock_peer *peer = map_sock_peer(ctx->sk, 1);
+	int fresh;
+	struct kbp_sock_peer *peer = sock_peer_claim(ctx, cookie, &fresh);
 
 	if (!peer)
 		return sock_remember_frontend(cookie, backend, frontend, service_id);
-	if (peer->service_id == service_id && peer->backend_port == backend->port &&
+	if (!fresh && peer->service_id == service_id && peer->backend_port == backend->port &&
 	    peer->frontend_port == frontend->port && lb_addr_equal(peer->backend, backend->addr) &&
 	    lb_addr_equal(peer->frontend, frontend->addr))
 		return 0;
@@ -453,7 +496,8 @@ static __always_inline struct kbp_sock_rev *sock_frontend_of(struct bpf_sock_add
 
 	if (!map_port_used(peer->port, KBP_PORT_F_BACKEND))
 		return NULL;
-	if (ctx->protocol == IPPROTO_TCP && (mine = map_sock_peer(ctx->sk, 0)) &&
+	key.cookie = kbp_socket_cookie(ctx);
+	if (ctx->protocol == IPPROTO_TCP && (mine = sock_peer_of(ctx->sk, key.cookie)) &&
 	    mine->family == peer->family && mine->backend_port == peer->port &&
 	    lb_addr_equal(mine->backend, peer->addr)) {
 		__builtin_memcpy(found->addr, mine->frontend, sizeof(found->addr));
@@ -461,7 +505,6 @@ static __always_inline struct kbp_sock_rev *sock_frontend_of(struct bpf_sock_add
 		found->service_id = mine->service_id;
 		return found;
 	}
-	key.cookie = kbp_socket_cookie(ctx);
 	__builtin_memcpy(key.addr, peer->addr, sizeof(key.addr));
 	key.port = peer->port;
 	key.family = peer->family;
@@ -502,14 +545,27 @@ static __always_inline int sock_forget(struct bpf_sock *ctx)
 {
 	struct sock_user_addr peer = {};
 	struct kbp_sock_key key = {};
+	struct kbp_sock_slot *slot;
 
-	if (!sock_proto_of(ctx->protocol) || ctx->dst_port == 0)
+	if (!sock_proto_of(ctx->protocol))
 		return KBP_SOCK_ALLOW;
-	if (!map_port_used((__be16)ctx->dst_port, KBP_PORT_F_BACKEND))
+	/* A TCP socket's slot is freed whatever its peer is now: a connect() that failed
+	 * after the hook, or connect(AF_UNSPEC), leaves it no destination port. */
+	if (ctx->dst_port == 0 ? ctx->protocol != IPPROTO_TCP
+			       : !map_port_used((__be16)ctx->dst_port, KBP_PORT_F_BACKEND))
 		return KBP_SOCK_ALLOW;
-	/* A TCP socket with a kbp_sock_peer has no kbp_sock_rev entry: the storage goes
-	 * with the socket. */
-	if (ctx->protocol == IPPROTO_TCP && map_sock_peer(ctx, 0))
+	key.cookie = kbp_socket_cookie(ctx);
+	if (ctx->protocol == IPPROTO_TCP) {
+		slot = map_sock_slot(key.cookie);
+		if (slot && slot->cookie == key.cookie) {
+			slot->cookie = 0;
+			return KBP_SOCK_ALLOW;
+		}
+		/* A kbp_sock_peer goes with the socket: no kbp_sock_rev entry either. */
+		if (map_sock_peer(ctx, 0))
+			return KBP_SOCK_ALLOW;
+	}
+	if (ctx->dst_port == 0)
 		return KBP_SOCK_ALLOW;
 	if (ctx->family == AF_INET) {
 		peer.addr[0] = ctx->dst_ip4;
@@ -520,7 +576,6 @@ static __always_inline int sock_forget(struct bpf_sock *ctx)
 	} else {
 		return KBP_SOCK_ALLOW;
 	}
-	key.cookie = kbp_socket_cookie(ctx);
 	__builtin_memcpy(key.addr, peer.addr, sizeof(key.addr));
 	key.port = ctx->dst_port;
 	key.family = peer.family;

@@ -37,7 +37,16 @@ import pytest
 
 from agent.dataplane.ebpf import cgroup as sockhooks
 from agent.dataplane.ebpf import codec, libbpf
-from agent.dataplane.ebpf.abi import const, ffi, from_be16, from_bytes, get_addr, to_bytes
+from agent.dataplane.ebpf.abi import (
+    be16,
+    const,
+    ffi,
+    from_be16,
+    from_bytes,
+    get_addr,
+    set_addr,
+    to_bytes,
+)
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.maps import FrontendKey, MapSizes
@@ -624,6 +633,94 @@ def test_closed_sockets_leave_no_reverse_entries(env: Env) -> None:
     seen = env.client("udp-connected", udp4, PORT, 10)
     assert seen.errors == {} and seen.all("peer") == {(udp4, PORT)}, seen.results[:3]
     assert _reverse_entries(env) == before
+
+
+# The slots of kbp_sock_slots (lib/sock.h, "Records"): struct kbp_sock_slot, 64 bytes.
+SLOT_SIZE = 64
+
+
+def _held_slots(env: Env) -> dict[int, tuple[int, tuple[str, int]]]:
+    """kbp_sock_slots: index -> (holder's cookie, the frontend it restores), held ones."""
+    table = env.dataplane.programs.map("kbp_sock_slots")
+    raw = table.values_array(table.info.max_entries)
+    held = {}
+    for index in range(len(raw) // SLOT_SIZE):
+        value = raw[index * SLOT_SIZE : (index + 1) * SLOT_SIZE]
+        slot = from_bytes("kbp_sock_slot", value)
+        if slot.cookie:
+            peer = slot.peer
+            held[index] = (slot.cookie, (get_addr(peer.frontend, peer.family),
+                                         from_be16(peer.frontend_port)))  # fmt: skip
+    return held
+
+
+# A TCP client that connects, reads the greeting, shows getpeername(), then disconnects
+# with connect(AF_UNSPEC), which clears the socket's destination port, before closing.
+DISCONNECT = r"""
+import ctypes, json, socket, sys
+
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+peer = list(s.getpeername()[:2])
+s.recv(100)
+unspec = (ctypes.c_ushort * 8)()  # struct sockaddr with sa_family AF_UNSPEC (0)
+rc = ctypes.CDLL(None, use_errno=True).connect(s.fileno(), unspec, ctypes.sizeof(unspec))
+try:
+    s.getpeername()
+    disconnected = False
+except OSError:
+    disconnected = True
+s.close()
+print(json.dumps({"peer": peer, "rc": rc, "disconnected": disconnected}))
+"""
+
+
+def test_tcp_record_takes_a_slot_and_release_frees_it(env: Env) -> None:
+    """A TCP socket's record sits in the slot of kbp_sock_slots its cookie names while it
+    lives; sock_release frees it, also after connect(AF_UNSPEC) cleared its peer."""
+    objects, ip4, _ = env.service("slots", env.backends(*BACKENDS))
+    env.program(*objects)
+    before = _held_slots(env)
+    with env.stream(ip4, PORT) as stream:
+        assert stream.first["peer"] == [ip4, PORT]
+        mine = {i: held for i, held in _held_slots(env).items() if i not in before}
+        assert [frontend for _, frontend in mine.values()] == [(ip4, PORT)], mine
+        assert stream.exchange()["peer"] == [ip4, PORT]
+    assert _held_slots(env) == before
+    argv = in_netns(env.lab.node_ns, [sys.executable, "-c", DISCONNECT, ip4, str(PORT)])
+    argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(env.cgroup / "cgroup.procs"), *argv]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(done.stdout) == {"peer": [ip4, PORT], "rc": 0, "disconnected": True}
+    assert _held_slots(env) == before
+
+
+def test_tcp_record_falls_back_to_socket_storage_when_its_slot_is_held(env: Env) -> None:
+    """Every slot held by sockets that do not exist, each claiming to restore another
+    address for the same backends: a new socket records in its own storage, getpeername()
+    still shows the ClusterIP (a reader trusts only its own cookie), and neither the
+    socket nor its release touches a slot it does not hold."""
+    objects, ip4, _ = env.service("slots-held", env.backends(*BACKENDS))
+    env.program(*objects)
+    table = env.dataplane.programs.map("kbp_sock_slots")
+    count = table.info.max_entries
+    saved = table.values_array(count)
+    decoys = bytearray()
+    for index in range(count):
+        slot = ffi.new("struct kbp_sock_slot *")
+        slot.cookie = (1 << 62) + index  # cookies the kernel has not handed out
+        slot.peer.family = const.KBP_FAMILY_IPV4
+        set_addr(slot.peer.backend, env.lab.pods[BACKENDS[index % 3]].ipv4)
+        slot.peer.backend_port = be16(TARGET_PORT)
+        set_addr(slot.peer.frontend, "10.99.99.99")
+        slot.peer.frontend_port = be16(PORT)
+        decoys += bytes(ffi.buffer(slot))
+    keys = b"".join(index.to_bytes(4, "little") for index in range(count))
+    table.update_batch(keys, bytes(decoys), count)
+    try:
+        seen = env.client("tcp", ip4, PORT, 6)
+        assert seen.errors == {} and seen.all("peer") == {(ip4, PORT)}, seen.results[:3]
+        assert table.values_array(count) == bytes(decoys)
+    finally:
+        table.update_batch(keys, saved, count)
 
 
 # --- attachments --------------------------------------------------------------------------
