@@ -47,7 +47,7 @@ AFFINITY_IP = "10.96.255.253"
 TARGET_IP = "10.96.255.254"
 FRONTEND_PORT = 80
 KINDS = ("floor", "sock", "affinity", "udp", "pod_ip")
-PROGRAM = "kbp_connect4"
+PROGRAMS = ("kbp_connect4", "kbp_release")  # the hook timed, and the one at close()
 BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
 PROG_INFO_SIZE = 224  # struct bpf_prog_info up to verified_insns
 RUN_TIME_AT, RUN_CNT_AT, XLATED_LEN_AT, JITED_LEN_AT, VERIFIED_AT = 192, 200, 20, 16, 216
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             dp.apply(nodestate_of([plain, udp, sticky]))
             set_socket_lb(dp, "all")
             print(f"client netns cookie {netns_cookie(client.ns)}", flush=True)
-            stats = ProgramStats(dp.programs.fd(PROGRAM))
+            stats = {p: ProgramStats(dp.programs.fd(p)) for p in PROGRAMS}
             targets: dict[str, tuple[Pod, str, int, str]] = {
                 "floor": (client0, server0.ipv4, PORT, "--pod-connect"),
                 "sock": (client, TARGET_IP, FRONTEND_PORT, "--pod-connect"),
@@ -155,34 +155,37 @@ def run(args: argparse.Namespace) -> int:
                 "pod_ip": (client, server.ipv4, PORT, "--pod-connect"),
             }
             samples: dict[str, list[int]] = {k: [] for k in KINDS}
-            hook = {k: [0, 0] for k in KINDS}
+            hook = {(k, p): [0, 0] for k in KINDS for p in PROGRAMS}
             stats_fd = enable_stats()
             try:
                 for r in range(args.rounds):
                     for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
                         pod, ip, port, mode = targets[kind]
                         cgroup = None if kind == "floor" else lab.cgroup
-                        before = stats.sample()
+                        before = {p: s.sample() for p, s in stats.items()}
                         out = run_in_pod(pod, mode, ip, port, args.connects, cgroup)
-                        after = stats.sample()
+                        after = {p: s.sample() for p, s in stats.items()}
                         if out["errors"]:
                             raise RuntimeError(f"{kind}: {out['first_error']}")
                         samples[kind] += out["ns"]
-                        hook[kind][0] += after[0] - before[0]
-                        hook[kind][1] += after[1] - before[1]
+                        for p in PROGRAMS:
+                            hook[kind, p][0] += after[p][0] - before[p][0]
+                            hook[kind, p][1] += after[p][1] - before[p][1]
                     loads.append(os.getloadavg()[0])
             finally:
                 os.close(stats_fd)
-            sizes = stats.sizes()
+            sizes = stats[PROGRAMS[0]].sizes()
     floor = Summary(samples["floor"]).median
-    print(f"\n{PROGRAM}: {sizes}")
-    print(f"{'kind':<10} {'p50 µs':>8} {'- floor':>8} {'hook ns/run':>12} {'runs':>8}")
+    print(f"\n{PROGRAMS[0]}: {sizes}")
+    print(f"{'kind':<10} {'p50 µs':>8} {'- floor':>8}" + "".join(
+        f" {p + ' ns/run':>20} {'runs':>6}" for p in PROGRAMS))  # fmt: skip
     for kind in KINDS:
         s = Summary(samples[kind])
-        ns, cnt = hook[kind]
-        per_run = f"{ns / cnt:.0f}" if cnt else "-"
-        print(f"{kind:<10} {s.median / 1000:8.2f} {(s.median - floor) / 1000:+8.2f} "
-              f"{per_run:>12} {cnt:>8}")  # fmt: skip
+        line = f"{kind:<10} {s.median / 1000:8.2f} {(s.median - floor) / 1000:+8.2f}"
+        for p in PROGRAMS:
+            ns, cnt = hook[kind, p]
+            line += f" {f'{ns / cnt:.0f}' if cnt else '-':>20} {cnt:>6}"
+        print(line)
     print(f"load average (1 min) during the run: {min(loads):.2f}-{max(loads):.2f}")
     return 0
 

@@ -282,9 +282,11 @@ static __always_inline struct kbp_sock_peer *map_sock_peer(struct bpf_sock *sk, 
 	return kbp_sock_peer.sk_storage_get(sk, NULL, create ? BPF_SK_STORAGE_GET_F_CREATE : 0);
 }
 
+_Static_assert((KBP_SOCK_SLOTS & (KBP_SOCK_SLOTS - 1)) == 0, "KBP_SOCK_SLOTS: a power of two");
+
 static __always_inline struct kbp_sock_slot *map_sock_slot(__u64 cookie)
 {
-	__u32 index = cookie % KBP_MAX_SOCK_REV;
+	__u32 index = cookie & (KBP_SOCK_SLOTS - 1);
 
 	return kbp_sock_slots.lookup(&index);
 }

@@ -11,18 +11,25 @@
 #include "lib/maps.h"
 #include "lib/parse.h"
 
-/* The service entry of the packet's destination address:port/protocol, or NULL. */
-static __always_inline struct kbp_service *lb_lookup_service(const struct kbp_tuple *t)
+/* The service entry of the packet's destination address:port/protocol, or NULL; the
+ * caller knows some frontend has that port (kbp_ports). */
+static __always_inline struct kbp_service *__lb_lookup_service(const struct kbp_tuple *t)
 {
 	struct kbp_frontend_key key = {};
 
-	if (!map_port_used(t->dport, KBP_PORT_F_FRONTEND)) /* no frontend has that port */
-		return NULL;
 	__builtin_memcpy(key.addr, t->daddr, sizeof(key.addr));
 	key.port = t->dport;
 	key.proto = t->proto;
 	key.family = t->family;
 	return map_lookup_service(&key);
+}
+
+/* The same for any destination. */
+static __always_inline struct kbp_service *lb_lookup_service(const struct kbp_tuple *t)
+{
+	if (!map_port_used(t->dport, KBP_PORT_F_FRONTEND)) /* no frontend has that port */
+		return NULL;
+	return __lb_lookup_service(t);
 }
 
 /* The backend set for traffic from pods: always the internal one, since the agent

@@ -674,9 +674,10 @@ print(json.dumps({"peer": peer, "rc": rc, "disconnected": disconnected}))
 """
 
 
-def test_tcp_record_takes_a_slot_and_release_frees_it(env: Env) -> None:
+def test_connected_socket_record_takes_a_slot_and_release_frees_it(env: Env) -> None:
     """A TCP socket's record sits in the slot of kbp_sock_slots its cookie names while it
-    lives; sock_release frees it, also after connect(AF_UNSPEC) cleared its peer."""
+    lives; sock_release frees it, also after connect(AF_UNSPEC) cleared its peer. So does
+    a connected UDP socket's."""
     objects, ip4, _ = env.service("slots", env.backends(*BACKENDS))
     env.program(*objects)
     before = _held_slots(env)
@@ -691,15 +692,25 @@ def test_tcp_record_takes_a_slot_and_release_frees_it(env: Env) -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True)
     assert json.loads(done.stdout) == {"peer": [ip4, PORT], "rc": 0, "disconnected": True}
     assert _held_slots(env) == before
+    # A connected UDP socket's record takes a slot too (none is in the LRU), freed at close.
+    objects, udp4, _ = env.service("slots-udp", env.backends(*BACKENDS), protocol="UDP")
+    env.program(*objects)
+    reverse = _reverse_entries(env)
+    seen = env.client("udp-connected", udp4, PORT, 4)
+    assert seen.errors == {} and seen.all("peer") == {(udp4, PORT)}, seen.results[:3]
+    assert seen.all("source") == {(udp4, PORT)}
+    assert _held_slots(env) == before and _reverse_entries(env) == reverse
 
 
 def test_tcp_record_falls_back_to_socket_storage_when_its_slot_is_held(env: Env) -> None:
     """Every slot held by sockets that do not exist, each claiming to restore another
-    address for the same backends: a new socket records in its own storage, getpeername()
-    still shows the ClusterIP (a reader trusts only its own cookie), and neither the
-    socket nor its release touches a slot it does not hold."""
+    address for the same backends: a new TCP socket records in its own storage, a
+    connected UDP socket in kbp_sock_rev; getpeername() and recvfrom() still show the
+    ClusterIP (a reader trusts only its own cookie), and neither the sockets nor their
+    release touch a slot they do not hold."""
     objects, ip4, _ = env.service("slots-held", env.backends(*BACKENDS))
-    env.program(*objects)
+    udp_objects, udp4, _ = env.service("slots-held-udp", env.backends(*BACKENDS), protocol="UDP")
+    env.program(*objects, *udp_objects)
     table = env.dataplane.programs.map("kbp_sock_slots")
     count = table.info.max_entries
     saved = table.values_array(count)
@@ -719,6 +730,13 @@ def test_tcp_record_falls_back_to_socket_storage_when_its_slot_is_held(env: Env)
         seen = env.client("tcp", ip4, PORT, 6)
         assert seen.errors == {} and seen.all("peer") == {(ip4, PORT)}, seen.results[:3]
         assert table.values_array(count) == bytes(decoys)
+        # A connected UDP socket falls back to the LRU, which its release empties again.
+        reverse = _reverse_entries(env)
+        seen = env.client("udp-connected", udp4, PORT, 4)
+        assert seen.errors == {} and seen.all("peer") == {(udp4, PORT)}, seen.results[:3]
+        assert seen.all("source") == {(udp4, PORT)}
+        assert table.values_array(count) == bytes(decoys)
+        assert _reverse_entries(env) == reverse
     finally:
         table.update_batch(keys, saved, count)
 

@@ -427,21 +427,22 @@ class EbpfDataplane:
         nothing (it learns from the backend); unconnected UDP picks again at sendmsg()."""
         if self.cgroup is None or self._sock_destroy_off:
             return
-        reverse = self.programs.map("kbp_sock_rev")
+        reverse, slots = self.programs.map("kbp_sock_rev"), self.programs.map("kbp_sock_slots")
         live: set[tuple[int, str, int]] | None = None
 
         def removed(sock: sockdiag.UdpSocket) -> bool:
             nonlocal live
             family = const.KBP_FAMILY_IPV6 if ":" in sock.peer else const.KBP_FAMILY_IPV4
-            key = _SOCK_KEY.pack(sock.cookie, addr_bytes(sock.peer), port_bytes(sock.peer_port),
-                                 family)  # fmt: skip
-            raw = reverse.lookup(key)
-            if raw is None:
-                return False  # not translated by the hooks: none of ours
+            peer, peer_port = addr_bytes(sock.peer), port_bytes(sock.peer_port)
+            service_id = codec.sock_slot_service(slots, sock.cookie, peer, peer_port)
+            if service_id is None:  # no slot: its record is in the LRU, if anywhere
+                raw = reverse.lookup(_SOCK_KEY.pack(sock.cookie, peer, peer_port, family))
+                if raw is None:
+                    return False  # not translated by the hooks: none of ours
+                service_id = _SOCK_REV.unpack(raw)[2]
             if live is None:
                 with self._lock:
                     live = {(b.service_id, b.addr, b.port) for b in self.current.backends.values()}
-            service_id = _SOCK_REV.unpack(raw)[2]
             return (service_id, sock.peer, sock.peer_port) not in live
 
         namespaces: list[str | None] = [self.attacher.netns]
