@@ -192,6 +192,17 @@ static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
 	return kbp_affinity.update(key, value);
 }
 
+static __always_inline void map_touch_affinity(struct kbp_affinity *entry, __u64 now)
+{
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry) {
+		dry->affinity_writes += 1;
+		return;
+	}
+	entry->last_used = now;
+}
+
 static __always_inline struct kbp_counters *map_lookup_counters(__u32 *service_id)
 {
 	struct kbp_explain *dry = __explain_dry();

@@ -12,7 +12,8 @@
  *   KBP_MAX_CT         conntrack entries (two per flow)
  *   KBP_MAX_AFFINITY   ClientIP affinity entries
  *   KBP_MAX_SRC_RANGES loadBalancerSourceRanges prefixes over all services
- *   KBP_MAX_SOCK_REV   sockets pointed at a backend (the node's and the pods')
+ *   KBP_MAX_SOCK_REV   kbp_sock_rev: (socket, backend) records of unconnected UDP sockets
+ *                      and of connected sockets without a slot of kbp_sock_slots
  *   KBP_MAX_PODS       pod network namespaces on this node
  * Pins carry the ABI version (`kbp_services_v1`); kernel map names are limited to
  * 15 characters (BPF_OBJ_NAME_LEN), which is why conntrack is `kbp_ct`.

@@ -22,6 +22,8 @@ static __always_inline int map_ct_reply_maybe(const struct kbp_ct_key *key);
 static __always_inline struct kbp_affinity *map_lookup_affinity(struct kbp_affinity_key *key);
 static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
 					       struct kbp_affinity *value);
+/* Set a looked-up affinity entry's last_used in place. */
+static __always_inline void map_touch_affinity(struct kbp_affinity *entry, __u64 now);
 static __always_inline struct kbp_counters *map_lookup_counters(__u32 *service_id);
 static __always_inline struct kbp_drop_counters *map_lookup_drops(__u32 *reason);
 static __always_inline struct kbp_src_range *map_lookup_src_range(struct kbp_src_range_key *key);

@@ -108,17 +108,15 @@ struct sock_client {
 	const __be32 *addr6;
 };
 
-/* Is this socket one the connect/sendmsg hooks translate (kbp_config.sock_lb), and whose:
- * the node's (its network namespace is the node's) or a pod's (its namespace is in
- * kbp_pods)? 0 for any other socket, and before the agent wrote the config. */
-static __always_inline int sock_client_of(void *ctx, struct sock_client *client)
+/* Is this socket one the connect/sendmsg hooks translate (kbp_config.sock_lb, `config`
+ * as written by the agent), and whose: the node's (its network namespace is the node's)
+ * or a pod's (its namespace is in kbp_pods)? 0 for any other socket. */
+static __always_inline int sock_client_of(void *ctx, const struct kbp_config *config,
+					  struct sock_client *client)
 {
-	struct kbp_config *config = map_lookup_config();
 	struct kbp_pod *pod;
 	__u64 netns;
 
-	if (!config || config->sock_lb == 0)
-		return 0;
 	netns = bpf_get_netns_cookie(ctx);
 	if (config->host_netns_cookie != 0 && netns == config->host_netns_cookie) {
 		if (!(config->sock_lb & KBP_SOCK_LB_HOST))
@@ -437,24 +435,33 @@ static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
 					  int connected, struct kbp_backend **backend_out)
 {
 	struct sock_client client = {};
+	struct kbp_config *config;
 	struct kbp_tuple t = {};
 	struct kbp_service *svc;
 	struct kbp_backend *backend;
+	struct kbp_affinity *affinity;
 	__u32 set_id, count, backend_id = 0;
 	__u8 proto = sock_proto_of(protocol);
 	__u64 cookie, now;
 
 	*backend_out = NULL;
-	/* Most connect()s go to no Service: the port says so before the socket's owner is
-	 * looked up. */
-	if (!proto || !map_port_used(frontend->port, KBP_PORT_F_FRONTEND))
+	/* Most connect()s go to no Service: the port, then the frontend, say so before the
+	 * socket's owner is looked up (nothing is looked up before the agent wrote the
+	 * config, or with --socket-lb off). */
+	config = map_lookup_config();
+	if (!proto || !config || config->sock_lb == 0 ||
+	    !map_port_used(frontend->port, KBP_PORT_F_FRONTEND))
 		return KBP_SOCK_ALLOW;
-	if (!sock_client_of(ctx, &client))
-		return KBP_SOCK_ALLOW;
-	if (!sock_tuple_of(&client, frontend, bound, proto, &t))
-		return KBP_SOCK_ALLOW;
+	__builtin_memcpy(t.daddr, frontend->addr, sizeof(t.daddr));
+	t.dport = frontend->port;
+	t.proto = proto;
+	t.family = frontend->family;
 	svc = __lb_lookup_service(&t);
 	if (!svc)
+		return KBP_SOCK_ALLOW;
+	if (!sock_client_of(ctx, config, &client))
+		return KBP_SOCK_ALLOW;
+	if (!sock_tuple_of(&client, frontend, bound, proto, &t))
 		return KBP_SOCK_ALLOW;
 	if (!lb_source_admitted(&t, svc))
 		return sock_refuse(svc, KBP_DROP_SOURCE_RANGE, EHOSTUNREACH);
@@ -464,7 +471,7 @@ static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
 	cookie = kbp_socket_cookie(ctx);
 	now = svc->flags & KBP_SVC_F_AFFINITY ? kbp_now() : 0; /* only affinity reads it */
 	backend = lb_select_backend_by(&t, svc, set_id, count, now, sock_select_hash(cookie, &t),
-				       &backend_id);
+				       &backend_id, &affinity);
 	if (!backend)
 		return sock_refuse(svc, KBP_DROP_BACKEND_GONE, EHOSTUNREACH);
 	/* Service ids are per family: a backend of another family means a corrupt entry. */
@@ -472,7 +479,7 @@ static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
 		return sock_refuse(svc, KBP_DROP_NAT_FAILED, EHOSTUNREACH);
 	if (connected ? sock_remember_peer(ctx, cookie, backend, frontend, svc->service_id)
 		      : sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
-		lb_remember_affinity(&t, svc, now, backend_id);
+		lb_refresh_affinity(&t, svc, now, backend_id, affinity);
 		count_new_flow(svc->service_id);
 		sock_forget_tc_flow(&t, backend);
 	}

@@ -438,6 +438,37 @@ def test_client_ip_affinity_keeps_the_node_on_one_backend(env: Env) -> None:
     assert len(seen.answers) == 1, seen.answers
 
 
+def test_each_new_connection_refreshes_the_affinity_entry(env: Env) -> None:
+    """kube-proxy's `recent --set`: the timeout counts from the client's last new
+    connection. The hook refreshes the entry it found in place: still one entry, the
+    same backend, a later last_used."""
+
+    def affinity(obj: dict) -> None:
+        obj["spec"]["sessionAffinity"] = "ClientIP"
+        obj["spec"]["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": 60}}
+
+    objects, ip4, _ = env.service("sticky-refresh", env.backends(*BACKENDS), mutate=affinity)
+    env.program(*objects)
+    key = FrontendKey(ip4, PORT, 6, const.KBP_FAMILY_IPV4)
+    service_id = env.dataplane.current.services[key].service_id
+
+    def entries() -> list[tuple[int, int]]:
+        found = []
+        for raw_key, raw in env.dataplane.programs.map("kbp_affinity").items():
+            if from_bytes("kbp_affinity_key", raw_key).service_id == service_id:
+                value = from_bytes("kbp_affinity", raw)
+                found.append((value.last_used, value.backend_id))
+        return found
+
+    assert env.client("tcp", ip4, PORT).errors == {}
+    [(first, backend_id)] = entries()
+    time.sleep(0.05)  # a few ticks of the coarse clock
+    seen = env.client("tcp", ip4, PORT, 3)
+    assert seen.errors == {} and len(seen.answers) == 1, seen.results
+    [(last, again)] = entries()
+    assert again == backend_id and last > first, (first, last)
+
+
 def test_internal_traffic_policy_local_uses_only_this_nodes_endpoints(env: Env) -> None:
     def itp_local(obj: dict) -> None:
         obj["spec"]["internalTrafficPolicy"] = "Local"
