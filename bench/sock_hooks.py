@@ -12,7 +12,8 @@ its veth, --socket-lb all) → ClusterIPs served by `server`:
     affinity   client → 10.96.255.253:80 (one backend, ClientIP affinity)
     udp        client, a UDP socket connect()ed to 10.96.255.254:80 (the same Service's
                UDP port; the hook only: no datagram is sent)
-    pod_ip     client → server pod IP (the hook looks and leaves: no Service there)
+    pod_ip     client → server pod IP:8080 (no frontend has that port: the hook leaves)
+    pod_ip80   client → server pod IP:80 (a frontend port, no Service at that address)
 
 Sets run in rounds of rotating order. The statistics cost the kernel two clock reads per
 program run (they are in run_time_ns too), so compare figures of this tool with each
@@ -46,7 +47,7 @@ PORT = 8080
 AFFINITY_IP = "10.96.255.253"
 TARGET_IP = "10.96.255.254"
 FRONTEND_PORT = 80
-KINDS = ("floor", "sock", "affinity", "udp", "pod_ip")
+KINDS = ("floor", "sock", "affinity", "udp", "pod_ip", "pod_ip80")
 PROGRAMS = ("kbp_connect4", "kbp_release")  # the hook timed, and the one at close()
 BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
 PROG_INFO_SIZE = 224  # struct bpf_prog_info up to verified_insns
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         client0, server0 = lab.add_pod("client0"), lab.add_pod("server0")
         client, server = lab.add_pod("client"), lab.add_pod("server")
         server0.serve([PORT], ("tcp",))
-        server.serve([PORT], ("tcp",))
+        server.serve([PORT, FRONTEND_PORT], ("tcp",))
         plain = service_entry("zz-target", TARGET_IP, [(server.ipv4, PORT)], local=True)
         sticky = service_entry("zy-sticky", AFFINITY_IP, [(server.ipv4, PORT)], local=True)
         sticky = dataclasses.replace(sticky, affinity_timeout=10800).sealed()
@@ -153,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 "affinity": (client, AFFINITY_IP, FRONTEND_PORT, "--pod-connect"),
                 "udp": (client, TARGET_IP, FRONTEND_PORT, "--pod-udp"),
                 "pod_ip": (client, server.ipv4, PORT, "--pod-connect"),
+                "pod_ip80": (client, server.ipv4, FRONTEND_PORT, "--pod-connect"),
             }
             samples: dict[str, list[int]] = {k: [] for k in KINDS}
             hook = {(k, p): [0, 0] for k in KINDS for p in PROGRAMS}
