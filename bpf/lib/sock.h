@@ -15,8 +15,8 @@
  * a UDP socket in the kbp_sock_rev LRU, where the agent can read it. Those cost an
  * allocation or an LRU update (about 0.35 µs of the connect hook's 0.55, PB-2 in
  * bench/README.md); a slot costs a few stores. A reader trusts a slot only under its own
- * cookie, which the kernel never hands out twice, so a slot left held (a socket released
- * while the hooks were detached) wastes that slot and misleads nobody. An unconnected UDP
+ * cookie, which the kernel never hands out twice, so a slot left held (sock_release did
+ * not see the socket, docs/ebpf.md) wastes that slot and misleads nobody. An unconnected UDP
  * socket may send to many backends: (cookie, backend) -> frontend in kbp_sock_rev.
  *
  * Whose sockets (sock_client_of): the node's own network namespace
@@ -575,7 +575,7 @@ static __always_inline int sock6_to_frontend(struct bpf_sock_addr *ctx)
 /* sock_release: free the slot of a connected socket (TCP, connected UDP), or delete a
  * connected UDP socket's kbp_sock_rev entry, so that slots and the LRU hold live sockets,
  * not closed ones. A TCP socket without a slot has its record in kbp_sock_peer, which goes
- * with it. Entries of unconnected UDP sockets (one per backend they sent to) are left to
+ * with it (or, when that could not be created, in the LRU, left to it). Entries of unconnected UDP sockets (one per backend they sent to) are left to
  * the LRU: cookies never repeat, so a stale entry is never read, only evicted. */
 static __always_inline int sock_forget(struct bpf_sock *ctx)
 {
