@@ -1,7 +1,7 @@
-"""PB-2, taken apart: what the cgroup connect hook itself costs per connect(), from the
-kernel's own program statistics (BPF_ENABLE_STATS: run_time_ns / run_cnt of this run's
-kbp_connect4 only, whatever other programs the machine runs), beside the connect() p50
-of the same sets against the floor.
+"""PB-2, taken apart: what the cgroup connect hook itself costs per connect() (and the
+release hook per close()), from the kernel's own program statistics (BPF_ENABLE_STATS:
+run_time_ns / run_cnt of this run's kbp_connect4 and kbp_release only, whatever other
+programs the machine runs), beside the connect() p50 of the same sets against the floor.
 
 One namespace lab (agent/lab/nodelab.py) with its cgroup: `client0` → `server0` with no
 program and outside the cgroup (the floor), and `client` (in the cgroup, the dataplane on
