@@ -192,6 +192,17 @@ static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
 	return kbp_affinity.update(key, value);
 }
 
+static __always_inline void map_touch_affinity(struct kbp_affinity *entry, __u64 now)
+{
+	struct kbp_explain *dry = __explain_dry();
+
+	if (dry) {
+		dry->affinity_writes += 1;
+		return;
+	}
+	entry->last_used = now;
+}
+
 static __always_inline struct kbp_counters *map_lookup_counters(__u32 *service_id)
 {
 	struct kbp_explain *dry = __explain_dry();
@@ -280,6 +291,15 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key)
 static __always_inline struct kbp_sock_peer *map_sock_peer(struct bpf_sock *sk, int create)
 {
 	return kbp_sock_peer.sk_storage_get(sk, NULL, create ? BPF_SK_STORAGE_GET_F_CREATE : 0);
+}
+
+_Static_assert((KBP_SOCK_SLOTS & (KBP_SOCK_SLOTS - 1)) == 0, "KBP_SOCK_SLOTS: a power of two");
+
+static __always_inline struct kbp_sock_slot *map_sock_slot(__u64 cookie)
+{
+	__u32 index = cookie & (KBP_SOCK_SLOTS - 1);
+
+	return kbp_sock_slots.lookup(&index);
 }
 
 static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie)

@@ -11,23 +11,23 @@
 /* connect(): TCP and connected UDP. */
 int kbp_connect4(struct bpf_sock_addr *ctx)
 {
-	return sock4_to_backend(ctx);
+	return sock4_to_backend(ctx, 1);
 }
 
 int kbp_connect6(struct bpf_sock_addr *ctx)
 {
-	return sock6_to_backend(ctx);
+	return sock6_to_backend(ctx, 1);
 }
 
 /* sendmsg()/sendto() with an address on an unconnected UDP socket. */
 int kbp_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	return sock4_to_backend(ctx);
+	return sock4_to_backend(ctx, 0);
 }
 
 int kbp_sendmsg6(struct bpf_sock_addr *ctx)
 {
-	return sock6_to_backend(ctx);
+	return sock6_to_backend(ctx, 0);
 }
 
 /* recvmsg()/recvfrom() of UDP: the source address of the datagram. */

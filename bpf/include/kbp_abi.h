@@ -114,6 +114,11 @@
 #define KBP_PORT_F_BACKEND 1  /* a backend served on it: replies can come from it */
 #define KBP_PORT_F_FRONTEND 2 /* a frontend used it: packets to it can be for a Service */
 
+/* kbp_sock_slots (see struct kbp_sock_slot): entries, a power of two; a socket's slot is
+ * its cookie modulo this. Fixed, so that the agent finds a socket's slot as the programs
+ * do whatever map sizes it was given. */
+#define KBP_SOCK_SLOTS 65536
+
 /* kbp_ct_gate (see kbp_maps.h): slots per side, a power of two; the selector's index is
  * 2 * KBP_CT_GATE_SLOTS, its values: */
 #define KBP_CT_GATE_SLOTS 65536
@@ -315,6 +320,16 @@ struct kbp_sock_peer {
 	__u32 service_id;
 	__u8 family;           /* KBP_FAMILY_* of both */
 	__u8 pad[7];
+};
+
+/* kbp_sock_slots (array, KBP_SOCK_SLOTS): the record of a socket the connect hook
+ * translated (TCP, connected UDP), in the slot its cookie names, held until the socket is
+ * released; a socket whose slot another live socket holds keeps its record elsewhere
+ * (lib/sock.h, "Records"). */
+struct kbp_sock_slot {
+	__u64 cookie;              /* bpf_get_socket_cookie() of the holder; 0: free */
+	struct kbp_sock_peer peer; /* its backend and frontend */
+	__u8 pad[8];               /* one 64-byte entry */
 };
 
 /* kbp_meta (array, one entry at index 0): which NodeState the maps hold, written by the

@@ -12,7 +12,8 @@
  *   KBP_MAX_CT         conntrack entries (two per flow)
  *   KBP_MAX_AFFINITY   ClientIP affinity entries
  *   KBP_MAX_SRC_RANGES loadBalancerSourceRanges prefixes over all services
- *   KBP_MAX_SOCK_REV   sockets pointed at a backend (the node's and the pods')
+ *   KBP_MAX_SOCK_REV   kbp_sock_rev: (socket, backend) records of unconnected UDP sockets
+ *                      and of connected sockets without a slot of kbp_sock_slots
  *   KBP_MAX_PODS       pod network namespaces on this node
  * Pins carry the ABI version (`kbp_services_v1`); kernel map names are limited to
  * 15 characters (BPF_OBJ_NAME_LEN), which is why conntrack is `kbp_ct`.
@@ -108,16 +109,25 @@ BPF_TABLE_PINNED("array", __u32, struct kbp_config, kbp_config, 1, KBP_PIN(kbp_c
 BPF_TABLE_PINNED("percpu_array", __u32, struct kbp_drop_counters, kbp_xdp_stats,
 		 KBP_XDP_VERDICTS, KBP_PIN(kbp_xdp_stats));
 
-/* (socket cookie, backend) -> frontend, for sockets the socket hooks translated. */
+/* (socket cookie, backend) -> frontend, for the sockets the socket hooks translated that
+ * have no slot of kbp_sock_slots: unconnected UDP (one socket may send to many backends),
+ * connected UDP whose slot was held, and a connected UDP socket's previous backend. */
 BPF_TABLE_PINNED("lru_hash", struct kbp_sock_key, struct kbp_sock_rev, kbp_sock_rev,
 		 KBP_MAX_SOCK_REV, KBP_PIN(kbp_sock_rev));
 
-/* Per TCP socket the connect hook translated: its backend and frontend (struct
- * kbp_sock_peer), kept by the socket itself and freed with it. kbp_sock_rev above holds
- * UDP sockets' (one socket may send to many backends) and TCP sockets' of programs older
- * than this map. */
+/* Per TCP socket the connect hook translated whose slot of kbp_sock_slots (below) was
+ * held: its backend and frontend (struct kbp_sock_peer), kept by the socket itself and
+ * freed with it. */
 BPF_TABLE_PINNED("sk_storage", int, struct kbp_sock_peer, kbp_sock_peer, 0,
 		 KBP_PIN(kbp_sock_peer), BPF_F_NO_PREALLOC);
+
+/* Connected sockets' records, first choice: slot (cookie % KBP_SOCK_SLOTS) -> the socket
+ * holding it and its backend and frontend (struct kbp_sock_slot). Taking one is a
+ * compare-and-swap and a few stores, where socket storage or an LRU entry cost about
+ * 0.35 µs a connect() (bench/README.md, PB-2); the sockets whose slot is held use
+ * kbp_sock_peer (TCP) or kbp_sock_rev (UDP). */
+BPF_TABLE_PINNED("array", __u32, struct kbp_sock_slot, kbp_sock_slots, KBP_SOCK_SLOTS,
+		 KBP_PIN(kbp_sock_slots));
 
 /* Pod network namespace cookie -> the pod's addresses: whose sockets are pods'. */
 BPF_TABLE_PINNED("hash", __u64, struct kbp_pod, kbp_pods, KBP_MAX_PODS, KBP_PIN(kbp_pods));

@@ -11,18 +11,25 @@
 #include "lib/maps.h"
 #include "lib/parse.h"
 
-/* The service entry of the packet's destination address:port/protocol, or NULL. */
-static __always_inline struct kbp_service *lb_lookup_service(const struct kbp_tuple *t)
+/* The service entry of the packet's destination address:port/protocol, or NULL; the
+ * caller knows some frontend has that port (kbp_ports). */
+static __always_inline struct kbp_service *__lb_lookup_service(const struct kbp_tuple *t)
 {
 	struct kbp_frontend_key key = {};
 
-	if (!map_port_used(t->dport, KBP_PORT_F_FRONTEND)) /* no frontend has that port */
-		return NULL;
 	__builtin_memcpy(key.addr, t->daddr, sizeof(key.addr));
 	key.port = t->dport;
 	key.proto = t->proto;
 	key.family = t->family;
 	return map_lookup_service(&key);
+}
+
+/* The same for any destination. */
+static __always_inline struct kbp_service *lb_lookup_service(const struct kbp_tuple *t)
+{
+	if (!map_port_used(t->dport, KBP_PORT_F_FRONTEND)) /* no frontend has that port */
+		return NULL;
+	return __lb_lookup_service(t);
 }
 
 /* The backend set for traffic from pods: always the internal one, since the agent
@@ -180,13 +187,15 @@ static __always_inline void __lb_affinity_key(const struct kbp_tuple *t, __u32 s
 }
 
 /* The client's remembered backend, when affinity is on, not expired, and the backend
- * still serves the service; NULL otherwise. */
-static __always_inline struct kbp_backend *lb_affinity_backend(const struct kbp_tuple *t,
-							       const struct kbp_service *svc,
-							       __u64 now, __u32 *backend_id)
+ * still serves the service; NULL otherwise. `*entry`: the affinity entry it came from. */
+static __always_inline struct kbp_backend *__lb_affinity_backend(const struct kbp_tuple *t,
+								 const struct kbp_service *svc,
+								 __u64 now, __u32 *backend_id,
+								 struct kbp_affinity **entry)
 {
 	struct kbp_affinity_key key = {};
 	struct kbp_affinity *aff;
+	struct kbp_backend *backend;
 
 	if (!(svc->flags & KBP_SVC_F_AFFINITY))
 		return NULL;
@@ -199,7 +208,19 @@ static __always_inline struct kbp_backend *lb_affinity_backend(const struct kbp_
 	    now - aff->last_used > (__u64)svc->affinity_timeout * KBP_NS_PER_SEC)
 		return NULL;
 	*backend_id = aff->backend_id;
-	return lb_backend_of_service(aff->backend_id, svc->service_id);
+	backend = lb_backend_of_service(aff->backend_id, svc->service_id);
+	if (backend)
+		*entry = aff;
+	return backend;
+}
+
+static __always_inline struct kbp_backend *lb_affinity_backend(const struct kbp_tuple *t,
+							       const struct kbp_service *svc,
+							       __u64 now, __u32 *backend_id)
+{
+	struct kbp_affinity *entry;
+
+	return __lb_affinity_backend(t, svc, now, backend_id, &entry);
 }
 
 /* Remember (or refresh) the client's backend: kube-proxy's `recent --set` runs for each
@@ -217,19 +238,37 @@ static __always_inline void lb_remember_affinity(const struct kbp_tuple *t,
 	map_update_affinity(&key, &value);
 }
 
+/* lb_remember_affinity after lb_select_backend_by, which names the affinity entry the
+ * backend came from, if it did: that entry is refreshed where it is (a map lookup marks
+ * an LRU entry used as an update does), without the update's new element. */
+static __always_inline void lb_refresh_affinity(const struct kbp_tuple *t,
+						const struct kbp_service *svc, __u64 now,
+						__u32 backend_id, struct kbp_affinity *entry)
+{
+	if (entry)
+		map_touch_affinity(entry, now);
+	else
+		lb_remember_affinity(t, svc, now, backend_id);
+}
+
 /* The rule every hook selects by, for a new flow (or socket) and a non-empty set
  * (count > 0): the client's affinity backend when it has one, else the backend in the
  * slot `hash` picks (hash % count). The slot's copy of the backend is used, so the
  * selection reads the slots and not kbp_backends. NULL when the slot (or the affinity's
  * backend) is missing, which ordered agent writes rule out (counted
- * KBP_DROP_BACKEND_GONE). */
+ * KBP_DROP_BACKEND_GONE). `*entry`: the affinity entry the backend came from, or NULL
+ * (lb_refresh_affinity). */
 static __always_inline struct kbp_backend *lb_select_backend_by(const struct kbp_tuple *t,
 								const struct kbp_service *svc,
 								__u32 set_id, __u32 count,
 								__u64 now, __u32 hash,
-								__u32 *backend_id)
+								__u32 *backend_id,
+								struct kbp_affinity **entry)
 {
-	struct kbp_backend *backend = lb_affinity_backend(t, svc, now, backend_id);
+	struct kbp_backend *backend;
+
+	*entry = NULL;
+	backend = __lb_affinity_backend(t, svc, now, backend_id, entry);
 
 	if (backend)
 		return backend;

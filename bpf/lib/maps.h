@@ -22,6 +22,8 @@ static __always_inline int map_ct_reply_maybe(const struct kbp_ct_key *key);
 static __always_inline struct kbp_affinity *map_lookup_affinity(struct kbp_affinity_key *key);
 static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
 					       struct kbp_affinity *value);
+/* Set a looked-up affinity entry's last_used in place. */
+static __always_inline void map_touch_affinity(struct kbp_affinity *entry, __u64 now);
 static __always_inline struct kbp_counters *map_lookup_counters(__u32 *service_id);
 static __always_inline struct kbp_drop_counters *map_lookup_drops(__u32 *reason);
 static __always_inline struct kbp_src_range *map_lookup_src_range(struct kbp_src_range_key *key);
@@ -36,6 +38,8 @@ static __always_inline int map_delete_sock_rev(struct kbp_sock_key *key);
 /* The socket's kbp_sock_peer, created (zeroed) when `create` and it has none; NULL when
  * it has none (or it could not be created). */
 static __always_inline struct kbp_sock_peer *map_sock_peer(struct bpf_sock *sk, int create);
+/* The kbp_sock_slots entry a socket cookie names (whoever holds it). */
+static __always_inline struct kbp_sock_slot *map_sock_slot(__u64 cookie);
 static __always_inline struct kbp_pod *map_lookup_pod(__u64 *netns_cookie);
 static __always_inline int map_port_used(__be16 port, __u8 what);
 static __always_inline __u64 *map_lookup_ct_stats(__u32 *what);

@@ -2,10 +2,22 @@
 /*
  * Socket-level load balancing: the cgroup/sock_addr hooks rewrite the destination at
  * connect() and at sendmsg() of unconnected UDP, before any packet exists, and record
- * (socket, backend) -> frontend in kbp_sock_rev so that recvmsg() and getpeername() show
- * the frontend the application asked for (a DNS client checks the source of the answer).
- * The packets then carry the backend's address from the start: no per-packet NAT and no
- * conntrack entry, at tc or anywhere else.
+ * (socket, backend) -> frontend so that recvmsg() and getpeername() show the frontend the
+ * application asked for (a DNS client checks the source of the answer). The packets then
+ * carry the backend's address from the start: no per-packet NAT and no conntrack entry,
+ * at tc or anywhere else.
+ *
+ * Records. A socket translated at connect() (TCP, connected UDP) has one backend: its
+ * record (struct kbp_sock_peer) goes to the slot of kbp_sock_slots its cookie names
+ * (cookie % KBP_SOCK_SLOTS), taken with a compare-and-swap and freed by sock_release;
+ * cookies count up, so the slots of live sockets rarely meet. A socket whose slot another
+ * live socket holds records elsewhere: a TCP socket in its socket storage (kbp_sock_peer),
+ * a UDP socket in the kbp_sock_rev LRU, where the agent can read it. Those cost an
+ * allocation or an LRU update (about 0.35 µs of the connect hook's 0.55, PB-2 in
+ * bench/README.md); a slot costs a few stores. A reader trusts a slot only under its own
+ * cookie, which the kernel never hands out twice, so a slot left held (sock_release did
+ * not see the socket, docs/ebpf.md) wastes that slot and misleads nobody. An unconnected UDP
+ * socket may send to many backends: (cookie, backend) -> frontend in kbp_sock_rev.
  *
  * Whose sockets (sock_client_of): the node's own network namespace
  * (kbp_config.host_netns_cookie) when kbp_config.sock_lb has KBP_SOCK_LB_HOST, and the
@@ -96,17 +108,15 @@ struct sock_client {
 	const __be32 *addr6;
 };
 
-/* Is this socket one the connect/sendmsg hooks translate (kbp_config.sock_lb), and whose:
- * the node's (its network namespace is the node's) or a pod's (its namespace is in
- * kbp_pods)? 0 for any other socket, and before the agent wrote the config. */
-static __always_inline int sock_client_of(void *ctx, struct sock_client *client)
+/* Is this socket one the connect/sendmsg hooks translate (kbp_config.sock_lb, `config`
+ * as written by the agent), and whose: the node's (its network namespace is the node's)
+ * or a pod's (its namespace is in kbp_pods)? 0 for any other socket. */
+static __always_inline int sock_client_of(void *ctx, const struct kbp_config *config,
+					  struct sock_client *client)
 {
-	struct kbp_config *config = map_lookup_config();
 	struct kbp_pod *pod;
 	__u64 netns;
 
-	if (!config || config->sock_lb == 0)
-		return 0;
 	netns = bpf_get_netns_cookie(ctx);
 	if (config->host_netns_cookie != 0 && netns == config->host_netns_cookie) {
 		if (!(config->sock_lb & KBP_SOCK_LB_HOST))
@@ -317,22 +327,78 @@ static __always_inline int sock_remember_frontend(__u64 cookie, const struct kbp
 	return 1;
 }
 
-/* The same for a TCP socket at connect(), in the socket's own storage (kbp_sock_peer):
- * no shared map entry to write, and nothing to remove when it closes. Falls back to
- * kbp_sock_rev when the storage cannot be created. */
+/* Where a connected socket's record goes (see "Records" above): its slot of
+ * kbp_sock_slots when the slot is free or already its own, else (TCP only) its own
+ * kbp_sock_peer, created. `*fresh` says the slot was just taken: what it holds is its last
+ * holder's, not this socket's. NULL when neither can be had. */
+static __always_inline struct kbp_sock_peer *sock_peer_claim(struct bpf_sock_addr *ctx,
+							     __u64 cookie, int *fresh)
+{
+	struct kbp_sock_slot *slot = map_sock_slot(cookie);
+	__u64 holder;
+
+	*fresh = 0;
+	if (slot) {
+		/* One compare-and-swap: two sockets that name the slot at once on two CPUs
+		 * never both take it. */
+		holder = __sync_val_compare_and_swap(&slot->cookie, 0, cookie);
+		*fresh = holder == 0;
+		if (holder == 0 || holder == cookie)
+			return &slot->peer;
+	}
+	if (ctx->protocol != IPPROTO_TCP)
+		return NULL; /* the agent reads UDP records; it cannot read socket storage */
+	return map_sock_peer(ctx->sk, 1);
+}
+
+/* The record of a connected socket, if it has one: its slot if it holds it, else a TCP
+ * socket's kbp_sock_peer. */
+static __always_inline struct kbp_sock_peer *sock_peer_of(struct bpf_sock *sk, __u64 cookie)
+{
+	struct kbp_sock_slot *slot = map_sock_slot(cookie);
+
+	if (slot && slot->cookie == cookie)
+		return &slot->peer;
+	if (sk->protocol != IPPROTO_TCP)
+		return NULL;
+	return map_sock_peer(sk, 0);
+}
+
+/* A connected UDP socket connect()ed again, elsewhere: datagrams of its previous backend
+ * may still wait in its queue, so that backend's record moves to kbp_sock_rev (left to
+ * the LRU) before the slot takes the new one. */
+static __always_inline void sock_keep_previous(__u64 cookie, const struct kbp_sock_peer *old)
+{
+	struct kbp_sock_key key = {.cookie = cookie};
+	struct kbp_sock_rev rev = {};
+
+	__builtin_memcpy(key.addr, old->backend, sizeof(key.addr));
+	key.port = old->backend_port;
+	key.family = old->family;
+	__builtin_memcpy(rev.addr, old->frontend, sizeof(rev.addr));
+	rev.port = old->frontend_port;
+	rev.service_id = old->service_id;
+	map_update_sock_rev(&key, &rev);
+}
+
+/* The same as sock_remember_frontend for a socket at connect(), in the record
+ * sock_peer_claim finds (kbp_sock_rev when it finds none). */
 static __always_inline int sock_remember_peer(struct bpf_sock_addr *ctx, __u64 cookie,
 					      const struct kbp_backend *backend,
 					      const struct sock_user_addr *frontend,
 					      __u32 service_id)
 {
-	struct kbp_sock_peer *peer = map_sock_peer(ctx->sk, 1);
+	int fresh;
+	struct kbp_sock_peer *peer = sock_peer_claim(ctx, cookie, &fresh);
 
 	if (!peer)
 		return sock_remember_frontend(cookie, backend, frontend, service_id);
-	if (peer->service_id == service_id && peer->backend_port == backend->port &&
+	if (!fresh && peer->service_id == service_id && peer->backend_port == backend->port &&
 	    peer->frontend_port == frontend->port && lb_addr_equal(peer->backend, backend->addr) &&
 	    lb_addr_equal(peer->frontend, frontend->addr))
 		return 0;
+	if (!fresh && peer->backend_port != 0 && ctx->protocol == IPPROTO_UDP)
+		sock_keep_previous(cookie, peer);
 	__builtin_memcpy(peer->backend, backend->addr, sizeof(peer->backend));
 	__builtin_memcpy(peer->frontend, frontend->addr, sizeof(peer->frontend));
 	peer->backend_port = backend->port;
@@ -359,32 +425,43 @@ static __always_inline void sock_forget_tc_flow(const struct kbp_tuple *t,
 	ct_forget_reply_to(&direct);
 }
 
-/* connect()/sendmsg() of a socket (bound to `bound`, if at all) to `frontend`: on
- * success `*backend_out` names the address to write; returns KBP_SOCK_ALLOW with
- * *backend_out NULL when the destination is not a service (or the socket not ours), or
- * KBP_SOCK_REJECT after setting the errno. */
+/* connect() (`connected`) or sendmsg() of a socket (bound to `bound`, if at all) to
+ * `frontend`: on success `*backend_out` names the address to write; returns
+ * KBP_SOCK_ALLOW with *backend_out NULL when the destination is not a service (or the
+ * socket not ours), or KBP_SOCK_REJECT after setting the errno. */
 static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
 					  const struct sock_user_addr *frontend,
 					  const struct sock_user_addr *bound, __u32 protocol,
-					  struct kbp_backend **backend_out)
+					  int connected, struct kbp_backend **backend_out)
 {
 	struct sock_client client = {};
+	struct kbp_config *config;
 	struct kbp_tuple t = {};
 	struct kbp_service *svc;
 	struct kbp_backend *backend;
+	struct kbp_affinity *affinity;
 	__u32 set_id, count, backend_id = 0;
 	__u8 proto = sock_proto_of(protocol);
 	__u64 cookie, now;
 
 	*backend_out = NULL;
-	if (!proto)
+	/* Most connect()s go to no Service: the port, then the frontend, say so before the
+	 * socket's owner is looked up (nothing is looked up before the agent wrote the
+	 * config, or with --socket-lb off). */
+	config = map_lookup_config();
+	if (!proto || !config || config->sock_lb == 0 ||
+	    !map_port_used(frontend->port, KBP_PORT_F_FRONTEND))
 		return KBP_SOCK_ALLOW;
-	if (!sock_client_of(ctx, &client))
+	__builtin_memcpy(t.daddr, frontend->addr, sizeof(t.daddr));
+	t.dport = frontend->port;
+	t.proto = proto;
+	t.family = frontend->family;
+	svc = __lb_lookup_service(&t);
+	if (!svc)
+		return KBP_SOCK_ALLOW;
+	if (!sock_client_of(ctx, config, &client))
 		return KBP_SOCK_ALLOW;
 	if (!sock_tuple_of(&client, frontend, bound, proto, &t))
-		return KBP_SOCK_ALLOW;
-	svc = lb_lookup_service(&t);
-	if (!svc)
 		return KBP_SOCK_ALLOW;
 	if (!lb_source_admitted(&t, svc))
 		return sock_refuse(svc, KBP_DROP_SOURCE_RANGE, EHOSTUNREACH);
@@ -392,17 +469,17 @@ static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
 	if (count == 0)
 		return sock_refuse_empty_set(svc);
 	cookie = kbp_socket_cookie(ctx);
-	now = kbp_now();
+	now = svc->flags & KBP_SVC_F_AFFINITY ? kbp_now() : 0; /* only affinity reads it */
 	backend = lb_select_backend_by(&t, svc, set_id, count, now, sock_select_hash(cookie, &t),
-				       &backend_id);
+				       &backend_id, &affinity);
 	if (!backend)
 		return sock_refuse(svc, KBP_DROP_BACKEND_GONE, EHOSTUNREACH);
 	/* Service ids are per family: a backend of another family means a corrupt entry. */
 	if (backend->family != frontend->family)
 		return sock_refuse(svc, KBP_DROP_NAT_FAILED, EHOSTUNREACH);
-	if (proto == IPPROTO_TCP ? sock_remember_peer(ctx, cookie, backend, frontend, svc->service_id)
-				 : sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
-		lb_remember_affinity(&t, svc, now, backend_id);
+	if (connected ? sock_remember_peer(ctx, cookie, backend, frontend, svc->service_id)
+		      : sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
+		lb_refresh_affinity(&t, svc, now, backend_id, affinity);
 		count_new_flow(svc->service_id);
 		sock_forget_tc_flow(&t, backend);
 	}
@@ -410,8 +487,9 @@ static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
 	return KBP_SOCK_ALLOW;
 }
 
-/* connect4 / sendmsg4: point the socket at a backend of the frontend it names. */
-static __always_inline int sock4_to_backend(struct bpf_sock_addr *ctx)
+/* connect4 / sendmsg4 (`connected`: which): point the socket at a backend of the frontend
+ * it names. */
+static __always_inline int sock4_to_backend(struct bpf_sock_addr *ctx, int connected)
 {
 	struct sock_user_addr frontend = {}, bound = {};
 	struct kbp_backend *backend;
@@ -419,14 +497,14 @@ static __always_inline int sock4_to_backend(struct bpf_sock_addr *ctx)
 
 	sock4_read_user(ctx, &frontend);
 	sock4_read_bound(ctx, &bound);
-	verdict = sock_lb_select(ctx, &frontend, &bound, ctx->protocol, &backend);
+	verdict = sock_lb_select(ctx, &frontend, &bound, ctx->protocol, connected, &backend);
 	if (backend)
 		sock4_write_user(ctx, backend->addr, backend->port);
 	return verdict;
 }
 
 /* connect6 / sendmsg6, v4-mapped destinations included. */
-static __always_inline int sock6_to_backend(struct bpf_sock_addr *ctx)
+static __always_inline int sock6_to_backend(struct bpf_sock_addr *ctx, int connected)
 {
 	struct sock_user_addr frontend = {}, bound = {};
 	struct kbp_backend *backend;
@@ -434,7 +512,7 @@ static __always_inline int sock6_to_backend(struct bpf_sock_addr *ctx)
 
 	sock6_read_user(ctx, &frontend);
 	sock6_read_bound(ctx, &bound);
-	verdict = sock_lb_select(ctx, &frontend, &bound, ctx->protocol, &backend);
+	verdict = sock_lb_select(ctx, &frontend, &bound, ctx->protocol, connected, &backend);
 	if (backend)
 		sock6_write_user(ctx, &frontend, backend->addr, backend->port);
 	return verdict;
@@ -453,7 +531,8 @@ static __always_inline struct kbp_sock_rev *sock_frontend_of(struct bpf_sock_add
 
 	if (!map_port_used(peer->port, KBP_PORT_F_BACKEND))
 		return NULL;
-	if (ctx->protocol == IPPROTO_TCP && (mine = map_sock_peer(ctx->sk, 0)) &&
+	key.cookie = kbp_socket_cookie(ctx);
+	if ((mine = sock_peer_of(ctx->sk, key.cookie)) &&
 	    mine->family == peer->family && mine->backend_port == peer->port &&
 	    lb_addr_equal(mine->backend, peer->addr)) {
 		__builtin_memcpy(found->addr, mine->frontend, sizeof(found->addr));
@@ -461,7 +540,6 @@ static __always_inline struct kbp_sock_rev *sock_frontend_of(struct bpf_sock_add
 		found->service_id = mine->service_id;
 		return found;
 	}
-	key.cookie = kbp_socket_cookie(ctx);
 	__builtin_memcpy(key.addr, peer->addr, sizeof(key.addr));
 	key.port = peer->port;
 	key.family = peer->family;
@@ -494,22 +572,29 @@ static __always_inline int sock6_to_frontend(struct bpf_sock_addr *ctx)
 	return KBP_SOCK_ALLOW;
 }
 
-/* sock_release: forget the entry of a connected socket (TCP, connected UDP), so that the
- * LRU holds live sockets, not closed ones. Entries of unconnected UDP sockets (one per
- * backend they sent to) are left to the LRU: cookies never repeat, so a stale entry is
- * never read, only evicted. */
+/* sock_release: free the slot of a connected socket (TCP, connected UDP), or delete a
+ * connected UDP socket's kbp_sock_rev entry, so that slots and the LRU hold live sockets,
+ * not closed ones. A TCP socket without a slot has its record in kbp_sock_peer, which goes
+ * with it (or, when that could not be created, in the LRU, left to it). Entries of unconnected UDP sockets (one per backend they sent to) are left to
+ * the LRU: cookies never repeat, so a stale entry is never read, only evicted. */
 static __always_inline int sock_forget(struct bpf_sock *ctx)
 {
 	struct sock_user_addr peer = {};
 	struct kbp_sock_key key = {};
+	struct kbp_sock_slot *slot;
 
-	if (!sock_proto_of(ctx->protocol) || ctx->dst_port == 0)
+	/* A slot is freed whatever the socket's peer is now: a connect() that failed after
+	 * the hook, or connect(AF_UNSPEC), leaves it no destination port. */
+	if (!sock_proto_of(ctx->protocol) ||
+	    (ctx->dst_port != 0 && !map_port_used((__be16)ctx->dst_port, KBP_PORT_F_BACKEND)))
 		return KBP_SOCK_ALLOW;
-	if (!map_port_used((__be16)ctx->dst_port, KBP_PORT_F_BACKEND))
+	key.cookie = kbp_socket_cookie(ctx);
+	slot = map_sock_slot(key.cookie);
+	if (slot && slot->cookie == key.cookie) {
+		slot->cookie = 0;
 		return KBP_SOCK_ALLOW;
-	/* A TCP socket with a kbp_sock_peer has no kbp_sock_rev entry: the storage goes
-	 * with the socket. */
-	if (ctx->protocol == IPPROTO_TCP && map_sock_peer(ctx, 0))
+	}
+	if (ctx->protocol == IPPROTO_TCP || ctx->dst_port == 0)
 		return KBP_SOCK_ALLOW;
 	if (ctx->family == AF_INET) {
 		peer.addr[0] = ctx->dst_ip4;
@@ -520,7 +605,6 @@ static __always_inline int sock_forget(struct bpf_sock *ctx)
 	} else {
 		return KBP_SOCK_ALLOW;
 	}
-	key.cookie = kbp_socket_cookie(ctx);
 	__builtin_memcpy(key.addr, peer.addr, sizeof(key.addr));
 	key.port = ctx->dst_port;
 	key.family = peer.family;

@@ -37,7 +37,16 @@ import pytest
 
 from agent.dataplane.ebpf import cgroup as sockhooks
 from agent.dataplane.ebpf import codec, libbpf
-from agent.dataplane.ebpf.abi import const, ffi, from_be16, from_bytes, get_addr, to_bytes
+from agent.dataplane.ebpf.abi import (
+    be16,
+    const,
+    ffi,
+    from_be16,
+    from_bytes,
+    get_addr,
+    set_addr,
+    to_bytes,
+)
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.maps import FrontendKey, MapSizes
@@ -429,6 +438,37 @@ def test_client_ip_affinity_keeps_the_node_on_one_backend(env: Env) -> None:
     assert len(seen.answers) == 1, seen.answers
 
 
+def test_each_new_connection_refreshes_the_affinity_entry(env: Env) -> None:
+    """kube-proxy's `recent --set`: the timeout counts from the client's last new
+    connection. The hook refreshes the entry it found in place: still one entry, the
+    same backend, a later last_used."""
+
+    def affinity(obj: dict) -> None:
+        obj["spec"]["sessionAffinity"] = "ClientIP"
+        obj["spec"]["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": 60}}
+
+    objects, ip4, _ = env.service("sticky-refresh", env.backends(*BACKENDS), mutate=affinity)
+    env.program(*objects)
+    key = FrontendKey(ip4, PORT, 6, const.KBP_FAMILY_IPV4)
+    service_id = env.dataplane.maps.current.services[key].service_id
+
+    def entries() -> list[tuple[int, int]]:
+        found = []
+        for raw_key, raw in env.dataplane.programs.map("kbp_affinity").items():
+            if from_bytes("kbp_affinity_key", raw_key).service_id == service_id:
+                value = from_bytes("kbp_affinity", raw)
+                found.append((value.last_used, value.backend_id))
+        return found
+
+    assert env.client("tcp", ip4, PORT).errors == {}
+    [(first, backend_id)] = entries()
+    time.sleep(0.05)  # a few ticks of the coarse clock
+    seen = env.client("tcp", ip4, PORT, 3)
+    assert seen.errors == {} and len(seen.answers) == 1, seen.results
+    [(last, again)] = entries()
+    assert again == backend_id and last > first, (first, last)
+
+
 def test_internal_traffic_policy_local_uses_only_this_nodes_endpoints(env: Env) -> None:
     def itp_local(obj: dict) -> None:
         obj["spec"]["internalTrafficPolicy"] = "Local"
@@ -624,6 +664,112 @@ def test_closed_sockets_leave_no_reverse_entries(env: Env) -> None:
     seen = env.client("udp-connected", udp4, PORT, 10)
     assert seen.errors == {} and seen.all("peer") == {(udp4, PORT)}, seen.results[:3]
     assert _reverse_entries(env) == before
+
+
+# The slots of kbp_sock_slots (lib/sock.h, "Records"): struct kbp_sock_slot, 64 bytes.
+SLOT_SIZE = 64
+
+
+def _held_slots(env: Env) -> dict[int, tuple[int, tuple[str, int]]]:
+    """kbp_sock_slots: index -> (holder's cookie, the frontend it restores), held ones."""
+    table = env.dataplane.programs.map("kbp_sock_slots")
+    raw = table.values_array(table.info.max_entries)
+    held = {}
+    for index in range(len(raw) // SLOT_SIZE):
+        value = raw[index * SLOT_SIZE : (index + 1) * SLOT_SIZE]
+        slot = from_bytes("kbp_sock_slot", value)
+        if slot.cookie:
+            peer = slot.peer
+            held[index] = (slot.cookie, (get_addr(peer.frontend, peer.family),
+                                         from_be16(peer.frontend_port)))  # fmt: skip
+    return held
+
+
+# A TCP client that connects, reads the greeting, shows getpeername(), then disconnects
+# with connect(AF_UNSPEC), which clears the socket's destination port, before closing.
+DISCONNECT = r"""
+import ctypes, json, socket, sys
+
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+peer = list(s.getpeername()[:2])
+s.recv(100)
+unspec = (ctypes.c_ushort * 8)()  # struct sockaddr with sa_family AF_UNSPEC (0)
+rc = ctypes.CDLL(None, use_errno=True).connect(s.fileno(), unspec, ctypes.sizeof(unspec))
+try:
+    s.getpeername()
+    disconnected = False
+except OSError:
+    disconnected = True
+s.close()
+print(json.dumps({"peer": peer, "rc": rc, "disconnected": disconnected}))
+"""
+
+
+def test_connected_socket_record_takes_a_slot_and_release_frees_it(env: Env) -> None:
+    """A TCP socket's record sits in the slot of kbp_sock_slots its cookie names while it
+    lives; sock_release frees it, also after connect(AF_UNSPEC) cleared its peer. So does
+    a connected UDP socket's."""
+    objects, ip4, _ = env.service("slots", env.backends(*BACKENDS))
+    env.program(*objects)
+    before = _held_slots(env)
+    with env.stream(ip4, PORT) as stream:
+        assert stream.first["peer"] == [ip4, PORT]
+        mine = {i: held for i, held in _held_slots(env).items() if i not in before}
+        assert [frontend for _, frontend in mine.values()] == [(ip4, PORT)], mine
+        assert stream.exchange()["peer"] == [ip4, PORT]
+    assert _held_slots(env) == before
+    argv = in_netns(env.lab.node_ns, [sys.executable, "-c", DISCONNECT, ip4, str(PORT)])
+    argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(env.cgroup / "cgroup.procs"), *argv]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(done.stdout) == {"peer": [ip4, PORT], "rc": 0, "disconnected": True}
+    assert _held_slots(env) == before
+    # A connected UDP socket's record takes a slot too (none is in the LRU), freed at close.
+    objects, udp4, _ = env.service("slots-udp", env.backends(*BACKENDS), protocol="UDP")
+    env.program(*objects)
+    reverse = _reverse_entries(env)
+    seen = env.client("udp-connected", udp4, PORT, 4)
+    assert seen.errors == {} and seen.all("peer") == {(udp4, PORT)}, seen.results[:3]
+    assert seen.all("source") == {(udp4, PORT)}
+    assert _held_slots(env) == before and _reverse_entries(env) == reverse
+
+
+def test_tcp_record_falls_back_to_socket_storage_when_its_slot_is_held(env: Env) -> None:
+    """Every slot held by sockets that do not exist, each claiming to restore another
+    address for the same backends: a new TCP socket records in its own storage, a
+    connected UDP socket in kbp_sock_rev; getpeername() and recvfrom() still show the
+    ClusterIP (a reader trusts only its own cookie), and neither the sockets nor their
+    release touch a slot they do not hold."""
+    objects, ip4, _ = env.service("slots-held", env.backends(*BACKENDS))
+    udp_objects, udp4, _ = env.service("slots-held-udp", env.backends(*BACKENDS), protocol="UDP")
+    env.program(*objects, *udp_objects)
+    table = env.dataplane.programs.map("kbp_sock_slots")
+    count = table.info.max_entries
+    saved = table.values_array(count)
+    decoys = bytearray()
+    for index in range(count):
+        slot = ffi.new("struct kbp_sock_slot *")
+        slot.cookie = (1 << 62) + index  # cookies the kernel has not handed out
+        slot.peer.family = const.KBP_FAMILY_IPV4
+        set_addr(slot.peer.backend, env.lab.pods[BACKENDS[index % 3]].ipv4)
+        slot.peer.backend_port = be16(TARGET_PORT)
+        set_addr(slot.peer.frontend, "10.99.99.99")
+        slot.peer.frontend_port = be16(PORT)
+        decoys += bytes(ffi.buffer(slot))
+    keys = b"".join(index.to_bytes(4, "little") for index in range(count))
+    table.update_batch(keys, bytes(decoys), count)
+    try:
+        seen = env.client("tcp", ip4, PORT, 6)
+        assert seen.errors == {} and seen.all("peer") == {(ip4, PORT)}, seen.results[:3]
+        assert table.values_array(count) == bytes(decoys)
+        # A connected UDP socket falls back to the LRU, which its release empties again.
+        reverse = _reverse_entries(env)
+        seen = env.client("udp-connected", udp4, PORT, 4)
+        assert seen.errors == {} and seen.all("peer") == {(udp4, PORT)}, seen.results[:3]
+        assert seen.all("source") == {(udp4, PORT)}
+        assert table.values_array(count) == bytes(decoys)
+        assert _reverse_entries(env) == reverse
+    finally:
+        table.update_batch(keys, saved, count)
 
 
 # --- attachments --------------------------------------------------------------------------

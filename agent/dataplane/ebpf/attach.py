@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ...model.nodestate import NodeInfo
 from ..base import DataplaneError
-from . import external, sockdiag
+from . import codec, external, sockdiag
 from .abi import addr_bytes, family_of, packer, port_bytes
 from .cgroup import CgroupAttachError, attach_socket_hooks, socket_hooks_pinned
 from .kernel import LoadedPrograms
@@ -170,19 +170,21 @@ class Attacher:
         picks again at sendmsg()."""
         if self.cgroup is None or self._sock_destroy_off:
             return
-        reverse = self.programs.map("kbp_sock_rev")
+        reverse, slots = self.programs.map("kbp_sock_rev"), self.programs.map("kbp_sock_slots")
         live: set[tuple[int, str, int]] | None = None
 
         def removed(sock: sockdiag.UdpSocket) -> bool:
             nonlocal live
-            key = _SOCK_KEY.pack(sock.cookie, addr_bytes(sock.peer), port_bytes(sock.peer_port),
-                                 family_of(sock.peer))  # fmt: skip
-            raw = reverse.lookup(key)
-            if raw is None:
-                return False  # not translated by the hooks: none of ours
+            peer, peer_port = addr_bytes(sock.peer), port_bytes(sock.peer_port)
+            service_id = codec.sock_slot_service(slots, sock.cookie, peer, peer_port)
+            if service_id is None:  # no slot: its record is in the LRU, if anywhere
+                raw = reverse.lookup(_SOCK_KEY.pack(sock.cookie, peer, peer_port,
+                                                    family_of(sock.peer)))  # fmt: skip
+                if raw is None:
+                    return False  # not translated by the hooks: none of ours
+                service_id = _SOCK_REV.unpack(raw)[2]
             if live is None:
                 live = live_backends()
-            service_id = _SOCK_REV.unpack(raw)[2]
             return (service_id, sock.peer, sock.peer_port) not in live
 
         namespaces: list[str | None] = [self.tc.netns]

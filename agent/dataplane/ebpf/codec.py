@@ -150,6 +150,24 @@ def read_content(services: Map, slots: Map, backends: Map) -> KernelContent:
 
 # --- kbp_meta: which NodeState the maps hold -------------------------------------------
 
+_SOCK_SLOT = packer("kbp_sock_slot")  # cookie, then struct kbp_sock_peer as bytes
+_SOCK_PEER = packer("kbp_sock_peer")  # backend, frontend, ports, service id, family
+
+
+def sock_slot_service(slots: Map, cookie: int, peer: bytes, peer_port: bytes) -> int | None:
+    """The service id in the record of the socket with this cookie, if it holds its slot
+    of kbp_sock_slots (bpf/lib/sock.h, "Records") and that record names its peer (address
+    as addr_bytes gives it, port as port_bytes); None otherwise."""
+    raw = slots.lookup(_U32.pack(cookie % const.KBP_SOCK_SLOTS))
+    if raw is None:
+        return None
+    holder, record = _SOCK_SLOT.unpack(raw)
+    backend, _frontend, backend_port, _port, service_id, _family = _SOCK_PEER.unpack(record)
+    if holder != cookie or backend != peer or backend_port != peer_port:
+        return None
+    return service_id
+
+
 _META = packer("kbp_meta")
 REVISION_PREFIX = "sha256:"
 NO_META = bytes(_META.size)  # "unknown": nothing applied, or an apply did not complete
