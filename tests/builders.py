@@ -104,6 +104,35 @@ def make_slice(
     return obj
 
 
+# Pod n of a node is 10.244.<index>.<n> and fd00:244:<index>::<n> (the plan above).
+NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
+
+
+def ep(n: int, node: str = "node-b", **conditions: bool) -> Obj:
+    """Pod n of `node` as an endpoint, ready unless conditions say otherwise."""
+    return make_endpoint(f"10.244.{NODE_INDEX[node]}.{n}", node, **conditions)
+
+
+def ep6(n: int, node: str = "node-b") -> Obj:
+    """Pod n of `node` as an IPv6 endpoint."""
+    return make_endpoint(f"fd00:244:{NODE_INDEX[node]}::{n}", node)
+
+
+def spec(**fields: object) -> Callable[[Obj], None]:
+    """A mutator that sets `fields` in an object's spec."""
+    return lambda obj: obj["spec"].update(fields)
+
+
+def both(*mutators: Callable[[Obj], None]) -> Callable[[Obj], None]:
+    """A mutator that applies `mutators` in turn."""
+
+    def mutate(obj: Obj) -> None:
+        for m in mutators:
+            m(obj)
+
+    return mutate
+
+
 def make_node(name: str = NODE, labels: dict[str, str] | None = None, *ips: str) -> Obj:
     return {
         "apiVersion": "v1",

@@ -45,10 +45,20 @@ from agent.model.decode import decode_object
 from agent.model.nodestate import Backend, Frontend, NodeInfo, NodeState, ServiceEntry
 from agent.model.types import ClusterState
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
+from ..builders import (
+    Obj,
+    both,
+    default_nodes,
+    ep,
+    ep6,
+    make_endpoint,
+    make_service,
+    make_slice,
+    spec,
+    state_of,
+)
 from .strategies import THIS_NODE, clusters, endpoint_slices, histories, object_key, services
 
-NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
 EMPTY = KernelContent()
 MAGLEV_SIZE = 13
 
@@ -64,22 +74,6 @@ SETTINGS = settings(
 # --- building NodeStates ---------------------------------------------------------------
 
 
-def ep(n: int, node: str = "node-b", **conditions: bool) -> Obj:
-    """Pod n of `node`, ready unless conditions say otherwise."""
-    return make_endpoint(f"10.244.{NODE_INDEX[node]}.{n}", node, **conditions)
-
-
-def ep6(n: int, node: str = "node-b") -> Obj:
-    return make_endpoint(f"fd00:244:{NODE_INDEX[node]}::{n}", node)
-
-
-def spec(**fields: object) -> Callable[[Obj], None]:
-    def mutate(obj: Obj) -> None:
-        obj["spec"].update(fields)
-
-    return mutate
-
-
 def node_port(etp: str = "Cluster", itp: str = "Cluster") -> Callable[[Obj], None]:
     def mutate(obj: Obj) -> None:
         obj["spec"].update(type="NodePort", externalTrafficPolicy=etp, internalTrafficPolicy=itp)
@@ -90,14 +84,6 @@ def node_port(etp: str = "Cluster", itp: str = "Cluster") -> Callable[[Obj], Non
 
 def maglev(obj: Obj) -> None:
     obj["metadata"].setdefault("annotations", {})[ANNOTATION_LB_ALGORITHM] = "maglev"
-
-
-def both(*mutators: Callable[[Obj], None]) -> Callable[[Obj], None]:
-    def mutate(obj: Obj) -> None:
-        for m in mutators:
-            m(obj)
-
-    return mutate
 
 
 def svc(

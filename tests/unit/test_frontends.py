@@ -12,14 +12,7 @@ import pytest
 
 from agent.model.compile import CompileOptions, compile
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
-
-
-def with_spec(**fields: object) -> Callable[[Obj], None]:
-    def mutate(obj: Obj) -> None:
-        obj["spec"].update(fields)
-
-    return mutate
+from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, spec, state_of
 
 
 def node_port(
@@ -82,7 +75,7 @@ CASES = [
         make_service(mutate=node_port(svc_type="ClusterIP")), fe("ClusterIP 10.96.0.1:80")),
     Case("ExternalIPs are frontends on the Service port, of the matching family only",
         make_service(
-            mutate=with_spec(externalIPs=["203.0.113.7", "2001:db8:ff::7", "203.0.113.7"])),
+            mutate=spec(externalIPs=["203.0.113.7", "2001:db8:ff::7", "203.0.113.7"])),
         fe("ClusterIP 10.96.0.1:80", "ExternalIP 203.0.113.7:80")),
     Case("LoadBalancer VIPs come from status ingress IPs in VIP mode, not Proxy mode or hostnames",
         make_service(mutate=load_balancer({"ip": "203.0.113.9"},
@@ -99,14 +92,14 @@ CASES = [
         fe("ClusterIP 10.96.0.1:80", "NodePort 192.0.2.10:30080", "ClusterIP fd00:96::1:80",
             "NodePort 2001:db8::10:30080")),
     Case("a Service with two ports has one entry per port, sorted by port name",
-        make_service(mutate=with_spec(ports=[{"name": "https", "port": 443},
+        make_service(mutate=spec(ports=[{"name": "https", "port": 443},
             {"name": "dns", "port": 53, "protocol": "UDP"}])),
         fe("ClusterIP 10.96.0.1:53", "ClusterIP 10.96.0.1:443")),
     # --- Services that are not programmed ------------------------------------------------
     Case("a headless Service is not programmed",
-        make_service(mutate=with_spec(clusterIP="None", clusterIPs=["None"])), fe()),
+        make_service(mutate=spec(clusterIP="None", clusterIPs=["None"])), fe()),
     Case("an ExternalName Service is not programmed",
-        make_service(mutate=with_spec(type="ExternalName", externalName="db.example.com",
+        make_service(mutate=spec(type="ExternalName", externalName="db.example.com",
             clusterIP="", clusterIPs=[])), fe()),
     Case("a Service without an allocated cluster IP is not programmed",
         make_service(mutate=lambda o: (o["spec"].pop("clusterIP"), o["spec"].pop("clusterIPs"))),
@@ -139,12 +132,12 @@ def entries_of(*objects: Obj, options: CompileOptions | None = None) -> list[dic
 
 
 def test_client_ip_affinity_defaults_to_three_hours() -> None:
-    (entry,) = entries_of(make_service(mutate=with_spec(sessionAffinity="ClientIP")))
+    (entry,) = entries_of(make_service(mutate=spec(sessionAffinity="ClientIP")))
     assert entry["sessionAffinity"] == {"type": "ClientIP", "timeoutSeconds": 10800}
 
 
 def test_affinity_none_is_null() -> None:
-    (entry,) = entries_of(make_service(mutate=with_spec(sessionAffinity="None")))
+    (entry,) = entries_of(make_service(mutate=spec(sessionAffinity="None")))
     assert entry["sessionAffinity"] is None
 
 
@@ -209,7 +202,7 @@ def test_dual_stack_entries_use_only_their_family_of_endpoints() -> None:
 
 def test_single_stack_ipv6_service_ignores_ipv4_slices() -> None:
     (entry,) = entries_of(
-        make_service(mutate=with_spec(clusterIP="fd00:96::1", clusterIPs=["fd00:96::1"])),
+        make_service(mutate=spec(clusterIP="fd00:96::1", clusterIPs=["fd00:96::1"])),
         make_slice(name="v4", endpoints=[make_endpoint("10.244.1.5", "node-a")]),
     )
     assert entry["ipFamily"] == "IPv6"

@@ -35,9 +35,19 @@ from agent.dataplane.iptables.tracer import Ruleset, Trace, UnknownRule, load, p
 from agent.model.compile import compile
 from agent.model.nodestate import LOAD_BALANCER, NodeState, ServiceEntry
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
+from ..builders import (
+    NODE_INDEX,
+    Obj,
+    both,
+    default_nodes,
+    ep,
+    ep6,
+    make_service,
+    make_slice,
+    spec,
+    state_of,
+)
 
-NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
 NODE_IPS = ("192.0.2.10", "2001:db8::10")
 V4 = RenderOptions(IPV4, ("10.244.0.0/16",), ("veth+",))
 V6 = RenderOptions(IPV6, ("fd00:244::/32",), ("veth+",))
@@ -67,15 +77,6 @@ LB_VIP = ("203.0.113.9", 80)
 # --- building NodeStates ---------------------------------------------------------------
 
 
-def ep(n: int, node: str = "node-b", **conditions: bool) -> Obj:
-    """Pod n of `node`, ready unless conditions say otherwise."""
-    return make_endpoint(f"10.244.{NODE_INDEX[node]}.{n}", node, **conditions)
-
-
-def ep6(n: int, node: str = "node-b") -> Obj:
-    return make_endpoint(f"fd00:244:{NODE_INDEX[node]}::{n}", node)
-
-
 def at(n: int, node: str = "node-b") -> str:
     """The DNAT target of pod n of `node`."""
     return f"10.244.{NODE_INDEX[node]}.{n}:8080"
@@ -86,13 +87,6 @@ def at6(n: int, node: str = "node-b") -> str:
 
 
 Mutator = Callable[[Obj], None]
-
-
-def spec(**fields: object) -> Mutator:
-    def mutate(obj: Obj) -> None:
-        obj["spec"].update(fields)
-
-    return mutate
 
 
 def node_port(etp: str = "Cluster") -> Mutator:
@@ -132,14 +126,6 @@ def protocol(name: str) -> Mutator:
 
 def dual_stack(obj: Obj) -> None:
     obj["spec"].update(clusterIPs=["10.96.0.1", "fd00:96::1"], ipFamilyPolicy="RequireDualStack")
-
-
-def both(*mutators: Mutator) -> Mutator:
-    def mutate(obj: Obj) -> None:
-        for m in mutators:
-            m(obj)
-
-    return mutate
 
 
 def svc(

@@ -14,7 +14,7 @@ import pytest
 
 from agent.model.compile import CompileOptions, compile
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
+from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, spec, state_of
 
 ep = make_endpoint
 KARMADA = {"endpointslice.karmada.io/provision-cluster": "member2"}
@@ -36,13 +36,6 @@ def remote_slice(name: str, endpoints: list[Obj], **labels: str) -> Obj:
 def annotate(annotations: dict[str, str]) -> Callable[[Obj], None]:
     def mutate(obj: Obj) -> None:
         obj["metadata"]["annotations"] = dict(annotations)
-
-    return mutate
-
-
-def spec(**fields: object) -> Callable[[Obj], None]:
-    def mutate(obj: Obj) -> None:
-        obj["spec"].update(fields)
 
     return mutate
 
