@@ -11,13 +11,12 @@ Maglev cases use a 13-slot table so expectations stay readable.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from agent.dataplane.base import DataplaneError
@@ -57,18 +56,20 @@ from ..builders import (
     spec,
     state_of,
 )
-from .strategies import THIS_NODE, clusters, endpoint_slices, histories, object_key, services
+from .strategies import (
+    THIS_NODE,
+    clusters,
+    endpoint_slices,
+    histories,
+    object_key,
+    property_settings,
+    services,
+)
 
 EMPTY = KernelContent()
 MAGLEV_SIZE = 13
 
-SETTINGS = settings(
-    max_examples=int(os.environ.get("KBP_PROPERTY_EXAMPLES", "100")),
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+SETTINGS = property_settings(HealthCheck.too_slow, HealthCheck.data_too_large)
 
 
 # --- building NodeStates ---------------------------------------------------------------
