@@ -218,141 +218,76 @@ class Case:
 
 
 CASES = [
-    Case(
-        "a ClusterIP uses its cluster backends, from pods and from the node alike",
-        svc([ep(5, "node-a"), ep(5, "node-b")]),
-        {CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5])},
-        {A5: "LOCAL", B5: ""},
-    ),
-    Case(
-        "internalTrafficPolicy Local: the ClusterIP uses only this node's backends",
+    Case("a ClusterIP uses its cluster backends, from pods and from the node alike",
+        svc([ep(5, "node-a"), ep(5, "node-b")]), {CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5])},
+        {A5: "LOCAL", B5: ""}),
+    Case("internalTrafficPolicy Local: the ClusterIP uses only this node's backends",
         svc([ep(5, "node-a"), ep(5, "node-b")], spec(internalTrafficPolicy="Local")),
-        {CIP: Seen("ClusterIP", HAS, [A5], [A5])},
-        {A5: "LOCAL"},
-    ),
-    Case(
-        "internalTrafficPolicy Local without a local backend: an empty set that drops",
+        {CIP: Seen("ClusterIP", HAS, [A5], [A5])}, {A5: "LOCAL"}),
+    Case("internalTrafficPolicy Local without a local backend: an empty set that drops",
         svc([ep(5, "node-b")], spec(internalTrafficPolicy="Local")),
-        {CIP: Seen("ClusterIP", HAS, [], [])},
-        {},
-    ),
-    Case(
-        "no endpoints anywhere: an empty set that rejects",
-        svc([]),
-        {CIP: Seen("ClusterIP", "", [], [])},
-        {},
-    ),
-    Case(
-        "only unready endpoints: an empty set that rejects",
-        svc([ep(5, ready=False)]),
-        {CIP: Seen("ClusterIP", "", [], [])},
-    ),
-    Case(
-        "externalTrafficPolicy Cluster: the NodePort uses the cluster backends both ways",
+        {CIP: Seen("ClusterIP", HAS, [], [])}, {}),
+    Case("no endpoints anywhere: an empty set that rejects", svc([]),
+        {CIP: Seen("ClusterIP", "", [], [])}, {}),
+    Case("only unready endpoints: an empty set that rejects", svc([ep(5, ready=False)]),
+        {CIP: Seen("ClusterIP", "", [], [])}),
+    Case("externalTrafficPolicy Cluster: the NodePort uses the cluster backends both ways",
         svc([ep(5, "node-a"), ep(5, "node-b")], node_port()),
         {
             CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5]),
             NP: Seen("NodePort", HAS, [A5, B5], [A5, B5]),
-        },
-    ),
-    Case(
-        "externalTrafficPolicy Local: the NodePort uses local backends from outside and "
+        }),
+    Case("externalTrafficPolicy Local: the NodePort uses local backends from outside and "
         "cluster backends from pods",
         svc([ep(5, "node-a"), ep(5, "node-b")], node_port(etp="Local")),
         {
             CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5]),
             NP: Seen("NodePort", HAS, [A5], [A5, B5]),
-        },
-    ),
-    Case(
-        "externalTrafficPolicy Local without a local backend: outside traffic is dropped, "
+        }),
+    Case("externalTrafficPolicy Local without a local backend: outside traffic is dropped, "
         "pods still reach the cluster backends",
         svc([ep(5, "node-b")], node_port(etp="Local")),
-        {
-            CIP: Seen("ClusterIP", HAS, [B5], [B5]),
-            NP: Seen("NodePort", HAS, [], [B5]),
-        },
-    ),
-    Case(
-        "both policies Local: the ClusterIP and outside NodePort traffic stay local, pods "
+        {CIP: Seen("ClusterIP", HAS, [B5], [B5]), NP: Seen("NodePort", HAS, [], [B5])}),
+    Case("both policies Local: the ClusterIP and outside NodePort traffic stay local, pods "
         "reaching the NodePort use the cluster backends",
         svc([ep(5, "node-a"), ep(5, "node-b")], node_port(etp="Local", itp="Local")),
-        {
-            CIP: Seen("ClusterIP", HAS, [A5], [A5]),
-            NP: Seen("NodePort", HAS, [A5], [A5, B5]),
-        },
-    ),
-    Case(
-        "internalTrafficPolicy Local with a Cluster NodePort: only the ClusterIP is local",
+        {CIP: Seen("ClusterIP", HAS, [A5], [A5]), NP: Seen("NodePort", HAS, [A5], [A5, B5])}),
+    Case("internalTrafficPolicy Local with a Cluster NodePort: only the ClusterIP is local",
         svc([ep(5, "node-a"), ep(5, "node-b")], node_port(itp="Local")),
-        {
-            CIP: Seen("ClusterIP", HAS, [A5], [A5]),
-            NP: Seen("NodePort", HAS, [A5, B5], [A5, B5]),
-        },
-    ),
-    Case(
-        "an ExternalIP and a LoadBalancer VIP follow externalTrafficPolicy like a NodePort",
-        svc(
-            [ep(5, "node-a"), ep(5, "node-c")],
-            both(
-                node_port(etp="Local"),
-                spec(type="LoadBalancer", externalIPs=["203.0.113.7"]),
-                lambda o: o.update(status={"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}),
-            ),
-        ),
+        {CIP: Seen("ClusterIP", HAS, [A5], [A5]), NP: Seen("NodePort", HAS, [A5, B5], [A5, B5])}),
+    Case("an ExternalIP and a LoadBalancer VIP follow externalTrafficPolicy like a NodePort",
+        svc([ep(5, "node-a"), ep(5, "node-c")],
+            both(node_port(etp="Local"), spec(type="LoadBalancer", externalIPs=["203.0.113.7"]),
+                lambda o: o.update(status={"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}))),
         {
             CIP: Seen("ClusterIP", HAS, [A5, C5], [A5, C5]),
             NP: Seen("NodePort", HAS, [A5], [A5, C5]),
             "203.0.113.7:80/TCP": Seen("ExternalIP", HAS, [A5], [A5, C5]),
             "203.0.113.9:80/TCP": Seen("LoadBalancer", HAS, [A5], [A5, C5]),
-        },
-    ),
-    Case(
-        "sessionAffinity ClientIP sets AFFINITY and the timeout",
-        svc(
-            [ep(5)],
-            spec(
-                sessionAffinity="ClientIP",
-                sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}},
-            ),
-        ),
-        {CIP: Seen("ClusterIP", "HAS_ENDPOINTS|AFFINITY", [B5], [B5], 600)},
-    ),
-    Case(
-        "serving terminating backends stand in when none is ready, flagged TERMINATING",
+        }),
+    Case("sessionAffinity ClientIP sets AFFINITY and the timeout",
+        svc([ep(5)],
+            spec(sessionAffinity="ClientIP",
+                sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}})),
+        {CIP: Seen("ClusterIP", "HAS_ENDPOINTS|AFFINITY", [B5], [B5], 600)}),
+    Case("serving terminating backends stand in when none is ready, flagged TERMINATING",
         svc([ep(5, ready=False, serving=True, terminating=True), ep(6, "node-a", ready=False)]),
-        {CIP: Seen("ClusterIP", HAS, [B5], [B5])},
-        {B5: "TERMINATING"},
-    ),
-    Case(
-        "a UDP port is keyed with protocol 17",
-        [
-            make_service(mutate=lambda o: o["spec"]["ports"][0].update(protocol="UDP")),
-            make_slice(
-                endpoints=[ep(5)],
-                mutate=lambda o: o["ports"][0].update(protocol="UDP"),
-            ),
-        ],
-        {"10.96.0.1:80/UDP": Seen("ClusterIP", HAS, [B5], [B5])},
-    ),
-    Case(
-        "a dual-stack Service has an IPv6 frontend over IPv6 backends",
-        [
-            make_service(
-                mutate=spec(clusterIP="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"])
-            ),
+        {CIP: Seen("ClusterIP", HAS, [B5], [B5])}, {B5: "TERMINATING"}),
+    Case("a UDP port is keyed with protocol 17",
+        [make_service(mutate=lambda o: o["spec"]["ports"][0].update(protocol="UDP")),
+            make_slice(endpoints=[ep(5)], mutate=lambda o: o["ports"][0].update(protocol="UDP"))],
+        {"10.96.0.1:80/UDP": Seen("ClusterIP", HAS, [B5], [B5])}),
+    Case("a dual-stack Service has an IPv6 frontend over IPv6 backends",
+        [make_service(mutate=spec(clusterIP="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"])),
             make_slice(endpoints=[ep(5)]),
-            make_slice(name="svc-6", endpoints=[ep6(5)], family="IPv6"),
-        ],
+            make_slice(name="svc-6", endpoints=[ep6(5)], family="IPv6")],
         {
             CIP: Seen("ClusterIP", HAS, [B5], [B5]),
             "[fd00:96::1]:80/TCP": Seen(
                 "ClusterIP", HAS, ["[fd00:244:2::5]:8080"], ["[fd00:244:2::5]:8080"]
             ),
-        },
-        {B5: "", "[fd00:244:2::5]:8080": ""},
-    ),
-]
+        }, {B5: "", "[fd00:244:2::5]:8080": ""}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
