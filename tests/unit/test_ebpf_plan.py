@@ -866,13 +866,7 @@ def test_every_sync_keeps_every_intermediate_kernel_state_consistent(history) ->
     compiler = Compiler(THIS_NODE, cluster.options)
     for change, synced in [(None, True), *steps]:
         if change is not None:
-            action, payload = change
-            if action == "upsert":
-                objects[object_key(payload)] = with_maglev_for_dns(payload)
-                feed(agent_state, objects[object_key(payload)])
-            else:
-                objects.pop(payload, None)
-                forget(agent_state, payload)
+            step(agent_state, objects, change, with_maglev_for_dns)
         if synced:
             state = compile(cluster_state(objects), THIS_NODE, cluster.options)
             incremental = compiler.update(agent_state)
@@ -898,6 +892,23 @@ def forget(state: ClusterState, key: tuple[str, str, str]) -> None:
         {"Service": state.delete_service, "EndpointSlice": state.delete_slice}[kind](
             namespace, name
         )
+
+
+def step(
+    agent_state: ClusterState,
+    objects: dict[tuple[str, str, str], Obj],
+    change: tuple[str, object],
+    edit: Callable[[Obj], Obj] = lambda obj: obj,
+) -> None:
+    """One step of a history, ("upsert", object) (the object after `edit`) or ("delete",
+    key), applied to both the agent's state and the objects by key."""
+    action, payload = change
+    if action == "upsert":
+        objects[object_key(payload)] = edit(payload)
+        feed(agent_state, objects[object_key(payload)])
+    else:
+        objects.pop(payload, None)
+        forget(agent_state, payload)
 
 
 @st.composite
@@ -1189,13 +1200,7 @@ def test_the_source_range_index_follows_every_sync_as_a_full_scan_would(history)
     index.RESCAN_FRACTION = 2.0  # small clusters: never rescan for the share of changes
     for change, synced in [(None, True), *steps]:
         if change is not None:
-            action, payload = change
-            if action == "upsert":
-                objects[object_key(payload)] = payload
-                feed(agent_state, payload)
-            else:
-                objects.pop(payload, None)
-                forget(agent_state, payload)
+            step(agent_state, objects, change)
         if synced:
             state = compiler.update(agent_state)
             assert index.update(state) == external.source_ranges(state)

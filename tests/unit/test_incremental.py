@@ -25,7 +25,7 @@ from ..builders import (
     state_of,
 )
 from .strategies import THIS_NODE, histories, object_key
-from .test_ebpf_plan import SETTINGS, cluster_state, feed, forget
+from .test_ebpf_plan import SETTINGS, cluster_state, step
 
 
 def decoded(obj: Obj) -> Value:
@@ -275,13 +275,7 @@ def test_the_changes_an_update_hands_over_cover_every_entry_that_differs(history
     following.apply(before)
     scanning.apply(before)
     for change, synced in steps:
-        action, payload = change
-        if action == "upsert":
-            objects[object_key(payload)] = payload
-            feed(agent_state, payload)
-        else:
-            objects.pop(payload, None)
-            forget(agent_state, payload)
+        step(agent_state, objects, change)
         if not synced:
             continue
         after = compiler.update(agent_state)
