@@ -14,6 +14,7 @@ Address plan used across the unit tests:
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from agent.model.decode import decode_object
@@ -178,3 +179,16 @@ def state_of(*objects: Obj) -> ClusterState:
         }
         setter[decoded.kind](decoded.value)  # type: ignore[operator]
     return state
+
+
+def write_kubeconfig(path: Path, server: str) -> str:
+    """A kubeconfig at `path` for the API server `server` with a bearer token (TLS not
+    verified); its path."""
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: '{server}',\n"
+        "  insecure-skip-tls-verify: true}}]\n"
+        "users: [{name: u, user: {token: secret}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    return str(path)
