@@ -40,10 +40,6 @@ def default_node_name() -> str:
     return socket.gethostname().lower()
 
 
-def _opt(flag: str, help: str, *, short: str | None = None, **kwargs: Any) -> dict[str, Any]:
-    return {"flag": flag, "short": short, "help": help, **kwargs}
-
-
 @dataclass(frozen=True)
 class MapSize:
     """One eBPF map's max_entries setting: the default, the accepted range and the help
@@ -78,12 +74,34 @@ FLAG_MAP_SIZES = tuple(name for name, size in MAP_SIZES.items() if size.help)
 MAGLEV_TABLE_SIZE_RANGE = (251, 131071)
 
 
-def _map_size_field(name: str) -> dict[str, Any]:
-    """The dataclass field of --map-size-NAME, from MAP_SIZES."""
+def _setting(
+    default: Any,
+    flag: str,
+    help: str,
+    metavar: str | None = None,
+    check: Callable[[Any], None] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A Settings field: its default (a list or a function: made afresh for each Settings),
+    flag, help and metavar; `check` raises ValueError for a bad value. Other keywords go to
+    argparse, but `short` (the short flag) and `comma` (comma-separated, flag repeatable)."""
+    metadata = {"flag": flag, "short": kwargs.pop("short", None), "help": help, **kwargs}
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    if check is not None:
+        metadata["check"] = check
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    if callable(default):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _map_size(name: str) -> Any:
+    """The Settings field of --map-size-NAME, from MAP_SIZES."""
     size = MAP_SIZES[name]
     flag = "--map-size-" + name.replace("_", "-")
-    metadata = _opt(flag, size.help or "", metavar="N", check=_between(size.low, size.high))
-    return {"default": size.default, "metadata": metadata}
+    return _setting(size.default, flag, size.help or "", "N", _between(size.low, size.high))
 
 
 def _between(low: float, high: float, *, duration: bool = False) -> Callable[[Any], None]:
@@ -97,388 +115,171 @@ def _between(low: float, high: float, *, duration: bool = False) -> Callable[[An
     return check
 
 
+def _duration(low: float, high: float) -> Callable[[Any], None]:
+    """A check that a duration in seconds lies within [low, high]."""
+    return _between(low, high, duration=True)
+
+
+# A table: one setting a row, as _setting(default, flag, help, metavar, check, argparse...).
+# fmt: off
 @dataclass
 class Settings:
-    manifests: list[str] = field(
-        default_factory=list,
-        metadata=_opt(
-            "--manifests",
-            "manifest files or directories (searched recursively)",
-            nargs="+",
-            metavar="PATH",
-            check=lambda paths: _each(paths, _nonempty),
-        ),
-    )
-    node: str = field(
-        default_factory=default_node_name,
-        metadata=_opt(
-            "--node",
-            "name of this node (default: the hostname, lower-cased)",
-            metavar="NAME",
-            check=lambda name: _dns_subdomain(name),
-        ),
-    )
-    node_ip: list[str] = field(
-        default_factory=list,
-        metadata=_opt(
-            "--node-ip",
-            "this node's address; repeat for dual-stack; replaces the Node object's addresses",
-            action="append",
-            metavar="IP",
-            check=lambda ips: _one_per_family(ips, parse_ip, "address"),
-        ),
-    )
-    node_label: list[str] = field(
-        default_factory=list,
-        metadata=_opt(
-            "--node-label",
-            "a label of this node, added to (or overriding) the Node object's labels",
-            action="append",
-            metavar="KEY=VALUE",
-            check=lambda items: _each(items, _label),
-        ),
-    )
-    nodeport_addresses: list[str] = field(
-        default_factory=list,
-        metadata=_opt(
-            "--nodeport-addresses",
-            "CIDRs whose node addresses accept NodePort traffic, or 'primary' for the node's "
-            "primary IPs; default: every node address (kube-proxy's flag)",
-            metavar="CIDR,...",
-            comma=True,
-            check=lambda cidrs: _nodeport_addresses(cidrs),
-        ),
-    )
-    cluster_cidr: list[str] = field(
-        default_factory=list,
-        metadata=_opt(
-            "--cluster-cidr",
-            "pod CIDRs of the cluster (one per family)",
-            metavar="CIDR,...",
-            comma=True,
-            check=lambda cidrs: _one_per_family(cidrs, parse_cidr, "CIDR"),
-        ),
-    )
-    cluster_name: str | None = field(
-        default=None,
-        metadata=_opt(
-            "--cluster-name",
-            "this cluster's name in a multi-cluster set; slices whose "
-            "multicluster.kubernetes.io/source-cluster differs are remote",
-            metavar="NAME",
-            check=lambda name: _label_value(name, empty=False),
-        ),
-    )
-    service_proxy_name: str | None = field(
-        default=None,
-        metadata=_opt(
-            "--service-proxy-name",
-            "handle only Services labelled service.kubernetes.io/service-proxy-name=NAME; "
-            "default: only Services without that label",
-            metavar="NAME",
-            check=lambda name: _label_value(name, empty=False),
-        ),
-    )
-    kubeconfig: str | None = field(
-        default=None,
-        metadata=_opt(
-            "--kubeconfig",
-            "kubeconfig file; default: in-cluster service account, else $KUBECONFIG, "
-            "else ~/.kube/config",
-            metavar="FILE",
-            check=lambda path: _nonempty(path),
-        ),
-    )
-    dataplane: str = field(
-        default="auto",
-        metadata=_opt(
-            "--dataplane",
-            "what programs the NodeState: auto picks the best available and says why; "
-            "none compiles and serves it without programming anything (a dry run)",
-            choices=("auto", "ebpf", "iptables", "none"),
-        ),
-    )
-    iptables_backend: str = field(
-        default="auto",
-        metadata=_opt(
-            "--iptables-backend",
-            "which iptables the iptables dataplane writes to: auto uses the backend that "
-            "already holds the node's rules (kubelet's, the CNI's), nft when neither does",
-            choices=("auto", "nft", "legacy"),
-        ),
-    )
-    bpffs: str = field(
-        default="/sys/fs/bpf/kube-bpf-proxy",
-        metadata=_opt(
-            "--bpffs",
-            "directory on a bpffs where the eBPF dataplane pins its maps (kbp_*_v<N>)",
-            metavar="DIR",
-            check=lambda path: _absolute(path),
-        ),
-    )
-    pod_interfaces: list[str] = field(
-        default_factory=lambda: list(DEFAULT_POD_INTERFACES),
-        metadata=_opt(
-            "--pod-interfaces",
-            "globs of the host-side pod interfaces the eBPF dataplane attaches to "
-            f"(default: {','.join(DEFAULT_POD_INTERFACES)}, the common CNI prefixes)",
-            metavar="GLOB,...",
-            comma=True,
-            check=lambda globs: _interface_globs(globs, required=True),
-        ),
-    )
-    external_interfaces: list[str] = field(
-        default_factory=list,
-        metadata=_opt(
-            "--external-interfaces",
-            "globs of the node's external interfaces, where the eBPF dataplane serves "
-            "NodePort, LoadBalancer and ExternalIP traffic from outside (tc, and XDP); "
-            "default: the interfaces that carry the node's --nodeport-addresses",
-            metavar="GLOB,...",
-            comma=True,
-            check=lambda globs: _interface_globs(globs, required=False),
-        ),
-    )
-    xdp: str = field(
-        default="true",
-        metadata=_opt(
-            "--xdp",
-            "XDP on the external interfaces: true tries native mode, then generic; native "
-            "or generic insist on one; false leaves external traffic to tc alone",
-            choices=("true", "false", "native", "generic"),
-        ),
-    )
-    cgroup_root: str = field(
-        default="auto",
-        metadata=_opt(
-            "--cgroup-root",
-            "cgroup (v2) whose processes the eBPF dataplane's socket hooks serve: connect() "
-            "and sendmsg() of the node's own processes to a Service go straight to a "
-            "backend; auto: the cgroup2 mount's root (every process); none: off",
-            metavar="DIR|auto|none",
-            check=lambda path: None if path in ("auto", "none") else _absolute(path),
-        ),
-    )
-    socket_lb: str = field(
-        default="all",
-        metadata=_opt(
-            "--socket-lb",
-            "whose sockets the eBPF dataplane's socket hooks translate at connect()/sendmsg(): "
-            "all: the node's and every pod's (no per-packet NAT, no conntrack entry); host: "
-            "the node's only, pods go through tc (for service meshes whose sidecars must see "
-            "the ClusterIP); off: nobody's, pods go through tc and the node's own processes "
-            "reach no Service",
-            choices=("all", "host", "off"),
-        ),
-    )
-    snat_port_range: str = field(
-        default="61000-65535",
-        metadata=_opt(
-            "--snat-port-range",
-            "source ports for external flows the eBPF dataplane forwards to backends on "
-            "other nodes (SNAT to this node's address); keep it outside the node's "
-            "net.ipv4.ip_local_port_range and the NodePort range",
-            metavar="LOW-HIGH",
-            check=lambda text: parse_port_range(text),
-        ),
-    )
-    maglev_table_size: int = field(
-        default=16381,
-        metadata=_opt(
-            "--maglev-table-size",
-            "slots of each Maglev table (a prime larger than a Service's backend count; "
-            "more slots spread load more evenly and cost more map entries)",
-            metavar="PRIME",
-            check=lambda size: _maglev_table_size(size),
-        ),
-    )
-    map_size_services: int = field(**_map_size_field("services"))
-    map_size_slots: int = field(**_map_size_field("slots"))
-    map_size_backends: int = field(**_map_size_field("backends"))
-    map_size_ct: int = field(**_map_size_field("ct"))
-    map_size_affinity: int = field(**_map_size_field("affinity"))
-    conntrack_tcp_timeout_syn: float = field(
-        default=120.0,
-        metadata=_opt(
-            "--conntrack-tcp-timeout-syn",
-            "eBPF conntrack: idle timeout of a TCP flow whose SYN got no answer yet "
-            "(netfilter's SYN_SENT)",
-            metavar="DURATION",
-            check=_between(1.0, 3600.0, duration=True),
-        ),
-    )
-    conntrack_tcp_timeout_established: float = field(
-        default=86400.0,
-        metadata=_opt(
-            "--conntrack-tcp-timeout-established",
-            "eBPF conntrack: idle timeout of an established TCP flow (kube-proxy's flag "
-            "and default)",
-            metavar="DURATION",
-            check=_between(60.0, 7 * 86400.0, duration=True),
-        ),
-    )
-    conntrack_tcp_timeout_close_wait: float = field(
-        default=3600.0,
-        metadata=_opt(
-            "--conntrack-tcp-timeout-close-wait",
-            "eBPF conntrack: idle timeout of a TCP flow with a FIN seen one way (half "
-            "closed; kube-proxy's flag and default)",
-            metavar="DURATION",
-            check=_between(1.0, 86400.0, duration=True),
-        ),
-    )
-    conntrack_tcp_timeout_time_wait: float = field(
-        default=10.0,
-        metadata=_opt(
-            "--conntrack-tcp-timeout-time-wait",
-            "eBPF conntrack: how long a TCP flow stays after FINs both ways or a RST "
-            "(the entries only translate: a late segment still reaches its backend by the "
-            "flow hash)",
-            metavar="DURATION",
-            check=_between(1.0, 3600.0, duration=True),
-        ),
-    )
-    conntrack_udp_timeout: float = field(
-        default=30.0,
-        metadata=_opt(
-            "--conntrack-udp-timeout",
-            "eBPF conntrack: idle timeout of a UDP flow that got no reply yet (kube-proxy's "
-            "flag; the kernel's default)",
-            metavar="DURATION",
-            check=_between(1.0, 3600.0, duration=True),
-        ),
-    )
-    conntrack_udp_timeout_stream: float = field(
-        default=120.0,
-        metadata=_opt(
-            "--conntrack-udp-timeout-stream",
-            "eBPF conntrack: idle timeout of a UDP flow that got a reply (kube-proxy's "
-            "flag; the kernel's default)",
-            metavar="DURATION",
-            check=_between(1.0, 86400.0, duration=True),
-        ),
-    )
-    conntrack_sweep_interval: float = field(
-        default=10.0,
-        metadata=_opt(
-            "--conntrack-sweep-interval",
-            "eBPF conntrack: how often the agent removes expired and closed flows from "
-            "kbp_ct (0: never; the LRU alone then makes room)",
-            metavar="DURATION",
-            check=_between(0.0, 3600.0, duration=True),
-        ),
-    )
-    min_sync_period: float = field(
-        default=0.0,
-        metadata=_opt(
-            "--min-sync-period",
-            "minimum time between syncs (e.g. 1s); 0 applies changes at once, coalescing "
-            "those that arrive during a sync",
-            metavar="DURATION",
-            check=_between(0.0, 3600.0, duration=True),
-        ),
-    )
-    sync_period: float = field(
-        default=30.0,
-        metadata=_opt(
-            "--sync-period",
-            "full resync period (e.g. 30s); a resync writes nothing when the kernel matches",
-            metavar="DURATION",
-            check=_between(1.0, 86400.0, duration=True),
-        ),
-    )
-    api_idle_timeout: float = field(
-        default=30.0,
-        metadata=_opt(
-            "--api-idle-timeout",
-            "a watch of the API server silent this long gets a liveness probe (GET /version); "
-            "like the HTTP/2 ping of kube-proxy's client",
-            metavar="DURATION",
-            check=_between(1.0, 600.0, duration=True),
-        ),
-    )
-    api_request_timeout: float = field(
-        default=15.0,
-        metadata=_opt(
-            "--api-request-timeout",
-            "longest wait for the API server: to connect, to answer a request (each read of "
-            "a list, a watch's headers) and a liveness probe; a frozen server is reported "
-            "unreachable after --api-idle-timeout plus this",
-            metavar="DURATION",
-            check=_between(1.0, 300.0, duration=True),
-        ),
-    )
-    metrics_bind_address: str = field(
-        default="127.0.0.1:10249",
-        metadata=_opt(
-            "--metrics-bind-address",
-            "address of /metrics and /state",
-            metavar="HOST:PORT",
-            check=lambda bind: _bind_address(bind),
-        ),
-    )
-    healthz_bind_address: str = field(
-        default="0.0.0.0:10256",
-        metadata=_opt(
-            "--healthz-bind-address",
-            "address of /healthz, /livez and /readyz",
-            metavar="HOST:PORT",
-            check=lambda bind: _bind_address(bind),
-        ),
-    )
-    log_format: str = field(
-        default="text",
-        metadata=_opt("--log-format", "log line format", choices=("text", "json")),
-    )
-    verbosity: int = field(
-        default=0,
-        metadata=_opt(
-            "--v",
-            "log verbosity like kube-proxy's -v: 0-1 info, 2+ debug",
-            short="-v",
-            metavar="N",
-            check=_between(0, 10),
-        ),
-    )
-    config: str | None = field(
-        default=None,
-        metadata=_opt(
-            "--config",
-            "YAML file with any of these settings (keys as the flags without dashes, "
-            "e.g. sync-period or sync_period); flags and env vars win over it",
-            metavar="FILE",
-            check=lambda path: _nonempty(path),
-        ),
-    )
-    output: str = field(
-        default="yaml",
-        metadata=_opt("--output", "output format", short="-o", choices=("yaml", "json")),
-    )
-    service_metrics: str = field(
-        default="services",
-        metadata=_opt(
-            "--service-metrics",
-            "per-Service traffic at /metrics (eBPF): one series per Service, per Service "
-            "port, or none (bounds the cardinality on large clusters)",
-            choices=("none", "services", "ports"),
-        ),
-    )
-    inspect_output: str = field(
-        default="table",
-        metadata=_opt("--output", "output format", short="-o", choices=("table", "json")),
-    )
-    strict: bool = field(
-        default=False,
-        metadata=_opt(
-            "--strict", "exit non-zero when any input problem is reported", action="store_true"
-        ),
-    )
-    log_level: str = field(
-        default="info",
-        metadata=_opt(
-            "--log-level", "log verbosity", choices=("debug", "info", "warning", "error")
-        ),
-    )
+    manifests: list[str] = _setting([], "--manifests",
+        "manifest files or directories (searched recursively)",
+        "PATH", lambda paths: _each(paths, _nonempty), nargs="+")
+    node: str = _setting(default_node_name, "--node",
+        "name of this node (default: the hostname, lower-cased)",
+        "NAME", lambda name: _dns_subdomain(name))
+    node_ip: list[str] = _setting([], "--node-ip",
+        "this node's address; repeat for dual-stack; replaces the Node object's addresses",
+        "IP", lambda ips: _one_per_family(ips, parse_ip, "address"), action="append")
+    node_label: list[str] = _setting([], "--node-label",
+        "a label of this node, added to (or overriding) the Node object's labels",
+        "KEY=VALUE", lambda items: _each(items, _label), action="append")
+    nodeport_addresses: list[str] = _setting([], "--nodeport-addresses",
+        "CIDRs whose node addresses accept NodePort traffic, or 'primary' for the node's "
+        "primary IPs; default: every node address (kube-proxy's flag)",
+        "CIDR,...", lambda cidrs: _nodeport_addresses(cidrs), comma=True)
+    cluster_cidr: list[str] = _setting([], "--cluster-cidr",
+        "pod CIDRs of the cluster (one per family)",
+        "CIDR,...", lambda cidrs: _one_per_family(cidrs, parse_cidr, "CIDR"), comma=True)
+    cluster_name: str | None = _setting(None, "--cluster-name",
+        "this cluster's name in a multi-cluster set; slices whose "
+        "multicluster.kubernetes.io/source-cluster differs are remote",
+        "NAME", lambda name: _label_value(name, empty=False))
+    service_proxy_name: str | None = _setting(None, "--service-proxy-name",
+        "handle only Services labelled service.kubernetes.io/service-proxy-name=NAME; "
+        "default: only Services without that label",
+        "NAME", lambda name: _label_value(name, empty=False))
+    kubeconfig: str | None = _setting(None, "--kubeconfig",
+        "kubeconfig file; default: in-cluster service account, else $KUBECONFIG, "
+        "else ~/.kube/config",
+        "FILE", lambda path: _nonempty(path))
+    dataplane: str = _setting("auto", "--dataplane",
+        "what programs the NodeState: auto picks the best available and says why; "
+        "none compiles and serves it without programming anything (a dry run)",
+        choices=("auto", "ebpf", "iptables", "none"))
+    iptables_backend: str = _setting("auto", "--iptables-backend",
+        "which iptables the iptables dataplane writes to: auto uses the backend that "
+        "already holds the node's rules (kubelet's, the CNI's), nft when neither does",
+        choices=("auto", "nft", "legacy"))
+    bpffs: str = _setting("/sys/fs/bpf/kube-bpf-proxy", "--bpffs",
+        "directory on a bpffs where the eBPF dataplane pins its maps (kbp_*_v<N>)",
+        "DIR", lambda path: _absolute(path))
+    pod_interfaces: list[str] = _setting(list(DEFAULT_POD_INTERFACES), "--pod-interfaces",
+        "globs of the host-side pod interfaces the eBPF dataplane attaches to "
+        f"(default: {','.join(DEFAULT_POD_INTERFACES)}, the common CNI prefixes)",
+        "GLOB,...", lambda globs: _interface_globs(globs, required=True), comma=True)
+    external_interfaces: list[str] = _setting([], "--external-interfaces",
+        "globs of the node's external interfaces, where the eBPF dataplane serves "
+        "NodePort, LoadBalancer and ExternalIP traffic from outside (tc, and XDP); "
+        "default: the interfaces that carry the node's --nodeport-addresses",
+        "GLOB,...", lambda globs: _interface_globs(globs, required=False), comma=True)
+    xdp: str = _setting("true", "--xdp",
+        "XDP on the external interfaces: true tries native mode, then generic; native "
+        "or generic insist on one; false leaves external traffic to tc alone",
+        choices=("true", "false", "native", "generic"))
+    cgroup_root: str = _setting("auto", "--cgroup-root",
+        "cgroup (v2) whose processes the eBPF dataplane's socket hooks serve: connect() "
+        "and sendmsg() of the node's own processes to a Service go straight to a "
+        "backend; auto: the cgroup2 mount's root (every process); none: off",
+        "DIR|auto|none", lambda path: None if path in ("auto", "none") else _absolute(path))
+    socket_lb: str = _setting("all", "--socket-lb",
+        "whose sockets the eBPF dataplane's socket hooks translate at connect()/sendmsg(): "
+        "all: the node's and every pod's (no per-packet NAT, no conntrack entry); host: "
+        "the node's only, pods go through tc (for service meshes whose sidecars must see "
+        "the ClusterIP); off: nobody's, pods go through tc and the node's own processes "
+        "reach no Service",
+        choices=("all", "host", "off"))
+    snat_port_range: str = _setting("61000-65535", "--snat-port-range",
+        "source ports for external flows the eBPF dataplane forwards to backends on "
+        "other nodes (SNAT to this node's address); keep it outside the node's "
+        "net.ipv4.ip_local_port_range and the NodePort range",
+        "LOW-HIGH", lambda text: parse_port_range(text))
+    maglev_table_size: int = _setting(16381, "--maglev-table-size",
+        "slots of each Maglev table (a prime larger than a Service's backend count; "
+        "more slots spread load more evenly and cost more map entries)",
+        "PRIME", lambda size: _maglev_table_size(size))
+    map_size_services: int = _map_size("services")
+    map_size_slots: int = _map_size("slots")
+    map_size_backends: int = _map_size("backends")
+    map_size_ct: int = _map_size("ct")
+    map_size_affinity: int = _map_size("affinity")
+    conntrack_tcp_timeout_syn: float = _setting(120.0, "--conntrack-tcp-timeout-syn",
+        "eBPF conntrack: idle timeout of a TCP flow whose SYN got no answer yet "
+        "(netfilter's SYN_SENT)",
+        "DURATION", _duration(1.0, 3600.0))
+    conntrack_tcp_timeout_established: float = _setting(
+        86400.0, "--conntrack-tcp-timeout-established",
+        "eBPF conntrack: idle timeout of an established TCP flow (kube-proxy's flag "
+        "and default)",
+        "DURATION", _duration(60.0, 7 * 86400.0))
+    conntrack_tcp_timeout_close_wait: float = _setting(
+        3600.0, "--conntrack-tcp-timeout-close-wait",
+        "eBPF conntrack: idle timeout of a TCP flow with a FIN seen one way (half "
+        "closed; kube-proxy's flag and default)",
+        "DURATION", _duration(1.0, 86400.0))
+    conntrack_tcp_timeout_time_wait: float = _setting(
+        10.0, "--conntrack-tcp-timeout-time-wait",
+        "eBPF conntrack: how long a TCP flow stays after FINs both ways or a RST "
+        "(the entries only translate: a late segment still reaches its backend by the "
+        "flow hash)",
+        "DURATION", _duration(1.0, 3600.0))
+    conntrack_udp_timeout: float = _setting(30.0, "--conntrack-udp-timeout",
+        "eBPF conntrack: idle timeout of a UDP flow that got no reply yet (kube-proxy's "
+        "flag; the kernel's default)",
+        "DURATION", _duration(1.0, 3600.0))
+    conntrack_udp_timeout_stream: float = _setting(120.0, "--conntrack-udp-timeout-stream",
+        "eBPF conntrack: idle timeout of a UDP flow that got a reply (kube-proxy's "
+        "flag; the kernel's default)",
+        "DURATION", _duration(1.0, 86400.0))
+    conntrack_sweep_interval: float = _setting(10.0, "--conntrack-sweep-interval",
+        "eBPF conntrack: how often the agent removes expired and closed flows from "
+        "kbp_ct (0: never; the LRU alone then makes room)",
+        "DURATION", _duration(0.0, 3600.0))
+    min_sync_period: float = _setting(0.0, "--min-sync-period",
+        "minimum time between syncs (e.g. 1s); 0 applies changes at once, coalescing "
+        "those that arrive during a sync",
+        "DURATION", _duration(0.0, 3600.0))
+    sync_period: float = _setting(30.0, "--sync-period",
+        "full resync period (e.g. 30s); a resync writes nothing when the kernel matches",
+        "DURATION", _duration(1.0, 86400.0))
+    api_idle_timeout: float = _setting(30.0, "--api-idle-timeout",
+        "a watch of the API server silent this long gets a liveness probe (GET /version); "
+        "like the HTTP/2 ping of kube-proxy's client",
+        "DURATION", _duration(1.0, 600.0))
+    api_request_timeout: float = _setting(15.0, "--api-request-timeout",
+        "longest wait for the API server: to connect, to answer a request (each read of "
+        "a list, a watch's headers) and a liveness probe; a frozen server is reported "
+        "unreachable after --api-idle-timeout plus this",
+        "DURATION", _duration(1.0, 300.0))
+    metrics_bind_address: str = _setting("127.0.0.1:10249", "--metrics-bind-address",
+        "address of /metrics and /state",
+        "HOST:PORT", lambda bind: _bind_address(bind))
+    healthz_bind_address: str = _setting("0.0.0.0:10256", "--healthz-bind-address",
+        "address of /healthz, /livez and /readyz",
+        "HOST:PORT", lambda bind: _bind_address(bind))
+    log_format: str = _setting("text", "--log-format", "log line format",
+        choices=("text", "json"))
+    verbosity: int = _setting(0, "--v", "log verbosity like kube-proxy's -v: 0-1 info, 2+ debug",
+        "N", _between(0, 10), short="-v")
+    config: str | None = _setting(None, "--config",
+        "YAML file with any of these settings (keys as the flags without dashes, "
+        "e.g. sync-period or sync_period); flags and env vars win over it",
+        "FILE", lambda path: _nonempty(path))
+    output: str = _setting("yaml", "--output", "output format",
+        short="-o", choices=("yaml", "json"))
+    service_metrics: str = _setting("services", "--service-metrics",
+        "per-Service traffic at /metrics (eBPF): one series per Service, per Service "
+        "port, or none (bounds the cardinality on large clusters)",
+        choices=("none", "services", "ports"))
+    inspect_output: str = _setting("table", "--output", "output format",
+        short="-o", choices=("table", "json"))
+    strict: bool = _setting(False, "--strict", "exit non-zero when any input problem is reported",
+        action="store_true")
+    log_level: str = _setting("info", "--log-level", "log verbosity",
+        choices=("debug", "info", "warning", "error"))
+    # fmt: on
 
     def map_sizes(self) -> dict[str, int]:
         """Sizes of the eBPF maps the flags set, by map (FLAG_MAP_SIZES)."""
@@ -509,13 +310,6 @@ class Settings:
             cluster_name=self.cluster_name or None,
             service_proxy_name=self.service_proxy_name or None,
         )
-
-    def validate(self) -> None:
-        """Check every setting's range and the settings that depend on each other;
-        ValueError naming the setting that is wrong."""
-        for f in fields(self):
-            check_value(f, getattr(self, f.name), f.metadata["flag"])
-        check_together(self, {})
 
 
 SETTINGS_FIELDS = {f.name: f for f in fields(Settings)}

@@ -29,92 +29,53 @@ class Metrics:
         # render(openmetrics) -> text of whole families.
         self.text_sections: list[Callable[[bool], str]] = []
         r = self.registry
+        # One metric a row: kind(name, help, labels, ...).
+        # fmt: off
         # --- kube-proxy's names -----------------------------------------------------
-        self.sync_duration = Histogram(
-            "kubeproxy_sync_proxy_rules_duration_seconds",
+        self.sync_duration = Histogram("kubeproxy_sync_proxy_rules_duration_seconds",
             "Time a sync of the dataplane took (compile + apply).",
-            buckets=SYNC_BUCKETS,
-            registry=r,
-        )
-        self.sync_last_timestamp = Gauge(
-            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-            "Unix time of the last successful sync.",
-            registry=r,
-        )
-        self.network_programming = Histogram(
-            "kubeproxy_network_programming_duration_seconds",
+            buckets=SYNC_BUCKETS, registry=r)
+        self.sync_last_timestamp = Gauge("kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "Unix time of the last successful sync.", registry=r)
+        self.network_programming = Histogram("kubeproxy_network_programming_duration_seconds",
             "From an EndpointSlice's endpoints.kubernetes.io/last-change-trigger-time "
-            "to its change being programmed.",
-            buckets=PROGRAMMING_BUCKETS,
-            registry=r,
-        )
-        self.endpoint_changes = Counter(
-            "kubeproxy_sync_proxy_rules_endpoint_changes",
-            "EndpointSlice changes seen (no-op updates excluded).",
-            registry=r,
-        )
-        self.service_changes = Counter(
-            "kubeproxy_sync_proxy_rules_service_changes",
-            "Service changes seen (no-op updates excluded).",
-            registry=r,
-        )
-        self.no_local_endpoints = Gauge(
-            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "to its change being programmed.", buckets=PROGRAMMING_BUCKETS, registry=r)
+        self.endpoint_changes = Counter("kubeproxy_sync_proxy_rules_endpoint_changes",
+            "EndpointSlice changes seen (no-op updates excluded).", registry=r)
+        self.service_changes = Counter("kubeproxy_sync_proxy_rules_service_changes",
+            "Service changes seen (no-op updates excluded).", registry=r)
+        self.no_local_endpoints = Gauge("kubeproxy_sync_proxy_rules_no_local_endpoints_total",
             "Service ports with a Local traffic policy and no endpoint on this node.",
-            ["traffic_policy"],
-            registry=r,
-        )
+            ["traffic_policy"], registry=r)
         # --- ours -------------------------------------------------------------------
-        self.api_events = Counter(
-            "kbp_api_events",
+        self.api_events = Counter("kbp_api_events",
             "Watch and list events received from the API server.",
-            ["resource", "type"],
-            registry=r,
-        )
-        self.api_bytes = Counter(
-            "kbp_api_bytes_received",
+            ["resource", "type"], registry=r)
+        self.api_bytes = Counter("kbp_api_bytes_received",
             "Response bytes received from the API server (list bodies, watch streams).",
-            ["resource"],
-            registry=r,
-        )
-        self.node_label_watches = Gauge(
-            "kbp_node_label_watches",
+            ["resource"], registry=r)
+        self.node_label_watches = Gauge("kbp_node_label_watches",
             "Metadata-only watches of other nodes' labels (one per topology key in use).",
-            registry=r,
-        )
-        self.api_up = Gauge(
-            "kbp_api_up",
+            registry=r)
+        self.api_up = Gauge("kbp_api_up",
             "1 while the watch of a resource is connected, 0 while retrying.",
-            ["resource"],
-            registry=r,
-        )
-        self.revisions = Counter(
-            "kbp_nodestate_revisions", "NodeState revisions computed (changes only).", registry=r
-        )
-        self.kernel_writes = Counter(
-            "kbp_kernel_writes",
-            "Writes made to the kernel by the dataplane.",
-            ["dataplane"],
-            registry=r,
-        )
-        self.programmed_services = Gauge(
-            "kbp_programmed_services", "Service entries in the applied NodeState.", registry=r
-        )
-        self.programmed_backends = Gauge(
-            "kbp_programmed_backends", "Backends in the applied NodeState.", registry=r
-        )
-        self.map_fill = Gauge(
-            "kbp_map_fill_ratio", "Used entries / capacity of a BPF map.", ["map"], registry=r
-        )
-        self.sync_errors = Counter(
-            "kbp_sync_errors", "Failed syncs by reason.", ["reason"], registry=r
-        )
-        self.dataplane_info = Gauge(
-            "kbp_dataplane_info",
+            ["resource"], registry=r)
+        self.revisions = Counter("kbp_nodestate_revisions",
+            "NodeState revisions computed (changes only).", registry=r)
+        self.kernel_writes = Counter("kbp_kernel_writes",
+            "Writes made to the kernel by the dataplane.", ["dataplane"], registry=r)
+        self.programmed_services = Gauge("kbp_programmed_services",
+            "Service entries in the applied NodeState.", registry=r)
+        self.programmed_backends = Gauge("kbp_programmed_backends",
+            "Backends in the applied NodeState.", registry=r)
+        self.map_fill = Gauge("kbp_map_fill_ratio",
+            "Used entries / capacity of a BPF map.", ["map"], registry=r)
+        self.sync_errors = Counter("kbp_sync_errors",
+            "Failed syncs by reason.", ["reason"], registry=r)
+        self.dataplane_info = Gauge("kbp_dataplane_info",
             "1 for the dataplane in use; `reason` says why it was chosen.",
-            ["dataplane", "reason"],
-            registry=r,
-        )
+            ["dataplane", "reason"], registry=r)
+        # fmt: on
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
         """The /metrics body for an Accept header, and its content type: the registry,

@@ -61,6 +61,7 @@ from bench.common.report import (
     write_results,
 )
 from bench.common.workload import THIS_NODE, Workload
+from tests.builders import write_kubeconfig
 from tests.kernel.agentproc import AgentProcess
 from tests.kernel.killapply import (
     Cluster,
@@ -504,8 +505,7 @@ def sync_main(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(kmock.close)
         print(f"kmock: {workload.label} loaded in {kmock.load_s:.1f} s", flush=True)
         home = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        kubeconfig = home / "kubeconfig"
-        kubeconfig.write_text(KUBECONFIG.format(server=kmock.url))
+        kubeconfig = Path(write_kubeconfig(home / "kubeconfig", kmock.url))
         for dataplane in args.dataplanes:
             print(f"\n### --dataplane {dataplane}", flush=True)
             pin_dir = BPFFS / f"{BENCH_PREFIX}{os.getpid()}-sync"
@@ -524,21 +524,6 @@ def sync_main(args: argparse.Namespace) -> dict[str, Any]:
               f" s); time with any Service unserved {s['unserved_s']:.3f} s "
               f"{mark(s['unserved_s'] == 0)} ({s['samples']} samples)")  # fmt: skip
     return {"workload": asdict(workload), "runs": results}
-
-
-KUBECONFIG = """apiVersion: v1
-kind: Config
-clusters:
-- name: kmock
-  cluster: {{server: "{server}"}}
-users:
-- name: bench
-  user: {{token: bench}}
-contexts:
-- name: bench
-  context: {{cluster: kmock, user: bench}}
-current-context: bench
-"""
 
 
 def main(argv: list[str] | None = None) -> int:

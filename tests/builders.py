@@ -14,6 +14,7 @@ Address plan used across the unit tests:
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from agent.model.decode import decode_object
@@ -104,6 +105,35 @@ def make_slice(
     return obj
 
 
+# Pod n of a node is 10.244.<index>.<n> and fd00:244:<index>::<n> (the plan above).
+NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
+
+
+def ep(n: int, node: str = "node-b", **conditions: bool) -> Obj:
+    """Pod n of `node` as an endpoint, ready unless conditions say otherwise."""
+    return make_endpoint(f"10.244.{NODE_INDEX[node]}.{n}", node, **conditions)
+
+
+def ep6(n: int, node: str = "node-b") -> Obj:
+    """Pod n of `node` as an IPv6 endpoint."""
+    return make_endpoint(f"fd00:244:{NODE_INDEX[node]}::{n}", node)
+
+
+def spec(**fields: object) -> Callable[[Obj], None]:
+    """A mutator that sets `fields` in an object's spec."""
+    return lambda obj: obj["spec"].update(fields)
+
+
+def both(*mutators: Callable[[Obj], None]) -> Callable[[Obj], None]:
+    """A mutator that applies `mutators` in turn."""
+
+    def mutate(obj: Obj) -> None:
+        for m in mutators:
+            m(obj)
+
+    return mutate
+
+
 def make_node(name: str = NODE, labels: dict[str, str] | None = None, *ips: str) -> Obj:
     return {
         "apiVersion": "v1",
@@ -149,3 +179,16 @@ def state_of(*objects: Obj) -> ClusterState:
         }
         setter[decoded.kind](decoded.value)  # type: ignore[operator]
     return state
+
+
+def write_kubeconfig(path: Path, server: str) -> str:
+    """A kubeconfig at `path` for the API server `server` with a bearer token (TLS not
+    verified); its path."""
+    path.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        f"clusters: [{{name: c, cluster: {{server: '{server}',\n"
+        "  insecure-skip-tls-verify: true}}]\n"
+        "users: [{name: u, user: {token: secret}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    return str(path)

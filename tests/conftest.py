@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -71,6 +72,21 @@ _system_packages_are_third_party()
 def kernel_required() -> bool:
     """True when missing kernel prerequisites must fail tests instead of skipping them."""
     return os.environ.get("KBP_REQUIRE_KERNEL") == "1"
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip the test for a missing prerequisite, or fail it under KBP_REQUIRE_KERNEL=1."""
+    if kernel_required():
+        pytest.fail(f"{reason} (KBP_REQUIRE_KERNEL=1)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_iptables(netns: str) -> None:
+    """Skip (or fail) the test when iptables does not work in the namespace."""
+    from agent.dataplane.iptables.dataplane import unavailable_reason
+
+    if (reason := unavailable_reason(netns)) is not None:
+        skip_or_fail(f"iptables unavailable: {reason}")
 
 
 def _run(*argv: str) -> str | None:
@@ -138,10 +154,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     missing = missing_kernel_prerequisites()
     if not missing:
         return
-    reason = "kernel prerequisites missing: " + "; ".join(missing)
-    if kernel_required():
-        pytest.fail(f"{reason} (KBP_REQUIRE_KERNEL=1)", pytrace=False)
-    pytest.skip(reason)
+    skip_or_fail("kernel prerequisites missing: " + "; ".join(missing))
 
 
 # Fixtures for kernel tests. Names carry the pid so parallel runs never collide, and

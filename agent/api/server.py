@@ -177,10 +177,6 @@ class AgentStatus:
         self._adopted: str | None = None
 
     # --- writers (the sync loop, the sources) ----------------------------------------
-    def set_dataplane(self, name: str) -> None:
-        with self._lock:
-            self._dataplane = name
-
     def set_adopted(self, revision: str | None) -> None:
         """At start-up: the kernel holds what an earlier agent programmed (`revision`,
         None when unknown). Reported as held; not a sync, so not ready."""
@@ -270,11 +266,6 @@ class AgentStatus:
                 node_eligible=self._node_eligible,
                 details=details,
             )
-
-    @property
-    def current_state(self) -> NodeState | None:
-        with self._lock:
-            return self._state
 
     @property
     def current_revision(self) -> str | None:

@@ -36,10 +36,6 @@ OUTSIDE_CANDIDATES = 100
 OUTSIDE_NAME = "outside"
 
 
-class PlanError(Exception):
-    """The manifests describe no cluster the lab can build; the message says why."""
-
-
 @dataclass(frozen=True, slots=True)
 class LabNode:
     """A node namespace: its addresses on the node network and its pods' prefixes."""

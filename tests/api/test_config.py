@@ -10,27 +10,9 @@ import pytest
 from agent.k8s import ConfigError, load_config
 from agent.k8s.config import USER_AGENT
 
+from ..builders import write_kubeconfig
+
 IN_CLUSTER = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-
-
-def kubeconfig(path: Path, server: str) -> str:
-    path.write_text(
-        f"""
-apiVersion: v1
-kind: Config
-clusters:
-- name: c
-  cluster: {{server: "{server}", insecure-skip-tls-verify: true}}
-users:
-- name: u
-  user: {{token: secret}}
-contexts:
-- name: ctx
-  context: {{cluster: c, user: u}}
-current-context: ctx
-"""
-    )
-    return str(path)
 
 
 def service_account(directory: Path) -> str:
@@ -41,7 +23,7 @@ def service_account(directory: Path) -> str:
 
 
 def test_explicit_kubeconfig_wins_even_in_a_pod(tmp_path):
-    path = kubeconfig(tmp_path / "kc", "https://192.0.2.1:6443")
+    path = write_kubeconfig(tmp_path / "kc", "https://192.0.2.1:6443")
     sa = service_account(tmp_path / "sa")
     api = load_config(path, environ=IN_CLUSTER, service_account_dir=sa, home=str(tmp_path))
     assert api.configuration.host == "https://192.0.2.1:6443"
@@ -57,7 +39,7 @@ def test_explicit_kubeconfig_that_fails_is_an_error_not_a_fallback(tmp_path):
 
 def test_in_cluster_service_account(tmp_path):
     sa = service_account(tmp_path / "sa")
-    env = dict(IN_CLUSTER, KUBECONFIG=kubeconfig(tmp_path / "kc", "https://192.0.2.2:6443"))
+    env = dict(IN_CLUSTER, KUBECONFIG=write_kubeconfig(tmp_path / "kc", "https://192.0.2.2:6443"))
     api = load_config(None, environ=env, service_account_dir=sa, home=str(tmp_path))
     assert api.configuration.host == "https://10.96.0.1:443"
     assert api.configuration.api_key["BearerToken"] == "bearer pod-token"
@@ -65,8 +47,8 @@ def test_in_cluster_service_account(tmp_path):
 
 def test_kubeconfig_env_then_home(tmp_path):
     (tmp_path / ".kube").mkdir()
-    kubeconfig(tmp_path / ".kube" / "config", "https://192.0.2.3:6443")
-    env = {"KUBECONFIG": kubeconfig(tmp_path / "kc", "https://192.0.2.2:6443")}
+    write_kubeconfig(tmp_path / ".kube" / "config", "https://192.0.2.3:6443")
+    env = {"KUBECONFIG": write_kubeconfig(tmp_path / "kc", "https://192.0.2.2:6443")}
     api = load_config(None, environ=env, service_account_dir=str(tmp_path), home=str(tmp_path))
     assert api.configuration.host == "https://192.0.2.2:6443"
     api = load_config(None, environ={}, service_account_dir=str(tmp_path), home=str(tmp_path))

@@ -462,28 +462,17 @@ def test_stop_is_prompt(kmock_api, make_harness):
     assert harness.source.up == {"services": False, "endpointslices": False, "nodes": False}
 
 
+def service_list(name: str, *, cont: str | None = None) -> dict:
+    """A ServiceList page at resourceVersion 7 holding Service `name`; `cont`: the
+    continue token of a next page."""
+    metadata = {"resourceVersion": "7", **({"continue": cont} if cont else {})}
+    items = [make_service(name=name)]
+    return {"kind": "ServiceList", "apiVersion": "v1", "metadata": metadata, "items": items}
+
+
 def test_lists_are_paged(kmock_api, make_harness):
-    kmock_api.on_next(
-        LIST,
-        SERVICES,
-        {
-            "kind": "ServiceList",
-            "apiVersion": "v1",
-            "metadata": {"resourceVersion": "7", "continue": "page-2"},
-            "items": [make_service(name="one")],
-        },
-    )
-    kmock_api.on_next(
-        LIST,
-        SERVICES,
-        {
-            "kind": "ServiceList",
-            "apiVersion": "v1",
-            "metadata": {"resourceVersion": "7"},
-            "items": [make_service(name="two")],
-        },
-        skip=1,
-    )
+    kmock_api.on_next(LIST, SERVICES, service_list("one", cont="page-2"))
+    kmock_api.on_next(LIST, SERVICES, service_list("two"), skip=1)
     harness = make_harness(page_size=1).start()
     assert harness.store.services() == {"default/one", "default/two"}
     first, second = kmock_api.requests(LIST, SERVICES)
@@ -495,16 +484,7 @@ def test_lists_are_paged(kmock_api, make_harness):
 
 def test_expired_list_continuation_lists_again_in_one_piece(kmock_api, make_harness):
     seed(kmock_api)
-    kmock_api.on_next(
-        LIST,
-        SERVICES,
-        {
-            "kind": "ServiceList",
-            "apiVersion": "v1",
-            "metadata": {"resourceVersion": "7", "continue": "page-2"},
-            "items": [make_service(name="stale")],
-        },
-    )
+    kmock_api.on_next(LIST, SERVICES, service_list("stale", cont="page-2"))
     kmock_api.on_next(LIST, SERVICES, 410, status_event(410, "Expired")["object"], skip=1)
     harness = make_harness(page_size=1).start()
     assert harness.store.services() == {"default/web"}  # kmock's own, complete list

@@ -23,44 +23,20 @@ import pytest
 
 from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.maps import MapSizes
-from agent.lab.nodelab import Lab
 from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
 
-from .test_dataplane import DATAPLANES, Env, backends, not_on, service
+from .test_dataplane import BACKENDS, DATAPLANES, Env, backends, lab_env, not_on, service
 
 pytestmark = pytest.mark.kernel
 
-PORT = 8080
-BACKENDS = ("be1", "be2", "be3")
 CT_ENTRIES = 2048
 
 
 @pytest.fixture(scope="module", params=DATAPLANES)
 def env(request: pytest.FixtureRequest) -> Iterator[Env]:
-    from ..conftest import BPFFS, kernel_required, missing_kernel_prerequisites
-
-    if missing_kernel_prerequisites():
-        pytest.skip("kernel prerequisites missing")  # the per-test hook reports why
-    kind: str = request.param
-    with Lab() as lab:
-        lab.add_pod("client1")
-        for name in BACKENDS:
-            lab.add_pod(name).serve([PORT], protos=("tcp",))
-        if kind == "iptables":
-            from agent.dataplane.iptables.dataplane import unavailable_reason
-
-            if (reason := unavailable_reason(lab.node_ns)) is not None:
-                if kernel_required():
-                    pytest.fail(f"iptables dataplane unavailable: {reason}", pytrace=False)
-                pytest.skip(f"iptables dataplane unavailable: {reason}")
-        sizes = MapSizes(4096, 65536, 4096, CT_ENTRIES, 1024)
-        made = Env(lab, kind, BPFFS / f"kbp-test-ct-{time.monotonic_ns()}", sizes)
-        try:
-            made.dataplane = made.start_dataplane()
-            yield made
-        finally:
-            left = made.remove_dataplane()
-        assert left == [], f"{kind} cleanup left behind: {left}"
+    sizes = MapSizes(4096, 65536, 4096, CT_ENTRIES, 1024)
+    with lab_env(request.param, ("client1",), ("tcp",), "kbp-test-ct", sizes) as made:
+        yield made
 
 
 class IdleClient:

@@ -25,12 +25,13 @@ so through `Env.dropped`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -148,33 +149,45 @@ class Env:
         return [line for line in rules.splitlines() if "KBP-" in line]
 
 
-@pytest.fixture(scope="module", params=DATAPLANES)
-def env(request: pytest.FixtureRequest) -> Iterator[Env]:
-    from ..conftest import BPFFS, kernel_required, missing_kernel_prerequisites
+@contextlib.contextmanager
+def lab_env(
+    param: str,
+    clients: Sequence[str],
+    protos: Sequence[str],
+    pins: str,
+    sizes: MapSizes | None = None,
+    *,
+    cgroup: bool = False,
+) -> Iterator[Env]:
+    """A lab of the `clients` pods and BACKENDS serving PORT over `protos`, programmed by
+    the `param` dataplane (pins in BPFFS/`pins`-N; `cgroup`: the pods' own cgroup for the
+    eBPF socket hooks); asserts at the end that the dataplane left nothing behind."""
+    from ..conftest import BPFFS, missing_kernel_prerequisites, require_iptables
 
     if missing_kernel_prerequisites():
         pytest.skip("kernel prerequisites missing")  # the per-test hook reports why
-    param: str = request.param
     kind = param.partition("-")[0]
-    with Lab(cgroup=kind == "ebpf") as lab:
-        for name in ("client1", "client2", *BACKENDS):
-            pod = lab.add_pod(name)
-            if name in BACKENDS:
-                pod.serve([PORT])
+    with Lab(cgroup=cgroup and kind == "ebpf") as lab:
+        for name in clients:
+            lab.add_pod(name)
+        for name in BACKENDS:
+            lab.add_pod(name).serve([PORT], protos)
         if kind == "iptables":
-            from agent.dataplane.iptables.dataplane import unavailable_reason
-
-            if (reason := unavailable_reason(lab.node_ns)) is not None:
-                if kernel_required():
-                    pytest.fail(f"iptables dataplane unavailable: {reason}", pytrace=False)
-                pytest.skip(f"iptables dataplane unavailable: {reason}")
-        made = Env(lab, param, BPFFS / f"kbp-test-dataplane-{time.monotonic_ns()}")
+            require_iptables(lab.node_ns)
+        made = Env(lab, param, BPFFS / f"{pins}-{time.monotonic_ns()}", sizes)
         try:
             made.dataplane = made.start_dataplane()
             yield made
         finally:
             left = made.remove_dataplane()
         assert left == [], f"{kind} cleanup left behind: {left}"
+
+
+@pytest.fixture(scope="module", params=DATAPLANES)
+def env(request: pytest.FixtureRequest) -> Iterator[Env]:
+    clients, protos = ("client1", "client2"), ("tcp", "udp")
+    with lab_env(request.param, clients, protos, "kbp-test-dataplane", cgroup=True) as made:
+        yield made
 
 
 def not_on(kind: str, reason: str) -> pytest.MarkDecorator:

@@ -26,7 +26,7 @@ from agent.dataplane.iptables.backend import (
 from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup
 from agent.dataplane.iptables.render import FAMILIES, IPV4
 
-from ..conftest import kernel_required
+from ..conftest import skip_or_fail
 from .test_iptables_restore import BEFORE, POD_INTERFACES, in_ns, state
 
 # What a CNI leaves in a node's tables: a masquerade for the pod network and a filter rule.
@@ -41,10 +41,7 @@ def backends() -> dict[str, Backend]:
     found = {name: find_backend(name) for name in (NFT, LEGACY)}
     missing = [f"iptables-{name}" for name, backend in found.items() if backend is None]
     if missing:
-        reason = f"{', '.join(missing)} not installed (Debian's iptables package has both)"
-        if kernel_required():
-            pytest.fail(f"{reason} (KBP_REQUIRE_KERNEL=1)")
-        pytest.skip(reason)
+        skip_or_fail(f"{', '.join(missing)} not installed (Debian's iptables package has both)")
     return {name: backend for name, backend in found.items() if backend is not None}
 
 

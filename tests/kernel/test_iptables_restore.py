@@ -22,7 +22,6 @@ from agent.dataplane.iptables.dataplane import (
     IptablesDataplane,
     cleanup,
     kernel_marker,
-    unavailable_reason,
 )
 from agent.dataplane.iptables.render import (
     FAMILIES,
@@ -39,8 +38,17 @@ from agent.dataplane.iptables.tracer import Ruleset, jump_document
 from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
-from ..conftest import kernel_required
+from ..builders import (
+    Obj,
+    default_nodes,
+    ep,
+    make_endpoint,
+    make_service,
+    make_slice,
+    spec,
+    state_of,
+)
+from ..conftest import require_iptables
 from ..unit.test_iptables_golden import examples_render
 
 POD_INTERFACES = ("veth*",)
@@ -71,11 +79,7 @@ def iptables_ns(netns: Callable[[], str]) -> Iterator[str]:
     """A fresh namespace where iptables works; our rules removed afterwards even when the
     test failed (the namespace goes too, which would take them anyway)."""
     name = netns()
-    reason = unavailable_reason(name)
-    if reason is not None:
-        if kernel_required():
-            pytest.fail(f"iptables unavailable: {reason} (KBP_REQUIRE_KERNEL=1)")
-        pytest.skip(f"iptables unavailable: {reason}")
+    require_iptables(name)
     try:
         yield name
     finally:
@@ -83,13 +87,6 @@ def iptables_ns(netns: Callable[[], str]) -> Iterator[str]:
 
 
 # --- states ----------------------------------------------------------------------------
-
-
-NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
-
-
-def ep(n: int, node: str = "node-b") -> Obj:
-    return make_endpoint(f"10.244.{NODE_INDEX[node]}.{n}", node)
 
 
 def service(name: str, ip: str, endpoints: list[Obj], *, proto: str = "TCP",
@@ -307,10 +304,6 @@ def changed_web(mutate: Callable[[Obj], None], proto: str = "TCP") -> NodeState:
     objects = service("web", "10.96.0.1", BEFORE, node_port=30080, proto=proto)
     mutate(objects[0])
     return state(BEFORE, web_objects=objects)
-
-
-def spec(**fields: object) -> Callable[[Obj], None]:
-    return lambda obj: obj["spec"].update(fields)
 
 
 def load_balancer_with_source_ranges(obj: Obj) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import kernel_required
+from ..conftest import skip_or_fail
 from .test_probe import in_private_mounts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,10 +71,7 @@ def header_trees() -> tuple[Path, Path]:
     common = [Path(str(a).removesuffix("-amd64") + "-common") for a in arch]
     found = [(c, a) for c, a in zip(common, arch, strict=True) if c.is_dir()]
     if not found:
-        reason = "no Debian kernel headers in /usr/src (install linux-headers-amd64)"
-        if kernel_required():
-            pytest.fail(f"{reason} (KBP_REQUIRE_KERNEL=1)")
-        pytest.skip(reason)
+        skip_or_fail("no Debian kernel headers in /usr/src (install linux-headers-amd64)")
     return found[-1]
 
 

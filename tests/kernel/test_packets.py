@@ -62,12 +62,13 @@ class Datapath:
 
     # writers
 
-    def add_backend(self, service_id: int, ip: str, port: int = BACKEND_PORT) -> int:
+    def add_backend(
+        self, service_id: int, ip: str, port: int = BACKEND_PORT, flags: int = 0
+    ) -> int:
         backend_id = self.next_backend_id
         self.next_backend_id += 1
-        value = abi.new(
-            "kbp_backend", port=abi.be16(port), family=abi.family_of(ip), service_id=service_id
-        )
+        value = abi.new("kbp_backend", port=abi.be16(port), family=abi.family_of(ip),
+                        flags=flags, service_id=service_id)  # fmt: skip
         abi.set_addr(value.addr, ip)
         self.mark_backend_port(port)
         self.loaded.map("kbp_backends").update(struct.pack("=I", backend_id), abi.to_bytes(value))
@@ -104,8 +105,15 @@ class Datapath:
         flags: int = C.KBP_SVC_F_HAS_ENDPOINTS,
         affinity_timeout: int = 0,
         frontend: str = "",
+        *,
+        port: int = FRONTEND_PORT,
+        fe_type: int = C.KBP_FE_CLUSTER_IP,
+        internal_set_id: int | None = None,
+        internal_count: int | None = None,
     ) -> None:
-        key = abi.new("kbp_frontend_key", port=abi.be16(FRONTEND_PORT), proto=proto, family=family)
+        """A kbp_services entry: the ClusterIP's unless `frontend`, `port` and `fe_type`
+        say otherwise; the internal set is the set unless given."""
+        key = abi.new("kbp_frontend_key", port=abi.be16(port), proto=proto, family=family)
         abi.set_addr(key.addr, frontend or CLUSTER_IP[family])
         value = abi.new(
             "kbp_service",
@@ -113,12 +121,12 @@ class Datapath:
             flags=flags,
             set_id=set_id,
             count=count,
-            internal_set_id=set_id,
-            internal_count=count,
+            internal_set_id=set_id if internal_set_id is None else internal_set_id,
+            internal_count=count if internal_count is None else internal_count,
             affinity_timeout=affinity_timeout,
-            type=C.KBP_FE_CLUSTER_IP,
+            type=fe_type,
         )
-        self.mark_port(FRONTEND_PORT, C.KBP_PORT_F_FRONTEND)
+        self.mark_port(port, C.KBP_PORT_F_FRONTEND)
         self.loaded.map("kbp_services").update(abi.to_bytes(key), abi.to_bytes(value))
 
     def service(
@@ -604,15 +612,11 @@ def test_a_packet_to_a_service_whose_endpoints_are_elsewhere_is_dropped(datapath
 
 # Selection: affinity, Maglev, random
 
+AFFINITY = C.KBP_SVC_F_HAS_ENDPOINTS | C.KBP_SVC_F_AFFINITY
+
 
 def test_client_ip_affinity_keeps_every_new_connection_on_one_backend(datapath):
-    ids = datapath.service(
-        4,
-        TCP,
-        backends=4,
-        flags=C.KBP_SVC_F_HAS_ENDPOINTS | C.KBP_SVC_F_AFFINITY,
-        affinity_timeout=60,
-    )
+    ids = datapath.service(4, TCP, 4, flags=AFFINITY, affinity_timeout=60)
     chosen = {
         P.parse(datapath.from_pod(client_frame(4, TCP, sport=CLIENT_PORT + n)).data_out).dst
         for n in range(24)
@@ -625,13 +629,7 @@ def test_client_ip_affinity_keeps_every_new_connection_on_one_backend(datapath):
 
 
 def test_an_expired_affinity_is_ignored(datapath):
-    ids = datapath.service(
-        4,
-        TCP,
-        backends=1,
-        flags=C.KBP_SVC_F_HAS_ENDPOINTS | C.KBP_SVC_F_AFFINITY,
-        affinity_timeout=5,
-    )
+    ids = datapath.service(4, TCP, 1, flags=AFFINITY, affinity_timeout=5)
     # A backend of the same service that is no longer in the set, last used at boot.
     stale = datapath.add_backend(1, BACKENDS[4][3])
     datapath.write_affinity(CLIENT[4], 1, stale, last_used=0)
@@ -642,33 +640,20 @@ def test_an_expired_affinity_is_ignored(datapath):
     assert datapath.affinity_backend(CLIENT[4], 1) == ids[0]
 
 
-def test_an_affinity_to_a_removed_backend_is_ignored(datapath):
-    datapath.service(
-        4,
-        TCP,
-        backends=1,
-        flags=C.KBP_SVC_F_HAS_ENDPOINTS | C.KBP_SVC_F_AFFINITY,
-        affinity_timeout=10800,
-    )
+def _removed_backend(datapath: Datapath) -> int:
     gone = datapath.add_backend(1, BACKENDS[4][3])
     datapath.delete_backend(gone)
-    datapath.write_affinity(CLIENT[4], 1, gone, last_used=time.monotonic_ns())
-
-    out = P.parse(datapath.from_pod(client_frame(4, TCP)).data_out)
-
-    assert out.dst == BACKENDS[4][0]
+    return gone
 
 
-def test_an_affinity_to_another_services_backend_is_ignored(datapath):
-    datapath.service(
-        4,
-        TCP,
-        backends=1,
-        flags=C.KBP_SVC_F_HAS_ENDPOINTS | C.KBP_SVC_F_AFFINITY,
-        affinity_timeout=10800,
-    )
-    foreign = datapath.add_backend(2, BACKENDS[4][3])
-    datapath.write_affinity(CLIENT[4], 1, foreign, last_used=time.monotonic_ns())
+@pytest.mark.parametrize(
+    "stale",
+    [_removed_backend, lambda datapath: datapath.add_backend(2, BACKENDS[4][3])],
+    ids=["to a removed backend", "to another services backend"],
+)
+def test_an_affinity_to_a_backend_it_may_no_longer_use_is_ignored(datapath, stale):
+    datapath.service(4, TCP, 1, flags=AFFINITY, affinity_timeout=10800)
+    datapath.write_affinity(CLIENT[4], 1, stale(datapath), last_used=time.monotonic_ns())
 
     out = P.parse(datapath.from_pod(client_frame(4, TCP)).data_out)
 

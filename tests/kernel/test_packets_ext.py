@@ -172,19 +172,7 @@ class ExtNode(Datapath):
         self.loaded.map("kbp_config").update(bytes(4), value)
 
     def add_ext_backend(self, service_id: int, ip: str, *, local: bool) -> int:
-        backend_id = self.next_backend_id
-        self.next_backend_id += 1
-        value = abi.new(
-            "kbp_backend",
-            port=abi.be16(BACKEND_PORT),
-            family=abi.family_of(ip),
-            flags=C.KBP_BE_F_LOCAL if local else 0,
-            service_id=service_id,
-        )
-        abi.set_addr(value.addr, ip)
-        self.mark_backend_port(BACKEND_PORT)
-        self.loaded.map("kbp_backends").update(struct.pack("=I", backend_id), abi.to_bytes(value))
-        return backend_id
+        return self.add_backend(service_id, ip, flags=C.KBP_BE_F_LOCAL if local else 0)
 
     def write_frontend(
         self,
@@ -200,20 +188,9 @@ class ExtNode(Datapath):
         service_id: int = 1,
     ) -> None:
         addr, port = frontend_of(fe_type, family)
-        key = abi.new("kbp_frontend_key", port=abi.be16(port), proto=proto, family=family)
-        abi.set_addr(key.addr, addr)
-        value = abi.new(
-            "kbp_service",
-            service_id=service_id,
-            flags=flags,
-            set_id=set_id,
-            count=count,
-            internal_set_id=set_id if internal_set_id is None else internal_set_id,
-            internal_count=count if internal_count is None else internal_count,
-            type=fe_type,
-        )
-        self.mark_port(port, C.KBP_PORT_F_FRONTEND)
-        self.loaded.map("kbp_services").update(abi.to_bytes(key), abi.to_bytes(value))
+        self.write_service(service_id, family, proto, set_id, count, flags, frontend=addr,
+                           port=port, fe_type=fe_type, internal_set_id=internal_set_id,
+                           internal_count=internal_count)  # fmt: skip
 
     def service_to(
         self,

@@ -26,7 +26,7 @@ from agent.dataplane.ebpf import abi
 from agent.lab.nodelab import Lab, Stream
 
 from ..api.conftest import SERVICES, KmockApi
-from ..builders import make_endpoint, make_node, make_service, make_slice
+from ..builders import make_endpoint, make_node, make_service, make_slice, write_kubeconfig
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv
 from .agentproc import cli as agent_cli
@@ -88,13 +88,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
                 make_slice(name="web-1", service="web", endpoints=endpoints),
                 make_node("node-a"),
             )  # fmt: skip
-            kubeconfig = tmp_path / "kubeconfig"
-            kubeconfig.write_text(
-                "apiVersion: v1\nkind: Config\ncurrent-context: lab\n"
-                f"clusters: [{{name: lab, cluster: {{server: '{api.url}'}}}}]\n"
-                "users: [{name: lab, user: {token: lab}}]\n"
-                "contexts: [{name: lab, context: {cluster: lab, user: lab}}]\n"
-            )
+            kubeconfig = Path(write_kubeconfig(tmp_path / "kubeconfig", api.url))
             here = Node(lab, api, kubeconfig, pin_dir)
             try:
                 yield here

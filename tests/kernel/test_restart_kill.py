@@ -21,10 +21,10 @@ from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.maps import MapSizes
 from agent.dataplane.iptables import dataplane as iptables_dataplane
-from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup, unavailable_reason
+from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup
 from agent.dataplane.iptables.render import IPV4
 
-from ..conftest import BPFFS, kernel_required
+from ..conftest import BPFFS, require_iptables
 from .killapply import (
     NO_INTERFACES,
     Cluster,
@@ -101,11 +101,7 @@ def test_killed_iptables_apply_leaves_old_or_new_tables_and_next_agent_converges
     netns: Callable[[], str], tmp_path: Path
 ) -> None:
     ns = netns()
-    reason = unavailable_reason(ns)
-    if reason is not None:
-        if kernel_required():
-            pytest.fail(f"iptables unavailable: {reason} (KBP_REQUIRE_KERNEL=1)")
-        pytest.skip(f"iptables unavailable: {reason}")
+    require_iptables(ns)
     try:
         cluster = Cluster(SERVICES // 2, ENDPOINTS, dataplane="iptables")
         cluster.build(map_sizes(cluster), tmp_path)
@@ -130,11 +126,7 @@ def test_iptables_agent_killed_between_table_commits_is_not_adopted(
     the old marker; the next agent must not take those tables for the old state (if the
     cluster went back to it, it would write nothing and keep the new nat rules)."""
     ns = netns()
-    reason = unavailable_reason(ns)
-    if reason is not None:
-        if kernel_required():
-            pytest.fail(f"iptables unavailable: {reason} (KBP_REQUIRE_KERNEL=1)")
-        pytest.skip(f"iptables unavailable: {reason}")
+    require_iptables(ns)
     old, new = nodestate("A", 20, 3), nodestate("B", 20, 3)
     try:
         IptablesDataplane([NO_INTERFACES], netns=ns).apply(old)

@@ -16,9 +16,11 @@ Address plan:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from agent.model.compile import CompileOptions
@@ -72,6 +74,18 @@ TOPOLOGY_KEYS = (
     "*",
     "kubernetes.io/hostname",  # no node carries it: never matches
 )
+
+
+def property_settings(*suppress: HealthCheck) -> settings:
+    """Deterministic in CI: no example database, a fixed seed derived from each test. A
+    deeper local run: KBP_PROPERTY_EXAMPLES=2000 (still deterministic, different examples)."""
+    return settings(
+        max_examples=int(os.environ.get("KBP_PROPERTY_EXAMPLES", "100")),
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=suppress,
+    )
 
 
 def ipv6(prefix: str, n: int, style: int) -> str:

@@ -73,349 +73,194 @@ def eps(name: str) -> str:
 
 BAD: list[Bad] = [
     # --- Service addresses ---------------------------------------------------------------
-    Bad(
-        "a clusterIP that is not an address is blamed on spec.clusterIP, the field written",
-        ADDR, svc("bad-cluster-ip-only"), "spec.clusterIP", "'10.96.2.300' is not a valid IP",
-    ),
-    Bad(
-        "a second clusterIPs entry that is not an address is reported at its index",
-        ADDR, svc("bad-cluster-ips-second"), "spec.clusterIPs[1]", "'fd00:96::zz' is not a valid",
-    ),
-    Bad(
-        "an IPv4 clusterIP with leading zeros is not a valid address",
-        ADDR, svc("bad-cluster-ip-leading-zeros"), "spec.clusterIPs[0]", "'010.96.2.3' is not a",
-    ),
-    Bad(
-        "an IPv4-mapped IPv6 clusterIP is rejected in favour of the IPv4 form",
-        ADDR, svc("bad-cluster-ip-mapped"), "spec.clusterIPs[0]", "IPv4-mapped IPv6 address",
-    ),
-    Bad(
-        "an externalIP with an octet above 255 is not a valid address",
-        ADDR, svc("bad-external-ip"), "spec.externalIPs[1]", "'203.0.113.256' is not a valid IP",
-    ),
-    Bad(
-        "an externalIP written as a number is not a string",
-        ADDR, svc("bad-external-ip-number"), "spec.externalIPs[0]", "expected a string",
-    ),
-    Bad(
-        "a clusterIP that differs from clusterIPs[0] is a contradiction",
-        ADDR, svc("bad-cluster-ip-mismatch"), "spec.clusterIP", "differs from spec.clusterIPs[0]",
-    ),
-    Bad(
-        "clusterIP None with an address in clusterIPs is a contradiction",
+    Bad("a clusterIP that is not an address is blamed on spec.clusterIP, the field written",
+        ADDR, svc("bad-cluster-ip-only"), "spec.clusterIP", "'10.96.2.300' is not a valid IP"),
+    Bad("a second clusterIPs entry that is not an address is reported at its index",
+        ADDR, svc("bad-cluster-ips-second"), "spec.clusterIPs[1]", "'fd00:96::zz' is not a valid"),
+    Bad("an IPv4 clusterIP with leading zeros is not a valid address",
+        ADDR, svc("bad-cluster-ip-leading-zeros"), "spec.clusterIPs[0]", "'010.96.2.3' is not a"),
+    Bad("an IPv4-mapped IPv6 clusterIP is rejected in favour of the IPv4 form",
+        ADDR, svc("bad-cluster-ip-mapped"), "spec.clusterIPs[0]", "IPv4-mapped IPv6 address"),
+    Bad("an externalIP with an octet above 255 is not a valid address",
+        ADDR, svc("bad-external-ip"), "spec.externalIPs[1]", "'203.0.113.256' is not a valid IP"),
+    Bad("an externalIP written as a number is not a string",
+        ADDR, svc("bad-external-ip-number"), "spec.externalIPs[0]", "expected a string"),
+    Bad("a clusterIP that differs from clusterIPs[0] is a contradiction",
+        ADDR, svc("bad-cluster-ip-mismatch"), "spec.clusterIP", "differs from spec.clusterIPs[0]"),
+    Bad("clusterIP None with an address in clusterIPs is a contradiction",
         ADDR, svc("bad-cluster-ip-none-but-ips"), "spec.clusterIP",
-        "differs from spec.clusterIPs[0]",
-    ),
-    Bad(
-        "an address in clusterIP with None in clusterIPs is a contradiction",
+        "differs from spec.clusterIPs[0]"),
+    Bad("an address in clusterIP with None in clusterIPs is a contradiction",
         ADDR, svc("bad-cluster-ips-none-but-ip"), "spec.clusterIP",
-        "differs from spec.clusterIPs[0]",
-    ),
-    Bad(
-        "two IPv4 addresses in clusterIPs are one family too many",
-        ADDR, svc("bad-cluster-ips-two-ipv4"), "spec.clusterIPs", "more than one IPv4 address",
-    ),
+        "differs from spec.clusterIPs[0]"),
+    Bad("two IPv4 addresses in clusterIPs are one family too many",
+        ADDR, svc("bad-cluster-ips-two-ipv4"), "spec.clusterIPs", "more than one IPv4 address"),
     # --- Service ports -------------------------------------------------------------------
-    Bad(
-        "a Service port without its port number is missing a port",
-        PORTS, svc("bad-port-missing"), "spec.ports[0].port", "is missing",
-    ),
-    Bad(
-        "a Service port of 0 is out of range",
-        PORTS, svc("bad-port-zero"), "spec.ports[0].port", "0 is out of range 1..65535",
-    ),
-    Bad(
-        "a Service port of 70000 is out of range",
-        PORTS, svc("bad-port-too-large"), "spec.ports[0].port", "70000 is out of range",
-    ),
-    Bad(
-        "a Service port given as a string is not an integer",
-        PORTS, svc("bad-port-string"), "spec.ports[0].port", "expected an integer, got str '80'",
-    ),
-    Bad(
-        "a nodePort of 70000 is out of range",
-        PORTS, svc("bad-node-port-too-large"), "spec.ports[0].nodePort", "70000 is out of range",
-    ),
-    Bad(
-        "protocol HTTP is not a transport protocol",
-        PORTS, svc("bad-protocol"), "spec.ports[0].protocol", "'HTTP' is not one of TCP, UDP",
-    ),
-    Bad(
-        "a lower-case protocol on the second port is rejected",
-        PORTS, svc("bad-protocol-lowercase"), "spec.ports[1].protocol", "'udp' is not one of",
-    ),
-    Bad(
-        "two Service ports with the same name are reported at the second",
-        PORTS, svc("bad-duplicate-port-names"), "spec.ports[1].name", "duplicate port name 'http'",
-    ),
-    Bad(
-        "an unnamed port among several needs a name",
-        PORTS, svc("bad-unnamed-port"), "spec.ports[1].name", "required when a Service has more",
-    ),
-    Bad(
-        "a Service with a cluster IP and no ports at all",
-        PORTS, svc("bad-no-ports"), "spec.ports", "needs at least one port",
-    ),
-    Bad(
-        "ports written as a map instead of a list",
-        PORTS, svc("bad-ports-dict"), "spec.ports", "expected a list, got dict",
-    ),
-    Bad(
-        "a port written as the string 80/TCP instead of an object",
-        PORTS, svc("bad-port-item-string"), "spec.ports[0]", "expected an object, got str",
-    ),
-    Bad(
-        "a healthCheckNodePort of 99999 is out of range",
-        PORTS, svc("bad-health-check-node-port"), "spec.healthCheckNodePort", "out of range",
-    ),
+    Bad("a Service port without its port number is missing a port",
+        PORTS, svc("bad-port-missing"), "spec.ports[0].port", "is missing"),
+    Bad("a Service port of 0 is out of range",
+        PORTS, svc("bad-port-zero"), "spec.ports[0].port", "0 is out of range 1..65535"),
+    Bad("a Service port of 70000 is out of range",
+        PORTS, svc("bad-port-too-large"), "spec.ports[0].port", "70000 is out of range"),
+    Bad("a Service port given as a string is not an integer",
+        PORTS, svc("bad-port-string"), "spec.ports[0].port", "expected an integer, got str '80'"),
+    Bad("a nodePort of 70000 is out of range",
+        PORTS, svc("bad-node-port-too-large"), "spec.ports[0].nodePort", "70000 is out of range"),
+    Bad("protocol HTTP is not a transport protocol",
+        PORTS, svc("bad-protocol"), "spec.ports[0].protocol", "'HTTP' is not one of TCP, UDP"),
+    Bad("a lower-case protocol on the second port is rejected",
+        PORTS, svc("bad-protocol-lowercase"), "spec.ports[1].protocol", "'udp' is not one of"),
+    Bad("two Service ports with the same name are reported at the second",
+        PORTS, svc("bad-duplicate-port-names"), "spec.ports[1].name", "duplicate port name 'http'"),
+    Bad("an unnamed port among several needs a name",
+        PORTS, svc("bad-unnamed-port"), "spec.ports[1].name", "required when a Service has more"),
+    Bad("a Service with a cluster IP and no ports at all",
+        PORTS, svc("bad-no-ports"), "spec.ports", "needs at least one port"),
+    Bad("ports written as a map instead of a list",
+        PORTS, svc("bad-ports-dict"), "spec.ports", "expected a list, got dict"),
+    Bad("a port written as the string 80/TCP instead of an object",
+        PORTS, svc("bad-port-item-string"), "spec.ports[0]", "expected an object, got str"),
+    Bad("a healthCheckNodePort of 99999 is out of range",
+        PORTS, svc("bad-health-check-node-port"), "spec.healthCheckNodePort", "out of range"),
     # --- other Service fields ------------------------------------------------------------
-    Bad(
-        "a spec that is a list instead of an object",
-        SPEC, svc("bad-spec-list"), "spec", "expected an object, got list",
-    ),
-    Bad(
-        "a Service type that does not exist",
-        SPEC, svc("bad-type"), "spec.type", "'Ingress' is not one of ClusterIP, NodePort",
-    ),
-    Bad(
-        "sessionAffinity Sticky is neither None nor ClientIP",
-        SPEC, svc("bad-session-affinity"), "spec.sessionAffinity", "'Sticky' is not one of None",
-    ),
-    Bad(
-        "an affinity timeout of 0 seconds is out of range",
-        SPEC, svc("bad-affinity-timeout-zero"),
-        "spec.sessionAffinityConfig.clientIP.timeoutSeconds", "0 is out of range 1..86400",
-    ),
-    Bad(
-        "an affinity timeout above one day is out of range",
+    Bad("a spec that is a list instead of an object",
+        SPEC, svc("bad-spec-list"), "spec", "expected an object, got list"),
+    Bad("a Service type that does not exist",
+        SPEC, svc("bad-type"), "spec.type", "'Ingress' is not one of ClusterIP, NodePort"),
+    Bad("sessionAffinity Sticky is neither None nor ClientIP",
+        SPEC, svc("bad-session-affinity"), "spec.sessionAffinity", "'Sticky' is not one of None"),
+    Bad("an affinity timeout of 0 seconds is out of range", SPEC, svc("bad-affinity-timeout-zero"),
+        "spec.sessionAffinityConfig.clientIP.timeoutSeconds", "0 is out of range 1..86400"),
+    Bad("an affinity timeout above one day is out of range",
         SPEC, svc("bad-affinity-timeout-too-long"),
-        "spec.sessionAffinityConfig.clientIP.timeoutSeconds", "86401 is out of range",
-    ),
-    Bad(
-        "externalTrafficPolicy Lokal is neither Cluster nor Local",
-        SPEC, svc("bad-external-traffic-policy"), "spec.externalTrafficPolicy", "'Lokal' is not",
-    ),
-    Bad(
-        "internalTrafficPolicy PreferLocal is neither Cluster nor Local",
-        SPEC, svc("bad-internal-traffic-policy"), "spec.internalTrafficPolicy", "'PreferLocal'",
-    ),
-    Bad(
-        "a source range with a /33 prefix is not a CIDR",
+        "spec.sessionAffinityConfig.clientIP.timeoutSeconds", "86401 is out of range"),
+    Bad("externalTrafficPolicy Lokal is neither Cluster nor Local",
+        SPEC, svc("bad-external-traffic-policy"), "spec.externalTrafficPolicy", "'Lokal' is not"),
+    Bad("internalTrafficPolicy PreferLocal is neither Cluster nor Local",
+        SPEC, svc("bad-internal-traffic-policy"), "spec.internalTrafficPolicy", "'PreferLocal'"),
+    Bad("a source range with a /33 prefix is not a CIDR",
         SPEC, svc("bad-source-range-prefix"), "spec.loadBalancerSourceRanges[1]",
-        "'198.51.100.0/33' is not a valid CIDR",
-    ),
-    Bad(
-        "a source range without a prefix length is not a CIDR",
+        "'198.51.100.0/33' is not a valid CIDR"),
+    Bad("a source range without a prefix length is not a CIDR",
         SPEC, svc("bad-source-range-no-prefix"), "spec.loadBalancerSourceRanges[0]",
-        "no prefix length",
-    ),
-    Bad(
-        "a load-balancer ingress IP that is not an address",
+        "no prefix length"),
+    Bad("a load-balancer ingress IP that is not an address",
         SPEC, svc("bad-lb-ingress-ip"), "status.loadBalancer.ingress[0].ip",
-        "'203.0.113.999' is not a valid IP address",
-    ),
-    Bad(
-        "a load-balancer ingress ipMode Direct is neither VIP nor Proxy",
+        "'203.0.113.999' is not a valid IP address"),
+    Bad("a load-balancer ingress ipMode Direct is neither VIP nor Proxy",
         SPEC, svc("bad-lb-ingress-mode"), "status.loadBalancer.ingress[0].ipMode",
-        "'Direct' is not one of VIP, Proxy",
-    ),
-    Bad(
-        "a Service label with an integer value",
-        SPEC, svc("bad-labels-not-strings"), "metadata.labels", "must be strings, got int",
-    ),
-    Bad(
-        "a Service annotation with a boolean value",
-        SPEC, svc("bad-annotations-not-strings"), "metadata.annotations", "must be strings",
-    ),
+        "'Direct' is not one of VIP, Proxy"),
+    Bad("a Service label with an integer value",
+        SPEC, svc("bad-labels-not-strings"), "metadata.labels", "must be strings, got int"),
+    Bad("a Service annotation with a boolean value",
+        SPEC, svc("bad-annotations-not-strings"), "metadata.annotations", "must be strings"),
     # --- documents and metadata ----------------------------------------------------------
-    Bad(
-        "a Service without metadata is found by its document number",
-        DOCS, "Service <unnamed>", "metadata", "is missing", at="(document 2)",
-    ),
-    Bad(
-        "a Service whose metadata has no name",
-        DOCS, f"Service {NS}/<unnamed>", "metadata.name", "is missing", at="(document 3)",
-    ),
-    Bad(
-        "a document that is a scalar is not an object",
-        DOCS, "<unknown> <unnamed>", "", "expected an object, got str", at="(document 4)",
-    ),
-    Bad(
-        "a document that is a list is not an object",
-        DOCS, "<unknown> <unnamed>", "", "expected an object, got list", at="(document 5)",
-    ),
-    Bad(
-        "an object without a kind",
-        DOCS, f"<unknown> {NS}/bad-no-kind", "", "kind is missing",
-    ),
-    Bad(
-        "metadata that is a string instead of an object",
-        DOCS, "Service <unnamed>", "metadata", "expected an object, got str", at="(document 8)",
-    ),
+    Bad("a Service without metadata is found by its document number",
+        DOCS, "Service <unnamed>", "metadata", "is missing", at="(document 2)"),
+    Bad("a Service whose metadata has no name",
+        DOCS, f"Service {NS}/<unnamed>", "metadata.name", "is missing", at="(document 3)"),
+    Bad("a document that is a scalar is not an object",
+        DOCS, "<unknown> <unnamed>", "", "expected an object, got str", at="(document 4)"),
+    Bad("a document that is a list is not an object",
+        DOCS, "<unknown> <unnamed>", "", "expected an object, got list", at="(document 5)"),
+    Bad("an object without a kind", DOCS, f"<unknown> {NS}/bad-no-kind", "", "kind is missing"),
+    Bad("metadata that is a string instead of an object",
+        DOCS, "Service <unnamed>", "metadata", "expected an object, got str", at="(document 8)"),
     # --- EndpointSlices --------------------------------------------------------------------
-    Bad(
-        "a slice without the kubernetes.io/service-name label belongs to no Service",
+    Bad("a slice without the kubernetes.io/service-name label belongs to no Service",
         SLICES, eps("bad-slice-no-service-name"), "metadata.labels",
-        "kubernetes.io/service-name is missing",
-    ),
-    Bad(
-        "a slice without any labels belongs to no Service",
+        "kubernetes.io/service-name is missing"),
+    Bad("a slice without any labels belongs to no Service",
         SLICES, eps("bad-slice-no-labels"), "metadata.labels",
-        "kubernetes.io/service-name is missing",
-    ),
-    Bad(
-        "a slice with addressType IPv5",
-        SLICES, eps("bad-slice-address-type"), "addressType", "'IPv5' is not one of IPv4, IPv6",
-    ),
-    Bad(
-        "an IPv6 endpoint address in an IPv4 slice is of the wrong family",
+        "kubernetes.io/service-name is missing"),
+    Bad("a slice with addressType IPv5",
+        SLICES, eps("bad-slice-address-type"), "addressType", "'IPv5' is not one of IPv4, IPv6"),
+    Bad("an IPv6 endpoint address in an IPv4 slice is of the wrong family",
         SLICES, eps("bad-slice-ipv6-in-ipv4"), "endpoints[0].addresses[0]",
-        "'2001:db8::5' is not a valid IPv4 address",
-    ),
-    Bad(
-        "an IPv4 endpoint address in an IPv6 slice is of the wrong family",
+        "'2001:db8::5' is not a valid IPv4 address"),
+    Bad("an IPv4 endpoint address in an IPv6 slice is of the wrong family",
         SLICES, eps("bad-slice-ipv4-in-ipv6"), "endpoints[0].addresses[0]",
-        "'10.244.1.73' is not a valid IPv6 address",
-    ),
-    Bad(
-        "an endpoint address with leading zeros is reported at its endpoint",
+        "'10.244.1.73' is not a valid IPv6 address"),
+    Bad("an endpoint address with leading zeros is reported at its endpoint",
         SLICES, eps("bad-slice-leading-zeros"), "endpoints[1].addresses[0]",
-        "'10.244.01.75' is not a valid IPv4 address",
-    ),
-    Bad(
-        "an IPv4-mapped IPv6 endpoint address is rejected",
-        SLICES, eps("bad-slice-ipv4-mapped"), "endpoints[0].addresses[0]", "IPv4-mapped IPv6",
-    ),
-    Bad(
-        "an endpoint with an empty address list",
-        SLICES, eps("bad-slice-empty-addresses"), "endpoints[0].addresses", "non-empty list",
-    ),
-    Bad(
-        "conditions.ready given as the string 'true'",
+        "'10.244.01.75' is not a valid IPv4 address"),
+    Bad("an IPv4-mapped IPv6 endpoint address is rejected",
+        SLICES, eps("bad-slice-ipv4-mapped"), "endpoints[0].addresses[0]", "IPv4-mapped IPv6"),
+    Bad("an endpoint with an empty address list",
+        SLICES, eps("bad-slice-empty-addresses"), "endpoints[0].addresses", "non-empty list"),
+    Bad("conditions.ready given as the string 'true'",
         SLICES, eps("bad-slice-ready-string"), "endpoints[0].conditions.ready",
-        "expected true, false or null, got str",
-    ),
-    Bad(
-        "zone hints given as a string instead of a list",
+        "expected true, false or null, got str"),
+    Bad("zone hints given as a string instead of a list",
         SLICES, eps("bad-slice-hints-not-list"), "endpoints[0].hints.forZones",
-        "expected a list, got str",
-    ),
-    Bad(
-        "a node hint without a name",
+        "expected a list, got str"),
+    Bad("a node hint without a name",
         SLICES, eps("bad-slice-hint-without-name"), "endpoints[0].hints.forNodes[0].name",
-        "expected a non-empty string",
-    ),
-    Bad(
-        "a slice port with protocol ICMP",
-        SLICES, eps("bad-slice-port-protocol"), "ports[0].protocol", "'ICMP' is not one of",
-    ),
-    Bad(
-        "a slice port of 80800 is out of range",
-        SLICES, eps("bad-slice-port-too-large"), "ports[0].port", "80800 is out of range",
-    ),
-    Bad(
-        "a slice label with an integer value",
-        SLICES, eps("bad-slice-labels-not-strings"), "metadata.labels", "must be strings",
-    ),
-    Bad(
-        "slice ports written as a map, in a nested .yml file",
+        "expected a non-empty string"),
+    Bad("a slice port with protocol ICMP",
+        SLICES, eps("bad-slice-port-protocol"), "ports[0].protocol", "'ICMP' is not one of"),
+    Bad("a slice port of 80800 is out of range",
+        SLICES, eps("bad-slice-port-too-large"), "ports[0].port", "80800 is out of range"),
+    Bad("a slice label with an integer value",
+        SLICES, eps("bad-slice-labels-not-strings"), "metadata.labels", "must be strings"),
+    Bad("slice ports written as a map, in a nested .yml file",
         "nested/more-slices.yml", eps("bad-nested-slice-ports-map"), "ports",
-        "expected a list, got dict",
-    ),
+        "expected a list, got dict"),
     # --- Nodes -----------------------------------------------------------------------------
-    Bad(
-        "a Node address that is not an address",
+    Bad("a Node address that is not an address",
         NODES, "Node bad-node-address", "status.addresses[0].address",
-        "'192.0.2.300' is not a valid IP address",
-    ),
-    Bad(
-        "a Node label with an integer value",
-        NODES, "Node bad-node-labels", "metadata.labels", "must be strings, got int",
-    ),
-    Bad(
-        "a Node without a name",
-        NODES, "Node <unnamed>", "metadata.name", "is missing", at="(document 5)",
-    ),
-    Bad(
-        "Node addresses written as a map instead of a list",
-        NODES, "Node bad-node-addresses-map", "status.addresses", "expected a list, got dict",
-    ),
+        "'192.0.2.300' is not a valid IP address"),
+    Bad("a Node label with an integer value",
+        NODES, "Node bad-node-labels", "metadata.labels", "must be strings, got int"),
+    Bad("a Node without a name",
+        NODES, "Node <unnamed>", "metadata.name", "is missing", at="(document 5)"),
+    Bad("Node addresses written as a map instead of a list",
+        NODES, "Node bad-node-addresses-map", "status.addresses", "expected a list, got dict"),
     # --- JSON and lists --------------------------------------------------------------------
-    Bad(
-        "an externalIP with an interface zone, inside a JSON kind List",
+    Bad("an externalIP with an interface zone, inside a JSON kind List",
         "list.json", svc("bad-list-external-ip-zone"), "spec.externalIPs[0]",
-        "'fe80::1%eth0' is not a valid IP address",
-    ),
-    Bad(
-        "a string item inside a JSON kind List",
-        "list.json", "<unknown> <unnamed>", "", "expected an object, got str", at="items[2]",
-    ),
-    Bad(
-        "ports given as a string in a typed ServiceList item without a kind",
+        "'fe80::1%eth0' is not a valid IP address"),
+    Bad("a string item inside a JSON kind List",
+        "list.json", "<unknown> <unnamed>", "", "expected an object, got str", at="items[2]"),
+    Bad("ports given as a string in a typed ServiceList item without a kind",
         "service-list.json", svc("bad-service-list-ports-string"), "spec.ports",
-        "expected a list, got str",
-    ),
+        "expected a list, got str"),
     # --- unreadable files ------------------------------------------------------------------
     Bad("a truncated JSON file is invalid JSON", "truncated-json.json", "", "", "invalid JSON"),
-    Bad(
-        "a YAML document with broken indentation ends the file after the documents before it",
-        "truncated.yaml", "", "", "invalid YAML after document 2",
-    ),
+    Bad("a YAML document with broken indentation ends the file after the documents before it",
+        "truncated.yaml", "", "", "invalid YAML after document 2"),
     # --- input that raised tracebacks (issue 21) -------------------------------------------
-    Bad(
-        "apiVersion written as a list is reported, not a TypeError",
+    Bad("apiVersion written as a list is reported, not a TypeError",
         "api-version.yaml", svc("bad-api-version-list"), "apiVersion",
-        "expected a string, got list ['v1']",
-    ),
-    Bad(
-        "apiVersion written as a map is reported",
+        "expected a string, got list ['v1']"),
+    Bad("apiVersion written as a map is reported",
         "api-version.yaml", svc("bad-api-version-map"), "apiVersion", "expected a string, got dict",
     ),
-    Bad(
-        "kind written as a list is reported",
+    Bad("kind written as a list is reported",
         "api-version.yaml", f"<unknown> {NS}/bad-kind-list", "kind",
-        "expected a string, got list ['Service']",
-    ),
-    Bad(
-        "JSON nested 3000 levels deep is invalid JSON, not a RecursionError",
-        "deep-nesting.json", "", "", "invalid JSON: RecursionError",
-    ),
-    Bad(
-        "YAML nested past libyaml's limit is reported on one line",
-        "deep-nesting.yaml", "", "", "exceeded maximum nesting depth; in",
-    ),
-    Bad(
-        "a value nested 900 levels deep in a quoted field is cut in the message",
-        "deep-field.json", svc("bad-deep-field"), "spec.type", "expected a string, got list [[[",
-    ),
-    Bad(
-        "a lone surrogate in a name is reported naming the object, escaped",
+        "expected a string, got list ['Service']"),
+    Bad("JSON nested 3000 levels deep is invalid JSON, not a RecursionError",
+        "deep-nesting.json", "", "", "invalid JSON: RecursionError"),
+    Bad("YAML nested past libyaml's limit is reported on one line",
+        "deep-nesting.yaml", "", "", "exceeded maximum nesting depth; in"),
+    Bad("a value nested 900 levels deep in a quoted field is cut in the message",
+        "deep-field.json", svc("bad-deep-field"), "spec.type", "expected a string, got list [[["),
+    Bad("a lone surrogate in a name is reported naming the object, escaped",
         "surrogates.json", svc("bad-surrogate-name-\\udc80"), "metadata.name",
-        "is not valid Unicode text (a lone surrogate)",
-    ),
-    Bad(
-        "a lone surrogate in a label value is reported at the label",
+        "is not valid Unicode text (a lone surrogate)"),
+    Bad("a lone surrogate in a label value is reported at the label",
         "surrogates.json", svc("bad-surrogate-label"), "metadata.labels['team']",
-        "'caf\\udce9' is not valid Unicode text",
-    ),
-    Bad(
-        "a lone surrogate in a port name is reported at the port",
+        "'caf\\udce9' is not valid Unicode text"),
+    Bad("a lone surrogate in a port name is reported at the port",
         "surrogates.json", svc("bad-surrogate-port-name"), "spec.ports[0].name",
-        "is not valid Unicode text",
-    ),
-    Bad(
-        "a megabyte value is quoted cut to a few dozen characters",
-        "huge-values.yaml", svc("bad-huge-type"), "spec.type", "'xxxxxxxx",
-    ),
-    Bad(
-        "a value running over several lines is quoted on one line",
+        "is not valid Unicode text"),
+    Bad("a megabyte value is quoted cut to a few dozen characters",
+        "huge-values.yaml", svc("bad-huge-type"), "spec.type", "'xxxxxxxx"),
+    Bad("a value running over several lines is quoted on one line",
         "huge-values.yaml", svc("bad-multiline-type"), "spec.type",
-        "'Cluster\\nIP\\n\\nand more' is not one of",
-    ),
-    Bad(
-        "an integer of 5000 digits stops the YAML file, with no traceback",
-        "huge-integer.yaml", "", "", "ValueError: Exceeds the limit (4300 digits)",
-    ),
+        "'Cluster\\nIP\\n\\nand more' is not one of"),
+    Bad("an integer of 5000 digits stops the YAML file, with no traceback",
+        "huge-integer.yaml", "", "", "ValueError: Exceeds the limit (4300 digits)"),
 ]  # fmt: skip
 
 OBJECTS = [b for b in BAD if b.ref]  # malformed objects, as opposed to unreadable files
@@ -586,56 +431,29 @@ class Neighbour:
 
 
 NEIGHBOURS = [
-    Neighbour(
-        "good-web keeps its two backends and gains none from the bad slices that claim it",
+    Neighbour("good-web keeps its two backends and gains none from the bad slices that claim it",
         "good-web", "http", "IPv4",
-        ["ClusterIP 10.96.1.1:80"], ["10.244.1.5:8080", "10.244.2.5:8080"],
-    ),
-    Neighbour(
-        "good-dual is served over IPv4 despite a bad IPv6-in-IPv4 slice",
-        "good-dual", "http", "IPv4", ["ClusterIP 10.96.1.4:80"], ["10.244.1.6:8080"],
-    ),
-    Neighbour(
-        "good-dual is served over IPv6 despite bad IPv4-in-IPv6 and mapped slices",
-        "good-dual", "http", "IPv6", ["ClusterIP [fd00:96::4]:80"], ["[fd00:244:1::6]:8080"],
-    ),
-    Neighbour(
-        "good-api gets its NodePort and the backends of a slice in a nested directory",
-        "good-api", "http", "IPv4",
-        ["ClusterIP 10.96.1.2:80", "NodePort 192.0.2.10:30080"],
-        ["10.244.1.20:8080", "10.244.3.20:8080"],
-    ),
-    Neighbour(
-        "good-lb gets its VIP with the trimmed source range",
-        "good-lb", "http", "IPv4",
-        [
+        ["ClusterIP 10.96.1.1:80"], ["10.244.1.5:8080", "10.244.2.5:8080"]),
+    Neighbour("good-dual is served over IPv4 despite a bad IPv6-in-IPv4 slice",
+        "good-dual", "http", "IPv4", ["ClusterIP 10.96.1.4:80"], ["10.244.1.6:8080"]),
+    Neighbour("good-dual is served over IPv6 despite bad IPv4-in-IPv6 and mapped slices",
+        "good-dual", "http", "IPv6", ["ClusterIP [fd00:96::4]:80"], ["[fd00:244:1::6]:8080"]),
+    Neighbour("good-api gets its NodePort and the backends of a slice in a nested directory",
+        "good-api", "http", "IPv4", ["ClusterIP 10.96.1.2:80", "NodePort 192.0.2.10:30080"],
+        ["10.244.1.20:8080", "10.244.3.20:8080"]),
+    Neighbour("good-lb gets its VIP with the trimmed source range", "good-lb", "http", "IPv4", [
             "ClusterIP 10.96.1.3:80", "NodePort 192.0.2.10:30081",
-            "LoadBalancer 203.0.113.9:80 from 198.51.100.0/24",
-        ],
-        [],
-    ),
-    Neighbour(
-        "good-external gets its external IP",
-        "good-external", "http", "IPv4",
-        ["ClusterIP 10.96.1.5:80", "ExternalIP 203.0.113.5:80"], [],
-    ),
-    Neighbour(
-        "good-metrics keeps its second named port",
-        "good-metrics", "metrics", "IPv4", ["ClusterIP 10.96.1.8:9090"], ["10.244.2.8:9090"],
-    ),
-    Neighbour(
-        "a valid Service in a JSON kind List is served with the slice from the same List",
-        "good-from-list", "http", "IPv4", ["ClusterIP 10.96.1.10:80"], ["10.244.3.10:8080"],
-    ),
-    Neighbour(
-        "a valid item of a typed ServiceList is served",
-        "good-from-service-list", "http", "IPv4", ["ClusterIP 10.96.1.11:80"], [],
-    ),
-    Neighbour(
-        "documents before invalid YAML are served",
-        "good-before-broken-yaml", "http", "IPv4",
-        ["ClusterIP 10.96.1.12:80"], ["10.244.2.12:8080"],
-    ),
+            "LoadBalancer 203.0.113.9:80 from 198.51.100.0/24", ], []),
+    Neighbour("good-external gets its external IP", "good-external", "http", "IPv4",
+        ["ClusterIP 10.96.1.5:80", "ExternalIP 203.0.113.5:80"], []),
+    Neighbour("good-metrics keeps its second named port",
+        "good-metrics", "metrics", "IPv4", ["ClusterIP 10.96.1.8:9090"], ["10.244.2.8:9090"]),
+    Neighbour("a valid Service in a JSON kind List is served with the slice from the same List",
+        "good-from-list", "http", "IPv4", ["ClusterIP 10.96.1.10:80"], ["10.244.3.10:8080"]),
+    Neighbour("a valid item of a typed ServiceList is served",
+        "good-from-service-list", "http", "IPv4", ["ClusterIP 10.96.1.11:80"], []),
+    Neighbour("documents before invalid YAML are served", "good-before-broken-yaml", "http", "IPv4",
+        ["ClusterIP 10.96.1.12:80"], ["10.244.2.12:8080"]),
 ]  # fmt: skip
 
 
@@ -671,39 +489,27 @@ class Fallback:
 
 
 FALLBACKS = [
-    Fallback(
-        "control: valid topology-keys keep traffic on this node's rack",
-        "good-topology-rack", [], "example.com/rack", ["10.244.3.30:8080"],
-    ),
-    Fallback(
-        "topology-keys with * before the last key are ignored with a warning",
+    Fallback("control: valid topology-keys keep traffic on this node's rack",
+        "good-topology-rack", [], "example.com/rack", ["10.244.3.30:8080"]),
+    Fallback("topology-keys with * before the last key are ignored with a warning",
         "warn-topology-any-not-last",
         ["kube-bpf-proxy.io/topology-keys", "'*' may only be the last key", "ignored"],
-        "None", ["10.244.2.31:8080", "10.244.3.31:8080"],
-    ),
+        "None", ["10.244.2.31:8080", "10.244.3.31:8080"]),
     Fallback(
-        "topology-keys that repeat a key are ignored with a warning",
-        "warn-topology-repeated-key",
+        "topology-keys that repeat a key are ignored with a warning", "warn-topology-repeated-key",
         ["kube-bpf-proxy.io/topology-keys", "repeats a key", "ignored"],
-        "None", ["10.244.2.32:8080", "10.244.3.32:8080"],
-    ),
+        "None", ["10.244.2.32:8080", "10.244.3.32:8080"]),
     Fallback(
-        "topology-keys with an empty key are ignored with a warning",
-        "warn-topology-empty-key",
+        "topology-keys with an empty key are ignored with a warning", "warn-topology-empty-key",
         ["kube-bpf-proxy.io/topology-keys", "empty key", "ignored"],
-        "None", ["10.244.2.33:8080", "10.244.3.33:8080"],
-    ),
-    Fallback(
-        "control: multi-cluster LocalFirst keeps traffic in this cluster",
+        "None", ["10.244.2.33:8080", "10.244.3.33:8080"]),
+    Fallback("control: multi-cluster LocalFirst keeps traffic in this cluster",
         "good-multi-cluster-local-first", [], "LocalCluster",
-        ["10.244.2.34:8080", "10.244.3.34:8080"],
-    ),
-    Fallback(
-        "an unknown multi-cluster policy falls back to RemoteAndLocal with a warning",
+        ["10.244.2.34:8080", "10.244.3.34:8080"]),
+    Fallback("an unknown multi-cluster policy falls back to RemoteAndLocal with a warning",
         "warn-multi-cluster-unknown",
         ["kube-bpf-proxy.io/multi-cluster", "'LocalOnly'", "using RemoteAndLocal"],
-        "None", ["10.244.2.35:8080", "10.244.3.35:8080", "10.245.0.35:8080"],
-    ),
+        "None", ["10.244.2.35:8080", "10.244.3.35:8080", "10.245.0.35:8080"]),
 ]  # fmt: skip
 
 
@@ -744,23 +550,18 @@ DUPLICATES = [
         svc("warn-duplicate-port"), "spec.ports[1]",
         "port 80/TCP is also spec.ports[0]'s (the API server rejects this); spec.ports[0] keeps "
         "it and this port is ignored",
-        ["http ClusterIP 10.96.1.40:80 ->", "metrics ClusterIP 10.96.1.40:9100 ->"],
-    ),
-    Duplicate(
-        "a nodePort used twice stays with the first port; the second gets none",
+        ["http ClusterIP 10.96.1.40:80 ->", "metrics ClusterIP 10.96.1.40:9100 ->"]),
+    Duplicate("a nodePort used twice stays with the first port; the second gets none",
         svc("warn-duplicate-node-port"), "spec.ports[1].nodePort",
         "30090/TCP is also spec.ports[0]'s (the API server rejects this); spec.ports[0] keeps "
-        "it and this port gets no NodePort",
-        ["alt ClusterIP 10.96.1.41:8080 ->",
-         "http ClusterIP 10.96.1.41:80,NodePort 192.0.2.10:30090 ->"],
-    ),
+        "it and this port gets no NodePort", ["alt ClusterIP 10.96.1.41:8080 ->",
+         "http ClusterIP 10.96.1.41:80,NodePort 192.0.2.10:30090 ->"]),
     Duplicate(
         "a slice port name given twice serves the Service port on both target ports, as kube-proxy",
         eps("warn-duplicate-slice-port-name-1"), "ports[1].name",
         "'http'/TCP is also ports[0]'s name (the API server rejects this); as kube-proxy, both "
         "target ports serve that port name",
-        ["http ClusterIP 10.96.1.42:80 -> 10.244.2.42:8080,10.244.2.42:8081"],
-    ),
+        ["http ClusterIP 10.96.1.42:80 -> 10.244.2.42:8080,10.244.2.42:8081"]),
 ]  # fmt: skip
 
 

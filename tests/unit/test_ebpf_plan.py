@@ -11,13 +11,12 @@ Maglev cases use a 13-slot table so expectations stay readable.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 
 from agent.dataplane.base import DataplaneError
@@ -45,39 +44,35 @@ from agent.model.decode import decode_object
 from agent.model.nodestate import Backend, Frontend, NodeInfo, NodeState, ServiceEntry
 from agent.model.types import ClusterState
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
-from .strategies import THIS_NODE, clusters, endpoint_slices, histories, object_key, services
+from ..builders import (
+    Obj,
+    both,
+    default_nodes,
+    ep,
+    ep6,
+    make_endpoint,
+    make_service,
+    make_slice,
+    spec,
+    state_of,
+)
+from .strategies import (
+    THIS_NODE,
+    clusters,
+    endpoint_slices,
+    histories,
+    object_key,
+    property_settings,
+    services,
+)
 
-NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
 EMPTY = KernelContent()
 MAGLEV_SIZE = 13
 
-SETTINGS = settings(
-    max_examples=int(os.environ.get("KBP_PROPERTY_EXAMPLES", "100")),
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+SETTINGS = property_settings(HealthCheck.too_slow, HealthCheck.data_too_large)
 
 
 # --- building NodeStates ---------------------------------------------------------------
-
-
-def ep(n: int, node: str = "node-b", **conditions: bool) -> Obj:
-    """Pod n of `node`, ready unless conditions say otherwise."""
-    return make_endpoint(f"10.244.{NODE_INDEX[node]}.{n}", node, **conditions)
-
-
-def ep6(n: int, node: str = "node-b") -> Obj:
-    return make_endpoint(f"fd00:244:{NODE_INDEX[node]}::{n}", node)
-
-
-def spec(**fields: object) -> Callable[[Obj], None]:
-    def mutate(obj: Obj) -> None:
-        obj["spec"].update(fields)
-
-    return mutate
 
 
 def node_port(etp: str = "Cluster", itp: str = "Cluster") -> Callable[[Obj], None]:
@@ -90,14 +85,6 @@ def node_port(etp: str = "Cluster", itp: str = "Cluster") -> Callable[[Obj], Non
 
 def maglev(obj: Obj) -> None:
     obj["metadata"].setdefault("annotations", {})[ANNOTATION_LB_ALGORITHM] = "maglev"
-
-
-def both(*mutators: Callable[[Obj], None]) -> Callable[[Obj], None]:
-    def mutate(obj: Obj) -> None:
-        for m in mutators:
-            m(obj)
-
-    return mutate
 
 
 def svc(
@@ -231,141 +218,76 @@ class Case:
 
 
 CASES = [
-    Case(
-        "a ClusterIP uses its cluster backends, from pods and from the node alike",
-        svc([ep(5, "node-a"), ep(5, "node-b")]),
-        {CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5])},
-        {A5: "LOCAL", B5: ""},
-    ),
-    Case(
-        "internalTrafficPolicy Local: the ClusterIP uses only this node's backends",
+    Case("a ClusterIP uses its cluster backends, from pods and from the node alike",
+        svc([ep(5, "node-a"), ep(5, "node-b")]), {CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5])},
+        {A5: "LOCAL", B5: ""}),
+    Case("internalTrafficPolicy Local: the ClusterIP uses only this node's backends",
         svc([ep(5, "node-a"), ep(5, "node-b")], spec(internalTrafficPolicy="Local")),
-        {CIP: Seen("ClusterIP", HAS, [A5], [A5])},
-        {A5: "LOCAL"},
-    ),
-    Case(
-        "internalTrafficPolicy Local without a local backend: an empty set that drops",
+        {CIP: Seen("ClusterIP", HAS, [A5], [A5])}, {A5: "LOCAL"}),
+    Case("internalTrafficPolicy Local without a local backend: an empty set that drops",
         svc([ep(5, "node-b")], spec(internalTrafficPolicy="Local")),
-        {CIP: Seen("ClusterIP", HAS, [], [])},
-        {},
-    ),
-    Case(
-        "no endpoints anywhere: an empty set that rejects",
-        svc([]),
-        {CIP: Seen("ClusterIP", "", [], [])},
-        {},
-    ),
-    Case(
-        "only unready endpoints: an empty set that rejects",
-        svc([ep(5, ready=False)]),
-        {CIP: Seen("ClusterIP", "", [], [])},
-    ),
-    Case(
-        "externalTrafficPolicy Cluster: the NodePort uses the cluster backends both ways",
+        {CIP: Seen("ClusterIP", HAS, [], [])}, {}),
+    Case("no endpoints anywhere: an empty set that rejects", svc([]),
+        {CIP: Seen("ClusterIP", "", [], [])}, {}),
+    Case("only unready endpoints: an empty set that rejects", svc([ep(5, ready=False)]),
+        {CIP: Seen("ClusterIP", "", [], [])}),
+    Case("externalTrafficPolicy Cluster: the NodePort uses the cluster backends both ways",
         svc([ep(5, "node-a"), ep(5, "node-b")], node_port()),
         {
             CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5]),
             NP: Seen("NodePort", HAS, [A5, B5], [A5, B5]),
-        },
-    ),
-    Case(
-        "externalTrafficPolicy Local: the NodePort uses local backends from outside and "
+        }),
+    Case("externalTrafficPolicy Local: the NodePort uses local backends from outside and "
         "cluster backends from pods",
         svc([ep(5, "node-a"), ep(5, "node-b")], node_port(etp="Local")),
         {
             CIP: Seen("ClusterIP", HAS, [A5, B5], [A5, B5]),
             NP: Seen("NodePort", HAS, [A5], [A5, B5]),
-        },
-    ),
-    Case(
-        "externalTrafficPolicy Local without a local backend: outside traffic is dropped, "
+        }),
+    Case("externalTrafficPolicy Local without a local backend: outside traffic is dropped, "
         "pods still reach the cluster backends",
         svc([ep(5, "node-b")], node_port(etp="Local")),
-        {
-            CIP: Seen("ClusterIP", HAS, [B5], [B5]),
-            NP: Seen("NodePort", HAS, [], [B5]),
-        },
-    ),
-    Case(
-        "both policies Local: the ClusterIP and outside NodePort traffic stay local, pods "
+        {CIP: Seen("ClusterIP", HAS, [B5], [B5]), NP: Seen("NodePort", HAS, [], [B5])}),
+    Case("both policies Local: the ClusterIP and outside NodePort traffic stay local, pods "
         "reaching the NodePort use the cluster backends",
         svc([ep(5, "node-a"), ep(5, "node-b")], node_port(etp="Local", itp="Local")),
-        {
-            CIP: Seen("ClusterIP", HAS, [A5], [A5]),
-            NP: Seen("NodePort", HAS, [A5], [A5, B5]),
-        },
-    ),
-    Case(
-        "internalTrafficPolicy Local with a Cluster NodePort: only the ClusterIP is local",
+        {CIP: Seen("ClusterIP", HAS, [A5], [A5]), NP: Seen("NodePort", HAS, [A5], [A5, B5])}),
+    Case("internalTrafficPolicy Local with a Cluster NodePort: only the ClusterIP is local",
         svc([ep(5, "node-a"), ep(5, "node-b")], node_port(itp="Local")),
-        {
-            CIP: Seen("ClusterIP", HAS, [A5], [A5]),
-            NP: Seen("NodePort", HAS, [A5, B5], [A5, B5]),
-        },
-    ),
-    Case(
-        "an ExternalIP and a LoadBalancer VIP follow externalTrafficPolicy like a NodePort",
-        svc(
-            [ep(5, "node-a"), ep(5, "node-c")],
-            both(
-                node_port(etp="Local"),
-                spec(type="LoadBalancer", externalIPs=["203.0.113.7"]),
-                lambda o: o.update(status={"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}),
-            ),
-        ),
+        {CIP: Seen("ClusterIP", HAS, [A5], [A5]), NP: Seen("NodePort", HAS, [A5, B5], [A5, B5])}),
+    Case("an ExternalIP and a LoadBalancer VIP follow externalTrafficPolicy like a NodePort",
+        svc([ep(5, "node-a"), ep(5, "node-c")],
+            both(node_port(etp="Local"), spec(type="LoadBalancer", externalIPs=["203.0.113.7"]),
+                lambda o: o.update(status={"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}))),
         {
             CIP: Seen("ClusterIP", HAS, [A5, C5], [A5, C5]),
             NP: Seen("NodePort", HAS, [A5], [A5, C5]),
             "203.0.113.7:80/TCP": Seen("ExternalIP", HAS, [A5], [A5, C5]),
             "203.0.113.9:80/TCP": Seen("LoadBalancer", HAS, [A5], [A5, C5]),
-        },
-    ),
-    Case(
-        "sessionAffinity ClientIP sets AFFINITY and the timeout",
-        svc(
-            [ep(5)],
-            spec(
-                sessionAffinity="ClientIP",
-                sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}},
-            ),
-        ),
-        {CIP: Seen("ClusterIP", "HAS_ENDPOINTS|AFFINITY", [B5], [B5], 600)},
-    ),
-    Case(
-        "serving terminating backends stand in when none is ready, flagged TERMINATING",
+        }),
+    Case("sessionAffinity ClientIP sets AFFINITY and the timeout",
+        svc([ep(5)],
+            spec(sessionAffinity="ClientIP",
+                sessionAffinityConfig={"clientIP": {"timeoutSeconds": 600}})),
+        {CIP: Seen("ClusterIP", "HAS_ENDPOINTS|AFFINITY", [B5], [B5], 600)}),
+    Case("serving terminating backends stand in when none is ready, flagged TERMINATING",
         svc([ep(5, ready=False, serving=True, terminating=True), ep(6, "node-a", ready=False)]),
-        {CIP: Seen("ClusterIP", HAS, [B5], [B5])},
-        {B5: "TERMINATING"},
-    ),
-    Case(
-        "a UDP port is keyed with protocol 17",
-        [
-            make_service(mutate=lambda o: o["spec"]["ports"][0].update(protocol="UDP")),
-            make_slice(
-                endpoints=[ep(5)],
-                mutate=lambda o: o["ports"][0].update(protocol="UDP"),
-            ),
-        ],
-        {"10.96.0.1:80/UDP": Seen("ClusterIP", HAS, [B5], [B5])},
-    ),
-    Case(
-        "a dual-stack Service has an IPv6 frontend over IPv6 backends",
-        [
-            make_service(
-                mutate=spec(clusterIP="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"])
-            ),
+        {CIP: Seen("ClusterIP", HAS, [B5], [B5])}, {B5: "TERMINATING"}),
+    Case("a UDP port is keyed with protocol 17",
+        [make_service(mutate=lambda o: o["spec"]["ports"][0].update(protocol="UDP")),
+            make_slice(endpoints=[ep(5)], mutate=lambda o: o["ports"][0].update(protocol="UDP"))],
+        {"10.96.0.1:80/UDP": Seen("ClusterIP", HAS, [B5], [B5])}),
+    Case("a dual-stack Service has an IPv6 frontend over IPv6 backends",
+        [make_service(mutate=spec(clusterIP="10.96.0.1", clusterIPs=["10.96.0.1", "fd00:96::1"])),
             make_slice(endpoints=[ep(5)]),
-            make_slice(name="svc-6", endpoints=[ep6(5)], family="IPv6"),
-        ],
+            make_slice(name="svc-6", endpoints=[ep6(5)], family="IPv6")],
         {
             CIP: Seen("ClusterIP", HAS, [B5], [B5]),
             "[fd00:96::1]:80/TCP": Seen(
                 "ClusterIP", HAS, ["[fd00:244:2::5]:8080"], ["[fd00:244:2::5]:8080"]
             ),
-        },
-        {B5: "", "[fd00:244:2::5]:8080": ""},
-    ),
-]
+        }, {B5: "", "[fd00:244:2::5]:8080": ""}),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -943,13 +865,7 @@ def test_every_sync_keeps_every_intermediate_kernel_state_consistent(history) ->
     compiler = Compiler(THIS_NODE, cluster.options)
     for change, synced in [(None, True), *steps]:
         if change is not None:
-            action, payload = change
-            if action == "upsert":
-                objects[object_key(payload)] = with_maglev_for_dns(payload)
-                feed(agent_state, objects[object_key(payload)])
-            else:
-                objects.pop(payload, None)
-                forget(agent_state, payload)
+            step(agent_state, objects, change, with_maglev_for_dns)
         if synced:
             state = compile(cluster_state(objects), THIS_NODE, cluster.options)
             incremental = compiler.update(agent_state)
@@ -975,6 +891,23 @@ def forget(state: ClusterState, key: tuple[str, str, str]) -> None:
         {"Service": state.delete_service, "EndpointSlice": state.delete_slice}[kind](
             namespace, name
         )
+
+
+def step(
+    agent_state: ClusterState,
+    objects: dict[tuple[str, str, str], Obj],
+    change: tuple[str, object],
+    edit: Callable[[Obj], Obj] = lambda obj: obj,
+) -> None:
+    """One step of a history, ("upsert", object) (the object after `edit`) or ("delete",
+    key), applied to both the agent's state and the objects by key."""
+    action, payload = change
+    if action == "upsert":
+        objects[object_key(payload)] = edit(payload)
+        feed(agent_state, objects[object_key(payload)])
+    else:
+        objects.pop(payload, None)
+        forget(agent_state, payload)
 
 
 @st.composite
@@ -1257,13 +1190,7 @@ def test_the_source_range_index_follows_every_sync_as_a_full_scan_would(history)
     index.RESCAN_FRACTION = 2.0  # small clusters: never rescan for the share of changes
     for change, synced in [(None, True), *steps]:
         if change is not None:
-            action, payload = change
-            if action == "upsert":
-                objects[object_key(payload)] = payload
-                feed(agent_state, payload)
-            else:
-                objects.pop(payload, None)
-                forget(agent_state, payload)
+            step(agent_state, objects, change)
         if synced:
             state = compiler.update(agent_state)
             assert index.update(state) == external.source_ranges(state)

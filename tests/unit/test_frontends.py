@@ -12,14 +12,7 @@ import pytest
 
 from agent.model.compile import CompileOptions, compile
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
-
-
-def with_spec(**fields: object) -> Callable[[Obj], None]:
-    def mutate(obj: Obj) -> None:
-        obj["spec"].update(fields)
-
-    return mutate
+from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, spec, state_of
 
 
 def node_port(
@@ -64,139 +57,63 @@ def fe(*items: str) -> list[str]:
 
 
 CASES = [
-    Case(
-        "a ClusterIP Service answers on its cluster IP",
-        make_service(),
-        fe("ClusterIP 10.96.0.1:80"),
-    ),
-    Case(
-        "a NodePort Service answers on every node address of the ClusterIP's family",
+    Case("a ClusterIP Service answers on its cluster IP", make_service(),
+        fe("ClusterIP 10.96.0.1:80")),
+    Case("a NodePort Service answers on every node address of the ClusterIP's family",
         make_service(mutate=node_port()),
-        fe("ClusterIP 10.96.0.1:80", "NodePort 192.0.2.10:30080"),
-    ),
-    Case(
-        "--nodeport-addresses limits NodePorts to node addresses inside the CIDRs",
-        make_service(mutate=node_port()),
-        fe("ClusterIP 10.96.0.1:80"),
-        CompileOptions(nodeport_addresses=("198.51.100.0/24",)),
-    ),
-    Case(
-        "--nodeport-addresses=primary uses the node's primary address",
-        make_service(mutate=node_port()),
-        fe("ClusterIP 10.96.0.1:80", "NodePort 192.0.2.10:30080"),
-        CompileOptions(nodeport_addresses=("primary",), node_ips=("192.0.2.10", "192.0.2.99")),
-    ),
-    Case(
-        "--node-ip replaces the Node object's addresses",
-        make_service(mutate=node_port()),
+        fe("ClusterIP 10.96.0.1:80", "NodePort 192.0.2.10:30080")),
+    Case("--nodeport-addresses limits NodePorts to node addresses inside the CIDRs",
+        make_service(mutate=node_port()), fe("ClusterIP 10.96.0.1:80"),
+        CompileOptions(nodeport_addresses=("198.51.100.0/24",))),
+    Case("--nodeport-addresses=primary uses the node's primary address",
+        make_service(mutate=node_port()), fe("ClusterIP 10.96.0.1:80", "NodePort 192.0.2.10:30080"),
+        CompileOptions(nodeport_addresses=("primary",), node_ips=("192.0.2.10", "192.0.2.99"))),
+    Case("--node-ip replaces the Node object's addresses", make_service(mutate=node_port()),
         fe("ClusterIP 10.96.0.1:80", "NodePort 192.0.2.20:30080", "NodePort 192.0.2.21:30080"),
-        CompileOptions(node_ips=("192.0.2.21", "192.0.2.20")),
-    ),
-    Case(
-        "a ClusterIP Service with a stray nodePort has no NodePort frontend",
-        make_service(mutate=node_port(svc_type="ClusterIP")),
-        fe("ClusterIP 10.96.0.1:80"),
-    ),
-    Case(
-        "ExternalIPs are frontends on the Service port, of the matching family only",
+        CompileOptions(node_ips=("192.0.2.21", "192.0.2.20"))),
+    Case("a ClusterIP Service with a stray nodePort has no NodePort frontend",
+        make_service(mutate=node_port(svc_type="ClusterIP")), fe("ClusterIP 10.96.0.1:80")),
+    Case("ExternalIPs are frontends on the Service port, of the matching family only",
         make_service(
-            mutate=with_spec(externalIPs=["203.0.113.7", "2001:db8:ff::7", "203.0.113.7"])
-        ),
-        fe("ClusterIP 10.96.0.1:80", "ExternalIP 203.0.113.7:80"),
-    ),
-    Case(
-        "LoadBalancer VIPs come from status ingress IPs in VIP mode, not Proxy mode or hostnames",
-        make_service(
-            mutate=load_balancer(
-                {"ip": "203.0.113.9"},
-                {"ip": "203.0.113.10", "ipMode": "Proxy"},
-                {"hostname": "lb.example.com"},
-                {"ip": "203.0.113.11", "ipMode": "VIP"},
-                loadBalancerIP="203.0.113.250",
-            )
-        ),
-        fe(
-            "ClusterIP 10.96.0.1:80",
-            "NodePort 192.0.2.10:30443",
-            "LoadBalancer 203.0.113.9:80",
-            "LoadBalancer 203.0.113.11:80",
-        ),
-    ),
-    Case(
-        "a LoadBalancer without allocated node ports has no NodePort frontend",
-        make_service(
-            mutate=lambda o: (
-                load_balancer({"ip": "203.0.113.9"})(o),
-                o["spec"]["ports"][0].pop("nodePort"),
-            )
-        ),
-        fe("ClusterIP 10.96.0.1:80", "LoadBalancer 203.0.113.9:80"),
-    ),
-    Case(
-        "a dual-stack Service has one entry per family with that family's frontends",
+            mutate=spec(externalIPs=["203.0.113.7", "2001:db8:ff::7", "203.0.113.7"])),
+        fe("ClusterIP 10.96.0.1:80", "ExternalIP 203.0.113.7:80")),
+    Case("LoadBalancer VIPs come from status ingress IPs in VIP mode, not Proxy mode or hostnames",
+        make_service(mutate=load_balancer({"ip": "203.0.113.9"},
+            {"ip": "203.0.113.10", "ipMode": "Proxy"}, {"hostname": "lb.example.com"},
+            {"ip": "203.0.113.11", "ipMode": "VIP"}, loadBalancerIP="203.0.113.250")),
+        fe("ClusterIP 10.96.0.1:80", "NodePort 192.0.2.10:30443", "LoadBalancer 203.0.113.9:80",
+            "LoadBalancer 203.0.113.11:80")),
+    Case("a LoadBalancer without allocated node ports has no NodePort frontend",
+        make_service(mutate=lambda o: (load_balancer({"ip": "203.0.113.9"})(o),
+                                       o["spec"]["ports"][0].pop("nodePort"))),
+        fe("ClusterIP 10.96.0.1:80", "LoadBalancer 203.0.113.9:80")),
+    Case("a dual-stack Service has one entry per family with that family's frontends",
         make_service(mutate=lambda o: (dual_stack(o), node_port()(o))),
-        fe(
-            "ClusterIP 10.96.0.1:80",
-            "NodePort 192.0.2.10:30080",
-            "ClusterIP fd00:96::1:80",
-            "NodePort 2001:db8::10:30080",
-        ),
-    ),
-    Case(
-        "a Service with two ports has one entry per port, sorted by port name",
-        make_service(
-            mutate=with_spec(
-                ports=[
-                    {"name": "https", "port": 443},
-                    {"name": "dns", "port": 53, "protocol": "UDP"},
-                ]
-            )
-        ),
-        fe("ClusterIP 10.96.0.1:53", "ClusterIP 10.96.0.1:443"),
-    ),
+        fe("ClusterIP 10.96.0.1:80", "NodePort 192.0.2.10:30080", "ClusterIP fd00:96::1:80",
+            "NodePort 2001:db8::10:30080")),
+    Case("a Service with two ports has one entry per port, sorted by port name",
+        make_service(mutate=spec(ports=[{"name": "https", "port": 443},
+            {"name": "dns", "port": 53, "protocol": "UDP"}])),
+        fe("ClusterIP 10.96.0.1:53", "ClusterIP 10.96.0.1:443")),
     # --- Services that are not programmed ------------------------------------------------
-    Case(
-        "a headless Service is not programmed",
-        make_service(mutate=with_spec(clusterIP="None", clusterIPs=["None"])),
-        fe(),
-    ),
-    Case(
-        "an ExternalName Service is not programmed",
-        make_service(
-            mutate=with_spec(
-                type="ExternalName", externalName="db.example.com", clusterIP="", clusterIPs=[]
-            )
-        ),
-        fe(),
-    ),
-    Case(
-        "a Service without an allocated cluster IP is not programmed",
+    Case("a headless Service is not programmed",
+        make_service(mutate=spec(clusterIP="None", clusterIPs=["None"])), fe()),
+    Case("an ExternalName Service is not programmed",
+        make_service(mutate=spec(type="ExternalName", externalName="db.example.com",
+            clusterIP="", clusterIPs=[])), fe()),
+    Case("a Service without an allocated cluster IP is not programmed",
         make_service(mutate=lambda o: (o["spec"].pop("clusterIP"), o["spec"].pop("clusterIPs"))),
-        fe(),
-    ),
-    Case(
-        "a Service claimed by another proxy is not programmed",
-        make_service(mutate=proxy_name("other")),
-        fe(),
-    ),
-    Case(
-        "an empty service-proxy-name label still claims the Service for another proxy",
-        make_service(mutate=proxy_name("")),
-        fe(),
-    ),
-    Case(
-        "with --service-proxy-name only Services with that label value are programmed",
-        make_service(mutate=proxy_name("kbp")),
-        fe("ClusterIP 10.96.0.1:80"),
-        CompileOptions(service_proxy_name="kbp"),
-    ),
-    Case(
-        "with --service-proxy-name unlabelled Services are left to kube-proxy",
-        make_service(),
-        fe(),
-        CompileOptions(service_proxy_name="kbp"),
-    ),
-]
+        fe()),
+    Case("a Service claimed by another proxy is not programmed",
+        make_service(mutate=proxy_name("other")), fe()),
+    Case("an empty service-proxy-name label still claims the Service for another proxy",
+        make_service(mutate=proxy_name("")), fe()),
+    Case("with --service-proxy-name only Services with that label value are programmed",
+        make_service(mutate=proxy_name("kbp")), fe("ClusterIP 10.96.0.1:80"),
+        CompileOptions(service_proxy_name="kbp")),
+    Case("with --service-proxy-name unlabelled Services are left to kube-proxy", make_service(),
+        fe(), CompileOptions(service_proxy_name="kbp")),
+]  # fmt: skip
 
 
 def render(entries: list[dict]) -> list[str]:
@@ -215,12 +132,12 @@ def entries_of(*objects: Obj, options: CompileOptions | None = None) -> list[dic
 
 
 def test_client_ip_affinity_defaults_to_three_hours() -> None:
-    (entry,) = entries_of(make_service(mutate=with_spec(sessionAffinity="ClientIP")))
+    (entry,) = entries_of(make_service(mutate=spec(sessionAffinity="ClientIP")))
     assert entry["sessionAffinity"] == {"type": "ClientIP", "timeoutSeconds": 10800}
 
 
 def test_affinity_none_is_null() -> None:
-    (entry,) = entries_of(make_service(mutate=with_spec(sessionAffinity="None")))
+    (entry,) = entries_of(make_service(mutate=spec(sessionAffinity="None")))
     assert entry["sessionAffinity"] is None
 
 
@@ -285,7 +202,7 @@ def test_dual_stack_entries_use_only_their_family_of_endpoints() -> None:
 
 def test_single_stack_ipv6_service_ignores_ipv4_slices() -> None:
     (entry,) = entries_of(
-        make_service(mutate=with_spec(clusterIP="fd00:96::1", clusterIPs=["fd00:96::1"])),
+        make_service(mutate=spec(clusterIP="fd00:96::1", clusterIPs=["fd00:96::1"])),
         make_slice(name="v4", endpoints=[make_endpoint("10.244.1.5", "node-a")]),
     )
     assert entry["ipFamily"] == "IPv6"

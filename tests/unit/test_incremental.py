@@ -25,7 +25,7 @@ from ..builders import (
     state_of,
 )
 from .strategies import THIS_NODE, histories, object_key
-from .test_ebpf_plan import SETTINGS, cluster_state, feed, forget
+from .test_ebpf_plan import SETTINGS, cluster_state, step
 
 
 def decoded(obj: Obj) -> Value:
@@ -51,19 +51,22 @@ def entry_of(node_state: NodeState, name: str) -> ServiceEntry:
     return next(e for e in node_state.services if e.name == name)
 
 
-def test_a_slice_change_recompiles_only_its_service() -> None:
+def started() -> tuple[ClusterState, Compiler, NodeState]:
+    """two_services(), a compiler for node-a and its first NodeState."""
     state = two_services()
     compiler = Compiler("node-a", CompileOptions())
-    before = compiler.update(state)
-    state.set_slice(
-        decoded(
-            make_slice(
-                name="a-1",
-                service="a",
-                endpoints=[make_endpoint("10.244.1.5", "node-a", ready=False)],
-            )
-        )
-    )
+    return state, compiler, compiler.update(state)
+
+
+def slice_of(name: str, service: str, ip: str, node: str, **conditions: bool) -> Value:
+    """Slice `name` of `service` holding one endpoint, decoded."""
+    endpoint = make_endpoint(ip, node, **conditions)
+    return decoded(make_slice(name=name, service=service, endpoints=[endpoint]))
+
+
+def test_a_slice_change_recompiles_only_its_service() -> None:
+    state, compiler, before = started()
+    state.set_slice(slice_of("a-1", "a", "10.244.1.5", "node-a", ready=False))
     after = compiler.update(state)
     assert after.revision != before.revision
     assert entry_of(after, "b") is entry_of(before, "b")  # untouched, not rebuilt
@@ -72,21 +75,13 @@ def test_a_slice_change_recompiles_only_its_service() -> None:
 
 
 def test_a_no_op_update_keeps_the_revision_and_the_object() -> None:
-    state = two_services()
-    compiler = Compiler("node-a", CompileOptions())
-    before = compiler.update(state)
-    assert not state.set_slice(
-        decoded(
-            make_slice(name="a-1", service="a", endpoints=[make_endpoint("10.244.1.5", "node-a")])
-        )
-    )
+    state, compiler, before = started()
+    assert not state.set_slice(slice_of("a-1", "a", "10.244.1.5", "node-a"))
     assert compiler.update(state) is before
 
 
 def test_an_unrelated_change_that_compiles_the_same_keeps_the_revision() -> None:
-    state = two_services()
-    compiler = Compiler("node-a", CompileOptions())
-    before = compiler.update(state)
+    state, compiler, before = started()
     # A label the compiler does not use changes the object but not the result.
     state.set_service(
         decoded(
@@ -99,9 +94,7 @@ def test_an_unrelated_change_that_compiles_the_same_keeps_the_revision() -> None
 
 
 def test_deleting_and_re_adding_a_service() -> None:
-    state = two_services()
-    compiler = Compiler("node-a", CompileOptions())
-    full = compiler.update(state)
+    state, compiler, full = started()
     state.delete_service("default", "a")
     without = compiler.update(state)
     assert [e.name for e in without.services] == ["b"]
@@ -110,14 +103,8 @@ def test_deleting_and_re_adding_a_service() -> None:
 
 
 def test_moving_a_slice_to_another_service_updates_both() -> None:
-    state = two_services()
-    compiler = Compiler("node-a", CompileOptions())
-    compiler.update(state)
-    state.set_slice(
-        decoded(
-            make_slice(name="a-1", service="b", endpoints=[make_endpoint("10.244.1.5", "node-a")])
-        )
-    )
+    state, compiler, _ = started()
+    state.set_slice(slice_of("a-1", "b", "10.244.1.5", "node-a"))
     after = compiler.update(state)
     assert entry_of(after, "a").has_endpoints is False
     assert [b.ip for b in entry_of(after, "b").cluster_backends] == ["10.244.1.5", "10.244.2.5"]
@@ -252,17 +239,9 @@ def test_an_update_that_raises_loses_no_other_change_of_its_batch(monkeypatch) -
     """A Service that cannot be compiled (a lone surrogate once made the digest raise)
     must not cost the other changes of the same batch: the next update compiles all."""
     compile_module = sys.modules[Compiler.__module__]
-    state = two_services()
-    compiler = Compiler("node-a", CompileOptions())
-    compiler.update(state)
-    state.set_slice(
-        decoded(make_slice(name="b-1", service="b",
-                           endpoints=[make_endpoint("10.244.2.6", "node-b")]))
-    )  # fmt: skip
-    state.set_slice(
-        decoded(make_slice(name="a-1", service="a",
-                           endpoints=[make_endpoint("10.244.1.6", "node-a")]))
-    )  # fmt: skip
+    state, compiler, _ = started()
+    state.set_slice(slice_of("b-1", "b", "10.244.2.6", "node-b"))
+    state.set_slice(slice_of("a-1", "a", "10.244.1.6", "node-a"))
     real = compile_module.compile_service
 
     def failing(service, slices, ctx):
@@ -296,13 +275,7 @@ def test_the_changes_an_update_hands_over_cover_every_entry_that_differs(history
     following.apply(before)
     scanning.apply(before)
     for change, synced in steps:
-        action, payload = change
-        if action == "upsert":
-            objects[object_key(payload)] = payload
-            feed(agent_state, payload)
-        else:
-            objects.pop(payload, None)
-            forget(agent_state, payload)
+        step(agent_state, objects, change)
         if not synced:
             continue
         after = compiler.update(agent_state)

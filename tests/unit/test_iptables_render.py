@@ -35,9 +35,19 @@ from agent.dataplane.iptables.tracer import Ruleset, Trace, UnknownRule, load, p
 from agent.model.compile import compile
 from agent.model.nodestate import LOAD_BALANCER, NodeState, ServiceEntry
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
+from ..builders import (
+    NODE_INDEX,
+    Obj,
+    both,
+    default_nodes,
+    ep,
+    ep6,
+    make_service,
+    make_slice,
+    spec,
+    state_of,
+)
 
-NODE_INDEX = {"node-a": 1, "node-b": 2, "node-c": 3}
 NODE_IPS = ("192.0.2.10", "2001:db8::10")
 V4 = RenderOptions(IPV4, ("10.244.0.0/16",), ("veth+",))
 V6 = RenderOptions(IPV6, ("fd00:244::/32",), ("veth+",))
@@ -67,15 +77,6 @@ LB_VIP = ("203.0.113.9", 80)
 # --- building NodeStates ---------------------------------------------------------------
 
 
-def ep(n: int, node: str = "node-b", **conditions: bool) -> Obj:
-    """Pod n of `node`, ready unless conditions say otherwise."""
-    return make_endpoint(f"10.244.{NODE_INDEX[node]}.{n}", node, **conditions)
-
-
-def ep6(n: int, node: str = "node-b") -> Obj:
-    return make_endpoint(f"fd00:244:{NODE_INDEX[node]}::{n}", node)
-
-
 def at(n: int, node: str = "node-b") -> str:
     """The DNAT target of pod n of `node`."""
     return f"10.244.{NODE_INDEX[node]}.{n}:8080"
@@ -86,13 +87,6 @@ def at6(n: int, node: str = "node-b") -> str:
 
 
 Mutator = Callable[[Obj], None]
-
-
-def spec(**fields: object) -> Mutator:
-    def mutate(obj: Obj) -> None:
-        obj["spec"].update(fields)
-
-    return mutate
 
 
 def node_port(etp: str = "Cluster") -> Mutator:
@@ -132,14 +126,6 @@ def protocol(name: str) -> Mutator:
 
 def dual_stack(obj: Obj) -> None:
     obj["spec"].update(clusterIPs=["10.96.0.1", "fd00:96::1"], ipFamilyPolicy="RequireDualStack")
-
-
-def both(*mutators: Mutator) -> Mutator:
-    def mutate(obj: Obj) -> None:
-        for m in mutators:
-            m(obj)
-
-    return mutate
 
 
 def svc(
@@ -216,183 +202,107 @@ class Case:
 
 
 CASES = [
-    Case(
-        "a ClusterIP splits evenly over its cluster endpoints",
-        svc(THREE_REMOTE), POD, CLUSTER_IP, EVENLY_THREE, chains=("SVC", "SEP"),
-    ),
-    Case(
-        "a client outside the pod CIDR reaching a ClusterIP is masqueraded",
-        svc(THREE_REMOTE), OUTSIDE, CLUSTER_IP, EVENLY_THREE, masquerade=True,
-    ),
-    Case(
-        "the node reaching a ClusterIP is masqueraded",
-        svc(THREE_REMOTE), NODE, CLUSTER_IP, EVENLY_THREE, masquerade=True,
-    ),
-    Case(
-        "a pod reaching itself through its ClusterIP is masqueraded (hairpin)",
-        svc([ep(99, "node-a")]), POD, CLUSTER_IP, {at(99, "node-a"): 1.0}, masquerade=True,
-    ),
-    Case(
-        "internalTrafficPolicy Local uses only the endpoints on this node",
+    Case("a ClusterIP splits evenly over its cluster endpoints", svc(THREE_REMOTE), POD, CLUSTER_IP,
+        EVENLY_THREE, chains=("SVC", "SEP")),
+    Case("a client outside the pod CIDR reaching a ClusterIP is masqueraded", svc(THREE_REMOTE),
+        OUTSIDE, CLUSTER_IP, EVENLY_THREE, masquerade=True),
+    Case("the node reaching a ClusterIP is masqueraded", svc(THREE_REMOTE), NODE, CLUSTER_IP,
+        EVENLY_THREE, masquerade=True),
+    Case("a pod reaching itself through its ClusterIP is masqueraded (hairpin)",
+        svc([ep(99, "node-a")]), POD, CLUSTER_IP, {at(99, "node-a"): 1.0}, masquerade=True),
+    Case("internalTrafficPolicy Local uses only the endpoints on this node",
         svc(MIXED, spec(internalTrafficPolicy="Local")), POD, CLUSTER_IP, LOCAL_ONLY,
-        chains=("SVL", "SEP"),
-    ),
-    Case(
-        "internalTrafficPolicy Local drops when endpoints exist but none is on this node",
+        chains=("SVL", "SEP")),
+    Case("internalTrafficPolicy Local drops when endpoints exist but none is on this node",
         svc(THREE_REMOTE, spec(internalTrafficPolicy="Local")), POD, CLUSTER_IP, {},
-        verdict="DROP",
-    ),
-    Case(
-        "a ClusterIP with no endpoints at all is rejected",
-        svc([], load_balancer()), POD, CLUSTER_IP, {}, verdict="REJECT",
-    ),
-    Case(
-        "a NodePort with no endpoints at all is rejected",
-        svc([], load_balancer()), OUTSIDE, NODE_PORT, {}, verdict="REJECT",
-    ),
-    Case(
-        "an ExternalIP with no endpoints at all is rejected",
-        svc([], load_balancer()), OUTSIDE, EXTERNAL_IP, {}, verdict="REJECT",
-    ),
-    Case(
-        "a LoadBalancer VIP with no endpoints at all is rejected",
-        svc([], load_balancer()), OUTSIDE, LB_VIP, {}, verdict="REJECT",
-    ),
-    Case(
-        "a source-ranged LoadBalancer VIP with no endpoints at all is rejected, even for a "
+        verdict="DROP"),
+    Case("a ClusterIP with no endpoints at all is rejected", svc([], load_balancer()), POD,
+        CLUSTER_IP, {}, verdict="REJECT"),
+    Case("a NodePort with no endpoints at all is rejected", svc([], load_balancer()), OUTSIDE,
+        NODE_PORT, {}, verdict="REJECT"),
+    Case("an ExternalIP with no endpoints at all is rejected", svc([], load_balancer()), OUTSIDE,
+        EXTERNAL_IP, {}, verdict="REJECT"),
+    Case("a LoadBalancer VIP with no endpoints at all is rejected", svc([], load_balancer()),
+        OUTSIDE, LB_VIP, {}, verdict="REJECT"),
+    Case("a source-ranged LoadBalancer VIP with no endpoints at all is rejected, even for a "
         "client the ranges refuse",
         svc([], load_balancer(ranges=("198.51.100.0/24",))), STRANGER, LB_VIP, {},
-        verdict="REJECT",
-    ),
-    Case(
-        "only unready endpoints count as no endpoints: rejected",
-        svc([ep(1, ready=False)]), POD, CLUSTER_IP, {}, verdict="REJECT",
-    ),
-    Case(
-        "externalTrafficPolicy Cluster: an outside client on a NodePort is masqueraded and "
+        verdict="REJECT"),
+    Case("only unready endpoints count as no endpoints: rejected", svc([ep(1, ready=False)]), POD,
+        CLUSTER_IP, {}, verdict="REJECT"),
+    Case("externalTrafficPolicy Cluster: an outside client on a NodePort is masqueraded and "
         "reaches every cluster endpoint",
         svc(MIXED, node_port()), OUTSIDE, NODE_PORT, ALL_MIXED, masquerade=True,
-        chains=("EXT", "MARK-MASQ", "SVC", "SEP"),
-    ),
-    Case(
-        "externalTrafficPolicy Cluster: an outside client on an ExternalIP is masqueraded and "
+        chains=("EXT", "MARK-MASQ", "SVC", "SEP")),
+    Case("externalTrafficPolicy Cluster: an outside client on an ExternalIP is masqueraded and "
         "reaches every cluster endpoint",
-        svc(MIXED, load_balancer()), OUTSIDE, EXTERNAL_IP, ALL_MIXED, masquerade=True,
-    ),
-    Case(
-        "externalTrafficPolicy Cluster: a pod on a NodePort is masqueraded too",
-        svc(MIXED, node_port()), POD, NODE_PORT, ALL_MIXED, masquerade=True,
-    ),
-    Case(
-        "externalTrafficPolicy Local: an outside client reaches only local endpoints and "
+        svc(MIXED, load_balancer()), OUTSIDE, EXTERNAL_IP, ALL_MIXED, masquerade=True),
+    Case("externalTrafficPolicy Cluster: a pod on a NodePort is masqueraded too",
+        svc(MIXED, node_port()), POD, NODE_PORT, ALL_MIXED, masquerade=True),
+    Case("externalTrafficPolicy Local: an outside client reaches only local endpoints and "
         "keeps its address",
         svc(MIXED, node_port("Local")), OUTSIDE, NODE_PORT, LOCAL_ONLY,
-        chains=("EXT", "SVL", "SEP"),
-    ),
-    Case(
-        "externalTrafficPolicy Local: an outside client on a LoadBalancer VIP reaches only "
+        chains=("EXT", "SVL", "SEP")),
+    Case("externalTrafficPolicy Local: an outside client on a LoadBalancer VIP reaches only "
         "local endpoints",
-        svc(MIXED, load_balancer("Local")), OUTSIDE, LB_VIP, LOCAL_ONLY,
-    ),
-    Case(
-        "externalTrafficPolicy Local: a pod in the pod CIDR reaches every cluster endpoint",
-        svc(MIXED, node_port("Local")), POD, NODE_PORT, ALL_MIXED, chains=("EXT", "SVC", "SEP"),
-    ),
-    Case(
-        "externalTrafficPolicy Local without a pod CIDR: a pod on a pod interface reaches "
+        svc(MIXED, load_balancer("Local")), OUTSIDE, LB_VIP, LOCAL_ONLY),
+    Case("externalTrafficPolicy Local: a pod in the pod CIDR reaches every cluster endpoint",
+        svc(MIXED, node_port("Local")), POD, NODE_PORT, ALL_MIXED, chains=("EXT", "SVC", "SEP")),
+    Case("externalTrafficPolicy Local without a pod CIDR: a pod on a pod interface reaches "
         "every cluster endpoint",
-        svc(MIXED, node_port("Local")), POD, NODE_PORT, ALL_MIXED, options=V4_NO_CIDR,
-    ),
-    Case(
-        "externalTrafficPolicy Local without a pod CIDR: an outside client still reaches only "
+        svc(MIXED, node_port("Local")), POD, NODE_PORT, ALL_MIXED, options=V4_NO_CIDR),
+    Case("externalTrafficPolicy Local without a pod CIDR: an outside client still reaches only "
         "local endpoints",
-        svc(MIXED, node_port("Local")), OUTSIDE, NODE_PORT, LOCAL_ONLY, options=V4_NO_CIDR,
-    ),
-    Case(
-        "externalTrafficPolicy Local: the node itself reaches every cluster endpoint, "
+        svc(MIXED, node_port("Local")), OUTSIDE, NODE_PORT, LOCAL_ONLY, options=V4_NO_CIDR),
+    Case("externalTrafficPolicy Local: the node itself reaches every cluster endpoint, "
         "masqueraded",
         svc(MIXED, node_port("Local")), NODE, NODE_PORT, ALL_MIXED, masquerade=True,
-        chains=("EXT", "MARK-MASQ", "SVC", "SEP"),
-    ),
-    Case(
-        "externalTrafficPolicy Local with no local endpoint: an outside client is dropped",
-        svc(THREE_REMOTE, node_port("Local")), OUTSIDE, NODE_PORT, {}, verdict="DROP",
-    ),
-    Case(
-        "externalTrafficPolicy Local with no local endpoint: a pod still reaches the cluster "
+        chains=("EXT", "MARK-MASQ", "SVC", "SEP")),
+    Case("externalTrafficPolicy Local with no local endpoint: an outside client is dropped",
+        svc(THREE_REMOTE, node_port("Local")), OUTSIDE, NODE_PORT, {}, verdict="DROP"),
+    Case("externalTrafficPolicy Local with no local endpoint: a pod still reaches the cluster "
         "endpoints",
-        svc(THREE_REMOTE, node_port("Local")), POD, NODE_PORT, EVENLY_THREE,
-    ),
-    Case(
-        "externalTrafficPolicy Local with no local endpoint: the node still reaches the "
+        svc(THREE_REMOTE, node_port("Local")), POD, NODE_PORT, EVENLY_THREE),
+    Case("externalTrafficPolicy Local with no local endpoint: the node still reaches the "
         "cluster endpoints",
-        svc(THREE_REMOTE, node_port("Local")), NODE, NODE_PORT, EVENLY_THREE, masquerade=True,
-    ),
-    Case(
-        "externalTrafficPolicy Local with no local endpoint: the ClusterIP still works",
-        svc(THREE_REMOTE, node_port("Local")), POD, CLUSTER_IP, EVENLY_THREE,
-    ),
-    Case(
-        "loadBalancerSourceRanges: an allowed client reaches the endpoints",
+        svc(THREE_REMOTE, node_port("Local")), NODE, NODE_PORT, EVENLY_THREE, masquerade=True),
+    Case("externalTrafficPolicy Local with no local endpoint: the ClusterIP still works",
+        svc(THREE_REMOTE, node_port("Local")), POD, CLUSTER_IP, EVENLY_THREE),
+    Case("loadBalancerSourceRanges: an allowed client reaches the endpoints",
         svc(THREE_REMOTE, load_balancer(ranges=("198.51.100.0/24",))), OUTSIDE, LB_VIP,
-        EVENLY_THREE, masquerade=True, chains=("FW", "EXT", "MARK-MASQ", "SVC", "SEP"),
-    ),
-    Case(
-        "loadBalancerSourceRanges: any other client is dropped",
+        EVENLY_THREE, masquerade=True, chains=("FW", "EXT", "MARK-MASQ", "SVC", "SEP")),
+    Case("loadBalancerSourceRanges: any other client is dropped",
         svc(THREE_REMOTE, load_balancer(ranges=("198.51.100.0/24",))), STRANGER, LB_VIP, {},
-        verdict="DROP",
-    ),
-    Case(
-        "loadBalancerSourceRanges do not restrict the NodePort",
+        verdict="DROP"),
+    Case("loadBalancerSourceRanges do not restrict the NodePort",
         svc(THREE_REMOTE, load_balancer(ranges=("198.51.100.0/24",))), STRANGER, NODE_PORT,
-        EVENLY_THREE, masquerade=True,
-    ),
-    Case(
-        "loadBalancerSourceRanges with externalTrafficPolicy Local: an allowed client reaches "
+        EVENLY_THREE, masquerade=True),
+    Case("loadBalancerSourceRanges with externalTrafficPolicy Local: an allowed client reaches "
         "the local endpoints",
         svc(MIXED, load_balancer("Local", ("198.51.100.0/24",))), OUTSIDE, LB_VIP, LOCAL_ONLY,
-        chains=("FW", "EXT", "SVL", "SEP"),
-    ),
-    Case(
-        "a UDP ClusterIP reaches its endpoints",
-        svc(THREE_REMOTE, proto="UDP"), POD, CLUSTER_IP, EVENLY_THREE, proto="udp",
-    ),
-    Case(
-        "TCP to a UDP-only service port is left alone",
-        svc(THREE_REMOTE, proto="UDP"), POD, CLUSTER_IP, {},
-    ),
-    Case(
-        "an SCTP ClusterIP reaches its endpoints",
-        svc(THREE_REMOTE, proto="SCTP"), POD, CLUSTER_IP, EVENLY_THREE, proto="sctp",
-    ),
-    Case(
-        "UDP to an SCTP-only service port is left alone",
-        svc(THREE_REMOTE, proto="SCTP"), POD, CLUSTER_IP, {}, proto="udp",
-    ),
-    Case(
-        "another port of the ClusterIP is left alone",
-        svc(THREE_REMOTE), POD, ("10.96.0.1", 81), {},
-    ),
-    Case(
-        "an IPv6 ClusterIP splits over the IPv6 endpoints",
+        chains=("FW", "EXT", "SVL", "SEP")),
+    Case("a UDP ClusterIP reaches its endpoints", svc(THREE_REMOTE, proto="UDP"), POD, CLUSTER_IP,
+        EVENLY_THREE, proto="udp"),
+    Case("TCP to a UDP-only service port is left alone", svc(THREE_REMOTE, proto="UDP"), POD,
+        CLUSTER_IP, {}),
+    Case("an SCTP ClusterIP reaches its endpoints", svc(THREE_REMOTE, proto="SCTP"), POD,
+        CLUSTER_IP, EVENLY_THREE, proto="sctp"),
+    Case("UDP to an SCTP-only service port is left alone", svc(THREE_REMOTE, proto="SCTP"), POD,
+        CLUSTER_IP, {}, proto="udp"),
+    Case("another port of the ClusterIP is left alone", svc(THREE_REMOTE), POD, ("10.96.0.1", 81),
+        {}),
+    Case("an IPv6 ClusterIP splits over the IPv6 endpoints",
         svc(THREE_REMOTE, dual_stack, endpoints6=[ep6(1), ep6(2)]), POD6, ("fd00:96::1", 80),
-        {at6(1): 0.5, at6(2): 0.5}, options=V6,
-    ),
-    Case(
-        "an IPv6 client outside the pod CIDR reaching a ClusterIP is masqueraded",
+        {at6(1): 0.5, at6(2): 0.5}, options=V6),
+    Case("an IPv6 client outside the pod CIDR reaching a ClusterIP is masqueraded",
         svc(THREE_REMOTE, dual_stack, endpoints6=[ep6(1)]), OUTSIDE6, ("fd00:96::1", 80),
-        {at6(1): 1.0}, masquerade=True, options=V6,
-    ),
-    Case(
-        "an IPv6 NodePort with externalTrafficPolicy Local reaches only the local endpoint",
+        {at6(1): 1.0}, masquerade=True, options=V6),
+    Case("an IPv6 NodePort with externalTrafficPolicy Local reaches only the local endpoint",
         svc([], both(dual_stack, node_port("Local")), endpoints6=[ep6(1, "node-a"), ep6(2)]),
-        OUTSIDE6, ("2001:db8::10", 30080), {at6(1, "node-a"): 1.0}, options=V6,
-    ),
-    Case(
-        "an IPv6 ClusterIP with no endpoints is rejected",
+        OUTSIDE6, ("2001:db8::10", 30080), {at6(1, "node-a"): 1.0}, options=V6),
+    Case("an IPv6 ClusterIP with no endpoints is rejected",
         svc(THREE_REMOTE, dual_stack, endpoints6=[]), POD6, ("fd00:96::1", 80), {},
-        verdict="REJECT", options=V6,
-    ),
+        verdict="REJECT", options=V6),
 ]  # fmt: skip
 
 

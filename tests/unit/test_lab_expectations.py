@@ -39,7 +39,7 @@ from agent.model.compile import compile
 from agent.model.nodestate import Backend, Frontend, ServiceEntry
 from agent.sources.manifests import load_manifests, manifest_files, read_objects
 
-from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
+from ..builders import default_nodes, make_endpoint, make_service, make_slice, spec, state_of
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 CLIENT = "10.244.1.254"
@@ -68,13 +68,6 @@ def web(*endpoints, mutate=None) -> list:
         make_service(name="web", mutate=mutate),
         make_slice(service="web", endpoints=list(endpoints)),
     ]
-
-
-def spec(**fields):
-    def mutate(obj) -> None:
-        obj["spec"].update(fields)
-
-    return mutate
 
 
 # --- which set a packet from a pod uses ------------------------------------------------

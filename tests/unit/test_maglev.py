@@ -15,20 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from agent.dataplane.ebpf.maglev import DEFAULT_TABLE_SIZE, is_prime, maglev_table
 
+from .strategies import property_settings
+
 SIZE = DEFAULT_TABLE_SIZE
 ROOT = Path(__file__).resolve().parents[2]
 
-SETTINGS = settings(
-    max_examples=int(os.environ.get("KBP_PROPERTY_EXAMPLES", "100")),
-    derandomize=True,
-    database=None,
-    deadline=None,
-)
+SETTINGS = property_settings()
 
 
 def pods(n: int, first: int = 1) -> list[str]:

@@ -3,10 +3,11 @@ store gets the new full state; bad input never loses the last good state."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,13 +47,22 @@ def ports(store: StateStore) -> dict[str, int]:
         return {s.name: s.ports[0].port for s in store.state.services.values()}
 
 
-def test_changed_added_and_removed_files_reach_the_store(tmp_path: Path) -> None:
-    web = tmp_path / "web.yaml"
-    write(web, SERVICE.format(name="web", ip="10.96.0.10", port=80))
+@contextlib.contextmanager
+def watching(web: Path, text: str) -> Iterator[tuple[StateStore, ManifestSource]]:
+    """`text` written to `web`, and a source watching its directory every 50 ms."""
+    write(web, text)
     store = StateStore()
-    source = ManifestSource([str(tmp_path)], store, interval=0.05)
+    source = ManifestSource([str(web.parent)], store, interval=0.05)
     source.start()
     try:
+        yield store, source
+    finally:
+        source.stop()
+
+
+def test_changed_added_and_removed_files_reach_the_store(tmp_path: Path) -> None:
+    web = tmp_path / "web.yaml"
+    with watching(web, SERVICE.format(name="web", ip="10.96.0.10", port=80)) as (store, _):
         assert ports(store) == {"web": 80}
         write(web, SERVICE.format(name="web", ip="10.96.0.10", port=8080))
         wait_until(lambda: ports(store) == {"web": 8080})
@@ -60,41 +70,26 @@ def test_changed_added_and_removed_files_reach_the_store(tmp_path: Path) -> None
         wait_until(lambda: ports(store) == {"web": 8080, "api": 443})
         (tmp_path / "api.yaml").unlink()
         wait_until(lambda: ports(store) == {"web": 8080})
-    finally:
-        source.stop()
 
 
 def test_malformed_object_keeps_its_last_good_version(tmp_path: Path) -> None:
     web = tmp_path / "web.yaml"
-    write(web, SERVICE.format(name="web", ip="10.96.0.10", port=80)
-          + "---\n" + SERVICE.format(name="api", ip="10.96.0.11", port=443))  # fmt: skip
-    store = StateStore()
-    source = ManifestSource([str(tmp_path)], store, interval=0.05)
-    source.start()
-    try:
+    with watching(web, TWO) as (store, source):  # web port 80, api port 443
         loads = source.loads
         write(web, SERVICE.format(name="web", ip="10.96.0.10", port=70000)  # out of range
               + "---\n" + SERVICE.format(name="api", ip="10.96.0.11", port=444))  # fmt: skip
         wait_until(lambda: source.loads > loads)
         assert ports(store) == {"web": 80, "api": 444}
-    finally:
-        source.stop()
 
 
 def test_unreadable_file_keeps_the_whole_previous_state(tmp_path: Path) -> None:
     web = tmp_path / "web.yaml"
-    write(web, SERVICE.format(name="web", ip="10.96.0.10", port=80))
-    store = StateStore()
-    source = ManifestSource([str(tmp_path)], store, interval=0.05)
-    source.start()
-    try:
+    with watching(web, SERVICE.format(name="web", ip="10.96.0.10", port=80)) as (store, _):
         write(web, "kind: Service\nmetadata: {name: [unclosed\n")
         time.sleep(0.3)
         assert ports(store) == {"web": 80}
         write(web, SERVICE.format(name="web", ip="10.96.0.10", port=81))
         wait_until(lambda: ports(store) == {"web": 81})
-    finally:
-        source.stop()
 
 
 # --- faults in the file source: one line each, last good objects kept, nothing lost --------

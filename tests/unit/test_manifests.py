@@ -77,72 +77,29 @@ class Shape:
 
 
 SHAPES = [
-    Shape(
-        "multi-document YAML with empty and comment-only documents",
-        "all.yaml",
-        "---\n---\n"
-        + as_yaml(SERVICE)
-        + "---\n# only a comment\n---\n"
-        + as_yaml(SLICE, NODE)
-        + "---\n...\n",
-        ALL,
-    ),
+    Shape("multi-document YAML with empty and comment-only documents", "all.yaml",
+          "---\n---\n" + as_yaml(SERVICE) + "---\n# only a comment\n---\n"
+          + as_yaml(SLICE, NODE) + "---\n...\n", ALL),
     Shape("a YAML file holding one object", "web.yml", as_yaml(SERVICE), WEB),
     Shape("a JSON file holding one object", "web.json", as_json(SERVICE), WEB),
-    Shape(
-        "a YAML kind List",
-        "list.yaml",
-        as_yaml({"apiVersion": "v1", "kind": "List", "items": [SERVICE, SLICE, NODE]}),
-        ALL,
-    ),
-    Shape(
-        "a JSON kind List as kubectl get -o json prints it",
-        "list.json",
-        as_json(
-            {
-                "apiVersion": "v1",
-                "kind": "List",
-                "metadata": {"resourceVersion": ""},
-                "items": [SERVICE, SLICE, NODE],
-            }
-        ),
-        ALL,
-    ),
-    Shape(
-        "a JSON ServiceList from an API LIST whose items carry no kind",
-        "services.json",
-        as_json(
-            {
-                "kind": "ServiceList",
-                "apiVersion": "v1",
-                "metadata": {"resourceVersion": "4711"},
-                "items": [without_kind(SERVICE)],
-            }
-        ),
-        WEB,
-    ),
-    Shape(
-        "typed Service, EndpointSlice and Node lists in one YAML file",
-        "typed.yaml",
-        as_yaml(
-            {"kind": "ServiceList", "apiVersion": "v1", "items": [without_kind(SERVICE)]},
-            {
-                "kind": "EndpointSliceList",
-                "apiVersion": "discovery.k8s.io/v1",
-                "items": [without_kind(SLICE)],
-            },
-            {"kind": "NodeList", "apiVersion": "v1", "items": [without_kind(NODE)]},
-        ),
-        ALL,
-    ),
-    Shape(
-        "an empty kind List",
-        "empty-list.yaml",
-        as_yaml({"apiVersion": "v1", "kind": "List", "items": []}),
-        [],
-    ),
+    Shape("a YAML kind List", "list.yaml",
+          as_yaml({"apiVersion": "v1", "kind": "List", "items": [SERVICE, SLICE, NODE]}), ALL),
+    Shape("a JSON kind List as kubectl get -o json prints it", "list.json",
+          as_json({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": ""},
+                   "items": [SERVICE, SLICE, NODE]}), ALL),
+    Shape("a JSON ServiceList from an API LIST whose items carry no kind", "services.json",
+          as_json({"kind": "ServiceList", "apiVersion": "v1",
+                   "metadata": {"resourceVersion": "4711"}, "items": [without_kind(SERVICE)]}),
+          WEB),
+    Shape("typed Service, EndpointSlice and Node lists in one YAML file", "typed.yaml",
+          as_yaml({"kind": "ServiceList", "apiVersion": "v1", "items": [without_kind(SERVICE)]},
+                  {"kind": "EndpointSliceList", "apiVersion": "discovery.k8s.io/v1",
+                   "items": [without_kind(SLICE)]},
+                  {"kind": "NodeList", "apiVersion": "v1", "items": [without_kind(NODE)]}), ALL),
+    Shape("an empty kind List", "empty-list.yaml",
+          as_yaml({"apiVersion": "v1", "kind": "List", "items": []}), []),
     Shape("a YAML file of comments only", "comments.yaml", "# nothing here yet\n", []),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.id for s in SHAPES])
@@ -294,54 +251,27 @@ def fqdn_slice() -> Obj:
     return obj
 
 
+SHOP_WEB = {"namespace": "shop", "name": "web"}
 IGNORED = [
-    Ignored(
-        "a Deployment is an unknown kind",
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"namespace": "shop", "name": "web"},
-            "spec": {"replicas": 3, "template": {"spec": {"containers": [{"name": "web"}]}}},
-        },
-        "Deployment",
-    ),
-    Ignored(
-        "a ConfigMap is an unknown kind",
-        {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {"namespace": "shop", "name": "web"},
-            "data": {"port": "80"},
-        },
-        "ConfigMap",
-    ),
-    Ignored(
-        "an Endpoints object is not read (slices are)",
-        {
-            "apiVersion": "v1",
-            "kind": "Endpoints",
-            "metadata": {"namespace": "shop", "name": "web"},
-            "subsets": [{"addresses": [{"ip": "10.244.2.7"}], "ports": [{"port": 8080}]}],
-        },
-        "Endpoints",
-    ),
-    Ignored(
-        "a discovery.k8s.io/v1beta1 EndpointSlice is an unknown version",
-        endpoint_slice_v1beta1(),
-        "EndpointSlice",
-    ),
-    Ignored(
-        "an MCS ServiceExport is not a kind the agent reads",
-        {
-            "apiVersion": "multicluster.x-k8s.io/v1alpha1",
-            "kind": "ServiceExport",
-            "metadata": {"namespace": "shop", "name": "web"},
-        },
-        "ServiceExport",
-    ),
+    Ignored("a Deployment is an unknown kind",
+            {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": SHOP_WEB,
+             "spec": {"replicas": 3, "template": {"spec": {"containers": [{"name": "web"}]}}}},
+            "Deployment"),
+    Ignored("a ConfigMap is an unknown kind",
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": SHOP_WEB,
+             "data": {"port": "80"}}, "ConfigMap"),
+    Ignored("an Endpoints object is not read (slices are)",
+            {"apiVersion": "v1", "kind": "Endpoints", "metadata": SHOP_WEB,
+             "subsets": [{"addresses": [{"ip": "10.244.2.7"}], "ports": [{"port": 8080}]}]},
+            "Endpoints"),
+    Ignored("a discovery.k8s.io/v1beta1 EndpointSlice is an unknown version",
+            endpoint_slice_v1beta1(), "EndpointSlice"),
+    Ignored("an MCS ServiceExport is not a kind the agent reads",
+            {"apiVersion": "multicluster.x-k8s.io/v1alpha1", "kind": "ServiceExport",
+             "metadata": SHOP_WEB}, "ServiceExport"),
     Ignored("a slice of a headless Service is skipped", headless_slice(), "EndpointSlice"),
     Ignored("an FQDN slice is skipped", fqdn_slice(), "EndpointSlice"),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", IGNORED, ids=[c.id for c in IGNORED])

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import copy
 import ipaddress
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
 
 from agent.cli import render
@@ -49,17 +48,10 @@ from tests.unit.strategies import (
     clusters,
     histories,
     object_key,
+    property_settings,
 )
 
-# Deterministic in CI: no example database, a fixed seed derived from each test. A deeper
-# local run: KBP_PROPERTY_EXAMPLES=2000 (still deterministic, different examples).
-SETTINGS = settings(
-    max_examples=int(os.environ.get("KBP_PROPERTY_EXAMPLES", "100")),
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+SETTINGS = property_settings(HealthCheck.too_slow)
 
 Entry = dict[str, Any]
 Backend = dict[str, Any]

@@ -34,6 +34,8 @@ from agent.dataplane.base import DataplaneError
 from agent.dataplane.fake import FakeDataplane
 from agent.dataplane.iptables.backend import BackendError
 
+from ..builders import write_kubeconfig
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -412,14 +414,8 @@ def test_an_agent_whose_api_server_does_not_answer_applies_nothing(tmp_path: Pat
     with socket.socket() as listener:  # accepts nothing: connections are refused
         listener.bind(("127.0.0.1", 0))
         server = f"https://127.0.0.1:{listener.getsockname()[1]}"
-    config = tmp_path / "kubeconfig"
-    config.write_text(
-        "apiVersion: v1\nkind: Config\n"
-        f"clusters: [{{name: c, cluster: {{server: '{server}'}}}}]\n"
-        "users: [{name: u, user: {token: t}}]\n"
-        "contexts: [{name: x, context: {cluster: c, user: u}}]\ncurrent-context: x\n"
-    )
-    agent = Agent(Settings(dataplane="none", kubeconfig=str(config), node="node-a",
+    config = write_kubeconfig(tmp_path / "kubeconfig", server)
+    agent = Agent(Settings(dataplane="none", kubeconfig=config, node="node-a",
                            metrics_bind_address="127.0.0.1:0",
                            healthz_bind_address="127.0.0.1:0"))  # fmt: skip
     try:

@@ -14,7 +14,7 @@ import pytest
 
 from agent.model.compile import CompileOptions, compile
 
-from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, state_of
+from ..builders import Obj, default_nodes, make_endpoint, make_service, make_slice, spec, state_of
 
 ep = make_endpoint
 KARMADA = {"endpointslice.karmada.io/provision-cluster": "member2"}
@@ -36,13 +36,6 @@ def remote_slice(name: str, endpoints: list[Obj], **labels: str) -> Obj:
 def annotate(annotations: dict[str, str]) -> Callable[[Obj], None]:
     def mutate(obj: Obj) -> None:
         obj["metadata"]["annotations"] = dict(annotations)
-
-    return mutate
-
-
-def spec(**fields: object) -> Callable[[Obj], None]:
-    def mutate(obj: Obj) -> None:
-        obj["spec"].update(fields)
 
     return mutate
 
@@ -77,482 +70,206 @@ class Case:
 
 CASES = [
     # --- readiness (kube-proxy: ready, else serving-terminating) ---------------------------
-    Case(
-        "ready endpoints are used and unready ones are not",
-        [
-            make_slice(
-                endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b", ready=False)]
-            )
-        ],
-        ["10.244.1.5:8080"],
-    ),
-    Case(
-        "nil ready and serving conditions mean ready",
-        [make_slice(endpoints=[ep("10.244.2.5", "node-b", ready=None)])],
-        ["10.244.2.5:8080"],
-    ),
-    Case(
-        "with no ready endpoint the serving terminating ones are used",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.1.5", "node-a", ready=False, serving=True, terminating=True),
-                    ep("10.244.2.5", "node-b", ready=False, serving=False, terminating=False),
-                ]
-            )
-        ],
-        ["10.244.1.5:8080"],
-    ),
-    Case(
-        "terminating endpoints are not used while a ready one exists",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.1.5", "node-a", ready=False, serving=True, terminating=True),
-                    ep("10.244.2.5", "node-b"),
-                ]
-            )
-        ],
-        ["10.244.2.5:8080"],
-    ),
-    Case(
-        "terminating endpoints that stopped serving are never used",
-        [
-            make_slice(
-                endpoints=[ep("10.244.1.5", "node-a", ready=False, serving=False, terminating=True)]
-            )
-        ],
-        [],
-        has_endpoints=False,
-    ),
+    Case("ready endpoints are used and unready ones are not",
+        [make_slice(
+            endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b", ready=False)])],
+        ["10.244.1.5:8080"]),
+    Case("nil ready and serving conditions mean ready",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", ready=None)])], ["10.244.2.5:8080"]),
+    Case("with no ready endpoint the serving terminating ones are used",
+        [make_slice(endpoints=[
+            ep("10.244.1.5", "node-a", ready=False, serving=True, terminating=True),
+            ep("10.244.2.5", "node-b", ready=False, serving=False, terminating=False)])],
+        ["10.244.1.5:8080"]),
+    Case("terminating endpoints are not used while a ready one exists",
+        [make_slice(endpoints=[
+            ep("10.244.1.5", "node-a", ready=False, serving=True, terminating=True),
+            ep("10.244.2.5", "node-b")])], ["10.244.2.5:8080"]),
+    Case("terminating endpoints that stopped serving are never used",
+        [make_slice(
+            endpoints=[ep("10.244.1.5", "node-a", ready=False, serving=False, terminating=True)])],
+        [], has_endpoints=False),
     Case("a Service without slices has no endpoints", [], [], has_endpoints=False),
     # --- merging slices -----------------------------------------------------------------
-    Case(
-        "a duplicate ip:port across slices appears once",
-        [
-            make_slice(name="svc-1", endpoints=[ep("10.244.1.5", "node-a")]),
-            make_slice(
-                name="svc-2", endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")]
-            ),
-        ],
-        ["10.244.1.5:8080", "10.244.2.5:8080"],
-    ),
-    Case(
-        "the same port name maps to different target ports in different slices",
-        [
-            make_slice(name="svc-1", endpoints=[ep("10.244.1.5", "node-a")], port=8080),
-            make_slice(name="svc-2", endpoints=[ep("10.244.2.5", "node-b")], port=9090),
-        ],
-        ["10.244.1.5:8080", "10.244.2.5:9090"],
-    ),
-    Case(
-        "slice ports of another name are not used",
-        [make_slice(endpoints=[ep("10.244.1.5", "node-a")], port_name="metrics")],
-        [],
-        has_endpoints=False,
-    ),
-    Case(
-        "only the first address of an endpoint is used",
-        [
-            make_slice(
-                endpoints=[
-                    {"addresses": ["10.244.1.5", "10.244.1.6"], "nodeName": "node-a"},
-                ]
-            )
-        ],
-        ["10.244.1.5:8080"],
-    ),
-    Case(
-        "backends are sorted numerically by ip, then by port",
-        [
-            make_slice(
-                name="a", endpoints=[ep("10.244.1.10", "node-a"), ep("10.244.1.9", "node-a")]
-            ),
-            make_slice(name="b", endpoints=[ep("10.244.1.9", "node-a")], port=80),
-        ],
-        ["10.244.1.9:80", "10.244.1.9:8080", "10.244.1.10:8080"],
-    ),
+    Case("a duplicate ip:port across slices appears once",
+        [make_slice(name="svc-1", endpoints=[ep("10.244.1.5", "node-a")]),
+            make_slice(name="svc-2",
+                endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")])],
+        ["10.244.1.5:8080", "10.244.2.5:8080"]),
+    Case("the same port name maps to different target ports in different slices",
+        [make_slice(name="svc-1", endpoints=[ep("10.244.1.5", "node-a")], port=8080),
+            make_slice(name="svc-2", endpoints=[ep("10.244.2.5", "node-b")], port=9090)],
+        ["10.244.1.5:8080", "10.244.2.5:9090"]),
+    Case("slice ports of another name are not used",
+        [make_slice(endpoints=[ep("10.244.1.5", "node-a")], port_name="metrics")], [],
+        has_endpoints=False),
+    Case("only the first address of an endpoint is used",
+        [make_slice(endpoints=[{"addresses": ["10.244.1.5", "10.244.1.6"], "nodeName": "node-a"}])],
+        ["10.244.1.5:8080"]),
+    Case("backends are sorted numerically by ip, then by port",
+        [make_slice(name="a", endpoints=[ep("10.244.1.10", "node-a"), ep("10.244.1.9", "node-a")]),
+            make_slice(name="b", endpoints=[ep("10.244.1.9", "node-a")], port=80)],
+        ["10.244.1.9:80", "10.244.1.9:8080", "10.244.1.10:8080"]),
     # --- topology hints -----------------------------------------------------------------
-    Case(
-        "zone hints select same-zone endpoints when every ready endpoint has one",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
-                    ep("10.244.3.5", "node-c", zone_hints=["zone-2"]),
-                ]
-            )
-        ],
-        ["10.244.2.5:8080"],
-        topology="PreferSameZone",
-    ),
-    Case(
-        "zone hints are ignored when one ready endpoint has none",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
-                    ep("10.244.3.5", "node-c"),
-                ]
-            )
-        ],
-        ["10.244.2.5:8080", "10.244.3.5:8080"],
-    ),
-    Case(
-        "an unready endpoint without hints does not disable zone hints",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
-                    ep("10.244.3.5", "node-c", zone_hints=["zone-2"]),
-                    ep("10.244.3.6", "node-c", ready=False),
-                ]
-            )
-        ],
-        ["10.244.2.5:8080"],
-        topology="PreferSameZone",
-    ),
-    Case(
-        "zone hints are ignored when none names this node's zone",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-3"]),
-                    ep("10.244.3.5", "node-c", zone_hints=["zone-2"]),
-                ]
-            )
-        ],
-        ["10.244.2.5:8080", "10.244.3.5:8080"],
-    ),
-    Case(
-        "a node without a zone label ignores zone hints",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
-                    ep("10.244.3.5", "node-c", zone_hints=["zone-2"]),
-                ]
-            )
-        ],
-        ["10.244.2.5:8080", "10.244.3.5:8080"],
-        nodes=[],
-    ),
-    Case(
-        "node hints win over zone hints",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.1.5", "node-a", zone_hints=["zone-1"], node_hints=["node-a"]),
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-1"], node_hints=["node-b"]),
-                ]
-            )
-        ],
-        ["10.244.1.5:8080"],
-        topology="PreferSameNode",
-    ),
-    Case(
-        "node hints naming no endpoint for this node fall back to zone hints",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-1"], node_hints=["node-b"]),
-                    ep("10.244.3.5", "node-c", zone_hints=["zone-2"], node_hints=["node-c"]),
-                ]
-            )
-        ],
-        ["10.244.2.5:8080"],
-        topology="PreferSameZone",
-    ),
-    Case(
-        "the serving terminating fallback ignores hints",
-        [
-            make_slice(
-                endpoints=[
-                    ep(
-                        "10.244.2.5",
-                        "node-b",
-                        ready=False,
-                        serving=True,
-                        terminating=True,
-                        zone_hints=["zone-1"],
-                    ),
-                    ep(
-                        "10.244.3.5",
-                        "node-c",
-                        ready=False,
-                        serving=True,
-                        terminating=True,
-                        zone_hints=["zone-2"],
-                    ),
-                ]
-            )
-        ],
-        ["10.244.2.5:8080", "10.244.3.5:8080"],
-    ),
+    Case("zone hints select same-zone endpoints when every ready endpoint has one",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
+            ep("10.244.3.5", "node-c", zone_hints=["zone-2"])])], ["10.244.2.5:8080"],
+        topology="PreferSameZone"),
+    Case("zone hints are ignored when one ready endpoint has none",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
+            ep("10.244.3.5", "node-c")])], ["10.244.2.5:8080", "10.244.3.5:8080"]),
+    Case("an unready endpoint without hints does not disable zone hints",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
+            ep("10.244.3.5", "node-c", zone_hints=["zone-2"]),
+            ep("10.244.3.6", "node-c", ready=False)])], ["10.244.2.5:8080"],
+        topology="PreferSameZone"),
+    Case("zone hints are ignored when none names this node's zone",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-3"]),
+            ep("10.244.3.5", "node-c", zone_hints=["zone-2"])])],
+        ["10.244.2.5:8080", "10.244.3.5:8080"]),
+    Case("a node without a zone label ignores zone hints",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
+            ep("10.244.3.5", "node-c", zone_hints=["zone-2"])])],
+        ["10.244.2.5:8080", "10.244.3.5:8080"], nodes=[]),
+    Case("node hints win over zone hints",
+        [make_slice(endpoints=[
+            ep("10.244.1.5", "node-a", zone_hints=["zone-1"], node_hints=["node-a"]),
+            ep("10.244.2.5", "node-b", zone_hints=["zone-1"], node_hints=["node-b"])])],
+        ["10.244.1.5:8080"], topology="PreferSameNode"),
+    Case("node hints naming no endpoint for this node fall back to zone hints",
+        [make_slice(endpoints=[
+            ep("10.244.2.5", "node-b", zone_hints=["zone-1"], node_hints=["node-b"]),
+            ep("10.244.3.5", "node-c", zone_hints=["zone-2"], node_hints=["node-c"])])],
+        ["10.244.2.5:8080"], topology="PreferSameZone"),
+    Case("the serving terminating fallback ignores hints",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", ready=False, serving=True,
+            terminating=True, zone_hints=["zone-1"]),
+            ep("10.244.3.5", "node-c", ready=False, serving=True, terminating=True,
+                zone_hints=["zone-2"])])], ["10.244.2.5:8080", "10.244.3.5:8080"]),
     # --- traffic policies ---------------------------------------------------------------
-    Case(
-        "internalTrafficPolicy Local uses only this node's endpoints and no cluster set",
+    Case("internalTrafficPolicy Local uses only this node's endpoints and no cluster set",
+        [make_slice(endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")])], None,
+        local=["10.244.1.5:8080"],
+        service=make_service(mutate=spec(internalTrafficPolicy="Local"))),
+    Case("internalTrafficPolicy Local without a local endpoint leaves an empty set (drop)",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b")])], None, local=[], has_endpoints=True,
+        service=make_service(mutate=spec(internalTrafficPolicy="Local"))),
+    Case("internalTrafficPolicy Local falls back to local serving terminating endpoints",
+        [make_slice(endpoints=[
+            ep("10.244.1.5", "node-a", ready=False, serving=True, terminating=True),
+            ep("10.244.2.5", "node-b")])], None, local=["10.244.1.5:8080"],
+        service=make_service(mutate=spec(internalTrafficPolicy="Local"))),
+    Case("internalTrafficPolicy Local ignores topology hints",
+        [make_slice(endpoints=[ep("10.244.1.5", "node-a", zone_hints=["zone-2"]),
+            ep("10.244.3.5", "node-c", zone_hints=["zone-1"])])], None, local=["10.244.1.5:8080"],
+        service=make_service(mutate=spec(internalTrafficPolicy="Local"))),
+    Case("externalTrafficPolicy Local keeps cluster backends for pods and adds local ones",
         [make_slice(endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")])],
-        None,
-        local=["10.244.1.5:8080"],
-        service=make_service(mutate=spec(internalTrafficPolicy="Local")),
-    ),
-    Case(
-        "internalTrafficPolicy Local without a local endpoint leaves an empty set (drop)",
-        [make_slice(endpoints=[ep("10.244.2.5", "node-b")])],
-        None,
-        local=[],
-        has_endpoints=True,
-        service=make_service(mutate=spec(internalTrafficPolicy="Local")),
-    ),
-    Case(
-        "internalTrafficPolicy Local falls back to local serving terminating endpoints",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.1.5", "node-a", ready=False, serving=True, terminating=True),
-                    ep("10.244.2.5", "node-b"),
-                ]
-            )
-        ],
-        None,
-        local=["10.244.1.5:8080"],
-        service=make_service(mutate=spec(internalTrafficPolicy="Local")),
-    ),
-    Case(
-        "internalTrafficPolicy Local ignores topology hints",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.1.5", "node-a", zone_hints=["zone-2"]),
-                    ep("10.244.3.5", "node-c", zone_hints=["zone-1"]),
-                ]
-            )
-        ],
-        None,
-        local=["10.244.1.5:8080"],
-        service=make_service(mutate=spec(internalTrafficPolicy="Local")),
-    ),
-    Case(
-        "externalTrafficPolicy Local keeps cluster backends for pods and adds local ones",
+        ["10.244.1.5:8080", "10.244.2.5:8080"], local=["10.244.1.5:8080"],
+        service=make_service(mutate=nodeport(etp="Local"))),
+    Case("externalTrafficPolicy Local on a Service without external frontends has no effect",
         [make_slice(endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")])],
         ["10.244.1.5:8080", "10.244.2.5:8080"],
-        local=["10.244.1.5:8080"],
-        service=make_service(mutate=nodeport(etp="Local")),
-    ),
-    Case(
-        "externalTrafficPolicy Local on a Service without external frontends has no effect",
+        service=make_service(mutate=spec(externalTrafficPolicy="Local"))),
+    Case("both policies Local: pods still reach the external frontends through cluster backends",
         [make_slice(endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")])],
-        ["10.244.1.5:8080", "10.244.2.5:8080"],
-        service=make_service(mutate=spec(externalTrafficPolicy="Local")),
-    ),
-    Case(
-        "both policies Local: pods still reach the external frontends through cluster backends",
+        ["10.244.1.5:8080", "10.244.2.5:8080"], local=["10.244.1.5:8080"],
+        service=make_service(mutate=nodeport(etp="Local", itp="Local"))),
+    Case("internalTrafficPolicy Local with a Cluster NodePort still has cluster backends",
         [make_slice(endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")])],
-        ["10.244.1.5:8080", "10.244.2.5:8080"],
-        local=["10.244.1.5:8080"],
-        service=make_service(mutate=nodeport(etp="Local", itp="Local")),
-    ),
-    Case(
-        "internalTrafficPolicy Local with a Cluster NodePort still has cluster backends",
-        [make_slice(endpoints=[ep("10.244.1.5", "node-a"), ep("10.244.2.5", "node-b")])],
-        ["10.244.1.5:8080", "10.244.2.5:8080"],
-        local=["10.244.1.5:8080"],
-        service=make_service(mutate=nodeport(itp="Local")),
-    ),
+        ["10.244.1.5:8080", "10.244.2.5:8080"], local=["10.244.1.5:8080"],
+        service=make_service(mutate=nodeport(itp="Local"))),
     # --- multi-cluster ------------------------------------------------------------------
-    Case(
-        "remote endpoints join one pool with local ones by default (RemoteAndLocal)",
-        [
-            make_slice(endpoints=[ep("10.244.2.5", "node-b")]),
-            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x")]),
-        ],
-        ["10.244.2.5:8080", "10.245.1.5:8080"],
-    ),
-    Case(
-        "a remote endpoint on a node named like this one is never local",
-        [remote_slice("member2-svc-1", [ep("10.245.1.5", "node-a")])],
-        None,
-        local=[],
-        service=make_service(mutate=spec(internalTrafficPolicy="Local")),
-    ),
-    Case(
-        "LocalFirst ignores remote endpoints while a local one is ready",
-        [
-            make_slice(
-                endpoints=[ep("10.244.2.5", "node-b"), ep("10.244.3.5", "node-c", ready=False)]
-            ),
-            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x")]),
-        ],
-        ["10.244.2.5:8080"],
+    Case("remote endpoints join one pool with local ones by default (RemoteAndLocal)",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b")]),
+            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x")])],
+        ["10.244.2.5:8080", "10.245.1.5:8080"]),
+    Case("a remote endpoint on a node named like this one is never local",
+        [remote_slice("member2-svc-1", [ep("10.245.1.5", "node-a")])], None, local=[],
+        service=make_service(mutate=spec(internalTrafficPolicy="Local"))),
+    Case("LocalFirst ignores remote endpoints while a local one is ready",
+        [make_slice(
+            endpoints=[ep("10.244.2.5", "node-b"), ep("10.244.3.5", "node-c", ready=False)]),
+            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x")])], ["10.244.2.5:8080"],
+        topology="LocalCluster", service=make_service(mutate=local_first)),
+    Case("LocalFirst uses remote endpoints when no local endpoint is ready",
+        [make_slice(
+            endpoints=[ep("10.244.2.5", "node-b", ready=False, serving=True, terminating=True)]),
+            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x")])], ["10.245.1.5:8080"],
+        topology="AnyCluster", service=make_service(mutate=local_first)),
+    Case("LocalFirst with only terminating endpoints everywhere uses all of them",
+        [make_slice(
+            endpoints=[ep("10.244.2.5", "node-b", ready=False, serving=True, terminating=True)]),
+            remote_slice("member2-svc-1",
+                [ep("10.245.1.5", "node-x", ready=False, serving=True, terminating=True)])],
+        ["10.244.2.5:8080", "10.245.1.5:8080"], topology="AnyCluster",
+        service=make_service(mutate=local_first)),
+    Case("Cilium's affinity local annotation means LocalFirst",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b")]),
+            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x")])], ["10.244.2.5:8080"],
         topology="LocalCluster",
-        service=make_service(mutate=local_first),
-    ),
-    Case(
-        "LocalFirst uses remote endpoints when no local endpoint is ready",
-        [
-            make_slice(
-                endpoints=[ep("10.244.2.5", "node-b", ready=False, serving=True, terminating=True)]
-            ),
-            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x")]),
-        ],
-        ["10.245.1.5:8080"],
-        topology="AnyCluster",
-        service=make_service(mutate=local_first),
-    ),
-    Case(
-        "LocalFirst with only terminating endpoints everywhere uses all of them",
-        [
-            make_slice(
-                endpoints=[ep("10.244.2.5", "node-b", ready=False, serving=True, terminating=True)]
-            ),
-            remote_slice(
-                "member2-svc-1",
-                [ep("10.245.1.5", "node-x", ready=False, serving=True, terminating=True)],
-            ),
-        ],
-        ["10.244.2.5:8080", "10.245.1.5:8080"],
-        topology="AnyCluster",
-        service=make_service(mutate=local_first),
-    ),
-    Case(
-        "Cilium's affinity local annotation means LocalFirst",
-        [
-            make_slice(endpoints=[ep("10.244.2.5", "node-b")]),
-            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x")]),
-        ],
-        ["10.244.2.5:8080"],
-        topology="LocalCluster",
-        service=make_service(mutate=annotate({"service.cilium.io/affinity": "local"})),
-    ),
-    Case(
-        "LocalFirst keeps zone hints working inside this cluster",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
-                    ep("10.244.3.5", "node-c", zone_hints=["zone-2"]),
-                ]
-            ),
-            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x", zone_hints=["zone-1"])]),
-        ],
-        ["10.244.2.5:8080"],
-        topology="LocalCluster+PreferSameZone",
-        service=make_service(mutate=local_first),
-    ),
-    Case(
-        "remote endpoints' hints name another cluster's zones, so a mixed pool ignores hints",
-        [
-            make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-1"])]),
-            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x", zone_hints=["zone-1"])]),
-        ],
-        ["10.244.2.5:8080", "10.245.1.5:8080"],
-    ),
-    Case(
-        "an MCS slice from this cluster (source-cluster = --cluster-name) is local",
-        [
-            make_slice(
-                endpoints=[ep("10.244.1.5", "node-a")],
-                mutate=lambda o: o["metadata"]["labels"].update(
+        service=make_service(mutate=annotate({"service.cilium.io/affinity": "local"}))),
+    Case("LocalFirst keeps zone hints working inside this cluster",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
+            ep("10.244.3.5", "node-c", zone_hints=["zone-2"])]),
+            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x", zone_hints=["zone-1"])])],
+        ["10.244.2.5:8080"], topology="LocalCluster+PreferSameZone",
+        service=make_service(mutate=local_first)),
+    Case("remote endpoints' hints name another cluster's zones, so a mixed pool ignores hints",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-1"])]),
+            remote_slice("member2-svc-1", [ep("10.245.1.5", "node-x", zone_hints=["zone-1"])])],
+        ["10.244.2.5:8080", "10.245.1.5:8080"]),
+    Case("an MCS slice from this cluster (source-cluster = --cluster-name) is local",
+        [make_slice(endpoints=[ep("10.244.1.5", "node-a")],
+            mutate=lambda o: o["metadata"]["labels"].update(
                     {"multicluster.kubernetes.io/source-cluster": "member1"}
-                ),
-            )
-        ],
-        None,
-        local=["10.244.1.5:8080"],
+                ))], None, local=["10.244.1.5:8080"],
         service=make_service(mutate=spec(internalTrafficPolicy="Local")),
-        options=CompileOptions(cluster_name="member1"),
-    ),
-    Case(
-        "an MCS slice from another cluster is remote",
-        [
-            make_slice(
-                endpoints=[ep("10.244.1.5", "node-a")],
-                mutate=lambda o: o["metadata"]["labels"].update(
+        options=CompileOptions(cluster_name="member1")),
+    Case("an MCS slice from another cluster is remote",
+        [make_slice(endpoints=[ep("10.244.1.5", "node-a")],
+            mutate=lambda o: o["metadata"]["labels"].update(
                     {"multicluster.kubernetes.io/source-cluster": "member2"}
-                ),
-            )
-        ],
-        None,
-        local=[],
+                ))], None, local=[],
         service=make_service(mutate=spec(internalTrafficPolicy="Local")),
-        options=CompileOptions(cluster_name="member1"),
-    ),
+        options=CompileOptions(cluster_name="member1")),
     # --- topology keys (kube-bpf-proxy.io/topology-keys, KEP-536 semantics) ----------------
-    Case(
-        "the first topology key shared with a ready endpoint wins",
+    Case("the first topology key shared with a ready endpoint wins",
         [make_slice(endpoints=[ep("10.244.2.5", "node-b"), ep("10.244.3.5", "node-c")])],
-        ["10.244.3.5:8080"],
-        topology="example.com/rack",
+        ["10.244.3.5:8080"], topology="example.com/rack",
         service=make_service(
-            mutate=topology_keys("example.com/rack,topology.kubernetes.io/zone,*")
-        ),
-    ),
-    Case(
-        "a topology key no ready endpoint shares falls through to the next",
-        [
-            make_slice(
-                endpoints=[ep("10.244.2.5", "node-b"), ep("10.244.3.5", "node-c", ready=False)]
-            )
-        ],
-        ["10.244.2.5:8080"],
-        topology="topology.kubernetes.io/zone",
+            mutate=topology_keys("example.com/rack,topology.kubernetes.io/zone,*"))),
+    Case("a topology key no ready endpoint shares falls through to the next",
+        [make_slice(
+            endpoints=[ep("10.244.2.5", "node-b"), ep("10.244.3.5", "node-c", ready=False)])],
+        ["10.244.2.5:8080"], topology="topology.kubernetes.io/zone",
         service=make_service(
-            mutate=topology_keys("example.com/rack,topology.kubernetes.io/zone,*")
-        ),
-    ),
-    Case(
-        "the wildcard topology key takes every ready endpoint",
+            mutate=topology_keys("example.com/rack,topology.kubernetes.io/zone,*"))),
+    Case("the wildcard topology key takes every ready endpoint",
         [make_slice(endpoints=[ep("10.244.2.5", "node-b"), ep("10.245.9.9", "node-z")])],
-        ["10.244.2.5:8080", "10.245.9.9:8080"],
-        topology="*",
-        service=make_service(mutate=topology_keys("example.com/rack,*")),
-    ),
-    Case(
-        "no topology key matches and no wildcard: no backend for this node (drop)",
-        [make_slice(endpoints=[ep("10.244.2.5", "node-b")])],
-        [],
-        has_endpoints=True,
-        topology="NoMatch",
-        service=make_service(mutate=topology_keys("example.com/rack")),
-    ),
-    Case(
-        "a topology key this node lacks is skipped",
-        [make_slice(endpoints=[ep("10.244.2.5", "node-b")])],
-        ["10.244.2.5:8080"],
+        ["10.244.2.5:8080", "10.245.9.9:8080"], topology="*",
+        service=make_service(mutate=topology_keys("example.com/rack,*"))),
+    Case("no topology key matches and no wildcard: no backend for this node (drop)",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b")])], [], has_endpoints=True,
+        topology="NoMatch", service=make_service(mutate=topology_keys("example.com/rack"))),
+    Case("a topology key this node lacks is skipped",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b")])], ["10.244.2.5:8080"],
         topology="topology.kubernetes.io/zone",
-        service=make_service(mutate=topology_keys("example.com/gpu,topology.kubernetes.io/zone")),
-    ),
-    Case(
-        "remote endpoints match only the wildcard topology key",
-        [remote_slice("member2-svc-1", [ep("10.245.1.5", "node-c")])],
-        ["10.245.1.5:8080"],
-        topology="*",
-        service=make_service(mutate=topology_keys("example.com/rack,*")),
-    ),
-    Case(
-        "topology keys take precedence over hints",
-        [
-            make_slice(
-                endpoints=[
-                    ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
-                    ep("10.244.3.5", "node-c", zone_hints=["zone-2"]),
-                ]
-            )
-        ],
-        ["10.244.3.5:8080"],
+        service=make_service(mutate=topology_keys("example.com/gpu,topology.kubernetes.io/zone"))),
+    Case("remote endpoints match only the wildcard topology key",
+        [remote_slice("member2-svc-1", [ep("10.245.1.5", "node-c")])], ["10.245.1.5:8080"],
+        topology="*", service=make_service(mutate=topology_keys("example.com/rack,*"))),
+    Case("topology keys take precedence over hints",
+        [make_slice(endpoints=[ep("10.244.2.5", "node-b", zone_hints=["zone-1"]),
+            ep("10.244.3.5", "node-c", zone_hints=["zone-2"])])], ["10.244.3.5:8080"],
         topology="example.com/rack",
-        service=make_service(mutate=topology_keys("example.com/rack")),
-    ),
-    Case(
-        "--node-label overrides the Node object's label for topology keys",
+        service=make_service(mutate=topology_keys("example.com/rack"))),
+    Case("--node-label overrides the Node object's label for topology keys",
         [make_slice(endpoints=[ep("10.244.2.5", "node-b"), ep("10.244.3.5", "node-c")])],
-        ["10.244.2.5:8080"],
-        topology="example.com/rack",
+        ["10.244.2.5:8080"], topology="example.com/rack",
         service=make_service(mutate=topology_keys("example.com/rack")),
-        options=CompileOptions(node_labels={"example.com/rack": "r2"}),
-    ),
-]
+        options=CompileOptions(node_labels={"example.com/rack": "r2"})),
+]  # fmt: skip
 
 
 def addresses(backends: list[dict] | None) -> list[str] | None:
