@@ -49,10 +49,11 @@ and the server on the other (swapped every round, the same for every kind).
 
 Request/response: per round, one process in the root namespace opens one connection on each
 of floor, floor2, noop, pod_ip, ebpf:last, sock:last and iptables:last (from the kind's pod
-and cgroup, --socket-lb set before each), then alternates 1-byte exchanges among them,
-rotating the order, each timed until its echo is back: drift and scheduling fall on all of
-them alike, within microseconds. Twice per round: client and server on one CPU ("same")
-and on two ("split"). The rate is 1 / p50 and the ratio the floor's p50 over the kind's.
+and cgroup, --socket-lb set before each), then alternates 1-byte exchanges among them, in a
+new random order each round, each timed until its echo is back: drift and scheduling fall
+on all of them alike, within microseconds. Twice per round: client and server on one CPU
+("same") and on two ("split"). The rate is 1 / p50; the ratio the floor's p50 over the
+kind's.
 
 Per kind: p50 and p99 over all sets, the p50 as a multiple of the floor's, and the paired
 figure per round (the kind's p50 minus the floor's in the same round: median and range).
@@ -246,7 +247,7 @@ def pod_request_response(cpu: int | None, count: int, warmup: int) -> dict[str, 
     JSON line per path ({kind, netns, cgroup, ip, port}): the connection is opened from that
     pod (and cgroup) and answered with `ok`, so the node can set --socket-lb between them;
     then `run`. Then, on `cpu`, `count` rounds (after `warmup`) of one 1-byte exchange on each
-    connection in turn, the order rotated every round, each timed until its echo is back:
+    connection in turn, in a new random order every round, each timed until its echo is back:
     whatever the machine does (others' work, where the scheduler puts whom) falls on every
     path alike, within microseconds."""
     conns: dict[str, socket.socket] = {}
@@ -266,12 +267,17 @@ def pod_request_response(cpu: int | None, count: int, warmup: int) -> dict[str, 
         conns[order["kind"]] = sock
         print("ok", flush=True)
     pin(0, cpu)
-    kinds = list(conns)
-    samples: dict[str, list[int]] = {kind: [] for kind in kinds}
+    import random
+
+    order = list(conns)
+    samples: dict[str, list[int]] = {kind: [] for kind in order}
     clock = time.perf_counter_ns
+    shuffle = random.Random(16).shuffle
     for k in range(warmup + count):
-        shift = k % len(kinds)
-        for kind in kinds[shift:] + kinds[:shift]:
+        # A new order each round: in a fixed cycle each path would always follow the same
+        # one (the floor's second connection right after the floor read 1.5% faster).
+        shuffle(order)
+        for kind in order:
             sock = conns[kind]
             start = clock()
             sock.sendall(b"x")
