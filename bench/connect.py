@@ -6,11 +6,12 @@ Two namespace labs (agent/lab/nodelab.py), so the iptables rules never sit on th
 floor paths (netfilter hooks are per namespace). The eBPF lab has one node namespace and
 seven pods on veth pairs: `client`, `client3` and `server` have the tc programs on their
 host veths; `client0` and `server0` have none (the floor); `client2` and `server2` have an
-empty tc program. The iptables lab (node 2) has `client` and `server` and the IptablesDataplane in
-its node namespace (`--pod-interfaces vethkbp*`). The servers run the lab's podserver on
-ports 8080-8083. Three target Services (ClusterIPs 10.96.255.252-254:80 → the lab's
-server, each on its own port) are named to sort first, in the middle and last among N - 3
-synthetic Services x 10 endpoints (bench/common/nodestates.py's address plan; their backends do not
+empty tc program. The iptables lab (node 2) has `client` and `server` and the
+IptablesDataplane in its node namespace (`--pod-interfaces vethkbp*`). One server process
+(serve) listens in every server pod on ports 8080-8083, so every path ends in the same
+code. Three target Services (ClusterIPs 10.96.255.252-254:80 → the lab's server, each on
+its own port) are named to sort first, in the middle and last among N - 3 synthetic
+Services x 10 endpoints (bench/common/nodestates.py's address plan; their backends do not
 exist):
 NodeState order is KBP-SERVICES order, whose rules iptables evaluates one by one, so the
 position matters there and should not for eBPF. For each N, rounds of measurement sets
@@ -18,6 +19,7 @@ run in rotating order, each one process in a client pod that times many sequenti
 connect() calls (and closes each with a RST, so no TIME_WAIT piles up):
 
     floor            client0 → server0 pod IP, no programs on the path
+    floor2           the same again, as another kind: how far two identical paths read apart
     noop             client2 → server2 pod IP, an empty tc program on both hooks of both
                      veths (what the tc hook itself costs)
     ebpf:POSITION    client → the target ClusterIP:80 with --socket-lb off: DNAT at the
@@ -38,9 +40,23 @@ flag would, and makes a conntrack collector pass, as the agent does every few se
 (it rebuilds kbp_ct_gate). The floor is the strictest one: no program at all on its
 path, where on a node running the dataplane every pod's veth has them.
 
-Then request/response sets (floor, ebpf:last, sock:last, iptables:last), in rounds of
-rotating order as the connect() sets: each one connection, 1-byte messages echoed by the
-server (its Python event loop dominates; all kinds share it).
+Where processes run decides these figures more than any program does: on this 2-CPU VM a
+1-byte exchange takes about 8 µs when client and server share a CPU and about 55 µs when
+they sit on two (each wake-up of the other CPU goes through the hypervisor), and left to
+itself the scheduler picks one or the other per set, the same kind differently from set to
+set. So the bench places them: in each round of connect() sets the client runs on one CPU
+and the server on the other (swapped every round, the same for every kind).
+
+Request/response: per round, one process in the root namespace opens one connection on each
+of floor, floor2, noop, pod_ip, ebpf:last, sock:last and iptables:last (from the kind's pod
+and cgroup, --socket-lb set before each), then alternates 1-byte exchanges among them, in a
+new random order each round, each timed until its echo is back: drift and scheduling fall
+on all of them alike, within microseconds. Twice per round: client and server on one CPU
+("same") and on two ("split"). The rate is 1 / p50; the ratio the floor's p50 over the
+kind's.
+
+Per kind: p50 and p99 over all sets, the p50 as a multiple of the floor's, and the paired
+figure per round (the kind's p50 minus the floor's in the same round: median and range).
 
     .venv/bin/python -m bench.connect [--quick] [--services N ...] [--dataplanes ebpf,iptables]
                                       [--socket-lb all,off]
@@ -57,6 +73,8 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +105,7 @@ MAX_FAILURES = 20  # a set stops after this many failed connects (each waits 2 s
 TARGET_IP = "10.96.255.254"  # the target that sorts last (also the only one below N = 3)
 TARGET_PORT = 80
 WARMUP = 20  # untimed connections first: neighbour resolution, caches
+CLONE_NEWNET = 0x40000000
 POSITIONS = ("first", "middle", "last")  # of the target Service in NodeState order
 TARGET_IPS = {"first": "10.96.255.252", "middle": "10.96.255.253", "last": TARGET_IP}
 # Each target has its own backend port, for the reason DIRECT_PORT has one: with a shared
@@ -105,6 +124,10 @@ IPTABLES_TIMEOUT = 3600.0
 TARGET_NET_P50_US = 2.0  # eBPF p50 ≤ floor + 2 µs
 TARGET_SOCK_NET_P50_US = 0.5  # socket LB (issue 16): p50 ≤ floor + 0.5 µs
 TARGET_SOCK_RR = 0.97  # socket LB: request/response rate ≥ 0.97 of the floor's
+# Request/response: the paths measured side by side in one process, and where the client and
+# the servers run: one CPU for all ("same") or the servers on another ("split").
+RR_KINDS = ("floor", "floor2", "noop", "pod_ip", "ebpf:last", "sock:last", "iptables:last")
+RR_LAYOUTS = ("same", "split")
 SOCKET_LB_MODES = ("all", "off")  # --socket-lb values measured: all = sock:*, off = ebpf:*
 TARGET_SLOPE_NS = 1.0  # flat in N: < 1 ns per Service
 TARGET_VS_IPTABLES = 10.0  # eBPF ≥ 10x better than the iptables fallback at 10k
@@ -117,9 +140,16 @@ REF_PB2 = (
 # --- pod side ------------------------------------------------------------------------------
 
 
-def pod_connect(ip: str, port: int, count: int, warmup: int) -> dict[str, Any]:
-    """Time `count` sequential connect() calls (after `warmup` untimed ones); each socket
-    is closed with a RST (SO_LINGER 0)."""
+def pin(pid: int, cpu: int | None) -> None:
+    """Keep process `pid` (0: this one) on `cpu` (None: leave it where it is)."""
+    if cpu is not None:
+        os.sched_setaffinity(pid, {cpu})
+
+
+def pod_connect(ip: str, port: int, count: int, warmup: int, cpu: int | None) -> dict[str, Any]:
+    """Time `count` sequential connect() calls (after `warmup` untimed ones) on `cpu`; each
+    socket is closed with a RST (SO_LINGER 0)."""
+    pin(0, cpu)
     linger = struct.pack("ii", 1, 0)
     timeout = struct.pack("ll", 2, 0)  # SO_SNDTIMEO bounds a blocking connect()
     samples: list[int] = []
@@ -147,42 +177,214 @@ def pod_connect(ip: str, port: int, count: int, warmup: int) -> dict[str, Any]:
     return {"ns": samples, "errors": errors, "first_error": first_error}
 
 
-def pod_request_response(ip: str, port: int, count: int, warmup: int) -> dict[str, Any]:
-    """One connection; `count` 1-byte messages, each timed until its echo is back."""
-    samples: list[int] = []
-    clock = time.perf_counter_ns
-    with socket.create_connection((ip, port), timeout=5) as sock:
+def enter(netns: str, cgroup: str | None) -> None:
+    """Move this process into `cgroup` (if given) and its network namespace to `netns` (a
+    /run/netns path): sockets made afterwards belong to that pod (and that cgroup's hooks)."""
+    import ctypes
+
+    if cgroup:
+        Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(netns, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns({netns}): {os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
+def serve(listen: list[str]) -> None:
+    """Every pod's server in one process: for each NETNS=PORT,PORT... a listening TCP socket
+    per port made in that network namespace; each connection gets a greeting line, then its
+    bytes echoed until the peer closes. One plain selector loop, so every path the bench
+    measures ends in the same process and code (the path, not the server, must differ)."""
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    for item in listen:
+        netns, _, ports = item.partition("=")
+        enter(netns, None)
+        for port in ports.split(","):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("0.0.0.0", int(port)))
+            sock.listen(512)
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, None)
+    print("ready", flush=True)
+    while True:
+        for key, _ in selector.select():
+            sock = key.fileobj  # type: ignore[assignment]
+            if key.data is None:  # a listener: take what is queued
+                while True:
+                    try:
+                        conn, _ = sock.accept()
+                    except OSError:
+                        break
+                    conn.setblocking(False)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    try:
+                        conn.send(b"echo\n")
+                    except OSError:  # reset already (connect() sets close with RST)
+                        conn.close()
+                        continue
+                    selector.register(conn, selectors.EVENT_READ, True)
+                continue
+            try:
+                data = sock.recv(65536)
+                if data:
+                    sock.sendall(data)
+            except OSError:
+                data = b""
+            if not data:
+                selector.unregister(sock)
+                sock.close()
+
+
+def pod_request_response(cpu: int | None, count: int, warmup: int) -> dict[str, Any]:
+    """Request/response over every path at once, from one process. The node side sends one
+    JSON line per path ({kind, netns, cgroup, ip, port}): the connection is opened from that
+    pod (and cgroup) and answered with `ok`, so the node can set --socket-lb between them;
+    then `run`. Then, on `cpu`, `count` rounds (after `warmup`) of one 1-byte exchange on each
+    connection in turn, in a new random order every round, each timed until its echo is back:
+    whatever the machine does (others' work, where the scheduler puts whom) falls on every
+    path alike, within microseconds."""
+    conns: dict[str, socket.socket] = {}
+    for line in sys.stdin:
+        order = json.loads(line)
+        if order.get("op") == "run":
+            break
+        enter(order["netns"], order.get("cgroup"))
+        sock = socket.create_connection((order["ip"], order["port"]), timeout=5)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         greeting = b""
         while not greeting.endswith(b"\n"):  # podserver sends its name first
-            greeting += sock.recv(256)
-        began = clock()
-        for k in range(warmup + count):
+            data = sock.recv(256)
+            if not data:
+                raise EOFError(f"{order['kind']}: the server closed the connection")
+            greeting += data
+        conns[order["kind"]] = sock
+        print("ok", flush=True)
+    pin(0, cpu)
+    import random
+
+    order = list(conns)
+    samples: dict[str, list[int]] = {kind: [] for kind in order}
+    clock = time.perf_counter_ns
+    shuffle = random.Random(16).shuffle
+    for k in range(warmup + count):
+        # A new order each round: in a fixed cycle each path would always follow the same
+        # one (the floor's second connection right after the floor read 1.5% faster).
+        shuffle(order)
+        for kind in order:
+            sock = conns[kind]
             start = clock()
             sock.sendall(b"x")
             if not sock.recv(16):
-                raise EOFError("server closed the connection")
+                raise EOFError(f"{kind}: the server closed the connection")
+            elapsed = clock() - start
             if k >= warmup:
-                samples.append(clock() - start)
-        total = clock() - began
-    return {"ns": samples, "errors": 0, "first_error": "", "total_ns": total}
+                samples[kind].append(elapsed)
+    for sock in conns.values():
+        sock.close()
+    return {"ns": samples}
 
 
 # --- node side -----------------------------------------------------------------------------
 
 
 def run_in_pod(
-    pod: Pod, mode: str, ip: str, port: int, count: int, cgroup: Path | None = None
+    pod: Pod, ip: str, port: int, count: int, cpu: int | None, cgroup: Path | None = None
 ) -> dict[str, Any]:
-    """The pod side in `pod` (and in `cgroup`, where the socket hooks are, if given)."""
+    """connect() timed in `pod` on `cpu` (and in `cgroup`, where the socket hooks are, if
+    given)."""
     from agent.lab.toolkit import in_cgroup, in_netns
 
-    argv = in_netns(pod.ns, [sys.executable, str(THIS_FILE), mode, ip, str(port), str(count)])
-    argv = in_cgroup(cgroup, argv)
+    argv = [sys.executable, str(THIS_FILE), "--pod-connect", ip, str(port), str(count),
+            "-" if cpu is None else str(cpu)]  # fmt: skip
+    argv = in_cgroup(cgroup, in_netns(pod.ns, argv))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} in {pod.name} exited {proc.returncode}: {proc.stderr}")
+        raise RuntimeError(f"connect() in {pod.name} exited {proc.returncode}: {proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def start_server(listen: list[tuple[Pod, list[int]]], cgroup: Path | None) -> subprocess.Popen:
+    """The one server process (serve) for the pods in `listen`, in `cgroup` as a pod's
+    processes are; returns once every socket listens."""
+    from agent.lab.toolkit import LabError, in_cgroup, read_line, stop_process
+
+    spec = [f"/run/netns/{pod.ns}={','.join(map(str, ports))}" for pod, ports in listen]
+    argv = in_cgroup(cgroup, [sys.executable, str(THIS_FILE), "--serve", *spec])
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)  # stderr: the bench's
+    line = read_line(proc, timeout=10).strip()
+    if line != "ready":
+        stop_process(proc)
+        raise LabError(f"the bench's server did not start ({line!r})")
+    return proc
+
+
+@dataclass
+class Target:
+    """One measured path: the client pod, the address it connects to, the cgroup its
+    sockets are made in (where the socket hooks are; None: outside it) and the --socket-lb
+    mode written before its connect()."""
+
+    pod: Pod
+    ip: str
+    port: int
+    cgroup: Path | None = None
+    socket_lb: str | None = None
+
+
+def request_response_round(
+    paths: dict[str, Target],
+    count: int,
+    cpu: int | None,
+    prepare: Callable[[Target], None],
+) -> dict[str, list[int]]:
+    """One process holds a connection on every path and alternates 1-byte exchanges among
+    them (pod_request_response). Connections outside the hooks' cgroup are opened first (a
+    process only moves into the cgroup); `prepare` sets --socket-lb before each."""
+    argv = [sys.executable, str(THIS_FILE), "--pod-rr", "-" if cpu is None else str(cpu),
+            str(count)]  # fmt: skip
+    order = sorted(paths, key=lambda kind: paths[kind].cgroup is not None)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        for kind in order:
+            path = paths[kind]
+            prepare(path)
+            proc.stdin.write(json.dumps({
+                "kind": kind, "netns": f"/run/netns/{path.pod.ns}", "ip": path.ip,
+                "port": path.port, "cgroup": str(path.cgroup) if path.cgroup else None,
+            }) + "\n")  # fmt: skip
+            proc.stdin.flush()
+            if proc.stdout.readline().strip() != "ok":
+                raise RuntimeError(f"request/response: no connection on {kind}")
+        proc.stdin.write(json.dumps({"op": "run"}) + "\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=600)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"request/response exited {proc.returncode}: {err}")
+    return json.loads(out.strip().splitlines()[-1])["ns"]
+
+
+def placements(rounds: int) -> list[tuple[int | None, int | None]]:
+    """(client CPU, servers' CPU) per round for the connect() sets: the client on one CPU and
+    every server on another, alternating which is which, so every path is measured with the
+    same placement in each round (left to itself the scheduler puts a path's client and
+    server on one CPU in one set and on two in the next). None: one CPU, nothing to place."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return [(None, None)] * rounds
+    return [(cpus[r % 2], cpus[(r + 1) % 2]) for r in range(rounds)]
 
 
 def slope_ns_per_service(points: list[tuple[int, float]]) -> float:
@@ -267,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
     from agent.dataplane.iptables import backend as iptables_module  # its COMMAND_TIMEOUT
     from agent.dataplane.iptables.dataplane import IptablesDataplane, unavailable_reason
     from agent.lab.nodelab import Lab
+    from agent.lab.toolkit import stop_process
     from bench.common.kernel import bench_dataplane, calibration_programs, leftovers, map_sizes_for
     from bench.common.nodestates import synthetic_entries
     from bench.common.report import (
@@ -308,9 +511,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Lab(cgroup=ebpf and sock_kinds) as lab, contextlib.ExitStack() as labs:
             client0, server0 = lab.add_pod("client0"), lab.add_pod("server0")
-            server0.serve([PORT], ("tcp",))
             others = synthetic_entries(max(all_n) - 1, endpoints)
-            targets: dict[str, tuple[Pod, str, int]] = {"floor": (client0, server0.ipv4, PORT)}
+            targets: dict[str, Target] = {"floor": Target(client0, server0.ipv4, PORT)}
+            # The floor measured twice, as two paths: how far two identical paths read apart.
+            targets["floor2"] = targets["floor"]
+            listen = [(server0, [PORT])]  # the pods bench's server listens in (see serve)
             with contextlib.ExitStack() as stack:
                 dp = ipt = None
                 if ebpf:
@@ -319,8 +524,6 @@ def run(args: argparse.Namespace) -> int:
                     # The socket hooks' client: a pod of its own, as under --socket-lb all
                     # no flow of tc's joins it and the backends (see SOCK_CLIENT).
                     client3 = lab.add_pod(SOCK_CLIENT)
-                    server.serve(SERVER_PORTS, ("tcp",))
-                    server2.serve([PORT], ("tcp",))
                     sizes = map_sizes_for(max(all_n), endpoints)
                     attached = [client.host_ifname, server.host_ifname, client3.host_ifname]
                     dp = stack.enter_context(bench_dataplane(sizes, lab.node_ns, attached,
@@ -336,11 +539,15 @@ def run(args: argparse.Namespace) -> int:
                           f"{client2.host_ifname}, {server2.host_ifname}; no program on "
                           f"{client0.host_ifname}, {server0.host_ifname}; maps {sizes}",
                           flush=True)  # fmt: skip
-                    targets["noop"] = (client2, server2.ipv4, PORT)
-                    targets["pod_ip"] = (client, server.ipv4, DIRECT_PORT)
+                    listen += [(server, SERVER_PORTS), (server2, [PORT])]
+                    hooked = lab.cgroup  # the socket hooks' cgroup
+                    targets["noop"] = Target(client2, server2.ipv4, PORT)
+                    targets["pod_ip"] = Target(client, server.ipv4, DIRECT_PORT, hooked, "off")
                     for pos in POSITIONS:
-                        targets[f"ebpf:{pos}"] = (client, TARGET_IPS[pos], TARGET_PORT)
-                        targets[f"sock:{pos}"] = (client3, TARGET_IPS[pos], TARGET_PORT)
+                        targets[f"ebpf:{pos}"] = Target(client, TARGET_IPS[pos], TARGET_PORT,
+                                                        hooked, "off")  # fmt: skip
+                        targets[f"sock:{pos}"] = Target(client3, TARGET_IPS[pos], TARGET_PORT,
+                                                        hooked, "all")  # fmt: skip
                 if iptables:
                     # Its own node namespace: the rules must not sit on the floor's path.
                     lab2 = labs.enter_context(Lab(node=2))
@@ -348,7 +555,6 @@ def run(args: argparse.Namespace) -> int:
                     if reason is not None:
                         raise RuntimeError(f"the iptables dataplane cannot run here: {reason}")
                     ipt_client, ipt_server = lab2.add_pod("client"), lab2.add_pod("server")
-                    ipt_server.serve(SERVER_PORTS, ("tcp",))
                     ipt = IptablesDataplane(list(IPTABLES_POD_INTERFACES), netns=lab2.node_ns)
                     stack.enter_context(
                         mock.patch.object(iptables_module, "COMMAND_TIMEOUT", IPTABLES_TIMEOUT)
@@ -363,25 +569,30 @@ def run(args: argparse.Namespace) -> int:
                     print(f"iptables lab: {lab2.node_ns}, IptablesDataplane(pod_interfaces="
                           f"{list(IPTABLES_POD_INTERFACES)}); {info['iptables']}",
                           flush=True)  # fmt: skip
-                    targets["iptables:pod_ip"] = (ipt_client, ipt_server.ipv4, DIRECT_PORT)
+                    listen.append((ipt_server, SERVER_PORTS))
+                    targets["iptables:pod_ip"] = Target(ipt_client, ipt_server.ipv4, DIRECT_PORT)
                     for pos in POSITIONS:
-                        targets[f"iptables:{pos}"] = (ipt_client, TARGET_IPS[pos], TARGET_PORT)
+                        targets[f"iptables:{pos}"] = Target(ipt_client, TARGET_IPS[pos],
+                                                            TARGET_PORT)  # fmt: skip
 
-                def prepare(kind: str) -> Path | None:
-                    """--socket-lb for the set; the cgroup its client runs in (the hooks
-                    run only there: the floor's and noop's clients stay outside)."""
-                    if dp is None or not (kind.startswith(("ebpf:", "sock:")) or kind == "pod_ip"):
-                        return None
-                    set_socket_lb(dp, "all" if kind.startswith("sock:") else "off")
-                    # The collector's pass, as a running agent makes every few seconds:
-                    # it rebuilds kbp_ct_gate from the flows tc still holds.
-                    dp.conntrack.run_once()
-                    return lab.cgroup
+                def prepare(target: Target) -> None:
+                    """--socket-lb for a path through the programs, then the collector's
+                    pass a running agent makes every few seconds (it rebuilds kbp_ct_gate
+                    from the flows tc still holds)."""
+                    if dp is not None and target.socket_lb is not None:
+                        set_socket_lb(dp, target.socket_lb)
+                        dp.conntrack.run_once()
+
+                server_proc = start_server(listen, lab.cgroup)
+                stack.callback(stop_process, server_proc)
+
+                def place(cpu: int | None) -> None:
+                    pin(server_proc.pid, cpu)
 
                 for n in all_n:
                     applied: dict[str, dict[str, Any]] = {}
                     places: dict[str, dict[str, int]] = {}
-                    kinds = ["floor"]
+                    kinds = ["floor", "floor2"]
                     if dp is not None and n in sizes_n:
                         state, places["ebpf"] = state_with_targets(
                             others, target_entries(n, server.ipv4), n)  # fmt: skip
@@ -408,32 +619,38 @@ def run(args: argparse.Namespace) -> int:
                         for name, a in applied.items()
                     )
                     print(f"\n# {n} Services: {done}", flush=True)
-                    samples: dict[str, list[float]] = {k: [] for k in kinds}
                     errors: dict[str, int] = dict.fromkeys(kinds, 0)
                     notes: dict[str, str] = {}
-                    for r in range(rounds):
+                    by_round: dict[str, list[list[int]]] = {k: [] for k in kinds}
+                    for r, (client_cpu, server_cpu) in enumerate(placements(rounds)):
+                        place(server_cpu)
                         for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-                            pod, ip, port = targets[kind]
-                            cgroup = prepare(kind)
-                            out = run_in_pod(pod, "--pod-connect", ip, port, connects, cgroup)
-                            samples[kind] += out["ns"]
+                            target = targets[kind]
+                            prepare(target)
+                            out = run_in_pod(target.pod, target.ip, target.port, connects,
+                                             client_cpu, target.cgroup)  # fmt: skip
+                            by_round[kind].append(out["ns"])
                             errors[kind] += out["errors"]
                             if out["first_error"]:
                                 notes.setdefault(kind, out["first_error"])
-                    # Request/response in rounds of rotating order too, so that the
-                    # machine's drift (others' work) falls on every kind alike.
-                    rr_kinds = [k for k in ("floor", "ebpf:last", "sock:last", "iptables:last")
-                                if k in kinds]  # fmt: skip
-                    rr_ns: dict[str, list[int]] = {k: [] for k in rr_kinds}
-                    for r in range(rounds):
-                        for kind in rr_kinds[r % len(rr_kinds) :] + rr_kinds[: r % len(rr_kinds)]:
-                            pod, ip, port = targets[kind]
-                            cgroup = prepare(kind)
-                            out = run_in_pod(pod, "--pod-rr", ip, port,
-                                             max(1, exchanges // rounds), cgroup)  # fmt: skip
-                            rr_ns[kind] += out["ns"]
-                    rr = {kind: Summary(ns) for kind, ns in rr_ns.items()}
-                    report.append(print_size(n, samples, errors, notes, rr, applied, places))
+                    # Request/response: every path in one process, exchanges alternating
+                    # among them (request_response_round), with the client and every server
+                    # on one CPU ("same") and on two ("split"), the CPUs swapped each round.
+                    rr_kinds = [k for k in RR_KINDS if k in kinds]
+                    rr_paths = {k: targets[k] for k in rr_kinds}
+                    rr_ns: dict[str, dict[str, list[int]]] = {
+                        layout: {k: [] for k in rr_kinds} for layout in RR_LAYOUTS
+                    }
+                    per_round = max(1, exchanges // rounds)
+                    for client_cpu, other_cpu in placements(rounds):
+                        for layout in RR_LAYOUTS:
+                            place(client_cpu if layout == "same" else other_cpu)
+                            got = request_response_round(rr_paths, per_round, client_cpu, prepare)
+                            for kind, ns in got.items():
+                                rr_ns[layout][kind] += ns
+                    rr = {layout: {kind: Summary(ns) for kind, ns in by_kind.items()}
+                          for layout, by_kind in rr_ns.items()}  # fmt: skip
+                    report.append(print_size(n, by_round, errors, notes, rr, applied, places))
     except KeyboardInterrupt:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
         return 130
@@ -470,6 +687,7 @@ def run(args: argparse.Namespace) -> int:
 
 LABELS = {
     "floor": "floor: pod → pod IP, no programs",
+    "floor2": "the floor again (an A/A check)",
     "noop": "pod → pod IP, empty tc programs",
     "pod_ip": "eBPF: pod → pod IP through the programs",
     "iptables:pod_ip": "iptables: pod → pod IP (misses every rule)",
@@ -485,29 +703,48 @@ def label_of(kind: str, places: dict[str, dict[str, int]], n: int) -> str:
     return f"{name}: pod → ClusterIP, {pos} ({place}/{n})"
 
 
+def round_nets(by_round: dict[str, list[list[int]]], kind: str) -> list[float]:
+    """Per round, the kind's p50 minus the floor's p50 of the same round, ns: paired, so a
+    round the machine was busy in moves both."""
+    import statistics
+
+    return [statistics.median(ours) - statistics.median(floor)
+            for ours, floor in zip(by_round[kind], by_round["floor"], strict=True)
+            if ours and floor]  # fmt: skip
+
+
 def print_size(
     n: int,
-    samples: dict[str, list[float]],
+    by_round: dict[str, list[list[int]]],
     errors: dict[str, int],
     notes: dict[str, str],
-    rr: dict[str, Summary],
+    rr: dict[str, dict[str, Summary]],
     applied: dict[str, dict[str, Any]],
     places: dict[str, dict[str, int]],
 ) -> dict[str, Any]:
+    import statistics
+
     from bench.common.report import Summary, mark
 
-    stats = {k: Summary(v) for k, v in samples.items()}
+    stats = {k: Summary([ns for one in rounds for ns in one]) for k, rounds in by_round.items()}
     floor = stats["floor"].median
     head = (
         f"{'connect() latency, µs':<44} {'p50':>7} {'p99':>7} {'min-max':>14} {'mean':>7} "
-        f"{'n':>6}  - floor (p50)"
+        f"{'n':>6}  - floor p50 (x floor; per round: median, range)"
     )
     print(head)
     print("-" * len(head))
     marks: dict[str, Any] = {}
+    kinds: dict[str, Any] = {}
     for kind, s in stats.items():
         net = (s.median - floor) / 1000
-        extra = "" if kind == "floor" else f"{net:+.1f} µs"
+        nets = round_nets(by_round, kind)
+        kinds[kind] = {**s.to_json(), "errors": errors[kind], "ratio_to_floor": s.median / floor,
+                       "round_nets_ns": nets}  # fmt: skip
+        extra = ""
+        if kind != "floor":
+            mid, low, high = (x / 1000 for x in (statistics.median(nets), min(nets), max(nets)))
+            extra = f"{net:+.1f} µs (x{s.median / floor:.2f}; {mid:+.1f}, {low:+.1f}..{high:+.1f})"
         if kind.startswith(("ebpf:", "sock:")):
             target = TARGET_SOCK_NET_P50_US if kind.startswith("sock:") else TARGET_NET_P50_US
             ok = mark(net <= target)
@@ -532,28 +769,33 @@ def print_size(
         ratios[pos] = {"raw": raw, "net_of_floor": net}
         print(f"  iptables / eBPF p50, target {pos}: {raw:.1f}x as measured, {net:.1f}x net of "
               f"the floor")  # fmt: skip
-    for kind, label in (("floor", "request/response, floor (1 B echo)"),
-                        ("ebpf:last", "request/response, eBPF tc ClusterIP"),
-                        ("sock:last", "request/response, eBPF socket LB ClusterIP"),
-                        ("iptables:last", "request/response, iptables ClusterIP")):  # fmt: skip
-        if kind in rr:
-            s = rr[kind]
-            extra = f"{1e9 / s.mean:,.0f} transactions/s"
-            if kind != "floor" and "floor" in rr:
-                # The rate at the typical exchange (p50): on a loaded machine the mean
-                # follows a few scheduling stalls of either process.
-                ratio = rr["floor"].median / s.median
-                extra += f", {ratio:.3f} of the floor's rate at p50"
+    rr_json: dict[str, Any] = {}
+    for layout, by_kind in rr.items():
+        where = ("client and servers on one CPU" if layout == "same"
+                 else "client on one CPU, servers on the other")  # fmt: skip
+        print(f"request/response, 1-byte echo, every path in one process, {where}:")
+        rr_json[layout] = {}
+        for kind, s in by_kind.items():
+            # The rate at the typical exchange (p50): the mean follows a few stalls.
+            extra = f"{1e9 / s.median:,.0f} exchanges/s at p50"
+            entry = {**s.to_json(), "per_second_p50": 1e9 / s.median}
+            if kind != "floor" and "floor" in by_kind:
+                ratio = by_kind["floor"].median / s.median
+                entry["rate_vs_floor"] = ratio
+                extra += f", {ratio:.3f} of the floor's rate"
                 if kind == "sock:last":
-                    marks["sock:rr"] = {"ratio": ratio, "mark": mark(ratio >= TARGET_SOCK_RR)}
-                    extra += f" ≥ {TARGET_SOCK_RR} {marks['sock:rr']['mark']}"
-            print(row(label, s, extra))
+                    key = "sock:rr" if layout == "same" else f"sock:rr:{layout}"
+                    marks[key] = {"ratio": ratio, "mark": mark(ratio >= TARGET_SOCK_RR),
+                                  "layout": layout}  # fmt: skip
+                    extra += f" ≥ {TARGET_SOCK_RR} {marks[key]['mark']}"
+            rr_json[layout][kind] = entry
+            print(row(f"  {label_of(kind, places, n)}", s, extra))
     entry: dict[str, Any] = {
         "services": n,
         "applied": applied,
         "target_places": places,
-        "kinds": {kind: {**s.to_json(), "errors": errors[kind]} for kind, s in stats.items()},
-        "request_response": {k: {**s.to_json(), "per_second": 1e9 / s.mean} for k, s in rr.items()},
+        "kinds": kinds,
+        "request_response": rr_json,
         "ebpf_marks": marks,
         "iptables_over_ebpf": ratios,
     }
@@ -578,10 +820,12 @@ def print_targets(report: list[dict[str, Any]]) -> dict[str, Any]:
         if parts:
             print(f"{e['services']:>6} Services: eBPF p50 - floor ({floor / 1000:.1f} µs): "
                   f"{', '.join(parts)}")  # fmt: skip
-        if "sock:rr" in e["ebpf_marks"]:
-            rr = e["ebpf_marks"]["sock:rr"]
-            print(f"{'':>6}   socket LB request/response: {rr['ratio']:.3f} of the floor's "
-                  f"rate {rr['mark']} (≥ {TARGET_SOCK_RR})")  # fmt: skip
+        for key in ("sock:rr", "sock:rr:split"):
+            if key in e["ebpf_marks"]:
+                rr = e["ebpf_marks"][key]
+                print(f"{'':>6}   socket LB request/response ({rr['layout']} CPU): "
+                      f"{rr['ratio']:.3f} of the floor's rate {rr['mark']} "
+                      f"(≥ {TARGET_SOCK_RR})")  # fmt: skip
     slopes: dict[str, Any] = {}
     for kind in ("ebpf:first", "ebpf:last", "sock:first", "sock:last", "iptables:first",
                  "iptables:middle", "iptables:last", "iptables:pod_ip"):  # fmt: skip
@@ -613,10 +857,17 @@ def print_targets(report: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("--pod-connect", "--pod-rr"):
-        ip, port, count = argv[1], int(argv[2]), int(argv[3])
-        work = pod_connect if argv[0] == "--pod-connect" else pod_request_response
-        print(json.dumps(work(ip, port, count, WARMUP)), flush=True)
+    if argv and argv[0] == "--pod-connect":  # ip port count cpu|-
+        cpu = None if argv[4] == "-" else int(argv[4])
+        print(json.dumps(pod_connect(argv[1], int(argv[2]), int(argv[3]), WARMUP, cpu)),
+              flush=True)  # fmt: skip
+        return 0
+    if argv and argv[0] == "--serve":  # NETNS=PORT,PORT ...
+        serve(argv[1:])
+        return 0
+    if argv and argv[0] == "--pod-rr":  # cpu|- count; the paths on stdin
+        cpu = None if argv[1] == "-" else int(argv[1])
+        print(json.dumps(pod_request_response(cpu, int(argv[2]), WARMUP)), flush=True)
         return 0
     parser = argparse.ArgumentParser(
         description="PB-2: connect() latency to a ClusterIP through the eBPF dataplane and "

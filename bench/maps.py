@@ -374,19 +374,35 @@ def pb4_once(
     diff_s, writes = seconds(diff_and_check)
     # The real path; its map writes timed by wrapping the instance's _write.
     write_times: list[float] = []
+    written: list[Writes] = []
     write = dp.maps._write
 
     def timed_write(w: Writes) -> None:
         start = time.perf_counter()
         write(w)
         write_times.append(time.perf_counter() - start)
+        written.append(w)
 
     dp.maps._write = timed_write  # type: ignore[method-assign]
     try:
         apply_s, count = seconds(lambda: dp.apply(nodestate, full=True))
     finally:
         del dp.maps._write
-    assert count == writes.count, f"apply wrote {count}, diff said {writes.count}"
+    # apply() also writes what the plan leaves to the dataplane (kbp_config, the kbp_ports
+    # bits, kbp_src_ranges: added to the same Writes before writing) and kbp_meta ("unknown"
+    # before unless it says so already, the revision after) and counts them in its result;
+    # the diff's elements must be exactly the rest.
+    w = written[0]
+    own = len(w.config) + len(w.ports) + len(w.ranges_to_add) + len(w.ranges_to_delete)
+    meta = count - w.count
+    print(
+        f"  apply wrote {count}: diff {writes.count} + kbp_config {len(w.config)}, "
+        f"kbp_ports {len(w.ports)}, kbp_src_ranges {len(w.ranges_to_add)}, kbp_meta {meta}"
+    )
+    assert w.count - own == writes.count, (
+        f"apply wrote {w.count - own} planned elements, diff said {writes.count}"
+    )
+    assert meta in (1, 2), f"apply wrote kbp_meta {meta} times (unknown, then the revision)"
     phases = {"decode": decode, "compile": comp, "plan": plan_s, "diff": diff_s,
               "apply": apply_s, "write": write_times[0]}  # fmt: skip
     for name, value in phases.items():
