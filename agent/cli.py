@@ -42,6 +42,7 @@ RUN_SETTINGS = [
     "xdp",
     "cgroup_root",
     "socket_lb",
+    "tc_attach",
     "snat_port_range",
     "maglev_table_size",
     "map_size_services",

@@ -271,6 +271,17 @@ class Settings:
             choices=("all", "host", "off"),
         ),
     )
+    tc_attach: str = field(
+        default="auto",
+        metadata=_opt(
+            "--tc-attach",
+            "how the eBPF dataplane attaches its tc programs: tcx, bpf_links pinned under "
+            "--bpffs that run without the clsact qdisc (kernel 6.6+); clsact, cls_bpf "
+            "filters; auto: tcx where the kernel has it, else clsact. Changing it moves "
+            "every interface at the next start without a gap",
+            choices=("auto", "tcx", "clsact"),
+        ),
+    )
     snat_port_range: str = field(
         default="61000-65535",
         metadata=_opt(

@@ -85,6 +85,7 @@ class EbpfDataplane:
         socket_lb: str = "all",
         ct_timeouts: Timeouts | None = None,
         ct_sweep_interval: float = 0.0,
+        tc_attach: str | None = None,
     ) -> None:
         """`external_interfaces`: globs of the node's external interfaces; empty means
         those that carry the node's NodePort addresses (the NodeState's
@@ -92,7 +93,8 @@ class EbpfDataplane:
         (native, else generic), native, generic or off. `cgroup`: where the socket hooks
         serve (None: not attached); `socket_lb` (--socket-lb): whose sockets they
         translate, all (the node's and the pods'), host or off. `ct_sweep_interval`: seconds
-        between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools)."""
+        between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools).
+        `tc_attach` (--tc-attach): auto, tcx or clsact, see netlink.TcAttacher."""
         self.pin_dir = Path(pin_dir)
         self.pod_interfaces = tuple(pod_interfaces)
         self._pods = PodInterfaces(self.pod_interfaces)
@@ -152,7 +154,10 @@ class EbpfDataplane:
         # or that apply was cut short): reported as held until this agent applies.
         self._meta_revision = codec.meta_revision(self.programs.map("kbp_meta").lookup(bytes(4)))
         self._held = self._meta_revision
-        self.attacher = TcAttacher(netns)
+        try:
+            self.attacher = TcAttacher(netns, self.pin_dir, tc_attach)
+        except ValueError as err:
+            raise DataplaneError("config", f"--tc-attach: {err}") from err
         self._netns_cookie = netns_cookie(netns)
         self.cgroup = cgroup
         # The pods' network namespaces, for the socket hooks (only when they serve pods).
@@ -535,6 +540,7 @@ class EbpfDataplane:
     def _on_link_gone(self, link: Link) -> None:
         if self.pod_netns is not None and self._pods.matches(link.name):
             self.pod_netns.forget(link)
+        self.attacher.forget(link.index)  # tcx: the pins of its defunct links
 
     def _attach_external(self, link: Link) -> None:
         """tc on both sides of an external interface, then XDP as --xdp asks."""
@@ -621,6 +627,7 @@ class EbpfDataplane:
         XDP mode on each."""
         names = sorted(self._external_attached.values())
         return {
+            "tcAttach": self.attacher.mode,
             "socketHooks": {
                 "cgroup": str(self.cgroup) if self.cgroup is not None else None,
                 "state": self.socket_hooks,
