@@ -56,14 +56,13 @@ UDP_SOURCE_PORT = 40123  # fixed, so two clients one after the other are one UDP
 class Env:
     """One lab with its pods and the dataplane under test programming it."""
 
-    def __init__(
-        self, lab: Lab, param: str, pin_dir: Path, sizes: MapSizes | None = None
-    ) -> None:
+    def __init__(self, lab: Lab, param: str, pin_dir: Path, sizes: MapSizes | None = None) -> None:
         self.lab = lab
         self.sizes = sizes or MapSizes(4096, 65536, 4096, 4096, 1024)
         self.kind, _, socket_lb = param.partition("-")
         self.socket_lb = socket_lb or None  # eBPF: --socket-lb
         self.pin_dir = pin_dir  # eBPF only
+        self.tc_attach: str | None = None  # eBPF: --tc-attach (None: $KBP_TC_ATTACH or auto)
         self.pods = lab.pods
         self.dataplane: Dataplane | None = None
         self.next_ip = 10
@@ -77,7 +76,8 @@ class Env:
         if self.kind == "ebpf":
             assert self.socket_lb is not None
             return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns,
-                                 cgroup=self.lab.cgroup, socket_lb=self.socket_lb)  # fmt: skip
+                                 cgroup=self.lab.cgroup, socket_lb=self.socket_lb,
+                                 tc_attach=self.tc_attach)  # fmt: skip
         from agent.dataplane.iptables.dataplane import IptablesDataplane
 
         return IptablesDataplane(POD_INTERFACES, netns=self.lab.node_ns)
@@ -734,6 +734,46 @@ def test_switching_socket_lb_modes_keeps_established_streams(env: Env) -> None:
             assert set(result.counts) == set(BACKENDS), result.counts
     finally:
         env.socket_lb = original
+        for stream in streams:
+            stream.close()
+
+
+@not_on("iptables", "--tc-attach is the eBPF dataplane's")
+def test_moving_between_clsact_and_tcx_keeps_established_streams(env: Env) -> None:
+    """An agent of the clsact era upgraded in place to one that attaches tcx links, then
+    forced back to clsact: the restarted agent takes each pod interface over at its first
+    apply (its kind first, then the other kind goes), and streams begun under each keep
+    echoing throughout."""
+    from agent.dataplane.ebpf.netlink import tcx_supported
+
+    if not tcx_supported():
+        pytest.skip(f"kernel {os.uname().release} has no tcx")
+    objects, ip4, _ = service(env, "tcx", backends(env, *BACKENDS))
+    state = env.program(*objects)
+    streams = []
+    try:
+        for mode in ("clsact", "tcx", "clsact", None):
+            env.running().close()
+            env.dataplane = None
+            env.tc_attach = mode
+            env.dataplane = env.start_dataplane()
+            env.dataplane.apply(state)
+            assert isinstance(env.dataplane, EbpfDataplane)
+            expected = {"tcx": "tcx", "clsact": "clsact", None: env.dataplane.attacher.mode}[mode]
+            hooks = {(a.ifname, a.hook) for a in env.dataplane.attacher.attached()}
+            assert hooks == {(pod.host_ifname, expected) for pod in env.pods.values()}, mode
+            assert env.dataplane.status_details()["tcAttach"] == expected
+            streams.append(env.pod("client1").stream(ip4, 80))
+            for stream in streams:
+                ok_before, _ = stream.check()
+                _, error = stream.wait_for(ok_before + 5)
+                assert error is None, (
+                    f"stream to {stream.backend} after --tc-attach {mode}: {error}"
+                )
+            result = env.pod("client2").connect_many(ip4, 80, "tcp", 20)
+            assert result.errors == {}, result.details
+    finally:
+        env.tc_attach = None
         for stream in streams:
             stream.close()
 
