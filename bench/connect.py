@@ -42,8 +42,13 @@ Then request/response sets (floor, ebpf:last, sock:last, iptables:last), in roun
 rotating order as the connect() sets: each one connection, 1-byte messages echoed by the
 server (its Python event loop dominates; all kinds share it).
 
+`--tc-attach tcx,clsact` measures every eBPF kind (noop, pod_ip, ebpf:*, sock:*) once per
+way of attaching the tc programs, as KIND@MODE, in the same rotation: before a set of the
+other mode the bench attaches the datapath's programs and the empty ones that way (the
+other kind goes, as when an agent restarts with that --tc-attach).
+
     .venv/bin/python -m bench.connect [--quick] [--services N ...] [--dataplanes ebpf,iptables]
-                                      [--socket-lb all,off]
+                                      [--socket-lb all,off] [--tc-attach tcx,clsact]
 """
 
 from __future__ import annotations
@@ -263,6 +268,7 @@ def state_with_targets(
 def run(args: argparse.Namespace) -> int:
     from unittest import mock
 
+    from agent.dataplane.ebpf.dataplane import HOOKS
     from agent.dataplane.ebpf.netlink import TcAttacher
     from agent.dataplane.iptables import backend as iptables_module  # its COMMAND_TIMEOUT
     from agent.dataplane.iptables.dataplane import IptablesDataplane, unavailable_reason
@@ -282,6 +288,12 @@ def run(args: argparse.Namespace) -> int:
     ebpf, iptables = "ebpf" in dataplanes, "iptables" in dataplanes
     socket_lb = [m for m in SOCKET_LB_MODES if m in args.socket_lb.split(",")]
     tc_kinds, sock_kinds = "off" in socket_lb, "all" in socket_lb
+    attach_modes = [m.strip() for m in args.tc_attach.split(",") if m.strip()]
+    by_mode = len(attach_modes) > 1  # eBPF kinds measured once per mode, as KIND@MODE
+
+    def moded(kinds: list[str]) -> list[str]:
+        return [f"{k}@{m}" for m in attach_modes for k in kinds] if by_mode else kinds
+
     sizes_n = sorted(args.services or ([1, 1000, 10_000] if args.quick else
                                        [1, 1000, 10_000, 30_000]))  # fmt: skip
     iptables_n = sorted(args.iptables_services or ([1000] if args.quick else [1000, 10_000]))
@@ -298,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     info["iptables"] = iptables_backend()
     header("bench/connect.py (PB-2)", info, f"; {info['iptables']}")
     print(f"dataplanes: {', '.join(dataplanes)} (--socket-lb {','.join(socket_lb)}); eBPF at "
-          f"{sizes_n if ebpf else 'none'}, "
+          f"{sizes_n if ebpf else 'none'} (tc attached as {', '.join(attach_modes)}), "
           f"iptables at {iptables_n or 'none'} Services; {connects} connects per set, "
           f"{rounds} rounds per size; µs, wall clock in the client pod (perf_counter around "
           "connect())", flush=True)  # fmt: skip
@@ -328,10 +340,27 @@ def run(args: argparse.Namespace) -> int:
                     # The hook's own cost: an empty program on both hooks of another pair
                     # (the dataplane's cleanup detaches it with its own kbp_ filters).
                     empty = stack.enter_context(calibration_programs(1024))["kbp_bench_empty"]
-                    attacher = stack.enter_context(TcAttacher(lab.node_ns))
-                    for pod in (client2, server2):
-                        for direction in ("ingress", "egress"):
-                            attacher.attach(pod.host_ifindex, direction, empty, "kbp_bench_empty")
+
+                    def attach_tc(mode: str, datapath: Any = dp) -> None:
+                        """The datapath's and the empty programs attached as `mode` (tcx or
+                        clsact; auto: as the agent would)."""
+                        with TcAttacher(lab.node_ns, datapath.pin_dir, mode) as attacher:
+                            for pod in (client, server, client3):
+                                for direction, program in HOOKS:
+                                    attacher.attach(
+                                        pod.host_ifindex,
+                                        direction,
+                                        datapath.programs.fd(program),
+                                        program,
+                                    )
+                            for pod in (client2, server2):
+                                for direction in ("ingress", "egress"):
+                                    attacher.attach(pod.host_ifindex, direction, empty,
+                                                    "kbp_bench_empty")  # fmt: skip
+                        attached_as[0] = mode
+
+                    attached_as = [""]
+                    attach_tc(attach_modes[0])
                     print(f"eBPF lab: datapath on {', '.join(attached)}; an empty program on "
                           f"{client2.host_ifname}, {server2.host_ifname}; no program on "
                           f"{client0.host_ifname}, {server0.host_ifname}; maps {sizes}",
@@ -369,7 +398,11 @@ def run(args: argparse.Namespace) -> int:
 
                 def prepare(kind: str) -> Path | None:
                     """--socket-lb for the set; the cgroup its client runs in (the hooks
-                    run only there: the floor's and noop's clients stay outside)."""
+                    run only there: the floor's and noop's clients stay outside). A
+                    KIND@MODE set first attaches the tc programs as MODE."""
+                    kind, _, mode = kind.partition("@")
+                    if dp is not None and mode and mode != attached_as[0]:
+                        attach_tc(mode)
                     if dp is None or not (kind.startswith(("ebpf:", "sock:")) or kind == "pod_ip"):
                         return None
                     set_socket_lb(dp, "all" if kind.startswith("sock:") else "off")
@@ -389,11 +422,12 @@ def run(args: argparse.Namespace) -> int:
                         writes = dp.apply(state)
                         applied["ebpf"] = {"seconds": time.perf_counter() - started,
                                            "writes": writes}  # fmt: skip
-                        kinds += ["noop", "pod_ip"]
+                        ebpf_kinds = ["noop", "pod_ip"]
                         if tc_kinds:
-                            kinds += [f"ebpf:{p}" for p in places["ebpf"]]
+                            ebpf_kinds += [f"ebpf:{p}" for p in places["ebpf"]]
                         if sock_kinds:
-                            kinds += [f"sock:{p}" for p in places["ebpf"]]
+                            ebpf_kinds += [f"sock:{p}" for p in places["ebpf"]]
+                        kinds += moded(ebpf_kinds)
                     if ipt is not None and n in iptables_n:
                         state, places["iptables"] = state_with_targets(
                             others, target_entries(n, ipt_server.ipv4), n)  # fmt: skip
@@ -413,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
                     notes: dict[str, str] = {}
                     for r in range(rounds):
                         for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-                            pod, ip, port = targets[kind]
+                            pod, ip, port = targets[kind.partition("@")[0]]
                             cgroup = prepare(kind)
                             out = run_in_pod(pod, "--pod-connect", ip, port, connects, cgroup)
                             samples[kind] += out["ns"]
@@ -422,12 +456,12 @@ def run(args: argparse.Namespace) -> int:
                                 notes.setdefault(kind, out["first_error"])
                     # Request/response in rounds of rotating order too, so that the
                     # machine's drift (others' work) falls on every kind alike.
-                    rr_kinds = [k for k in ("floor", "ebpf:last", "sock:last", "iptables:last")
-                                if k in kinds]  # fmt: skip
+                    rr_kinds = [k for k in ("floor", *moded(["ebpf:last", "sock:last"]),
+                                            "iptables:last") if k in kinds]  # fmt: skip
                     rr_ns: dict[str, list[int]] = {k: [] for k in rr_kinds}
                     for r in range(rounds):
                         for kind in rr_kinds[r % len(rr_kinds) :] + rr_kinds[: r % len(rr_kinds)]:
-                            pod, ip, port = targets[kind]
+                            pod, ip, port = targets[kind.partition("@")[0]]
                             cgroup = prepare(kind)
                             out = run_in_pod(pod, "--pod-rr", ip, port,
                                              max(1, exchanges // rounds), cgroup)  # fmt: skip
@@ -453,6 +487,7 @@ def run(args: argparse.Namespace) -> int:
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "dataplanes": dataplanes,
         "socket_lb": socket_lb,
+        "tc_attach": attach_modes,
         "connects_per_set": connects,
         "rounds": rounds,
         "endpoints_per_service": endpoints,
@@ -477,6 +512,9 @@ LABELS = {
 
 
 def label_of(kind: str, places: dict[str, dict[str, int]], n: int) -> str:
+    kind, _, mode = kind.partition("@")
+    if mode:
+        return f"{label_of(kind, places, n)} [{mode}]"
     if kind in LABELS:
         return LABELS[kind]
     dataplane, pos = kind.split(":")
@@ -516,11 +554,15 @@ def print_size(
         if errors[kind]:
             extra += f"  ({errors[kind]} failed: {notes.get(kind, '')})"
         print(row(label_of(kind, places, n), s, extra))
-    if "noop" in stats and "ebpf:last" in stats:
-        noop = stats["noop"].median
-        ours = (stats["ebpf:last"].median - noop) / 1000
-        print(f"{'  of which the tc hooks (noop - floor)':<44} {(noop - floor) / 1000:+7.1f}   "
-              f"our programs (ebpf:last - noop): {ours:+.1f} µs")  # fmt: skip
+    for mode in sorted({k.partition("@")[2] for k in stats}):
+        at = f"@{mode}" if mode else ""
+        if f"noop{at}" not in stats or f"ebpf:last{at}" not in stats:
+            continue
+        noop = stats[f"noop{at}"].median
+        ours = (stats[f"ebpf:last{at}"].median - noop) / 1000
+        print(f"{'  of which the tc hooks (noop - floor)' + (f' [{mode}]' if mode else ''):<44} "
+              f"{(noop - floor) / 1000:+7.1f}   our programs (ebpf:last - noop): "
+              f"{ours:+.1f} µs")  # fmt: skip
     ratios: dict[str, Any] = {}
     for pos in places.get("iptables", {}):
         if f"ebpf:{pos}" not in stats:
@@ -532,10 +574,13 @@ def print_size(
         ratios[pos] = {"raw": raw, "net_of_floor": net}
         print(f"  iptables / eBPF p50, target {pos}: {raw:.1f}x as measured, {net:.1f}x net of "
               f"the floor")  # fmt: skip
-    for kind, label in (("floor", "request/response, floor (1 B echo)"),
-                        ("ebpf:last", "request/response, eBPF tc ClusterIP"),
-                        ("sock:last", "request/response, eBPF socket LB ClusterIP"),
-                        ("iptables:last", "request/response, iptables ClusterIP")):  # fmt: skip
+    rr_labels = {"floor": "request/response, floor (1 B echo)",
+                 "ebpf:last": "request/response, eBPF tc ClusterIP",
+                 "sock:last": "request/response, eBPF socket LB ClusterIP",
+                 "iptables:last": "request/response, iptables ClusterIP"}  # fmt: skip
+    for kind in rr:
+        base, _, mode = kind.partition("@")
+        label = rr_labels[base] + (f" [{mode}]" if mode else "")
         if kind in rr:
             s = rr[kind]
             extra = f"{1e9 / s.mean:,.0f} transactions/s"
@@ -544,9 +589,10 @@ def print_size(
                 # follows a few scheduling stalls of either process.
                 ratio = rr["floor"].median / s.median
                 extra += f", {ratio:.3f} of the floor's rate at p50"
-                if kind == "sock:last":
-                    marks["sock:rr"] = {"ratio": ratio, "mark": mark(ratio >= TARGET_SOCK_RR)}
-                    extra += f" ≥ {TARGET_SOCK_RR} {marks['sock:rr']['mark']}"
+                if base == "sock:last":
+                    key = f"sock:rr{kind.removeprefix(base)}"
+                    marks[key] = {"ratio": ratio, "mark": mark(ratio >= TARGET_SOCK_RR)}
+                    extra += f" ≥ {TARGET_SOCK_RR} {marks[key]['mark']}"
             print(row(label, s, extra))
     entry: dict[str, Any] = {
         "services": n,
@@ -578,13 +624,17 @@ def print_targets(report: list[dict[str, Any]]) -> dict[str, Any]:
         if parts:
             print(f"{e['services']:>6} Services: eBPF p50 - floor ({floor / 1000:.1f} µs): "
                   f"{', '.join(parts)}")  # fmt: skip
-        if "sock:rr" in e["ebpf_marks"]:
-            rr = e["ebpf_marks"]["sock:rr"]
-            print(f"{'':>6}   socket LB request/response: {rr['ratio']:.3f} of the floor's "
-                  f"rate {rr['mark']} (≥ {TARGET_SOCK_RR})")  # fmt: skip
+        for key, rr in e["ebpf_marks"].items():
+            if key.startswith("sock:rr"):
+                print(f"{'':>6}   socket LB request/response{key.removeprefix('sock:rr')}: "
+                      f"{rr['ratio']:.3f} of the floor's rate {rr['mark']} "
+                      f"(≥ {TARGET_SOCK_RR})")  # fmt: skip
     slopes: dict[str, Any] = {}
-    for kind in ("ebpf:first", "ebpf:last", "sock:first", "sock:last", "iptables:first",
-                 "iptables:middle", "iptables:last", "iptables:pod_ip"):  # fmt: skip
+    measured = sorted({kind for e in report for kind in e["kinds"]})
+    for kind in [k for k in measured if k.startswith(("ebpf:first", "ebpf:last", "sock:first",
+                                                      "sock:last"))] + [
+        "iptables:first", "iptables:middle", "iptables:last", "iptables:pod_ip",
+    ]:  # fmt: skip
         points = [(e["services"], e["kinds"][kind]["median"] - e["kinds"]["floor"]["median"])
                   for e in report if kind in e["kinds"]]  # fmt: skip
         if len(points) < 2:
@@ -629,6 +679,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket-lb", default=",".join(SOCKET_LB_MODES),
                         help="eBPF --socket-lb modes to measure, comma-separated: all (sock:*, "
                         "the socket hooks), off (ebpf:*, tc); default both")  # fmt: skip
+    parser.add_argument("--tc-attach", default="auto",
+                        help="how the eBPF lab attaches its tc programs, comma-separated: "
+                        "auto, tcx, clsact; two or more measure every eBPF kind once per "
+                        "mode, side by side (e.g. tcx,clsact); default auto")  # fmt: skip
     parser.add_argument("--iptables-services", type=int, nargs="+", metavar="N",
                         help="sizes for the iptables dataplane (default 1000 10000; quick: "
                         "1000)")  # fmt: skip
