@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.dataplane.ebpf import libbpf
+from agent.dataplane.ebpf import inspect, libbpf
 from agent.dataplane.ebpf.dataplane import cleanup
 from agent.dataplane.ebpf.netlink import (
     TCX_PIN_PREFIX,
@@ -196,6 +196,18 @@ def test_auto_attaches_tcx_links_pinned_and_traffic_passes(lab, pods, pin_dir, c
         capture_output=True, text=True, check=True,
     ).stdout)  # fmt: skip
     assert shown["prog_id"] == ours.id
+    # `kube-bpf-proxy inspect tc` in the node's namespace lists the links and their pins.
+    rows = run_in_netns(lab.node_ns, lambda: inspect.tc(pin_dir))
+    assert [(r["interface"], r["direction"], r["hook"], r["progId"], r["pin"]) for r in rows] == [
+        (
+            server.host_ifname,
+            d,
+            "tcx",
+            ours.id,
+            str(pin_dir / f"{TCX_PIN_PREFIX}{server.host_ifindex}_{d}"),
+        )
+        for d in ("egress", "ingress")
+    ]
 
 
 def test_a_second_attach_swaps_the_program_in_the_pinned_link_losing_nothing(
