@@ -372,8 +372,12 @@ def test_cleanup_leaves_no_link_pin_or_filter(lab, pods, pin_dir, counters):
     assert not pin_dir.exists()  # remove_pins took the directory, left empty
 
 
-def test_tcx_mode_without_a_pin_directory_is_refused(lab):
+def test_tcx_mode_without_a_pin_directory_is_refused(lab, monkeypatch):
     with pytest.raises(ValueError, match="pin"):
         TcAttacher(lab.node_ns, None, "tcx")
+    # From the environment it is the agent's choice: tools without pins still start.
+    monkeypatch.setenv("KBP_TC_ATTACH", "tcx")
+    with TcAttacher(lab.node_ns) as attacher:
+        assert attacher.mode == "clsact" and attacher.attached() == []
     with pytest.raises(ValueError, match="one of"):
         TcAttacher(lab.node_ns, None, "sideways")

@@ -409,7 +409,8 @@ class TcAttacher:
     `pin_dir` (a bpffs directory, one per namespace) and `mode` (auto, tcx or clsact;
     None: $KBP_TC_ATTACH, else auto) choose how programs attach: tcx links pinned there
     when the kernel has tcx and the mode allows it, else clsact filters (also always
-    without a pin directory: an unpinned link would end with this process). Whatever
+    without a pin directory: an unpinned link would end with this process, so only an
+    explicit mode tcx is refused there, not one from the environment). Whatever
     the mode, detach, attached and attach's clean-up handle both kinds, so an agent
     moves an interface from one to the other without a gap.
     """
@@ -425,12 +426,12 @@ class TcAttacher:
         if requested not in TC_ATTACH_MODES:
             raise ValueError(f"tc attach mode must be one of {', '.join(TC_ATTACH_MODES)}; "
                              f"got {requested!r}")  # fmt: skip
-        if requested == "tcx" and pin_dir is None:
+        if mode == "tcx" and pin_dir is None:  # ($KBP_TC_ATTACH may say tcx to tools)
             raise ValueError("tc attach mode tcx needs a bpffs directory to pin the links in")
         self.pin_dir = Path(pin_dir) if pin_dir is not None else None
         self._worker = _NamespaceThread(netns, f"kbp-netlink-{netns or 'self'}", self._open)
         self.tcx_available = self._worker.call(tcx_supported)
-        if requested == "tcx" and not self.tcx_available:
+        if requested == "tcx" and self.pin_dir is not None and not self.tcx_available:
             self.close()
             raise NetlinkError("tc attach mode tcx: this kernel has no tcx (BPF_PROG_QUERY on "
                                "BPF_TCX_INGRESS fails; tcx needs Linux 6.6+)")  # fmt: skip
