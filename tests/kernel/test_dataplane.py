@@ -778,6 +778,34 @@ def test_moving_between_clsact_and_tcx_keeps_established_streams(env: Env) -> No
             stream.close()
 
 
+@not_on("iptables", "tcx pins are the eBPF dataplane's")
+def test_a_removed_pod_interface_leaves_no_tcx_pin(env: Env) -> None:
+    """The watcher attaches a new pod's interface as pinned tcx links; when the interface
+    goes, the kernel detaches them and the agent removes their pins."""
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane)
+    if dataplane.attacher.mode != "tcx":
+        pytest.skip(f"the tc programs attach as {dataplane.attacher.mode} here")
+    pod = env.lab.add_pod("short-lived")
+    pins = {env.pin_dir / f"kbp_tcx_{pod.host_ifindex}_{d}" for d in ("ingress", "egress")}
+    try:
+        assert _within(10.0, lambda: all(pin.exists() for pin in pins)), "never attached"
+    finally:
+        env.lab.remove_pod("short-lived")
+    assert _within(10.0, lambda: not any(pin.exists() for pin in pins)), sorted(
+        str(pin) for pin in pins if pin.exists()
+    )
+
+
+def _within(seconds: float, condition: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 @not_on("iptables", "iptables chains have no fixed capacity to refuse a state for")
 def test_state_that_does_not_fit_is_refused_and_the_previous_stays(env: Env) -> None:
     objects, ip4, _ = service(env, "before", backends(env, *BACKENDS))
