@@ -45,6 +45,7 @@ from agent.model.compile import compile
 from agent.model.nodestate import NodeState
 
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
+from .tchooks import our_tc_programs
 
 DATAPLANES = ("ebpf-all", "ebpf-off", "iptables")  # eBPF: --socket-lb all and off
 POD_INTERFACES = ("vethkbp*",)
@@ -138,11 +139,8 @@ class Env:
             if self.pin_dir.exists():
                 left = [str(pin) for pin in sorted(self.pin_dir.iterdir())] or [str(self.pin_dir)]
             for pod in self.pods.values():
-                for hook in ("ingress", "egress"):
-                    device = pod.host_ifname
-                    shown = self.lab.run_in_node("tc", "filter", "show", "dev", device, hook)
-                    left += [f"{device} {hook}: {line.strip()}"
-                             for line in shown.splitlines() if " bpf " in line]  # fmt: skip
+                hooks = our_tc_programs(self.lab.node_ns, pod.host_ifname)
+                left += [f"{pod.host_ifname} {hook}" for hook in hooks]
             return left
         rules = self.lab.run_in_node("iptables-save") + self.lab.run_in_node("ip6tables-save")
         return [line for line in rules.splitlines() if "KBP-" in line]
