@@ -42,6 +42,7 @@ RUN_SETTINGS = [
     "xdp",
     "cgroup_root",
     "socket_lb",
+    "tc_attach",
     "snat_port_range",
     "maglev_table_size",
     "map_size_services",
@@ -68,7 +69,7 @@ LAB_SETTINGS = ["manifests", "dataplane"]
 EXPLAIN_SETTINGS = ["manifests", *NODE_SETTINGS, "metrics_bind_address", "bpffs",
                     "inspect_output", "log_level"]  # fmt: skip
 CLEANUP_SETTINGS = ["bpffs", "log_level"]
-INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp")
+INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp", "tc")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_parser = commands.add_parser(
         "inspect",
         help="show the eBPF dataplane's maps: frontends, backends, conntrack, affinity, "
-        "counters, xdp",
+        "counters, xdp, tc (the tc programs: tcx links and clsact filters)",
         description="Decode the pinned maps under --bpffs into tables (or JSON): what the "
         "kernel holds right now, whether or not an agent is running.",
     )

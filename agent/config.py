@@ -191,6 +191,12 @@ class Settings:
         "the ClusterIP); off: nobody's, pods go through tc and the node's own processes "
         "reach no Service",
         choices=("all", "host", "off"))
+    tc_attach: str = _setting("auto", "--tc-attach",
+        "how the eBPF dataplane attaches its tc programs: tcx, bpf_links pinned under "
+        "--bpffs that run without the clsact qdisc (kernel 6.6+); clsact, cls_bpf "
+        "filters; auto: tcx where the kernel has it, else clsact. Changing it moves "
+        "every interface at the next start without a gap",
+        choices=("auto", "tcx", "clsact"))
     snat_port_range: str = _setting("61000-65535", "--snat-port-range",
         "source ports for external flows the eBPF dataplane forwards to backends on "
         "other nodes (SNAT to this node's address); keep it outside the node's "

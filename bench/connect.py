@@ -526,16 +526,19 @@ def run(args: argparse.Namespace) -> int:
                     client3 = lab.add_pod(SOCK_CLIENT)
                     sizes = map_sizes_for(max(all_n), endpoints)
                     attached = [client.host_ifname, server.host_ifname, client3.host_ifname]
-                    dp = stack.enter_context(bench_dataplane(sizes, lab.node_ns, attached,
-                                                             lab.cgroup))  # fmt: skip
+                    dp = stack.enter_context(bench_dataplane(
+                        sizes, lab.node_ns, attached, lab.cgroup, args.tc_attach))  # fmt: skip
                     # The hook's own cost: an empty program on both hooks of another pair
-                    # (the dataplane's cleanup detaches it with its own kbp_ filters).
+                    # attached as the datapath is, tcx link or clsact filter (the dataplane's
+                    # cleanup detaches it with its own kbp_ programs).
                     empty = stack.enter_context(calibration_programs(1024))["kbp_bench_empty"]
-                    attacher = stack.enter_context(TcAttacher(lab.node_ns))
+                    attacher = stack.enter_context(TcAttacher(lab.node_ns, dp.pin_dir,
+                                                              dp.links.tc.mode))  # fmt: skip
                     for pod in (client2, server2):
                         for direction in ("ingress", "egress"):
                             attacher.attach(pod.host_ifindex, direction, empty, "kbp_bench_empty")
-                    print(f"eBPF lab: datapath on {', '.join(attached)}; an empty program on "
+                    print(f"eBPF lab: tc programs as {dp.links.tc.mode}; datapath on "
+                          f"{', '.join(attached)}; an empty program on "
                           f"{client2.host_ifname}, {server2.host_ifname}; no program on "
                           f"{client0.host_ifname}, {server0.host_ifname}; maps {sizes}",
                           flush=True)  # fmt: skip
@@ -670,6 +673,7 @@ def run(args: argparse.Namespace) -> int:
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "dataplanes": dataplanes,
         "socket_lb": socket_lb,
+        "tc_attach": args.tc_attach,
         "connects_per_set": connects,
         "rounds": rounds,
         "endpoints_per_service": endpoints,
@@ -880,6 +884,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket-lb", default=",".join(SOCKET_LB_MODES),
                         help="eBPF --socket-lb modes to measure, comma-separated: all (sock:*, "
                         "the socket hooks), off (ebpf:*, tc); default both")  # fmt: skip
+    parser.add_argument("--tc-attach", default="auto", choices=("auto", "tcx", "clsact"),
+                        help="how the eBPF lab attaches its tc programs, the datapath's and "
+                        "the empty ones alike (the agent's --tc-attach); default auto")  # fmt: skip
     parser.add_argument("--iptables-services", type=int, nargs="+", metavar="N",
                         help="sizes for the iptables dataplane (default 1000 10000; quick: "
                         "1000)")  # fmt: skip

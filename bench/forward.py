@@ -39,6 +39,10 @@ kernel forwards), tc (EbpfDataplane, external interface n0, XDP off; frames to t
 iptables (IptablesDataplane, no BPF on n0; frames to the VIP), noop-xdp (an XDP program
 on n0 that rewrites the MACs and bpf_redirect()s to n1; frames to the backend address)
 and xdp (EbpfDataplane with native XDP on n0: decide, DNAT + SNAT, FIB, XDP_REDIRECT).
+The tc programs attach as the agent's --tc-attach auto does (tcx links where the kernel
+has them); noop-tc is the empty program as a clsact filter, noop-tcx the same as a tcx
+link, tc-clsact kbp's tc with --tc-attach clsact: the two ways side by side. The target
+tc / noop compares like with like (noop-tcx when tc ran as tcx links).
 
 Method. Each window is one BPF_PROG_TEST_RUN call of N runs from one thread pinned to one
 CPU, in the gen namespace; forwarded pps = frames the sink counted as translated as
@@ -147,11 +151,13 @@ TARGET_TC_OF_IPTABLES = 1.5
 ANCHOR_XDP_OF_IPTABLES = 4.8
 REFERENCE = "Cilium: tc-eBPF ≈1.7x iptables, XDP ≥4.8x iptables"
 
-VARIANTS = ("gen-only", "noop-tc", "tc", "iptables", "noop-xdp", "xdp")
+VARIANTS = ("gen-only", "noop-tc", "noop-tcx", "tc", "tc-clsact", "iptables", "noop-xdp", "xdp")
 VARIANT_TEXT = {
     "gen-only": "the generator and one veth hop alone: the sink's XDP drop on n0",
-    "noop-tc": "floor (tc): empty tc program on n0, to the backend address",
-    "tc": "kbp tc (EbpfDataplane, XDP off), to the VIP",
+    "noop-tc": "floor (tc): empty tc program on n0 (clsact), to the backend address",
+    "noop-tcx": "the same empty program as a tcx link, to the backend address",
+    "tc": "kbp tc (EbpfDataplane, XDP off, --tc-attach auto: tcx here), to the VIP",
+    "tc-clsact": "kbp tc as above with --tc-attach clsact, to the VIP",
     "iptables": "iptables fallback (IptablesDataplane), to the VIP",
     "noop-xdp": "floor (XDP): MAC rewrite + bpf_redirect to n1, to the backend address",
     "xdp": "kbp XDP (EbpfDataplane, native), to the VIP",
@@ -455,7 +461,7 @@ class Setup:
     windows: list[dict[str, Any]] = field(default_factory=list)
 
 
-def ebpf_dataplane(topo: Topology, xdp: str) -> tuple[EbpfDataplane, Path]:
+def ebpf_dataplane(topo: Topology, xdp: str, tc_attach: str = "auto") -> tuple[EbpfDataplane, Path]:
     pin_dir = BPFFS / f"{PREFIX}{os.getpid()}-{topo.variant}"
     try:
         dp = EbpfDataplane(
@@ -466,6 +472,7 @@ def ebpf_dataplane(topo: Topology, xdp: str) -> tuple[EbpfDataplane, Path]:
             watch=False,
             external_interfaces=["n0"],
             xdp=xdp,
+            tc_attach=tc_attach,
         )
     except BaseException:
         shutil.rmtree(pin_dir, ignore_errors=True)
@@ -498,19 +505,25 @@ def variant_setups(
                 with TcAttacher(topo.node) as node:
                     node.attach_xdp(n0, progs.sink, "native")
                 s.xdp_mode = "native"
-            elif name == "noop-tc":
-                with TcAttacher(topo.node) as node:
+            elif name in ("noop-tc", "noop-tcx"):
+                links = None  # clsact; noop-tcx: a tcx link pinned here
+                if name == "noop-tcx":
+                    links = BPFFS / f"{PREFIX}{os.getpid()}-{name}"
+                    links.mkdir()
+                    pins.append(links)
+                with TcAttacher(topo.node, links, "tcx" if links else "clsact") as node:
                     node.attach(n0, "ingress", progs.tc_noop, "kbp_bench_tc_noop")
             elif name == "noop-xdp":
                 progs.fwd_ifindex.update(bytes(4), struct.pack("<I", topo.n1_index))
                 with TcAttacher(topo.node) as node:
                     node.attach_xdp(n0, progs.xdp_fwd, "native")
                 s.xdp_mode = "native"
-            elif name in ("tc", "xdp"):
+            elif name in ("tc", "tc-clsact", "xdp"):
                 s.frame, s.expected_slot = to_vip, SINK_TRANSLATED
-                mode = "off" if name == "tc" else "native"
+                mode = "native" if name == "xdp" else "off"
                 try:
-                    s.ebpf, pin = ebpf_dataplane(topo, mode)
+                    s.ebpf, pin = ebpf_dataplane(topo, mode, "clsact" if name == "tc-clsact"
+                                                 else "auto")  # fmt: skip
                 except DataplaneError as err:
                     if name != "xdp":
                         raise
@@ -607,7 +620,7 @@ def verify(s: Setup, progs: BenchPrograms) -> dict[str, Any]:
     out: dict[str, Any] = {"xdp_mode": s.xdp_mode}
     with TcAttacher(s.topo.node) as node:
         n0 = link_index(s.topo.node, "n0")
-        out["tc_on_n0"] = sorted(f"{a.direction}:{a.name}" for a in node.attached()
+        out["tc_on_n0"] = sorted(f"{a.direction}:{a.hook}:{a.name}" for a in node.attached()
                                  if a.index == n0)  # fmt: skip
         out["xdp_on_n0"] = [f"{x.mode}:{libbpf.prog_name(x.prog_id)}" for x in node.xdp()
                             if x.index == n0]  # fmt: skip
@@ -643,9 +656,9 @@ def check_path(s: Setup, check: dict[str, Any]) -> list[str]:
     good = sum(w["expected"] for w in s.windows)
     if total == 0 or good < 0.5 * total:
         problems.append(f"only {good} of {total} frames arrived as expected")
-    if s.name in ("tc", "xdp") and check["kbp_conntrack_snat_flows"] < FLOWS:
+    if s.name in ("tc", "tc-clsact", "xdp") and check["kbp_conntrack_snat_flows"] < FLOWS:
         problems.append(f"{check['kbp_conntrack_snat_flows']} SNAT flows in kbp's conntrack")
-    if s.name == "tc" and check["xdp_on_n0"]:
+    if s.name in ("tc", "tc-clsact") and check["xdp_on_n0"]:
         problems.append(f"XDP on n0: {check['xdp_on_n0']}")
     if s.name == "xdp" and check["kbp_xdp_stats"].get("redirect", 0) < 0.5 * total:
         problems.append(f"kbp_xdp_stats: {check['kbp_xdp_stats']}")
@@ -853,7 +866,10 @@ def print_report(
         net_text = "" if net is None else f"  (net of the generator: {net:.2f})"
         print(f"  {by_name[a].label} / {by_name[b].label}: {value:.2f} {text} {ok}{net_text}")
 
-    show("tc_of_noop_tc", "tc", "noop-tc", TARGET_TC_OF_NOOP, f"(target ≥ {TARGET_TC_OF_NOOP})")
+    # Like for like: kbp tc against the empty program attached the same way (tcx here).
+    tc_is_tcx = any(":tcx:" in hook for hook in checks.get("tc", {}).get("tc_on_n0", []))
+    floor = "noop-tcx" if tc_is_tcx and "noop-tcx" in by_name else "noop-tc"
+    show("tc_of_noop_tc", "tc", floor, TARGET_TC_OF_NOOP, f"(target ≥ {TARGET_TC_OF_NOOP})")
     show("tc_of_iptables", "tc", "iptables", TARGET_TC_OF_IPTABLES,
          f"(target ≥ {TARGET_TC_OF_IPTABLES}; Cilium ≈1.7)")  # fmt: skip
     show("xdp_of_iptables", "xdp", "iptables", ANCHOR_XDP_OF_IPTABLES,
@@ -861,6 +877,8 @@ def print_report(
     show("xdp_of_noop_xdp", "xdp", "noop-xdp", None, "(XDP's own floor)")
     show("xdp_of_tc", "xdp", "tc", None, "")
     show("noop_xdp_of_noop_tc", "noop-xdp", "noop-tc", None, "(the two floors)")
+    show("tc_tcx_of_clsact", "tc", "tc-clsact", None, "(kbp tc: tcx link / clsact filter)")
+    show("noop_tcx_of_clsact", "noop-tcx", "noop-tc", None, "(empty: tcx link / clsact filter)")
     print("  Targets are judged on the raw rates; 'net of the generator' compares the "
           "forwarding costs (ns/pkt - gen-only), which the shared generator CPU compresses "
           "in the raw ratios.")  # fmt: skip

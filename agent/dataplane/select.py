@@ -65,6 +65,7 @@ def build_ebpf(settings: Settings) -> Dataplane:
         snat_ports=settings.snat_ports(),
         cgroup=cgroup,
         socket_lb=settings.socket_lb,
+        tc_attach=settings.tc_attach,
         ct_timeouts=Timeouts(**settings.conntrack_timeouts()),
         ct_sweep_interval=settings.conntrack_sweep_interval,
     )

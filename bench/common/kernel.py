@@ -138,15 +138,17 @@ def bench_dataplane(
     netns: str,
     pod_interfaces: Sequence[str] = (NO_INTERFACES,),
     cgroup: Path | None = None,
+    tc_attach: str | None = None,
 ) -> Iterator[EbpfDataplane]:
     """The real EbpfDataplane (compiled with bcc) on a fresh pin directory, its socket
-    hooks on `cgroup` when one is given (--socket-lb all); detached, unpinned and removed
+    hooks on `cgroup` when one is given (--socket-lb all), its tc programs attached as
+    `tc_attach` (--tc-attach; None: auto); detached, unpinned and removed
     on exit."""
     pin_dir = BPFFS / f"{BENCH_PREFIX}{os.getpid()}-{next(_names)}"
     dataplane: EbpfDataplane | None = None
     try:
         dataplane = EbpfDataplane(pin_dir, list(pod_interfaces), sizes, netns=netns, watch=False,
-                                  cgroup=cgroup)  # fmt: skip
+                                  cgroup=cgroup, tc_attach=tc_attach)  # fmt: skip
         yield dataplane
     finally:
         if dataplane is not None:

@@ -24,6 +24,7 @@ from agent.lab.nodelab import Lab
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv, service_manifest
 from .agentproc import cli as agent_cli
+from .tchooks import our_tc_programs
 
 CLUSTER_IP = "10.96.0.80"
 
@@ -151,17 +152,17 @@ def test_file_changes_are_applied_and_sigterm_leaves_the_dataplane(setup) -> Non
     # Stopped: Services keep working, as with kube-proxy's rules.
     after = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 5)
     assert after.counts == {"be2": 5}, after
-    filters = lab.run_in_node("tc", "filter", "show", "dev", lab.pods["client"].host_ifname,
-                              "ingress")  # fmt: skip
-    assert "kbp_from_pod" in filters
+    hooks = our_tc_programs(lab.node_ns, lab.pods["client"].host_ifname, "ingress")
+    assert [hook.rpartition(":")[2] for hook in hooks] == ["kbp_from_pod"], hooks
 
+    # The maps' pins, and with tcx one per tc link (each pod interface's two hooks).
+    links = [pin for pin in pin_dir.iterdir() if pin.name.startswith("kbp_tcx_")]
+    assert len(links) == (2 * len(lab.pods) if "tcx" in hooks[0] else 0), links
     done = cli(lab, "cleanup", "--bpffs", str(pin_dir))
     assert done.returncode == 0, done.stderr
-    assert f"removed {len(abi.MAP_NAMES)} pin(s)" in done.stdout, done.stdout
+    assert f"removed {len(abi.MAP_NAMES) + len(links)} pin(s)" in done.stdout, done.stdout
     assert not pin_dir.exists()
-    filters = lab.run_in_node("tc", "filter", "show", "dev", lab.pods["client"].host_ifname,
-                              "ingress")  # fmt: skip
-    assert "kbp_" not in filters
+    assert our_tc_programs(lab.node_ns, lab.pods["client"].host_ifname) == []
     gone = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 1, timeout=0.5)
     assert gone.errors == {"timeout": 1}, gone  # untranslated: the lab blackholes it
 

@@ -14,6 +14,7 @@ import time
 
 from agent.lab.nodelab import Lab
 
+from .tchooks import our_tc_programs
 from .test_agent_cli import CLUSTER_IP, Agent, cli, setup, write_manifest
 
 __all__ = ["setup"]  # the fixture, shared with the eBPF agent tests
@@ -115,8 +116,8 @@ def test_switching_dataplanes_leaves_nothing_of_the_other(setup) -> None:
     try:
         iptables.wait_for_line("sync: applied revision")
         assert not pin_dir.exists(), "the eBPF maps were left pinned"
-        filters = lab.run_in_node("tc", "filter", "show", "dev", client.host_ifname, "ingress")
-        assert "kbp_" not in filters, filters
+        hooks = our_tc_programs(lab.node_ns, client.host_ifname)
+        assert hooks == [], hooks
         result = client.connect_many(CLUSTER_IP, 80, "tcp", 20)
         assert result.errors == {} and set(result.counts) == {"be1", "be2"}, result
     finally:

@@ -46,6 +46,7 @@ from agent.model.compile import compile
 from agent.model.nodestate import NodeState
 
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
+from .tchooks import our_tc_programs
 
 DATAPLANES = ("ebpf-all", "ebpf-off", "iptables")  # eBPF: --socket-lb all and off
 POD_INTERFACES = ("vethkbp*",)
@@ -57,14 +58,13 @@ UDP_SOURCE_PORT = 40123  # fixed, so two clients one after the other are one UDP
 class Env:
     """One lab with its pods and the dataplane under test programming it."""
 
-    def __init__(
-        self, lab: Lab, param: str, pin_dir: Path, sizes: MapSizes | None = None
-    ) -> None:
+    def __init__(self, lab: Lab, param: str, pin_dir: Path, sizes: MapSizes | None = None) -> None:
         self.lab = lab
         self.sizes = sizes or MapSizes(4096, 65536, 4096, 4096, 1024)
         self.kind, _, socket_lb = param.partition("-")
         self.socket_lb = socket_lb or None  # eBPF: --socket-lb
         self.pin_dir = pin_dir  # eBPF only
+        self.tc_attach: str | None = None  # eBPF: --tc-attach (None: $KBP_TC_ATTACH or auto)
         self.pods = lab.pods
         self.dataplane: Dataplane | None = None
         self.next_ip = 10
@@ -78,7 +78,8 @@ class Env:
         if self.kind == "ebpf":
             assert self.socket_lb is not None
             return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns,
-                                 cgroup=self.lab.cgroup, socket_lb=self.socket_lb)  # fmt: skip
+                                 cgroup=self.lab.cgroup, socket_lb=self.socket_lb,
+                                 tc_attach=self.tc_attach)  # fmt: skip
         from agent.dataplane.iptables.dataplane import IptablesDataplane
 
         return IptablesDataplane(POD_INTERFACES, netns=self.lab.node_ns)
@@ -139,11 +140,8 @@ class Env:
             if self.pin_dir.exists():
                 left = [str(pin) for pin in sorted(self.pin_dir.iterdir())] or [str(self.pin_dir)]
             for pod in self.pods.values():
-                for hook in ("ingress", "egress"):
-                    device = pod.host_ifname
-                    shown = self.lab.run_in_node("tc", "filter", "show", "dev", device, hook)
-                    left += [f"{device} {hook}: {line.strip()}"
-                             for line in shown.splitlines() if " bpf " in line]  # fmt: skip
+                hooks = our_tc_programs(self.lab.node_ns, pod.host_ifname)
+                left += [f"{pod.host_ifname} {hook}" for hook in hooks]
             return left
         rules = self.lab.run_in_node("iptables-save") + self.lab.run_in_node("ip6tables-save")
         return [line for line in rules.splitlines() if "KBP-" in line]
@@ -749,6 +747,74 @@ def test_switching_socket_lb_modes_keeps_established_streams(env: Env) -> None:
         env.socket_lb = original
         for stream in streams:
             stream.close()
+
+
+@not_on("iptables", "--tc-attach is the eBPF dataplane's")
+def test_moving_between_clsact_and_tcx_keeps_established_streams(env: Env) -> None:
+    """An agent of the clsact era upgraded in place to one that attaches tcx links, then
+    forced back to clsact: the restarted agent takes each pod interface over at its first
+    apply (its kind first, then the other kind goes), and streams begun under each keep
+    echoing throughout."""
+    from agent.dataplane.ebpf.netlink import tcx_supported
+
+    if not tcx_supported():
+        pytest.skip(f"kernel {os.uname().release} has no tcx")
+    objects, ip4, _ = service(env, "tcx", backends(env, *BACKENDS))
+    state = env.program(*objects)
+    streams = []
+    try:
+        for mode in ("clsact", "tcx", "clsact", None):
+            env.running().close()
+            env.dataplane = None
+            env.tc_attach = mode
+            env.dataplane = env.start_dataplane()
+            env.dataplane.apply(state)
+            assert isinstance(env.dataplane, EbpfDataplane)
+            expected = {"tcx": "tcx", "clsact": "clsact", None: env.dataplane.links.tc.mode}[mode]
+            hooks = {(a.ifname, a.hook) for a in env.dataplane.links.tc.attached()}
+            assert hooks == {(pod.host_ifname, expected) for pod in env.pods.values()}, mode
+            assert env.dataplane.status_details()["tcAttach"] == expected
+            streams.append(env.pod("client1").stream(ip4, 80))
+            for stream in streams:
+                ok_before, _ = stream.check()
+                _, error = stream.wait_for(ok_before + 5)
+                assert error is None, (
+                    f"stream to {stream.backend} after --tc-attach {mode}: {error}"
+                )
+            result = env.pod("client2").connect_many(ip4, 80, "tcp", 20)
+            assert result.errors == {}, result.details
+    finally:
+        env.tc_attach = None
+        for stream in streams:
+            stream.close()
+
+
+@not_on("iptables", "tcx pins are the eBPF dataplane's")
+def test_a_removed_pod_interface_leaves_no_tcx_pin(env: Env) -> None:
+    """The watcher attaches a new pod's interface as pinned tcx links; when the interface
+    goes, the kernel detaches them and the agent removes their pins."""
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane)
+    if dataplane.links.tc.mode != "tcx":
+        pytest.skip(f"the tc programs attach as {dataplane.links.tc.mode} here")
+    pod = env.lab.add_pod("short-lived")
+    pins = {env.pin_dir / f"kbp_tcx_{pod.host_ifindex}_{d}" for d in ("ingress", "egress")}
+    try:
+        assert _within(10.0, lambda: all(pin.exists() for pin in pins)), "never attached"
+    finally:
+        env.lab.remove_pod("short-lived")
+    assert _within(10.0, lambda: not any(pin.exists() for pin in pins)), sorted(
+        str(pin) for pin in pins if pin.exists()
+    )
+
+
+def _within(seconds: float, condition: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 @not_on("iptables", "iptables chains have no fixed capacity to refuse a state for")

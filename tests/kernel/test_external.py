@@ -40,6 +40,7 @@ import pytest
 from agent.lab.nodelab import Result
 
 from .extlab import DATAPLANES, EXTERNAL_IFNAME, EXTERNAL_IP, LB_VIP, ExtLab, answers
+from .tchooks import our_tc_programs
 
 # Slow (a two-node lab with agents, built per dataplane in the first test of each):
 # `-m 'not slow'` leaves these out.
@@ -354,7 +355,7 @@ def test_xdp_is_attached_as_reported_and_counts_its_verdicts(ext: ExtLab) -> Non
     if ext.dataplane == "iptables":
         # The iptables dataplane attaches nothing to the external interface.
         assert xdp_mode(ext, "node-a") is None
-        assert "kbp_" not in node.run("tc", "filter", "show", "dev", EXTERNAL_IFNAME, "ingress")
+        assert our_tc_programs(node.ns, EXTERNAL_IFNAME) == []
         return
     assert node.agent is not None
     status = node.agent.state()["status"]["xdp"]
@@ -414,9 +415,8 @@ def test_cleanup_leaves_nothing_behind(ext: ExtLab) -> None:
         assert xdp_mode(ext, name) is None
         interfaces = [EXTERNAL_IFNAME, *(pod.host_ifname for pod in node.lab.pods.values())]
         for ifname in interfaces:
-            for direction in ("ingress", "egress"):
-                filters = node.run("tc", "filter", "show", "dev", ifname, direction)
-                assert "kbp_" not in filters, (name, ifname, direction, filters)
+            hooks = our_tc_programs(node.ns, ifname)
+            assert hooks == [], (name, ifname, hooks)
         for save in ("iptables-save", "ip6tables-save"):
             rules = node.run(save)
             assert "KBP-" not in rules, (name, save, rules)

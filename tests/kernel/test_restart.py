@@ -30,6 +30,7 @@ from ..builders import make_endpoint, make_node, make_service, make_slice, write
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv
 from .agentproc import cli as agent_cli
+from .tchooks import our_tc_programs
 
 # Slow (agents restarted against an API server that is down, slow or failing, up to
 # 80 s a test here): `-m 'not slow'` leaves these out.
@@ -250,12 +251,12 @@ def test_switching_dataplanes_during_an_outage_keeps_the_old_one_serving(
 
 
 def assert_left_behind(node: Node, dataplane: str, present: bool) -> None:
-    """Whether `dataplane`'s kernel state is on the node: KBP- chains, or our tc filters
-    on the client's host interface and our pins."""
+    """Whether `dataplane`'s kernel state is on the node: KBP- chains, or our tc programs
+    (links or filters) on the client's host interface and our pins."""
     if dataplane == "iptables":
         found = "KBP-SERVICES" in node.lab.run_in_node("iptables-save", "-t", "nat")
     else:
         ifname = node.client.host_ifname
-        found = "kbp_" in node.lab.run_in_node("tc", "filter", "show", "dev", ifname, "ingress")
-        assert found == node.pin_dir.exists(), "the filters and the pins go together"
+        found = bool(our_tc_programs(node.lab.node_ns, ifname, "ingress"))
+        assert found == node.pin_dir.exists(), "the tc programs and the pins go together"
     assert found == present, f"{dataplane}'s state {'missing' if present else 'left behind'}"

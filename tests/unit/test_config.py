@@ -174,6 +174,7 @@ RANGE_CASES = [
     ("iptables_backend", [], {"KBP_IPTABLES_BACKEND": "xtables"},
      "KBP_IPTABLES_BACKEND: 'xtables' is not one of auto, nft, legacy"),
     ("socket_lb", [], {"KBP_SOCKET_LB": "pods"}, "KBP_SOCKET_LB: 'pods' is not one of"),
+    ("tc_attach", [], {"KBP_TC_ATTACH": "qdisc"}, "KBP_TC_ATTACH: 'qdisc' is not one of"),
     ("cgroup_root", ["--cgroup-root", "sys/fs/cgroup"], {}, "--cgroup-root: 'sys/fs/cgroup'"),
     ("snat_port_range", ["--snat-port-range", "80-90"], {}, "--snat-port-range: '80-90' must"),
     ("snat_port_range", ["--snat-port-range", "2000-1000"], {}, "must lie within 1024-65535"),

@@ -70,7 +70,9 @@ class Attacher:
         cgroup: Path | None,
         socket_lb: str,
         watch: bool,
+        tc_attach: str | None = None,
     ) -> None:
+        """`tc_attach` (--tc-attach): auto, tcx or clsact, see netlink.TcAttacher."""
         self.programs = programs
         self.pod_interfaces = tuple(pod_interfaces)
         self._pods = PodInterfaces(self.pod_interfaces)
@@ -81,7 +83,10 @@ class Attacher:
         self._external_attached: dict[int, str] = {}  # ifindex → name
         self.xdp_modes: dict[str, str] = {}  # interface → native | generic | failed: why
         self._node: NodeInfo | None = None  # the node the external interfaces were found for
-        self.tc = TcAttacher(netns)
+        try:
+            self.tc = TcAttacher(netns, programs.pin_dir, tc_attach)
+        except ValueError as err:
+            raise DataplaneError("config", f"--tc-attach: {err}") from err
         self.cgroup = cgroup
         # The pods' network namespaces, for the socket hooks (only when they serve pods).
         self.pod_netns: PodNamespaces | None = None
@@ -242,6 +247,7 @@ class Attacher:
     def _on_link_gone(self, link: Link) -> None:
         if self.pod_netns is not None and self._pods.matches(link.name):
             self.pod_netns.forget(link)
+        self.tc.forget(link.index)  # tcx: the pins of its defunct links
 
     def _attach_external(self, link: Link) -> None:
         """tc on both sides of an external interface, then XDP as --xdp asks."""
@@ -319,6 +325,7 @@ class Attacher:
         interfaces and the XDP mode on each."""
         names = sorted(self._external_attached.values())
         return {
+            "tcAttach": self.tc.mode,
             "socketHooks": {
                 "cgroup": str(self.cgroup) if self.cgroup is not None else None,
                 "state": self.socket_hooks,

@@ -55,6 +55,7 @@ class EbpfDataplane:
         socket_lb: str = "all",
         ct_timeouts: Timeouts | None = None,
         ct_sweep_interval: float = 0.0,
+        tc_attach: str | None = None,
     ) -> None:
         """`external_interfaces`: globs of the node's external interfaces; empty means
         those that carry the node's NodePort addresses (the NodeState's
@@ -62,7 +63,8 @@ class EbpfDataplane:
         (native, else generic), native, generic or off. `cgroup`: where the socket hooks
         serve (None: not attached); `socket_lb` (--socket-lb): whose sockets they
         translate, all (the node's and the pods'), host or off. `ct_sweep_interval`: seconds
-        between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools)."""
+        between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools).
+        `tc_attach` (--tc-attach): auto, tcx or clsact, see netlink.TcAttacher."""
         self.pin_dir = Path(pin_dir)
         if socket_lb not in external.SOCKET_LB_BITS:
             why = f"--socket-lb must be all, host or off; got {socket_lb!r}"
@@ -79,7 +81,7 @@ class EbpfDataplane:
                               ct_sweep_interval)  # fmt: skip
         self.conntrack = self.maps.conntrack
         self.links = Attacher(self.programs, pod_interfaces, external_interfaces, xdp, netns,
-                              cgroup, socket_lb, watch)  # fmt: skip
+                              cgroup, socket_lb, watch, tc_attach)  # fmt: skip
         links, current = self.links, self.maps.current
         if links.deferred or links.cgroup_deferred:
             log.info(

@@ -278,6 +278,25 @@ def xdp(pin_dir: Path) -> dict[str, Any]:
     return {"interfaces": sorted(interfaces, key=lambda i: i["name"]), "verdicts": verdicts}
 
 
+def tc(pin_dir: Path) -> list[dict[str, Any]]:
+    """Our tc programs on every interface of this network namespace: tcx links (with the
+    pin that holds each, under `pin_dir`) and clsact filters."""
+    from .netlink import TCX_PIN_PREFIX, TcAttacher  # pyroute2, no compiler
+
+    with TcAttacher(mode="clsact") as attacher:  # no pin directory: reads, sweeps nothing
+        found = attacher.attached()
+    rows = []
+    for a in sorted(found, key=lambda a: (a.ifname, a.direction)):
+        pin = pin_dir / f"{TCX_PIN_PREFIX}{a.index}_{a.direction}"
+        rows.append({
+            "interface": a.ifname, "ifindex": a.index, "direction": a.direction,
+            "hook": a.hook, "program": a.name, "progId": a.prog_id,
+            "linkId": a.link_id or None,
+            "pin": str(pin) if a.hook == "tcx" and pin.exists() else None,
+        })  # fmt: skip
+    return rows
+
+
 VIEWS: dict[str, Callable[[Path], Any]] = {
     "frontends": frontends,
     "backends": backends,
@@ -285,6 +304,7 @@ VIEWS: dict[str, Callable[[Path], Any]] = {
     "affinity": affinity,
     "counters": counters,
     "xdp": xdp,
+    "tc": tc,
 }
 
 

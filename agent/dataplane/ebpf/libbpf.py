@@ -4,8 +4,10 @@ BPF_PROG_TEST_RUN. Errors come back as OSError with the errno and what was attem
 
 from __future__ import annotations
 
+import errno as errno_module
 import functools
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -424,18 +426,21 @@ class LinkInfo:
     prog_id: int
     cgroup_id: int  # cgroup links: the cgroup's id (its inode number on cgroup2), 0 if gone
     attach_type: int  # cgroup links: enum bpf_attach_type
+    tcx_ifindex: int = 0  # tcx links: the interface's index, 0 once it is gone
+    tcx_attach_type: int = 0  # tcx links: BPF_TCX_INGRESS or BPF_TCX_EGRESS
 
 
 def link_info(fd: int) -> LinkInfo:
     # struct bpf_link_info: type, id, prog_id (__u32 each), then a union aligned to 8
-    # whose cgroup member is {__u64 cgroup_id; __u32 attach_type;}.
+    # whose cgroup member is {__u64 cgroup_id; __u32 attach_type;} and whose tcx member
+    # is {__u32 ifindex; __u32 attach_type;}.
     buf = ffi.new("char[32]")
     size = ffi.new("__u32 *", 32)
     _check(lib().bpf_obj_get_info_by_fd(fd, buf, size), f"link info of fd {fd}")
     raw = bytes(ffi.buffer(buf, 32))
     word = functools.partial(int.from_bytes, byteorder="little")
     return LinkInfo(word(raw[0:4]), word(raw[4:8]), word(raw[8:12]), word(raw[16:24]),
-                    word(raw[24:28]))  # fmt: skip
+                    word(raw[24:28]), word(raw[16:20]), word(raw[20:24]))  # fmt: skip
 
 
 def prog_query(target_fd: int, attach_type: int, capacity: int = 64) -> list[int]:
@@ -474,3 +479,82 @@ def prog_id(prog_fd: int) -> int:
     size = ffi.new("__u32 *", 8)
     _check(lib().bpf_obj_get_info_by_fd(prog_fd, buf, size), f"info of prog fd {prog_fd}")
     return int.from_bytes(bytes(ffi.buffer(buf, 8))[4:8], "little")
+
+
+# --- tcx (netlink.py) --------------------------------------------------------------------
+# tc programs attached as bpf_links without the clsact qdisc (kernel 6.6+). Debian's
+# libbpf 1.1 and its uapi headers predate tcx, so these calls build union bpf_attr
+# themselves and go through the bpf(2) system call; the values below are the kernel's
+# (include/uapi/linux/bpf.h of 6.6).
+
+BPF_PROG_QUERY = 16  # enum bpf_cmd
+BPF_LINK_CREATE = 28
+BPF_LINK_GET_FD_BY_ID = 30
+BPF_TCX_INGRESS = 46  # enum bpf_attach_type
+BPF_TCX_EGRESS = 47
+BPF_LINK_TYPE_TCX = 11  # enum bpf_link_type
+BPF_F_BEFORE = 1 << 3  # mprog placement: first (no relative program given)
+BPF_F_AFTER = 1 << 4  # mprog placement: last
+
+# bpf(2)'s number per machine (arch/*/entry/syscalls); libc's syscall() takes it.
+_SYS_BPF = {"x86_64": 321, "aarch64": 280, "ppc64le": 361, "s390x": 351, "riscv64": 280}
+
+_libc_ffi = cffi.FFI()
+_libc_ffi.cdef("long syscall(long number, ...);")
+
+
+@functools.cache
+def _libc() -> Any:
+    return _libc_ffi.dlopen(None)
+
+
+def _sys_bpf(cmd: int, attr: bytearray, what: str) -> int:
+    """bpf(cmd, attr): the result, or OSError naming `what`. `attr` is written back."""
+    number = _SYS_BPF.get(os.uname().machine)
+    if number is None:
+        raise OSError(errno_module.ENOSYS, f"{what}: bpf(2) number unknown on "
+                      f"{os.uname().machine}")  # fmt: skip
+    buf = _libc_ffi.new("char[]", bytes(attr))
+    rc = _libc().syscall(_libc_ffi.cast("long", number), _libc_ffi.cast("int", cmd),
+                         buf, _libc_ffi.cast("unsigned int", len(attr)))  # fmt: skip
+    if rc < 0:
+        code = _libc_ffi.errno
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    attr[:] = bytes(_libc_ffi.buffer(buf, len(attr)))
+    return int(rc)
+
+
+def tcx_link_create(prog_fd: int, ifindex: int, attach_type: int, flags: int = 0) -> int:
+    """A tcx bpf_link of the program on the interface (in the calling thread's network
+    namespace); `flags` BPF_F_BEFORE puts it first among the hook's programs. The caller
+    owns the fd: the program stays attached while the fd or a pin of it exists."""
+    # link_create: prog_fd, target_ifindex, attach_type, flags, then tcx's relative
+    # fd/id and expected_revision (0: none).
+    attr = bytearray(struct.pack("=IIII I4x Q", prog_fd, ifindex, attach_type, flags, 0, 0))
+    return _sys_bpf(
+        BPF_LINK_CREATE,
+        attr,
+        f"tcx link of prog fd {prog_fd} to ifindex {ifindex} (type {attach_type})",
+    )
+
+
+def tcx_query(ifindex: int, attach_type: int, capacity: int = 64) -> list[tuple[int, int]]:
+    """(program id, link id) of every program on a tcx hook, in the order they run (link
+    id 0: attached without a link). EINVAL from a kernel without tcx."""
+    ids = ffi.new("__u32[]", capacity)
+    links = ffi.new("__u32[]", capacity)
+    # query: target_ifindex, attach_type, query_flags, attach_flags, prog_ids, count,
+    # (pad), prog_attach_flags, link_ids, link_attach_flags, revision.
+    attr = bytearray(struct.pack(
+        "=IIII Q I4x Q Q Q Q", ifindex, attach_type, 0, 0, int(ffi.cast("uintptr_t", ids)),
+        capacity, 0, int(ffi.cast("uintptr_t", links)), 0, 0,
+    ))  # fmt: skip
+    _sys_bpf(BPF_PROG_QUERY, attr, f"query tcx programs of ifindex {ifindex}")
+    count = struct.unpack_from("=I", attr, 24)[0]
+    return [(ids[i], links[i]) for i in range(min(count, capacity))]
+
+
+def link_fd_by_id(link_id: int) -> int:
+    """An fd for the bpf_link with this id (the caller closes it)."""
+    attr = bytearray(struct.pack("=III", link_id, 0, 0))
+    return _sys_bpf(BPF_LINK_GET_FD_BY_ID, attr, f"open link id {link_id}")

@@ -1,5 +1,6 @@
-"""Netlink for the eBPF dataplane: attach tc programs (clsact, direct-action) to pod
-interfaces and watch for new ones; the only module in agent/ that imports pyroute2."""
+"""Netlink for the eBPF dataplane: attach tc programs to pod interfaces, as tcx links
+(kernel 6.6+) or as clsact direct-action filters, and watch for new interfaces; the only
+module in agent/ that imports pyroute2."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pyroute2 import IPRoute
@@ -43,6 +45,7 @@ from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
 from ...config import DEFAULT_POD_INTERFACES
 from ..base import DataplaneError
+from . import libbpf
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,21 @@ FILTER_PRIORITY = 1
 FILTER_HANDLE = 0x6B6270
 # Every filter we install carries a bpf name with this prefix; detach removes only those.
 FILTER_NAME_PREFIX = "kbp_"
+
+# How tc programs are attached (--tc-attach, env KBP_TC_ATTACH): tcx links where the
+# kernel has them (6.6+) and the attacher has a bpffs directory to pin them in, else
+# clsact; `tcx` insists, `clsact` forces the qdisc and filters.
+TC_ATTACH_MODES = ("auto", "tcx", "clsact")
+TC_ATTACH_ENV = "KBP_TC_ATTACH"
+TCX_ATTACH_TYPES: dict[str, int] = {
+    "ingress": libbpf.BPF_TCX_INGRESS,
+    "egress": libbpf.BPF_TCX_EGRESS,
+}
+# Our tcx links are pinned as <pin dir>/kbp_tcx_<ifindex>_<direction>: the pin keeps the
+# link (and so the program) attached while no agent runs, and lets the next agent swap
+# the program in place with BPF_LINK_UPDATE. One pin directory per network namespace.
+TCX_PIN_PREFIX = "kbp_tcx_"
+_LOOPBACK_IFINDEX = 1  # every network namespace's lo
 
 _CLSACT_HANDLE = 0xFFFF_0000
 _ETH_P_ALL = 0x0003
@@ -87,6 +105,27 @@ class Attachment:
     direction: Direction
     name: str
     prog_id: int
+    hook: str = "clsact"  # clsact (a cls_bpf filter) or tcx (a bpf_link)
+    link_id: int = 0  # tcx: the link's id (bpftool link show id N)
+
+
+def tcx_supported() -> bool:
+    """Does the kernel attach tc programs as tcx links? Asked of the loopback interface
+    of the calling thread's namespace with BPF_PROG_QUERY on BPF_TCX_INGRESS: kernels
+    before 6.6 answer EINVAL (an attach type they do not know); no side effect."""
+    try:
+        libbpf.tcx_query(_LOOPBACK_IFINDEX, libbpf.BPF_TCX_INGRESS, capacity=1)
+    except OSError as exc:
+        log.debug("tcx is not available: %s", exc)
+        return False
+    return True
+
+
+def _prog_is_ours(prog_id: int) -> bool:
+    try:
+        return libbpf.prog_name(prog_id).startswith(FILTER_NAME_PREFIX)
+    except OSError:  # unloaded meanwhile
+        return False
 
 
 # XDP attach modes (IFLA_XDP_FLAGS, uapi/linux/if_link.h) and how the kernel reports them
@@ -366,13 +405,40 @@ class TcAttacher:
 
     `netns` None means the namespace this process is in; otherwise a name under
     /run/netns (or a path such as /proc/PID/ns/net). Safe to use from several threads.
+
+    `pin_dir` (a bpffs directory, one per namespace) and `mode` (auto, tcx or clsact;
+    None: $KBP_TC_ATTACH, else auto) choose how programs attach: tcx links pinned there
+    when the kernel has tcx and the mode allows it, else clsact filters (also always
+    without a pin directory: an unpinned link would end with this process, so only an
+    explicit mode tcx is refused there, not one from the environment). Whatever
+    the mode, detach, attached and attach's clean-up handle both kinds, so an agent
+    moves an interface from one to the other without a gap.
     """
 
-    def __init__(self, netns: str | None = None) -> None:
+    def __init__(
+        self, netns: str | None = None, pin_dir: str | Path | None = None,
+        mode: str | None = None,
+    ) -> None:  # fmt: skip
         self.netns = netns
         where = "the current namespace" if netns is None else f"netns {netns}"
         self._where = where
+        requested = mode or os.environ.get(TC_ATTACH_ENV) or "auto"
+        if requested not in TC_ATTACH_MODES:
+            raise ValueError(f"tc attach mode must be one of {', '.join(TC_ATTACH_MODES)}; "
+                             f"got {requested!r}")  # fmt: skip
+        if mode == "tcx" and pin_dir is None:  # ($KBP_TC_ATTACH may say tcx to tools)
+            raise ValueError("tc attach mode tcx needs a bpffs directory to pin the links in")
+        self.pin_dir = Path(pin_dir) if pin_dir is not None else None
         self._worker = _NamespaceThread(netns, f"kbp-netlink-{netns or 'self'}", self._open)
+        self.tcx_available = self._worker.call(tcx_supported)
+        if requested == "tcx" and self.pin_dir is not None and not self.tcx_available:
+            self.close()
+            raise NetlinkError("tc attach mode tcx: this kernel has no tcx (BPF_PROG_QUERY on "
+                               "BPF_TCX_INGRESS fails; tcx needs Linux 6.6+)")  # fmt: skip
+        use_tcx = requested != "clsact" and self.tcx_available and self.pin_dir is not None
+        self.mode: Literal["tcx", "clsact"] = "tcx" if use_tcx else "clsact"
+        if self.mode == "tcx":
+            self._worker.call(self._sweep_pins)
 
     @staticmethod
     def _open() -> IPRoute:
@@ -408,26 +474,41 @@ class TcAttacher:
         return self._worker.call(lambda: self._link_kind(index))
 
     def attach(self, index: int, direction: Direction, prog_fd: int, name: str) -> bool:
-        """Install (or atomically replace) our program on one clsact hook of an interface.
+        """Install (or atomically replace) our program on one hook of an interface.
 
-        Adds the clsact qdisc when missing, then replaces the bpf filter at our fixed
-        priority and handle, so a second attach swaps the program in place: the hook is
-        never without a program. Returns False when the interface vanished meanwhile.
+        tcx: swaps the program of our pinned link in place (BPF_LINK_UPDATE), else makes
+        a link placed before every other tcx program and pins it. clsact: adds the qdisc
+        when missing, then replaces the bpf filter at our fixed priority and handle. Only
+        then goes our program of the other kind on that hook (an earlier agent's): tcx
+        runs before clsact and our programs end the hook with their verdict, so while
+        both are attached only the tcx one runs, and the hook is never without one.
+        Returns False when the interface vanished meanwhile.
         """
         if direction not in TC_PARENTS:
             raise ValueError(f"direction must be 'ingress' or 'egress', not {direction!r}")
         if not name.startswith(FILTER_NAME_PREFIX):
             raise ValueError(f"filter name {name!r} must start with {FILTER_NAME_PREFIX!r}")
+        if self.mode == "tcx":
+            return self._worker.call(lambda: self._attach_tcx(index, direction, prog_fd, name))
         return self._worker.call(lambda: self._attach(index, direction, prog_fd, name))
 
     def detach(self, index: int) -> int:
-        """Remove our filters (bpf name starting with kbp_) from an interface, and its
-        clsact qdisc when no other filter remains. Returns how many filters went."""
+        """Remove our programs from an interface: tcx links running a kbp_ program (and
+        our pins of links to it, also once it is gone), filters named kbp_, and its clsact
+        qdisc when no other filter remains. Returns how many programs went."""
         return self._worker.call(lambda: self._detach(index))
 
     def attached(self) -> list[Attachment]:
-        """Our filters on every interface of the namespace."""
+        """Our programs on every interface of the namespace, tcx links and filters."""
         return self._worker.call(self._attached)
+
+    def forget(self, index: int) -> list[str]:
+        """An interface went away: unpin our tcx links to it (the kernel detached them
+        with the interface; filters go with it by themselves). Returns the pins removed."""
+        if self.pin_dir is None:
+            return []
+        pins = [self._pin(index, direction) for direction in ("ingress", "egress")]
+        return self._worker.call(lambda: self._sweep_pins(pins))
 
     def route_index(self, ip: str) -> int | None:
         """The interface index this namespace routes `ip` through; None without a route."""
@@ -628,7 +709,139 @@ class TcAttacher:
                 f"{os.strerror(exc.code)}{hint}",
                 exc.code,
             ) from exc
+        self._remove_tcx(index, direction)  # an agent that used tcx before (--tc-attach)
         return True
+
+    # -- tcx --
+
+    def _pin(self, index: int, direction: Direction) -> Path:
+        assert self.pin_dir is not None
+        return self.pin_dir / f"{TCX_PIN_PREFIX}{index}_{direction}"
+
+    def _pins(self) -> list[Path]:
+        if self.pin_dir is None or not self.pin_dir.is_dir():
+            return []
+        return sorted(p for p in self.pin_dir.iterdir() if p.name.startswith(TCX_PIN_PREFIX))
+
+    def _sweep_pins(self, pins: Sequence[Path] | None = None) -> list[str]:
+        """Unpin our links (all, or those pinned at `pins`) whose interface is gone: the
+        kernel detached them then and the pin only kept the defunct link. Returns the
+        pins removed."""
+        removed = []
+        for pin in self._pins() if pins is None else pins:
+            try:
+                link_fd = libbpf.obj_get(str(pin))
+            except OSError:
+                continue
+            try:
+                info = libbpf.link_info(link_fd)
+            finally:
+                os.close(link_fd)
+            if info.type == libbpf.BPF_LINK_TYPE_TCX and info.tcx_ifindex == 0:
+                pin.unlink(missing_ok=True)
+                removed.append(pin.name)
+        if removed:
+            log.debug("tcx: unpinned the links of removed interfaces: %s", " ".join(removed))
+        return removed
+
+    def _update_pinned(self, pin: Path, index: int, attach_type: int, prog_fd: int) -> int:
+        """Swap the program of our pinned link in place; returns its link id, or 0 when
+        there is no usable link there (none, or a defunct one: unpinned)."""
+        if not pin.exists():
+            return 0
+        link_fd = libbpf.obj_get(str(pin))
+        try:
+            info = libbpf.link_info(link_fd)
+            if (info.type, info.tcx_ifindex, info.tcx_attach_type) == (
+                libbpf.BPF_LINK_TYPE_TCX, index, attach_type,
+            ):  # fmt: skip
+                try:
+                    libbpf.link_update(link_fd, prog_fd)
+                    return info.id
+                except OSError as exc:
+                    if exc.errno != errno.ENOLINK:  # ENOLINK: the interface just went
+                        raise
+            with contextlib.suppress(OSError):  # defunct already
+                libbpf.link_detach(link_fd)
+        finally:
+            os.close(link_fd)
+        pin.unlink(missing_ok=True)
+        return 0
+
+    def _attach_tcx(self, index: int, direction: Direction, prog_fd: int, name: str) -> bool:
+        pin = self._pin(index, direction)
+        attach_type = TCX_ATTACH_TYPES[direction]
+        try:
+            link_id = self._update_pinned(pin, index, attach_type, prog_fd)
+            if not link_id:
+                # First among the hook's tcx programs, as priority 1 is under clsact:
+                # services are translated before another program (a CNI's) sees packets.
+                link_fd = libbpf.tcx_link_create(prog_fd, index, attach_type, libbpf.BPF_F_BEFORE)
+                try:
+                    link_id = libbpf.link_info(link_fd).id
+                    pin.parent.mkdir(parents=True, exist_ok=True)
+                    libbpf.obj_pin(link_fd, str(pin))
+                finally:
+                    os.close(link_fd)  # the pin holds the link from here on
+        except OSError as exc:
+            if exc.errno in (errno.ENODEV, errno.ENOLINK) or self._ifname(index) is None:
+                log.debug("attach %s: interface index %d in %s vanished (%s)", name, index,
+                          self._where, exc)  # fmt: skip
+                pin.unlink(missing_ok=True)
+                return False
+            raise NetlinkError(
+                f"cannot attach {name} to tcx {direction} of {self._describe(index)}: "
+                f"{exc.strerror}",
+                exc.errno,
+            ) from exc
+        # Now the hook runs the new program: an earlier agent's copy of ours may go.
+        self._remove_tcx(index, direction, keep=link_id)
+        try:
+            self._detach_filters(index, (direction,))
+        except KernelNetlinkError as exc:
+            if self._vanished(index, "detach the clsact filter", exc):
+                return False
+            raise NetlinkError(
+                f"attached {name} to tcx {direction} of {self._describe(index)} but cannot "
+                f"remove our clsact filter there: {os.strerror(exc.code)}",
+                exc.code,
+            ) from exc
+        return True
+
+    def _tcx_programs(self, index: int, direction: Direction) -> list[tuple[int, int]]:
+        """(program id, link id) of the hook's tcx programs; none without tcx or once the
+        interface is gone."""
+        if not self.tcx_available:
+            return []
+        try:
+            return libbpf.tcx_query(index, TCX_ATTACH_TYPES[direction])
+        except OSError as exc:
+            if exc.errno in (errno.ENODEV, errno.EINVAL):
+                return []
+            raise
+
+    def _remove_tcx(self, index: int, direction: Direction, keep: int = 0) -> int:
+        """Detach our tcx links from one hook (a kbp_ program, whoever pinned it) but the
+        link `keep`, and unpin ours. Returns how many links went."""
+        removed = 0
+        for prog_id, link_id in self._tcx_programs(index, direction):
+            if not link_id or link_id == keep or not _prog_is_ours(prog_id):
+                continue
+            try:
+                link_fd = libbpf.link_fd_by_id(link_id)
+            except OSError:
+                continue  # released meanwhile
+            try:
+                libbpf.link_detach(link_fd)
+                removed += 1
+            except OSError as exc:
+                if exc.errno != errno.ENOLINK:
+                    raise
+            finally:
+                os.close(link_fd)
+        if self.pin_dir is not None and not keep:
+            self._pin(index, direction).unlink(missing_ok=True)
+        return removed
 
     def _refuse_foreign_filters(self, index: int, direction: Direction) -> None:
         """Our priority must hold only our kind of filter, and our handle only ours."""
@@ -645,31 +858,37 @@ class TcAttacher:
                     f"handle {existing.handle:#x}; left it alone"
                 )
 
+    def _detach_filters(self, index: int, directions: Sequence[Direction]) -> int:
+        """Delete our filters from these clsact hooks, then the qdisc when no filter is
+        left on either. Returns how many went; KernelNetlinkError on failure."""
+        removed = 0
+        for direction in directions:
+            for existing in self._filters(index, direction):
+                if existing.ours:
+                    self._ipr.tc("del-filter", "bpf", index, existing.handle,
+                                 parent=TC_PARENTS[direction], prio=existing.priority,
+                                 protocol=_ETH_P_ALL)  # fmt: skip
+                    removed += 1
+        if removed and not any(self._filters(index, d) for d in ("ingress", "egress")):
+            try:
+                self._ipr.tc("del", "clsact", index)
+            except KernelNetlinkError as exc:
+                if exc.code not in (errno.EINVAL, errno.ENOENT):
+                    raise
+        return removed
+
     def _detach(self, index: int) -> int:
         removed = 0
         try:
-            remaining = 0
-            for direction, parent in TC_PARENTS.items():
-                for existing in self._filters(index, direction):  # type: ignore[arg-type]
-                    if not existing.ours:
-                        remaining += 1
-                        continue
-                    self._ipr.tc(
-                        "del-filter",
-                        "bpf",
-                        index,
-                        existing.handle,
-                        parent=parent,
-                        prio=existing.priority,
-                        protocol=_ETH_P_ALL,
-                    )
-                    removed += 1
-            if removed and not remaining:
-                try:
-                    self._ipr.tc("del", "clsact", index)
-                except KernelNetlinkError as exc:
-                    if exc.code not in (errno.EINVAL, errno.ENOENT):
-                        raise
+            for direction in ("ingress", "egress"):
+                removed += self._remove_tcx(index, direction)
+        except OSError as exc:
+            raise NetlinkError(
+                f"cannot detach the tcx links of {self._describe(index)}: {exc.strerror}",
+                exc.errno,
+            ) from exc
+        try:
+            removed += self._detach_filters(index, ("ingress", "egress"))
         except KernelNetlinkError as exc:
             if self._vanished(index, "detach", exc):
                 return removed
@@ -711,6 +930,13 @@ class TcAttacher:
                     for existing in filters
                     if existing.ours
                 )
+        for index, ifname in sorted(names.items()):
+            for direction in ("ingress", "egress"):
+                for prog_id, link_id in self._tcx_programs(index, direction):
+                    if link_id and _prog_is_ours(prog_id):
+                        found.append(Attachment(index, ifname, direction,
+                                                libbpf.prog_name(prog_id), prog_id, "tcx",
+                                                link_id))  # fmt: skip
         return found
 
 
