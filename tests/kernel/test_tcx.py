@@ -32,7 +32,7 @@ from agent.dataplane.ebpf.netlink import (
 )
 from agent.lab.nodelab import Lab, Pod
 
-from ..conftest import BPFFS, kernel_required
+from ..conftest import kernel_required
 from .test_netlink import has_clsact, tc_filters
 
 COUNTED_PORT = 9999
@@ -117,17 +117,9 @@ def counter(counters: list[Counter], function: str = "kbp_count") -> Counter:
 
 
 @pytest.fixture
-def pin_dir() -> Iterator[Path]:
-    """A bpffs directory of this test, emptied and removed afterwards (also on failure)."""
-    path = BPFFS / f"kbp-test-tcx-{os.getpid()}"
-    path.mkdir()
-    try:
-        yield path
-    finally:
-        if path.exists():  # cleanup() may have removed it
-            for entry in path.iterdir():
-                entry.unlink()
-            path.rmdir()
+def pin_dir(bpf_pin_dir: Path) -> Path:
+    """The suite's bpffs directory for this test (removed with its pins afterwards)."""
+    return bpf_pin_dir
 
 
 @pytest.fixture
