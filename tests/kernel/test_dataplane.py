@@ -41,7 +41,7 @@ from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.maps import MapSizes
 from agent.dataplane.ebpf.pods import cookie_key
-from agent.lab.nodelab import Lab, Pod
+from agent.lab.nodelab import Lab, Pod, Stream
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState
 
@@ -246,6 +246,24 @@ def backends(env: Env, *names: str, family: int = 4) -> list[dict]:
     return [local(env.pod(n), family) for n in names]
 
 
+def restarted(env: Env, state: NodeState) -> int:
+    """The agent stopped (what it programmed stays in the kernel) and a new one started
+    with env's settings on the same node; returns the writes of its first apply of
+    `state`. The new one serves the rest of the test."""
+    env.running().close()
+    env.dataplane = None
+    env.dataplane = env.start_dataplane()
+    return env.dataplane.apply(state)
+
+
+def assert_echoing(streams: Sequence[Stream], where: str) -> None:
+    """Each stream still echoes: five more messages come back (it was not cut)."""
+    for stream in streams:
+        ok_before, _ = stream.check()
+        _, error = stream.wait_for(ok_before + 5)
+        assert error is None, f"stream to {stream.backend} {where}: {error}"
+
+
 # --- balancing --------------------------------------------------------------------------
 
 
@@ -312,11 +330,7 @@ def test_removed_backend_gets_no_new_connections_and_others_keep_theirs(env: Env
         result = env.pod("client2").connect_many(ip4, 80, "tcp", 40)
         assert result.errors == {}, result.details
         assert set(result.counts) == {"be2", "be3"}, result.counts
-        for stream in streams:
-            if stream.backend != gone:
-                ok_before, _ = stream.check()
-                _, error = stream.wait_for(ok_before + 5)
-                assert error is None, f"stream to surviving {stream.backend}: {error}"
+        assert_echoing([s for s in streams if s.backend != gone], "that survived")
         # and an added backend gets traffic
         objects, _, _ = service(env, "shrink", backends(env, *BACKENDS), ip4=ip4)
         env.program(*objects)
@@ -664,25 +678,17 @@ def test_restarted_dataplane_takes_over_while_a_connection_stays_open(env: Env) 
         assert stream.backend in BACKENDS, stream.check()
         # The old agent exits (what it programmed stays in the kernel), a new one starts
         # on the same node and syncs the same state. The new object serves later tests.
-        old = env.running()
-        old.close()  # both dataplanes have it: stop, leaving the kernel as it is
-        env.dataplane = None
-        env.dataplane = env.start_dataplane()
-        first_writes = env.dataplane.apply(state)
+        first_writes = restarted(env, state)
         if env.kind == "ebpf":
             assert first_writes == 0  # it adopted the pinned maps, which hold the state
-        ok_before, _ = stream.check()
-        _, error = stream.wait_for(ok_before + 5)
-        assert error is None, f"stream to {stream.backend} across the restart: {error}"
+        assert_echoing([stream], "across the restart")
         result = env.pod("client2").connect_many(ip4, 80, "tcp", 60)
         assert result.errors == {}, result.details
         assert set(result.counts) == set(BACKENDS), result.counts
         if env.kind == "ebpf":
             assert env.dataplane.apply(state, full=True) == 0  # the kernel already held it
         assert env.dataplane.apply(state) == 0
-        ok_before, _ = stream.check()
-        _, error = stream.wait_for(ok_before + 5)
-        assert error is None, f"stream to {stream.backend} after the restart: {error}"
+        assert_echoing([stream], "after the restart")
     finally:
         stream.close()
 
@@ -729,17 +735,10 @@ def test_switching_socket_lb_modes_keeps_established_streams(env: Env) -> None:
     streams = [env.pod("client1").stream(ip4, 80)]
     try:
         for mode in (other, original):
-            env.running().close()
-            env.dataplane = None
             env.socket_lb = mode
-            env.dataplane = env.start_dataplane()
-            env.dataplane.apply(state)
+            restarted(env, state)
             streams.append(env.pod("client2").stream(ip4, 80))
-            for stream in streams:
-                ok_before, _ = stream.check()
-                _, error = stream.wait_for(ok_before + 5)
-                where = f"stream to {stream.backend} after --socket-lb {mode}"
-                assert error is None, f"{where}: {error}"
+            assert_echoing(streams, f"after --socket-lb {mode}")
             result = env.pod("client2").connect_many(ip4, 80, "tcp", 30)
             assert result.errors == {}, result.details
             assert set(result.counts) == set(BACKENDS), result.counts
@@ -764,23 +763,15 @@ def test_moving_between_clsact_and_tcx_keeps_established_streams(env: Env) -> No
     streams = []
     try:
         for mode in ("clsact", "tcx", "clsact", None):
-            env.running().close()
-            env.dataplane = None
             env.tc_attach = mode
-            env.dataplane = env.start_dataplane()
-            env.dataplane.apply(state)
+            restarted(env, state)
             assert isinstance(env.dataplane, EbpfDataplane)
             expected = {"tcx": "tcx", "clsact": "clsact", None: env.dataplane.links.tc.mode}[mode]
             hooks = {(a.ifname, a.hook) for a in env.dataplane.links.tc.attached()}
             assert hooks == {(pod.host_ifname, expected) for pod in env.pods.values()}, mode
             assert env.dataplane.status_details()["tcAttach"] == expected
             streams.append(env.pod("client1").stream(ip4, 80))
-            for stream in streams:
-                ok_before, _ = stream.check()
-                _, error = stream.wait_for(ok_before + 5)
-                assert error is None, (
-                    f"stream to {stream.backend} after --tc-attach {mode}: {error}"
-                )
+            assert_echoing(streams, f"after --tc-attach {mode}")
             result = env.pod("client2").connect_many(ip4, 80, "tcp", 20)
             assert result.errors == {}, result.details
     finally:
