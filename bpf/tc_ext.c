@@ -33,11 +33,11 @@ static __always_inline int __ext_tc_forward(struct __sk_buff *skb, const struct 
 	struct bpf_fib_lookup fib = {};
 	int rc;
 
-	if (nat_decrement_hop((void *)(long)skb->data, (void *)(long)skb->data_end, t->family))
+	if (nat_decrement_hop_skb(skb, t->family))
 		return drop_service_packet(skb->len, service_id, KBP_DROP_NO_ROUTE);
 	rc = ext_next_hop(skb, t, to, skb->ingress_ifindex, flow, now, &fib);
 	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
-		if (ext_set_macs((void *)(long)skb->data, (void *)(long)skb->data_end, &fib))
+		if (ext_set_macs_skb(skb, &fib))
 			return drop_service_packet(skb->len, service_id, KBP_DROP_MALFORMED);
 		return bpf_redirect(fib.ifindex, 0);
 	}

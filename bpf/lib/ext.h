@@ -227,7 +227,8 @@ static __always_inline int ext_next_hop(void *ctx, const struct kbp_tuple *t,
 	return rc;
 }
 
-/* The next hop's and our MAC addresses from a successful next-hop lookup. */
+/* The next hop's and our MAC addresses from a successful next-hop lookup, written into a
+ * frame (XDP). */
 static __always_inline int ext_set_macs(void *data, void *data_end,
 					const struct bpf_fib_lookup *fib)
 {
@@ -238,6 +239,18 @@ static __always_inline int ext_set_macs(void *data, void *data_end,
 	__builtin_memcpy(eth->h_dest, fib->dmac, ETH_ALEN);
 	__builtin_memcpy(eth->h_source, fib->smac, ETH_ALEN);
 	return 0;
+}
+
+/* The same into an skb (tc), through the helper: a direct write would cost every packet
+ * of the program an unclone (lib/nat.h). */
+static __always_inline int ext_set_macs_skb(struct __sk_buff *skb,
+					    const struct bpf_fib_lookup *fib)
+{
+	__u8 macs[2 * ETH_ALEN];
+
+	__builtin_memcpy(macs, fib->dmac, ETH_ALEN);
+	__builtin_memcpy(macs + ETH_ALEN, fib->smac, ETH_ALEN);
+	return bpf_skb_store_bytes(skb, 0, macs, sizeof(macs), 0) ? -1 : 0;
 }
 
 #endif /* KBP_LIB_EXT_H */

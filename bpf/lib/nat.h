@@ -5,9 +5,16 @@
  * sends the packet back out the interface it came in on.
  *
  * Every rewrite is "make the packet's tuple equal to this one": at most two checksum
- * helper calls (addresses, ports) and then plain stores. A helper call costs ~20 ns on
- * the development machines (measured with BPF_PROG_TEST_RUN), a store next to nothing;
- * the verifier unclones a shared skb before the first direct write.
+ * helper calls (addresses, ports), then the new header bytes.
+ *
+ * The tc programs write those bytes with bpf_skb_store_bytes, never through a packet
+ * pointer: the verifier gives a program with a single direct packet write a prologue
+ * that unclones every cloned skb it is run on (bpf_unclone_prologue), whatever the
+ * program then does with it, and every data segment a TCP socket sends is a clone (the
+ * original stays in the retransmit queue): the head of each such packet crossing a pod's
+ * veth or the node's external interface was copied, translated or not. The helper makes
+ * the skb writable only when a packet is rewritten. XDP has no clones and writes its
+ * frame directly.
  */
 #ifndef KBP_LIB_NAT_H
 #define KBP_LIB_NAT_H
@@ -24,6 +31,13 @@ struct kbp_nat_target {
 	__be16 sport;
 	__be16 dport;
 };
+/* __nat_store_skb stores each pair in one run of bytes. */
+_Static_assert(__builtin_offsetof(struct kbp_nat_target, daddr) ==
+		       __builtin_offsetof(struct kbp_nat_target, saddr) + 16,
+	       "kbp_nat_target addresses");
+_Static_assert(__builtin_offsetof(struct kbp_nat_target, dport) ==
+		       __builtin_offsetof(struct kbp_nat_target, sport) + 2,
+	       "kbp_nat_target ports");
 
 static __always_inline void nat_target_of_packet(const struct kbp_tuple *t,
 						 struct kbp_nat_target *to)
@@ -34,8 +48,8 @@ static __always_inline void nat_target_of_packet(const struct kbp_tuple *t,
 	to->dport = t->dport;
 }
 
-/* Raw stores once the checksums are settled: addresses (with the IPv4 header checksum
- * adjusted by the same difference) and ports. */
+/* The frame's stores once the checksums are settled (XDP): addresses (with the IPv4
+ * header checksum adjusted by the same difference) and ports. */
 static __always_inline int __nat_store(void *data, void *data_end, const struct kbp_tuple *t,
 				       const struct kbp_nat_target *to, __u32 addr_diff)
 {
@@ -69,6 +83,38 @@ static __always_inline int __nat_store(void *data, void *data_end, const struct 
 	return 0;
 }
 
+/* The same stores into an skb (tc), through the helper (see the top of this file): the
+ * IPv4 header checksum and both addresses are one run of 10 bytes, the IPv6 addresses one
+ * of 32 (`to` holds them in wire order), the ports one of 4. */
+static __always_inline int __nat_store_skb(struct __sk_buff *skb, const struct kbp_tuple *t,
+					   const struct kbp_nat_target *to, __u32 addr_diff)
+{
+	if (t->family == KBP_FAMILY_IPV4) {
+		void *data = (void *)(long)skb->data;
+		struct iphdr *ip = data + KBP_L3_OFF;
+		struct {
+			__be16 pad; /* keeps the addresses 4-byte aligned */
+			__sum16 check;
+			__be32 saddr;
+			__be32 daddr;
+		} h;
+
+		if ((void *)(ip + 1) > (void *)(long)skb->data_end)
+			return -1;
+		h.check = csum_ipv4_header_update(ip->check, addr_diff);
+		h.saddr = to->saddr[0];
+		h.daddr = to->daddr[0];
+		if (bpf_skb_store_bytes(skb, KBP_L3_OFF + __builtin_offsetof(struct iphdr, check),
+					&h.check, sizeof(h) - sizeof(h.pad), 0))
+			return -1;
+	} else if (bpf_skb_store_bytes(skb, KBP_L3_OFF + __builtin_offsetof(struct ipv6hdr, saddr),
+				       (void *)to->saddr, sizeof(to->saddr) + sizeof(to->daddr), 0)) {
+		return -1;
+	}
+	return bpf_skb_store_bytes(skb, t->l4_off, (void *)&to->sport,
+				   sizeof(to->sport) + sizeof(to->dport), 0) ? -1 : 0;
+}
+
 /* Rewrite the packet's addresses and ports to `to`, checksums included. */
 static __always_inline int nat_rewrite(struct __sk_buff *skb, const struct kbp_tuple *t,
 				       const struct kbp_nat_target *to)
@@ -84,7 +130,7 @@ static __always_inline int nat_rewrite(struct __sk_buff *skb, const struct kbp_t
 		if (csum_l4_apply(skb, t, port_diff, 0))
 			return -1;
 	}
-	return __nat_store((void *)(long)skb->data, (void *)(long)skb->data_end, t, to, addr_diff);
+	return __nat_store_skb(skb, t, to, addr_diff);
 }
 
 /* The same rewrite on a frame the program owns outright (XDP: no skb, so no checksum
@@ -115,28 +161,73 @@ static __always_inline int nat_rewrite_frame(void *data, void *data_end,
 }
 
 /* A forwarded packet's hop: IPv4 TTL (header checksum adjusted) or IPv6 hop limit minus
- * one, as the stack's forwarding would. -1 when it reached 1 (the stack must answer
- * with ICMP time exceeded, so the caller leaves the packet to it or drops it). */
-static __always_inline int nat_decrement_hop(void *data, void *data_end, __u8 family)
+ * one, as the stack's forwarding would. -1 when it reached 1 (the stack must answer with
+ * ICMP time exceeded, so the caller leaves the packet to it or drops it). The new bytes
+ * from the header's `ttl` on (IPv4: ttl, protocol, check) or its `hop_limit` (IPv6:
+ * bytes[0] only); the frame and skb writers below store them. */
+#define KBP_HOP_OFF_V4 (KBP_L3_OFF + __builtin_offsetof(struct iphdr, ttl))
+#define KBP_HOP_OFF_V6 (KBP_L3_OFF + __builtin_offsetof(struct ipv6hdr, hop_limit))
+
+static __always_inline int __nat_next_hop(void *data, void *data_end, __u8 family,
+					  __u8 bytes[4])
 {
 	if (family == KBP_FAMILY_IPV4) {
 		struct iphdr *ip = data + KBP_L3_OFF;
 		__be16 before, after;
+		__sum16 check;
 
 		if ((void *)(ip + 1) > data_end || ip->ttl <= 1)
 			return -1;
-		before = *(__be16 *)&ip->ttl; /* ttl and protocol share a 16-bit word */
-		ip->ttl -= 1;
-		after = *(__be16 *)&ip->ttl;
-		ip->check = csum_ipv4_header_update(ip->check, csum_port_diff(before, after));
+		bytes[0] = ip->ttl - 1;
+		bytes[1] = ip->protocol;
+		/* ttl and protocol are one 16-bit word of the header checksum */
+		__builtin_memcpy(&before, &ip->ttl, sizeof(before));
+		__builtin_memcpy(&after, bytes, sizeof(after));
+		check = csum_ipv4_header_update(ip->check, csum_port_diff(before, after));
+		__builtin_memcpy(bytes + 2, &check, sizeof(check));
 		return 0;
 	}
 	struct ipv6hdr *ip6 = data + KBP_L3_OFF;
 
 	if ((void *)(ip6 + 1) > data_end || ip6->hop_limit <= 1)
 		return -1;
-	ip6->hop_limit -= 1;
+	bytes[0] = ip6->hop_limit - 1;
 	return 0;
+}
+
+/* The hop decremented in a frame (XDP). */
+static __always_inline int nat_decrement_hop(void *data, void *data_end, __u8 family)
+{
+	__u8 bytes[4];
+
+	if (__nat_next_hop(data, data_end, family, bytes))
+		return -1;
+	if (family == KBP_FAMILY_IPV4) {
+		struct iphdr *ip = data + KBP_L3_OFF;
+
+		if ((void *)(ip + 1) > data_end)
+			return -1;
+		__builtin_memcpy(&ip->ttl, bytes, 4);
+		return 0;
+	}
+	struct ipv6hdr *ip6 = data + KBP_L3_OFF;
+
+	if ((void *)(ip6 + 1) > data_end)
+		return -1;
+	ip6->hop_limit = bytes[0];
+	return 0;
+}
+
+/* The hop decremented in an skb (tc), through the helper (see the top of this file). */
+static __always_inline int nat_decrement_hop_skb(struct __sk_buff *skb, __u8 family)
+{
+	__u8 bytes[4];
+
+	if (__nat_next_hop((void *)(long)skb->data, (void *)(long)skb->data_end, family, bytes))
+		return -1;
+	if (family == KBP_FAMILY_IPV4)
+		return bpf_skb_store_bytes(skb, KBP_HOP_OFF_V4, bytes, 4, 0) ? -1 : 0;
+	return bpf_skb_store_bytes(skb, KBP_HOP_OFF_V6, bytes, 1, 0) ? -1 : 0;
 }
 
 /* Would forwarding expire the packet (TTL / hop limit 1 or 0)? The stack must answer it
@@ -219,15 +310,15 @@ static __always_inline int nat_reverse_reply(struct __sk_buff *skb, const struct
 static __always_inline int nat_redirect_back(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;
-	void *data_end = (void *)(long)skb->data_end;
 	struct ethhdr *eth = data;
-	__u8 mac[ETH_ALEN];
+	__u8 macs[2 * ETH_ALEN];
 
-	if ((void *)(eth + 1) > data_end)
+	if ((void *)(eth + 1) > (void *)(long)skb->data_end)
 		return TC_ACT_SHOT;
-	__builtin_memcpy(mac, eth->h_source, ETH_ALEN);
-	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
-	__builtin_memcpy(eth->h_dest, mac, ETH_ALEN);
+	__builtin_memcpy(macs, eth->h_source, ETH_ALEN);
+	__builtin_memcpy(macs + ETH_ALEN, eth->h_dest, ETH_ALEN);
+	if (bpf_skb_store_bytes(skb, 0, macs, sizeof(macs), 0))
+		return TC_ACT_SHOT;
 	return bpf_redirect(skb->ifindex, 0);
 }
 

@@ -18,7 +18,7 @@
 #define KBP_L3_OFF ETH_HLEN
 
 /* Headers we read at most: Ethernet + IPv4 with 40 bytes of options + TCP without
- * options (IPv6: 14 + 40 + 20 is less). Pulled into the linear area before parsing. */
+ * options (IPv6: 14 + 40 + 20 is less). */
 #define KBP_PARSE_PULL_LEN (ETH_HLEN + 60 + 20)
 
 /* IPv4 frag_off bits (host order): fragment offset, don't fragment. */
@@ -120,16 +120,42 @@ static __always_inline int parse_frame(void *data, void *data_end, struct kbp_tu
 	return KBP_PARSE_OTHER;
 }
 
+/* How much of the frame parse_frame reads, as far as the first bytes tell: the headers
+ * up to the L4 ports (TCP's first 20 bytes, UDP's 8), never the payload. What those
+ * bytes do not show (a short linear area) counts as the most it can read. */
+static __always_inline __u32 __parse_reads(void *data, void *data_end)
+{
+	struct ethhdr *eth = data;
+	struct iphdr *ip = data + KBP_L3_OFF;
+
+	if ((void *)(ip + 1) > data_end)
+		return KBP_PARSE_PULL_LEN;
+	if (eth->h_proto == bpf_htons(ETH_P_IP))
+		return KBP_L3_OFF + ip->ihl * 4 + (ip->protocol == IPPROTO_UDP ? 8 : 20);
+	if (eth->h_proto == bpf_htons(ETH_P_IPV6))
+		return KBP_L3_OFF + sizeof(struct ipv6hdr) +
+		       (((struct ipv6hdr *)ip)->nexthdr == IPPROTO_UDP ? 8 : 20);
+	return ETH_HLEN;
+}
+
 /* Fill `t` from the skb; returns KBP_PARSE_*. May pull headers into the linear area,
- * which invalidates packet pointers the caller held (it holds none before parsing). */
+ * which invalidates packet pointers the caller held (it holds none before parsing).
+ *
+ * Headers can sit in paged data (GRO, some drivers), which direct access does not see, so
+ * what the parse reads is pulled into the linear area first, and only that: a local
+ * socket's TCP segment has its headers linear and its payload in pages, and a pull that
+ * reaches into the payload copies the whole head when the skb is a clone (every data
+ * segment TCP sends is: the original waits in the retransmit queue). */
 static __always_inline int parse_packet(struct __sk_buff *skb, struct kbp_tuple *t)
 {
 	void *data = (void *)(long)skb->data;
 	void *data_end = (void *)(long)skb->data_end;
-	__u32 want = skb->len < KBP_PARSE_PULL_LEN ? skb->len : KBP_PARSE_PULL_LEN;
+	__u32 want = __parse_reads(data, data_end);
 
-	/* Headers can sit in paged data (GRO, some drivers); direct access only sees the
-	 * linear part, so pull once instead of mistaking them for truncated headers. */
+	if (want > skb->len)
+		want = skb->len;
+	if (want > KBP_PARSE_PULL_LEN)
+		want = KBP_PARSE_PULL_LEN;
 	if (data + want > data_end) {
 		if (bpf_skb_pull_data(skb, want) < 0)
 			return KBP_PARSE_OTHER;

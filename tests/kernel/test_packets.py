@@ -16,7 +16,9 @@ Address plan (nothing here is configured on an interface; frames only):
 
 from __future__ import annotations
 
+import json
 import struct
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -483,6 +485,20 @@ def test_packets_not_for_a_service_pass_untouched_both_ways(
 
     assert (ingress.retval, ingress.data_out) == (TC_ACT_OK, frame)
     assert (egress.retval, egress.data_out) == (TC_ACT_OK, frame)
+
+
+@pytest.mark.parametrize("program", ["kbp_from_pod", "kbp_to_pod", "kbp_from_ext", "kbp_to_ext"])
+def test_tc_programs_do_not_unclone_the_packets_they_leave_alone(datapath, program):
+    """No direct packet write in a tc program: for one, the verifier prepends a prologue
+    that unclones every cloned skb the program runs on (bpf_skb_pull_data when
+    skb->cloned), and every data segment a TCP socket sends is a clone: each would have its
+    head copied at every veth it crosses, translated or not (bpf/lib/nat.h)."""
+    prog_id = libbpf.prog_id(datapath.loaded.fd(program))
+    dump = subprocess.run(["bpftool", "--json", "prog", "dump", "xlated", "id", str(prog_id)],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    first = [insn["disasm"] for insn in json.loads(dump)[:8]]
+
+    assert not any("skb_pull_data" in insn for insn in first), first
 
 
 def test_a_truncated_tcp_header_is_dropped_as_malformed(datapath):
