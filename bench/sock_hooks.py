@@ -48,7 +48,8 @@ AFFINITY_IP = "10.96.255.253"
 TARGET_IP = "10.96.255.254"
 FRONTEND_PORT = 80
 KINDS = ("floor", "sock", "affinity", "udp", "pod_ip", "pod_ip80")
-PROGRAMS = ("kbp_connect4", "kbp_release")  # the hook timed, and the one at close()
+# The hook timed, the one at close(), and the tc programs on the pods' veths.
+PROGRAMS = ("kbp_connect4", "kbp_release", "kbp_from_pod", "kbp_to_pod")
 BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
 PROG_INFO_SIZE = 224  # struct bpf_prog_info up to verified_insns
 RUN_TIME_AT, RUN_CNT_AT, XLATED_LEN_AT, JITED_LEN_AT, VERIFIED_AT = 192, 200, 20, 16, 216
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
             udp = dataclasses.replace(plain, protocol="UDP").sealed()
             dp.apply(nodestate_of([plain, udp, sticky]))
             set_socket_lb(dp, "all")
+            dp.conntrack.run_once()  # the collector's pass builds kbp_ct_gate, as an agent's
             print(f"client netns cookie {netns_cookie(client.ns)}", flush=True)
             stats = {p: ProgramStats(dp.programs.fd(p)) for p in PROGRAMS}
             targets: dict[str, tuple[Pod, str, int, str]] = {
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] == "--pod-udp":
             out = pod_udp_connect(ip, port, count)
         else:
-            out = pod_connect(ip, port, count, WARMUP)
+            out = pod_connect(ip, port, count, WARMUP, None)
         print(json.dumps(out), flush=True)
         return 0
     parser = argparse.ArgumentParser(
