@@ -575,8 +575,9 @@ static __always_inline int sock6_to_frontend(struct bpf_sock_addr *ctx)
 /* sock_release: free the slot of a connected socket (TCP, connected UDP), or delete a
  * connected UDP socket's kbp_sock_rev entry, so that slots and the LRU hold live sockets,
  * not closed ones. A TCP socket without a slot has its record in kbp_sock_peer, which goes
- * with it (or, when that could not be created, in the LRU, left to it). Entries of unconnected UDP sockets (one per backend they sent to) are left to
- * the LRU: cookies never repeat, so a stale entry is never read, only evicted. */
+ * with it (or, when that could not be created, in the LRU, left to it). Entries of
+ * unconnected UDP sockets (one per backend they sent to) are left to the LRU: cookies
+ * never repeat, so a stale entry is never read, only evicted. */
 static __always_inline int sock_forget(struct bpf_sock *ctx)
 {
 	struct sock_user_addr peer = {};
