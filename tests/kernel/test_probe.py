@@ -195,7 +195,10 @@ finally:
 def test_socket_hooks_attach_to_a_cgroup2_mounted_at_an_unusual_path(
     netns: Callable[[], str], bpf_pin_dir: Path, tmp_path: Path
 ) -> None:
-    mount, cgroup = tmp_path / "cgroups", tmp_path / "cgroups" / "unified" / "kbp-test"
+    # The cgroup2 mount is the machine's one hierarchy: a name of this run's own, so two
+    # suites running at once do not make (and remove) the same cgroup.
+    mount = tmp_path / "cgroups"
+    cgroup = mount / "unified" / f"kbp-test-{os.getpid()}"
     setup = (f"mkdir -p {mount} && mount -t tmpfs kbp-test {mount} && "
              f"mkdir {mount}/unified && mount -t cgroup2 none {mount}/unified && "
              f"mkdir {cgroup}")  # fmt: skip
