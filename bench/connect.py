@@ -242,6 +242,19 @@ def serve(listen: list[str]) -> None:
                 sock.close()
 
 
+def echo_connection(ip: str, port: int, what: str) -> socket.socket:
+    """A TCP connection to serve's echo at ip:port, Nagle off, its greeting line read."""
+    sock = socket.create_connection((ip, port), timeout=5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    greeting = b""
+    while not greeting.endswith(b"\n"):  # serve sends its name first
+        data = sock.recv(256)
+        if not data:
+            raise EOFError(f"{what}: the server closed the connection")
+        greeting += data
+    return sock
+
+
 def pod_request_response(cpu: int | None, count: int, warmup: int) -> dict[str, Any]:
     """Request/response over every path at once, from one process. The node side sends one
     JSON line per path ({kind, netns, cgroup, ip, port}): the connection is opened from that
@@ -256,15 +269,7 @@ def pod_request_response(cpu: int | None, count: int, warmup: int) -> dict[str, 
         if order.get("op") == "run":
             break
         enter(order["netns"], order.get("cgroup"))
-        sock = socket.create_connection((order["ip"], order["port"]), timeout=5)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        greeting = b""
-        while not greeting.endswith(b"\n"):  # podserver sends its name first
-            data = sock.recv(256)
-            if not data:
-                raise EOFError(f"{order['kind']}: the server closed the connection")
-            greeting += data
-        conns[order["kind"]] = sock
+        conns[order["kind"]] = echo_connection(order["ip"], order["port"], order["kind"])
         print("ok", flush=True)
     pin(0, cpu)
     import random

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -55,15 +54,10 @@ PROGRAMS = ("kbp_from_pod", "kbp_to_pod", "kbp_bench_empty")
 def pod_echo(ip: str, port: int, count: int) -> None:
     """The pod side: connect, say `ready`, wait for a line on stdin, then `count` timed
     1-byte exchanges on CPU; prints the p50 in ns."""
+    from bench.connect import echo_connection
+
     os.sched_setaffinity(0, {CPU})
-    sock = socket.create_connection((ip, port), timeout=5)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    greeting = b""
-    while not greeting.endswith(b"\n"):  # the server sends its name first
-        data = sock.recv(256)
-        if not data:
-            raise EOFError("the server closed the connection")
-        greeting += data
+    sock = echo_connection(ip, port, f"{ip}:{port}")
     print("ready", flush=True)
     sys.stdin.readline()
     clock, samples = time.perf_counter_ns, []
