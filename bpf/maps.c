@@ -100,19 +100,23 @@ static __always_inline int __explain_ct_write(struct kbp_explain *dry, struct kb
 /* --- kbp_ct_gate (kbp_maps.h) ------------------------------------------------------------ */
 
 /* The slot of a reply key: its backend (source) address and port and its client
- * (destination) address, mixed with multiplications and a 32-bit finalizer. The
- * collector computes the same (agent/dataplane/ebpf/ctgate.py slot_of). */
-static __always_inline __u32 __ct_gate_slot(const struct kbp_ct_key *key)
+ * (destination) address, each folded to one word (kbp_addr_fold), mixed with
+ * multiplications and a 32-bit finalizer. The collector computes the same
+ * (agent/dataplane/ebpf/ctgate.py slot_of). */
+static __always_inline __u32 __ct_gate_slot_of(__u32 backend, __u32 client, __be16 port)
 {
-	__u32 h = key->saddr[0] ^ key->saddr[1] ^ key->saddr[2] ^ key->saddr[3];
-	__u32 c = key->daddr[0] ^ key->daddr[1] ^ key->daddr[2] ^ key->daddr[3];
+	__u32 h = (backend * 0x9e3779b1U) ^ client;
 
-	h = (h * 0x9e3779b1U) ^ c;
-	h = (h * 0x85ebca6bU) ^ (__u32)key->sport;
+	h = (h * 0x85ebca6bU) ^ (__u32)port;
 	h ^= h >> 16;
 	h *= 0x7feb352dU;
 	h ^= h >> 15;
 	return h & (KBP_CT_GATE_SLOTS - 1);
+}
+
+static __always_inline __u32 __ct_gate_slot(const struct kbp_ct_key *key)
+{
+	return __ct_gate_slot_of(kbp_addr_fold(key->saddr), kbp_addr_fold(key->daddr), key->sport);
 }
 
 static __always_inline void __ct_gate_set(__u32 index)
@@ -137,14 +141,14 @@ static __always_inline void __ct_gate_note(const struct kbp_ct_key *key)
 	__ct_gate_set(slot + KBP_CT_GATE_SLOTS);
 }
 
-static __always_inline int map_ct_reply_maybe(const struct kbp_ct_key *key)
+static __always_inline int map_ct_reply_maybe(__u32 backend, __u32 client, __be16 port)
 {
 	__u32 index = 2 * KBP_CT_GATE_SLOTS;
 	__u8 *selector = kbp_ct_gate.lookup(&index), *slot;
 
 	if (!selector || *selector == KBP_CT_GATE_UNBUILT)
 		return 1;
-	index = __ct_gate_slot(key);
+	index = __ct_gate_slot_of(backend, client, port);
 	if (*selector == KBP_CT_GATE_SIDE1)
 		index += KBP_CT_GATE_SLOTS;
 	slot = kbp_ct_gate.lookup(&index);

@@ -16,8 +16,19 @@ static __always_inline int __kbp_from_pod(struct __sk_buff *skb)
 	struct kbp_tuple t = {};
 	struct kbp_ct_entry *reply;
 	struct kbp_service *svc;
-	int parsed = parse_packet(skb, &t);
+	struct kbp_ports_seen seen;
+	int parsed;
 
+	/* What the ports and addresses read in place settle, before the parse: not a
+	 * backend's reply (ct_reply_possible), to a port no frontend ever used (no service),
+	 * and not a SYN whose answers a reply entry could catch (ct_forget_reply_to). The
+	 * full path below lets such a packet pass too. */
+	if (parse_ports_in_place(skb, &seen) &&
+	    !ct_reply_possible(seen.sport, seen.saddr_fold, seen.daddr_fold) &&
+	    !map_port_used(seen.dport, KBP_PORT_F_FRONTEND) &&
+	    !(seen.tcp_syn && ct_reply_possible(seen.dport, seen.daddr_fold, seen.saddr_fold)))
+		return TC_ACT_OK;
+	parsed = parse_packet(skb, &t);
 	if (parsed == KBP_PARSE_MALFORMED)
 		return drop_packet(skb->len, KBP_DROP_MALFORMED);
 	/* Later IPv4 fragments have no ports to find a frontend or flow by: they pass

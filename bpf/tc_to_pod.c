@@ -12,7 +12,13 @@ int kbp_to_pod(struct __sk_buff *skb)
 {
 	struct kbp_tuple t = {};
 	struct kbp_ct_entry *reply;
+	struct kbp_ports_seen seen;
 
+	/* No reply entry can match (ct_reply_possible, on what parse_ports_in_place read):
+	 * most packets pass here, before the parse. */
+	if (parse_ports_in_place(skb, &seen) &&
+	    !ct_reply_possible(seen.sport, seen.saddr_fold, seen.daddr_fold))
+		return TC_ACT_OK;
 	/* Not ours to police: whatever we cannot parse goes to the pod as it is. */
 	if (parse_packet(skb, &t) != KBP_PARSE_L4)
 		return TC_ACT_OK;

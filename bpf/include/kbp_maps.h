@@ -149,7 +149,7 @@ BPF_TABLE_PINNED("array", __u32, __u8, kbp_ports, 65536, KBP_PIN(kbp_ports));
  * destination)? A filter over kbp_ct's reply entries, so that packets of flows tc never
  * translated (the socket hooks' flows to backends, pods' direct connections to a pod
  * that is a backend elsewhere) skip the conntrack lookups. Index: a hash of the reply
- * key's backend address and port and client address (lib/maps.h map_ct_gate_slot, the
+ * key's backend address and port and client address (maps.c __ct_gate_slot_of, the
  * collector's ctgate.py the same), on two sides of KBP_CT_GATE_SLOTS bytes each, then
  * the selector (KBP_CT_GATE_*): the datapath sets a slot on both sides after it writes a
  * reply entry; the collector zeroes the side not read, dumps kbp_ct, sets that side's

@@ -43,6 +43,14 @@ static __u64 (*kbp_now)(void) = (void *)BPF_FUNC_ktime_get_coarse_ns;
 #define KBP_AF_INET 2
 #define KBP_AF_INET6 10
 
+/* An address in the ABI's form (IPv4 in word 0, the other words 0) folded to one word,
+ * the XOR of its four: how kbp_ct_gate's slots take addresses (an IPv4 address folds to
+ * itself). */
+static __always_inline __u32 kbp_addr_fold(const __be32 *addr)
+{
+	return addr[0] ^ addr[1] ^ addr[2] ^ addr[3];
+}
+
 /* Hop limit of the RST / ICMP replies we originate: Linux's net.ipv4.ip_default_ttl. */
 #define KBP_REPLY_TTL 64
 

@@ -30,11 +30,19 @@ static __always_inline void ct_key_of_packet(const struct kbp_tuple *t, __u8 dir
 	key->dir = dir;
 }
 
-/* Is this packet a backend's reply of a translated flow? Both hooks ask first. A reply
- * comes from a backend's port, so other source ports skip the lookup (kbp_ports), and so
- * do packets between addresses no translated flow joins (kbp_ct_gate: the socket hooks'
- * flows, direct connections to pods that are backends; a spare has its reply entry's
- * addresses, so the gate covers it too). */
+/* Could a packet from `port` (network order) at the address folded to `backend` to the
+ * one folded to `client` (kbp_addr_fold) be a backend's reply of a flow tc translated?
+ * A reply comes from a backend's port, so other source ports need no lookup (kbp_ports),
+ * and neither do packets between addresses no translated flow joins (kbp_ct_gate: the
+ * socket hooks' flows, direct connections to pods that are backends; a spare has its reply
+ * entry's addresses, so the gate covers it too). Asked before the lookup, and by the pod
+ * programs on the ports they read in place (parse_ports_in_place). */
+static __always_inline int ct_reply_possible(__be16 port, __u32 backend, __u32 client)
+{
+	return map_port_used(port, KBP_PORT_F_BACKEND) && map_ct_reply_maybe(backend, client, port);
+}
+
+/* Is this packet a backend's reply of a translated flow? Both hooks ask first. */
 static __always_inline struct kbp_ct_entry *__ct_reply_from_spare(struct kbp_ct_key *key);
 
 static __always_inline struct kbp_ct_entry *__ct_lookup_reply(const struct kbp_tuple *t,
@@ -43,11 +51,9 @@ static __always_inline struct kbp_ct_entry *__ct_lookup_reply(const struct kbp_t
 	struct kbp_ct_key key = {};
 	struct kbp_ct_entry *reply;
 
-	if (!map_port_used(t->sport, KBP_PORT_F_BACKEND))
+	if (!ct_reply_possible(t->sport, kbp_addr_fold(t->saddr), kbp_addr_fold(t->daddr)))
 		return NULL;
 	ct_key_of_packet(t, KBP_CT_REPLY, &key);
-	if (!map_ct_reply_maybe(&key))
-		return NULL;
 	reply = map_lookup_ct(&key);
 	if (reply || !spare)
 		return reply;
@@ -267,7 +273,7 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 	struct kbp_ct_key key = {};
 	struct kbp_ct_entry *reply, *forward;
 
-	if (!map_port_used(t->dport, KBP_PORT_F_BACKEND)) /* no reply entry has that port */
+	if (!ct_reply_possible(t->dport, kbp_addr_fold(t->daddr), kbp_addr_fold(t->saddr)))
 		return;
 	__builtin_memcpy(key.saddr, t->daddr, sizeof(key.saddr));
 	__builtin_memcpy(key.daddr, t->saddr, sizeof(key.daddr));
@@ -276,8 +282,6 @@ static __always_inline void ct_forget_reply_to(const struct kbp_tuple *t)
 	key.proto = t->proto;
 	key.family = t->family;
 	key.dir = KBP_CT_REPLY;
-	if (!map_ct_reply_maybe(&key))
-		return;
 	reply = map_lookup_ct(&key);
 	if (!reply) { /* lost alone: its spare would restore it */
 		key.dir = KBP_CT_SPARE;

@@ -17,8 +17,9 @@ static __always_inline struct kbp_backend *map_lookup_backend(__u32 *backend_id)
 static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key);
 static __always_inline int map_update_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry);
 static __always_inline int map_delete_ct(struct kbp_ct_key *key);
-/* May kbp_ct hold a reply entry at this reply key (kbp_ct_gate)? 0 only when none can. */
-static __always_inline int map_ct_reply_maybe(const struct kbp_ct_key *key);
+/* May kbp_ct hold a reply entry from `backend`:`port` to `client` (addresses folded by
+ * kbp_addr_fold), whatever the client's port (kbp_ct_gate)? 0 only when none can. */
+static __always_inline int map_ct_reply_maybe(__u32 backend, __u32 client, __be16 port);
 static __always_inline struct kbp_affinity *map_lookup_affinity(struct kbp_affinity_key *key);
 static __always_inline int map_update_affinity(struct kbp_affinity_key *key,
 					       struct kbp_affinity *value);

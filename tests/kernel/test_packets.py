@@ -514,6 +514,47 @@ def test_a_truncated_tcp_header_is_dropped_as_malformed(datapath):
     assert datapath.drops(C.KBP_DROP_MALFORMED)["packets"] == 1
 
 
+def _tcp_with_data_offset(family: int, words: int) -> bytes:
+    segment = bytearray(P.tcp_segment(CLIENT[family], OTHER[family], CLIENT_PORT, 443))
+    segment[12] = words << 4
+    return P.ip_packet(CLIENT[family], OTHER[family], TCP, bytes(segment))
+
+
+def _ipv4_with_header_length(words: int) -> bytes:
+    segment = P.tcp_segment(CLIENT[4], OTHER[4], CLIENT_PORT, 443)
+    packet = bytearray(P.ipv4_packet(CLIENT[4], OTHER[4], TCP, segment))
+    packet[0] = 0x40 | words
+    return P.ethernet(bytes(packet), P.ETH_P_IP)
+
+
+MALFORMED_TO_NO_SERVICE = {
+    "TCP data offset 4": lambda: _tcp_with_data_offset(4, 4),
+    "IPv6, TCP data offset 4": lambda: _tcp_with_data_offset(6, 4),
+    "IPv4 header length 4": lambda: _ipv4_with_header_length(4),
+    "TCP header cut short": lambda: client_frame(4, TCP, dst=OTHER[4], dport=443)[: 14 + 20 + 12],
+    "UDP header cut short": lambda: client_frame(4, UDP, dst=OTHER[4], dport=443)[: 14 + 20 + 6],
+}
+
+
+@pytest.mark.parametrize("make_frame", MALFORMED_TO_NO_SERVICE.values(),
+                         ids=MALFORMED_TO_NO_SERVICE.keys())  # fmt: skip
+def test_a_malformed_packet_from_a_pod_is_dropped_though_its_ports_need_no_lookup(
+    datapath, make_frame: Callable[[], bytes]
+):
+    """The programs first look at the ports in place (parse_ports_in_place) and let a
+    packet pass when no lookup could match; that look must leave every packet the full
+    parse would call malformed to the full path, whatever its ports: such a packet leaving
+    a pod is dropped, one entering a pod passes as it is (not ours to police)."""
+    datapath.service(4, TCP)
+    frame = make_frame()
+
+    ingress, egress = datapath.from_pod(frame), datapath.to_pod(frame)
+
+    assert ingress.retval == TC_ACT_SHOT
+    assert datapath.drops(C.KBP_DROP_MALFORMED)["packets"] == 1
+    assert (egress.retval, egress.data_out) == (TC_ACT_OK, frame)
+
+
 # Empty sets: REJECT when no endpoints exist, DROP when they exist elsewhere
 
 
