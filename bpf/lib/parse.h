@@ -44,12 +44,45 @@ static __always_inline int tuple_is_tcp_syn(const struct kbp_tuple *t)
 	       (t->tcp_flags & (KBP_TCP_SYN | KBP_TCP_ACK)) == KBP_TCP_SYN;
 }
 
+/* The header rules, written once for parse_frame and parse_ports_in_place: what makes
+ * a header malformed, and which IPv4 packets have no ports to read. */
+
+/* An IPv4 header (whole in the linear area) that says it is one, at least 20 bytes long. */
+static __always_inline int __ipv4_header_valid(const struct iphdr *ip)
+{
+	return ip->version == 4 && ip->ihl >= 5;
+}
+
+/* An IPv4 fragment after the first: its L4 header is in the first one. */
+static __always_inline int __ipv4_later_fragment(const struct iphdr *ip)
+{
+	return ip->frag_off & bpf_htons(KBP_IP_OFFSET);
+}
+
+/* An IPv6 fixed header whole in [ip6, data_end) that says it is one. */
+static __always_inline int __ipv6_header_valid(const struct ipv6hdr *ip6, void *data_end)
+{
+	return (void *)(ip6 + 1) <= data_end && ip6->version == 6;
+}
+
+/* A TCP header's fixed 20 bytes whole in [tcp, data_end), its data offset covering them. */
+static __always_inline int __tcp_header_valid(const struct tcphdr *tcp, void *data_end)
+{
+	return (void *)(tcp + 1) <= data_end && tcp->doff >= 5;
+}
+
+/* A UDP header whole in [udp, data_end). */
+static __always_inline int __udp_header_valid(const struct udphdr *udp, void *data_end)
+{
+	return (void *)(udp + 1) <= data_end;
+}
+
 static __always_inline int __parse_ports(void *l4, void *data_end, struct kbp_tuple *t)
 {
 	if (t->proto == IPPROTO_TCP) {
 		struct tcphdr *tcp = l4;
 
-		if ((void *)(tcp + 1) > data_end || tcp->doff < 5)
+		if (!__tcp_header_valid(tcp, data_end))
 			return KBP_PARSE_MALFORMED;
 		t->sport = tcp->source;
 		t->dport = tcp->dest;
@@ -59,7 +92,7 @@ static __always_inline int __parse_ports(void *l4, void *data_end, struct kbp_tu
 	if (t->proto == IPPROTO_UDP) {
 		struct udphdr *udp = l4;
 
-		if ((void *)(udp + 1) > data_end)
+		if (!__udp_header_valid(udp, data_end))
 			return KBP_PARSE_MALFORMED;
 		t->sport = udp->source;
 		t->dport = udp->dest;
@@ -73,7 +106,7 @@ static __always_inline int __parse_ipv4(void *data, void *data_end, struct kbp_t
 	struct iphdr *ip = data + KBP_L3_OFF;
 	__u32 hlen;
 
-	if ((void *)(ip + 1) > data_end || ip->version != 4 || ip->ihl < 5)
+	if ((void *)(ip + 1) > data_end || !__ipv4_header_valid(ip))
 		return KBP_PARSE_MALFORMED;
 	hlen = ip->ihl * 4;
 	t->family = KBP_FAMILY_IPV4;
@@ -84,7 +117,7 @@ static __always_inline int __parse_ipv4(void *data, void *data_end, struct kbp_t
 	if (t->proto != IPPROTO_TCP && t->proto != IPPROTO_UDP)
 		return KBP_PARSE_OTHER;
 	/* Later fragments carry no ports; the first one (offset 0) is parsed as usual. */
-	if (ip->frag_off & bpf_htons(KBP_IP_OFFSET))
+	if (__ipv4_later_fragment(ip))
 		return KBP_PARSE_FRAGMENT;
 	return __parse_ports((void *)ip + hlen, data_end, t);
 }
@@ -93,7 +126,7 @@ static __always_inline int __parse_ipv6(void *data, void *data_end, struct kbp_t
 {
 	struct ipv6hdr *ip6 = data + KBP_L3_OFF;
 
-	if ((void *)(ip6 + 1) > data_end || ip6->version != 6)
+	if (!__ipv6_header_valid(ip6, data_end))
 		return KBP_PARSE_MALFORMED;
 	t->family = KBP_FAMILY_IPV6;
 	t->proto = ip6->nexthdr;
@@ -182,7 +215,7 @@ struct kbp_ports_seen {
  * Most packets on a pod's veth are for no Service and no reply of a translated flow, and
  * the ports and addresses say so (kbp_ports, kbp_ct_gate); deciding that before the parse
  * fills a tuple takes 5-10 ns off a 60-100 ns run on real traffic (bench/README.md, "tc's
- * first look"). The checks are parse_frame's. */
+ * first look"). The header rules are parse_frame's (the __*_valid predicates above). */
 static __always_inline int parse_ports_in_place(struct __sk_buff *skb, struct kbp_ports_seen *p)
 {
 	void *data = (void *)(long)skb->data;
@@ -195,14 +228,14 @@ static __always_inline int parse_ports_in_place(struct __sk_buff *skb, struct kb
 	if ((void *)(ip + 1) > data_end)
 		return 0;
 	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
-		if (ip->version != 4 || ip->ihl < 5 || ip->frag_off & bpf_htons(KBP_IP_OFFSET))
+		if (!__ipv4_header_valid(ip) || __ipv4_later_fragment(ip))
 			return 0;
 		proto = ip->protocol;
 		p->saddr_fold = ip->saddr;
 		p->daddr_fold = ip->daddr;
 		l4 = (void *)ip + ip->ihl * 4;
 	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
-		if ((void *)(ip6 + 1) > data_end || ip6->version != 6)
+		if (!__ipv6_header_valid(ip6, data_end))
 			return 0;
 		proto = ip6->nexthdr;
 		p->saddr_fold = kbp_addr_fold(ip6->saddr.in6_u.u6_addr32);
@@ -212,13 +245,11 @@ static __always_inline int parse_ports_in_place(struct __sk_buff *skb, struct kb
 		return 0;
 	}
 	if (proto == IPPROTO_TCP) {
-		struct tcphdr *tcp = (void *)l4;
-
-		if ((void *)(tcp + 1) > data_end || tcp->doff < 5)
+		if (!__tcp_header_valid((void *)l4, data_end))
 			return 0;
 		p->tcp_syn = (l4[13] & (KBP_TCP_SYN | KBP_TCP_ACK)) == KBP_TCP_SYN;
 	} else if (proto == IPPROTO_UDP) {
-		if ((void *)(l4 + sizeof(struct udphdr)) > data_end)
+		if (!__udp_header_valid((void *)l4, data_end))
 			return 0;
 		p->tcp_syn = 0;
 	} else {
