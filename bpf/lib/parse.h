@@ -38,10 +38,16 @@ struct kbp_tuple {
 	__u16 pad2;
 };
 
+/* A TCP flags byte (byte 13 of the header) of a SYN without ACK: a connection's first
+ * segment. */
+static __always_inline int __tcp_flags_syn_only(__u8 flags)
+{
+	return (flags & (KBP_TCP_SYN | KBP_TCP_ACK)) == KBP_TCP_SYN;
+}
+
 static __always_inline int tuple_is_tcp_syn(const struct kbp_tuple *t)
 {
-	return t->proto == IPPROTO_TCP &&
-	       (t->tcp_flags & (KBP_TCP_SYN | KBP_TCP_ACK)) == KBP_TCP_SYN;
+	return t->proto == IPPROTO_TCP && __tcp_flags_syn_only(t->tcp_flags);
 }
 
 /* The header rules, written once for parse_frame and parse_ports_in_place: what makes
@@ -247,7 +253,7 @@ static __always_inline int parse_ports_in_place(struct __sk_buff *skb, struct kb
 	if (proto == IPPROTO_TCP) {
 		if (!__tcp_header_valid((void *)l4, data_end))
 			return 0;
-		p->tcp_syn = (l4[13] & (KBP_TCP_SYN | KBP_TCP_ACK)) == KBP_TCP_SYN;
+		p->tcp_syn = __tcp_flags_syn_only(l4[13]);
 	} else if (proto == IPPROTO_UDP) {
 		if (!__udp_header_valid((void *)l4, data_end))
 			return 0;
