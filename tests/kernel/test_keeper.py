@@ -129,7 +129,7 @@ def _force_cleanup(node: Node, pin_dir: Path) -> None:
 
 
 def _remove_pin_dir(node: Node, pin_dir: Path) -> None:
-    for pin in pin_dir.iterdir():
+    for pin in sorted(pin_dir.iterdir(), reverse=True):
         pin.unlink()
     pin_dir.rmdir()
 

@@ -146,8 +146,10 @@ class Attacher:
 
     def attach_tc(self, link: Link, hooks: tuple[tuple[str, str], ...]) -> bool:
         """Attach (or replace) our tc programs on both sides of `link` (the keeper's
-        repair); False when the interface vanished."""
-        attached = self._attach_tc(link, hooks)
+        repair); False when the interface vanished. The reply side goes first: with only
+        the forward side back, a held connection's retransmit would be translated and
+        its answer reach the client untranslated, which answers it with a reset."""
+        attached = self._attach_tc(link, tuple(reversed(hooks)))
         if attached and hooks == HOOKS:
             self.attached.add(link.index)
         return attached

@@ -21,9 +21,12 @@ that now names another object is reported and left alone: it is not ours to remo
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
+import select
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +49,11 @@ from .netlink import Link, PodInterfaces
 
 log = logging.getLogger(__name__)
 
-CHECK_PERIOD = 5.0  # seconds between checks (the issue's bound: the node serves again within it)
+CHECK_PERIOD = 5.0  # seconds between checks: the longest a removal goes unnoticed
+# A pin removed (`cleanup`, `rm -r`) wakes the keeper at once through inotify (bpffs
+# reports unlinks like any file system); it waits this long for the remover to finish,
+# so that one pass puts back the whole of what was taken.
+SETTLE = 0.2
 # What kbp_dataplane_repairs_total{what} counts.
 REPAIRS = ("pin", "tc", "xdp", "socket_hooks", "foreign_program")
 
@@ -72,6 +79,8 @@ class Keeper:
         self._left: set[str] = set()  # pins of other objects already reported
         self._repaired: Callable[[str, str], None] = lambda what, detail: None
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._pins = PinWatch(self.pin_dir)
         self._thread: threading.Thread | None = None
         self.checks = 0
         self.last_check: float | None = None  # Unix time of the last completed pass
@@ -87,10 +96,16 @@ class Keeper:
 
     def stop(self) -> None:
         """Stop the thread, after the pass in flight if there is one."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        os.write(self._wake_w, b"x")
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        self._pins.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def problems(self) -> tuple[list[str], float | None]:
         """What the last pass found and could not put back, and since when (monotonic)."""
@@ -98,12 +113,24 @@ class Keeper:
             return list(self._problems), self._since
 
     def _main(self) -> None:
-        while not self._stop.wait(self.period):
+        while not self._stop.is_set():
+            self._wait()
+            if self._stop.is_set():
+                return
             try:
                 self.check()
             except Exception:  # a bug here must not end the checks
                 log.exception("ebpf: checking the datapath failed; trying again in %.0f s",
                               self.period)  # fmt: skip
+
+    def _wait(self) -> None:
+        """Until the period passed, or a pin went (then until removals settle)."""
+        self._pins.watch()  # again after the directory itself was removed and made again
+        watched = [self._wake_r] + ([self._pins.fd] if self._pins.fd >= 0 else [])
+        ready, _, _ = select.select(watched, [], [], self.period)
+        if self._pins.fd in ready:
+            while self._pins.drain() and not self._stop.is_set():
+                select.select([self._wake_r], [], [], SETTLE)  # until a quiet SETTLE
 
     def check(self) -> list[str]:
         """One pass: find what is missing, put it back; returns what could not be."""
@@ -293,3 +320,43 @@ def _pinned_link(path: Path) -> libbpf.LinkInfo | None:
             return libbpf.link_info(fd)
         except OSError:
             return None
+
+
+class PinWatch:
+    """inotify on the pin directory: readable when a pin is removed or renamed away, or
+    the directory itself goes. fd is -1 while there is no directory to watch (or no
+    inotify): the keeper then relies on its period."""
+
+    _MASK = 0x200 | 0x40 | 0x400 | 0x800  # IN_DELETE, IN_MOVED_FROM, IN_DELETE_SELF, IN_MOVE_SELF
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._watching = False
+
+    def watch(self) -> None:
+        if self.fd < 0 or self._watching:
+            return
+        wd = self._libc.inotify_add_watch(self.fd, os.fsencode(self.directory), self._MASK)
+        self._watching = wd >= 0
+
+    def drain(self) -> bool:
+        """Read what is queued; True if anything was. Forgets the watch when the kernel
+        dropped it (IN_IGNORED: the directory is gone), so `watch` adds it again."""
+        try:
+            data = os.read(self.fd, 4096)
+        except BlockingIOError:
+            return False
+        offset = 0
+        while offset + 16 <= len(data):
+            _wd, mask, _cookie, size = struct.unpack_from("iIII", data, offset)
+            if mask & 0x8000:  # IN_IGNORED
+                self._watching = False
+            offset += 16 + size
+        return bool(data)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
