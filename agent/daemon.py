@@ -66,6 +66,7 @@ class Agent:
             dataplane=self.dataplane.name,
             dataplane_reason=reason,
             details=self.dataplane.status_details,
+            integrity=self.dataplane.integrity,
         )
         # What the kernel holds now (an earlier agent's last apply) serves until this
         # agent has the cluster's state and has applied it; /state and /readyz say so.

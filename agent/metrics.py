@@ -72,6 +72,10 @@ class Metrics:
             "Used entries / capacity of a BPF map.", ["map"], registry=r)
         self.sync_errors = Counter("kbp_sync_errors",
             "Failed syncs by reason.", ["reason"], registry=r)
+        self.dataplane_repairs = Counter("kbp_dataplane_repairs",
+            "Repairs of what the agent wrote and found missing or replaced (pins, tc, "
+            "XDP, socket hooks, another agent's programs), by what was repaired.",
+            ["what"], registry=r)
         self.dataplane_info = Gauge("kbp_dataplane_info",
             "1 for the dataplane in use; `reason` says why it was chosen.",
             ["dataplane", "reason"], registry=r)

@@ -30,9 +30,16 @@ Readiness (`/readyz`): 200 once this agent has programmed the node from the clus
 current state: a dataplane apply succeeded after every source finished its initial
 list. Until then 503, also while what an earlier agent programmed keeps serving (the
 adopted revision): a restarted agent that cannot reach the API server is not ready, so a
-DaemonSet rollout (maxUnavailable 1) stops at this node instead of moving on. Once ready
-it stays ready: an API outage later leaves the last state serving and is reported as
-`apiReachable: false`, as kube-proxy does.
+DaemonSet rollout (maxUnavailable 1) stops at this node instead of moving on. An API
+outage later leaves the last state serving and is reported as `apiReachable: false`, as
+kube-proxy does; the agent stays ready through it.
+
+Readiness also means the datapath serves what was applied: 503 while the dataplane
+reports that part of it is gone from the kernel and could not be put back yet (its
+`integrity()`: programs detached, pins lost), and while the last apply was refused
+because the state does not fit the maps (reason `capacity`). `/healthz` and `/livez`
+turn 503 too once the datapath has gone unrepaired for REPAIR_LIMIT seconds: a node
+that cannot be made to serve should be replaced or looked at, not trusted.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import gzip
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -61,6 +68,9 @@ from .serving import (
 )
 
 log = logging.getLogger(__name__)
+
+# Seconds the datapath may go unserving and unrepaired before /healthz says unhealthy.
+REPAIR_LIMIT = 60.0
 
 
 def timestamp(when: float | None) -> str | None:
@@ -91,14 +101,23 @@ class StatusSnapshot:
     adopted_revision: str | None  # what the kernel held at start-up (an earlier agent's)
     node_eligible: bool
     details: Mapping[str, Any] = field(default_factory=dict)  # the dataplane's own fields
+    # What of the applied state the kernel lost and the dataplane could not put back yet,
+    # and for how many seconds (None: intact).
+    datapath_problems: tuple[str, ...] = ()
+    unrepaired_seconds: float | None = None
+    refused: str | None = None  # the last apply's error when the state does not fit
 
     @property
     def current_revision(self) -> str | None:
         return self.state.revision if self.state is not None else None
 
     @property
-    def ready(self) -> bool:
+    def programmed(self) -> bool:
         return self.first_programmed is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.programmed and not self.datapath_problems and self.refused is None
 
     def to_dict(self) -> dict[str, Any]:
         """The `status` field of `/state` (camelCase, RFC 3339 times)."""
@@ -153,12 +172,16 @@ class AgentStatus:
         clock: Callable[[], float] = time.time,
         dataplane_reason: str | None = None,
         details: Callable[[], Mapping[str, Any]] | None = None,
+        integrity: Callable[[], tuple[Sequence[str], float | None]] | None = None,
     ) -> None:
         """`clock` gives Unix time (injectable for tests); `record_sync`'s `when` must
         use the same clock. `details`: the dataplane's own status fields (e.g. the XDP
-        mode per interface), asked at each snapshot."""
+        mode per interface), asked at each snapshot. `integrity`: the dataplane's
+        report of what it lost and could not put back, and for how many seconds."""
         self._clock = clock
         self._details = details
+        self._integrity = integrity
+        self._refused: str | None = None
         self._lock = threading.Lock()
         self._dataplane = dataplane
         self._dataplane_reason = dataplane_reason
@@ -200,10 +223,13 @@ class AgentStatus:
         when: float | None,
         held_revision: str | None,
         error: str | None = None,
+        reason: str | None = None,
     ) -> None:
         """One sync attempt ended at `when` (None: now); the dataplane now holds
-        `held_revision` (unchanged by a failure). `error`: a short reason, optional."""
+        `held_revision` (unchanged by a failure). `error`: a short reason, optional;
+        `reason`: the DataplaneError's label (`capacity`: the state does not fit)."""
         with self._lock:
+            self._refused = error if not success and reason == "capacity" else None
             now = self._clock() if when is None else when
             self._held = held_revision
             self._last_sync = now
@@ -247,6 +273,7 @@ class AgentStatus:
     # --- readers -------------------------------------------------------------------------
     def snapshot(self) -> StatusSnapshot:
         details = dict(self._details()) if self._details is not None else {}
+        problems, unrepaired = self._integrity() if self._integrity is not None else ((), None)
         with self._lock:
             return StatusSnapshot(
                 dataplane=self._dataplane,
@@ -265,6 +292,9 @@ class AgentStatus:
                 adopted_revision=self._adopted,
                 node_eligible=self._node_eligible,
                 details=details,
+                datapath_problems=tuple(problems),
+                unrepaired_seconds=unrepaired,
+                refused=self._refused,
             )
 
     @property
@@ -289,8 +319,7 @@ class AgentStatus:
 
     @property
     def ready(self) -> bool:
-        with self._lock:
-            return self._first_programmed is not None
+        return self.snapshot().ready
 
     def health(self, timeout: float) -> HealthReport:
         """kube-proxy's health with `timeout` (2 * sync period); see the module doc."""
@@ -307,6 +336,12 @@ class AgentStatus:
             reason = f"last successful sync {now - snap.last_success:.1f}s ago (limit {timeout:g}s)"
             if snap.last_error:
                 reason += f"; last error: {snap.last_error}"
+        elif snap.unrepaired_seconds is not None and snap.unrepaired_seconds > REPAIR_LIMIT:
+            reason = (
+                f"the datapath has not served its state for {snap.unrepaired_seconds:.0f}s "
+                f"and could not be repaired (limit {REPAIR_LIMIT:g}s): "
+                + "; ".join(snap.datapath_problems)
+            )
         return HealthReport(
             healthy=reason is None,
             node_eligible=snap.node_eligible,
@@ -504,7 +539,7 @@ class HealthServer(_RoutedServer):
             "heldRevision": snap.held_revision,
             "apiReachable": snap.api_reachable,
         }
-        if not snap.ready:
+        if not snap.programmed:
             body["reason"] = (
                 "not yet programmed from the cluster's state: "
                 + ("waiting for the initial lists" if snap.state is None
@@ -512,6 +547,13 @@ class HealthServer(_RoutedServer):
                 + (f"; the kernel keeps serving revision {snap.held_revision}"
                    if snap.held_revision else "")
             )  # fmt: skip
+        elif snap.datapath_problems:
+            body["reason"] = (
+                "the datapath does not serve the applied state and could not be repaired "
+                f"yet: {'; '.join(snap.datapath_problems)}"
+            )
+        elif snap.refused is not None:
+            body["reason"] = f"the current state was refused: {snap.refused}"
         return json_response(200 if snap.ready else 503, body)
 
 

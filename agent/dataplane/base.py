@@ -51,6 +51,11 @@ class Dataplane(Protocol):
         """Add the dataplane's own gauges and counters to `metrics` (if it has any)."""
         ...
 
+    def integrity(self) -> tuple[list[str], float | None]:
+        """What of the applied state the kernel no longer holds and the dataplane could
+        not put back, and for how many seconds; ([], None) when intact."""
+        ...
+
 
 class QuietDataplane:
     """The optional part of the protocol for a dataplane with nothing running in the
@@ -64,3 +69,7 @@ class QuietDataplane:
 
     def register_metrics(self, metrics: Metrics, service_metrics: str = "services") -> None:
         """No metrics of its own."""
+
+    def integrity(self) -> tuple[list[str], float | None]:
+        """Nothing checked in the background: intact as far as it knows."""
+        return [], None

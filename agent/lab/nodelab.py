@@ -249,10 +249,12 @@ class Pod:
                            source_port=source_port, same_socket=same_socket)  # fmt: skip
         return client_result(self.argv(argv), n, timeout)
 
-    def stream(self, ip: str, port: int) -> Stream:
+    def stream(self, ip: str, port: int, timeout: float = 2.0) -> Stream:
         """A long-lived TCP connection to ip:port, checked line by line; returns once the
-        first answer (the serving pod's name) arrived."""
-        argv = self.argv([sys.executable, str(PODCLIENT), "stream", ip, str(port)])
+        first answer (the serving pod's name) arrived. An echo that takes longer than
+        `timeout` seconds is an error."""
+        argv = self.argv([sys.executable, str(PODCLIENT), "stream", ip, str(port),
+                          "--timeout", str(timeout)])  # fmt: skip
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.processes.append(proc)
         handle = Stream(proc, f"{ip}:{port}")

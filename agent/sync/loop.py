@@ -35,7 +35,12 @@ class StatusSink(Protocol):
     def set_node_eligible(self, eligible: bool) -> None: ...
 
     def record_sync(
-        self, success: bool, when: float, held_revision: str | None, error: str | None = None
+        self,
+        success: bool,
+        when: float,
+        held_revision: str | None,
+        error: str | None = None,
+        reason: str | None = None,
     ) -> None: ...
 
 
@@ -211,7 +216,6 @@ class SyncLoop:
             self.dataplane.name, reason, message, delay,
         )  # fmt: skip
         if self.status is not None:
-            self.status.record_sync(
-                False, self._wall(), self.dataplane.held_revision, error=f"{reason}: {message}"
-            )
+            self.status.record_sync(False, self._wall(), self.dataplane.held_revision,
+                                    error=f"{reason}: {message}", reason=reason)  # fmt: skip
         self.runner.retry_after(delay)

@@ -594,3 +594,53 @@ def test_close_is_prompt_idempotent_and_frees_the_port() -> None:
         silent.close()
     with serve(f"127.0.0.1:{server.port}", {}):  # the port can be bound again at once
         pass
+
+
+class Integrity:
+    """What a dataplane's keeper reports: problems it could not repair, and for how long."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.seconds: float | None = None
+
+    def __call__(self) -> tuple[list[str], float | None]:
+        return self.problems, self.seconds
+
+
+def test_readyz_is_503_while_the_datapath_cannot_be_repaired_and_healthz_after_a_minute(
+    clock: FakeClock,
+) -> None:
+    integrity = Integrity()
+    status = AgentStatus(dataplane="fake", clock=clock, integrity=integrity)
+    with HealthServer("127.0.0.1:0", status, SYNC_PERIOD) as server:
+        state = web_state()
+        synced(status, clock, state)
+        assert health(server, "/readyz")[0] == 200
+        integrity.problems, integrity.seconds = ["vethkbp1: kbp_from_pod missing on ingress"], 0.0
+        code, body = health(server, "/readyz")
+        assert code == 503 and "kbp_from_pod missing" in body["reason"], body
+        assert health(server)[0] == 200  # kube-proxy's health: within the limit
+        integrity.seconds = 60.5  # the keeper has failed to repair for a minute
+        for path in ("/healthz", "/livez"):
+            code, body = health(server, path)
+            assert code == 503 and "could not be repaired" in body["reason"], body
+        integrity.problems, integrity.seconds = [], None  # repaired
+        assert health(server, "/readyz")[0] == 200
+        assert health(server)[0] == 200
+
+
+def test_readyz_is_503_while_the_state_does_not_fit_the_maps(
+    health_server: HealthServer, status: AgentStatus, clock: FakeClock
+) -> None:
+    old, new = web_state(), web_state("10.244.1.9")
+    synced(status, clock, old)
+    status.set_node_state(new)
+    status.record_sync(False, clock(), old.revision, error="capacity: kbp_slots_v4 is full",
+                       reason="capacity")  # fmt: skip
+    code, body = health(health_server, "/readyz")
+    assert code == 503 and "kbp_slots_v4 is full" in body["reason"], body
+    status.record_sync(False, clock(), old.revision, error="map_write: EIO", reason="map_write")
+    assert health(health_server, "/readyz")[0] == 200  # retried: not a refusal of the state
+    status.record_sync(False, clock(), old.revision, error="capacity: full", reason="capacity")
+    status.record_sync(True, clock(), new.revision)
+    assert health(health_server, "/readyz")[0] == 200

@@ -14,6 +14,7 @@ program of ours are attached at once (nothing serves them either way).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +23,14 @@ from ...model.nodestate import NodeInfo
 from ..base import DataplaneError
 from . import codec, external, sockdiag
 from .abi import addr_bytes, family_of, packer, port_bytes
-from .cgroup import CgroupAttachError, attach_socket_hooks, socket_hooks_pinned
+from .cgroup import (
+    CgroupAttachError,
+    attach_socket_hooks,
+    detach_foreign_cgroup_links,
+    kbp_cgroup_links,
+    socket_hooks_pinned,
+    socket_programs,
+)
 from .kernel import LoadedPrograms
 from .libbpf import prog_name
 from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher, run_in_netns
@@ -100,7 +108,11 @@ class Attacher:
         self.deferred: dict[int, Link] = {}
         self._earlier = {a.index for a in self.tc.attached()}
         self._earlier |= {x.index for x in self.tc.xdp() if is_ours(x.prog_id)}
-        self.cgroup_deferred = cgroup is not None and bool(socket_hooks_pinned(programs.pin_dir))
+        # The socket hooks wait too where an earlier agent's serve: pinned here, or on the
+        # cgroup from another pin directory (an earlier --bpffs), replaced at take_over.
+        self.cgroup_deferred = cgroup is not None and bool(
+            socket_hooks_pinned(programs.pin_dir) or kbp_cgroup_links(os.stat(cgroup).st_ino)
+        )
         # What /state says of the socket hooks: attached, off, failed: why, or that the
         # earlier agent's serve until the first apply.
         self.socket_hooks = "off" if cgroup is None else "attached"
@@ -121,6 +133,30 @@ class Attacher:
                     self._on_link(link)
         if self.pod_netns is not None:
             self.pod_netns.prune()  # pods removed while no agent ran
+
+    @property
+    def serving(self) -> bool:
+        """True once the first apply completed and this agent's programs serve."""
+        with self._takeover_lock:
+            return self._serving
+
+    def external_attached(self) -> dict[int, str]:
+        """The external interfaces this agent attached to: ifindex → name."""
+        return dict(self._external_attached)
+
+    def attach_tc(self, link: Link, hooks: tuple[tuple[str, str], ...]) -> bool:
+        """Attach (or replace) our tc programs on both sides of `link` (the keeper's
+        repair); False when the interface vanished. The reply side goes first: with only
+        the forward side back, a held connection's retransmit would be translated and
+        its answer reach the client untranslated, which answers it with a reset."""
+        attached = self._attach_tc(link, tuple(reversed(hooks)))
+        if attached and hooks == HOOKS:
+            self.attached.add(link.index)
+        return attached
+
+    def attach_xdp(self, link: Link) -> str:
+        """Attach our XDP program to an external interface again; the mode, or why not."""
+        return self._attach_xdp(link)
 
     def stop(self) -> None:
         """Stop watching for interfaces."""
@@ -166,6 +202,16 @@ class Attacher:
                       "Services only through the routes: %s", err)  # fmt: skip
             return
         self.socket_hooks = "attached"
+        ours = {self.programs.prog_id(program) for program, _type in socket_programs().values()}
+        try:
+            detached = detach_foreign_cgroup_links(os.stat(self.cgroup).st_ino, ours)
+        except OSError as err:
+            log.warning("ebpf: cannot look for other agents' socket hooks on %s: %s",
+                        self.cgroup, err)  # fmt: skip
+            return
+        if detached:
+            log.info("ebpf: detached another agent's socket hooks from cgroup %s (an earlier "
+                     "--bpffs?): %s", self.cgroup, " ".join(detached))  # fmt: skip
 
     def release_udp_sockets(self, live_backends: Callable[[], set[tuple[int, str, int]]]) -> None:
         """After an apply that removed backends: destroy the connected UDP sockets the

@@ -83,7 +83,8 @@ def netns_cookie(netns: str | None = None) -> int:
     return run_in_netns(netns, cookie_of_this_netns)
 
 
-def _link_pin(pin_dir: Path, hook: str) -> Path:
+def link_pin(pin_dir: Path, hook: str) -> Path:
+    """Where the link of one socket hook is pinned."""
     return pin_dir / f"{LINK_PIN_PREFIX}{hook}"
 
 
@@ -143,7 +144,7 @@ def _attach_one(
     hook: str, program: str, prog_fd: int, attach_type: int, cgroup: Path, cgroup_fd: int,
     cgroup_id: int, pin_dir: Path,
 ) -> None:  # fmt: skip
-    pin = _link_pin(pin_dir, hook)
+    pin = link_pin(pin_dir, hook)
     try:
         if _replace_in_place(pin, prog_fd, attach_type, cgroup_id):
             log.debug("ebpf: %s on cgroup %s now runs the new %s", hook, cgroup, program)
@@ -170,7 +171,7 @@ def attach_socket_hooks(programs: LoadedPrograms, cgroup: Path, pin_dir: Path) -
     hooks = socket_programs()
     pin_dir.mkdir(parents=True, exist_ok=True)
     for stale in sorted(set(_pinned_hooks(pin_dir)) - set(hooks)):
-        _remove_link(_link_pin(pin_dir, stale))
+        _remove_link(link_pin(pin_dir, stale))
     cgroup_fd, cgroup_id = _open_cgroup(cgroup)
     try:
         for hook, (program, attach_type) in sorted(hooks.items()):
@@ -205,7 +206,7 @@ def detach_socket_hooks(pin_dir: Path) -> list[str]:
     pins, whatever cgroup they are on). Returns the hooks removed."""
     removed = _pinned_hooks(pin_dir)
     for hook in removed:
-        _remove_link(_link_pin(pin_dir, hook))
+        _remove_link(link_pin(pin_dir, hook))
     return removed
 
 
@@ -219,3 +220,51 @@ def attached_programs(cgroup: Path, hook: str) -> list[str]:
     finally:
         os.close(cgroup_fd)
     return [libbpf.prog_name(prog_id) for prog_id in ids]
+
+
+def kbp_cgroup_links(cgroup_id: int) -> list[tuple[int, int, str]]:
+    """(link id, program id, program name) of every cgroup bpf_link on the cgroup
+    `cgroup_id` that runs a kbp_ program, whoever made and pinned it."""
+    found = []
+    for link_id in libbpf.link_ids():
+        try:
+            fd = libbpf.link_fd_by_id(link_id)
+        except OSError:
+            continue  # released meanwhile
+        try:
+            info = libbpf.link_info(fd)
+        finally:
+            os.close(fd)
+        if info.type != libbpf.BPF_LINK_TYPE_CGROUP or info.cgroup_id != cgroup_id:
+            continue
+        try:
+            name = libbpf.prog_name(info.prog_id)
+        except OSError:
+            continue
+        if name.startswith("kbp_"):
+            found.append((link_id, info.prog_id, name))
+    return found
+
+
+def detach_foreign_cgroup_links(cgroup_id: int, ours: set[int]) -> list[str]:
+    """Detach the links on the cgroup `cgroup_id` that run a kbp_ program whose id is not
+    among `ours` (another agent's: an earlier --bpffs, whose pins this agent never
+    opens); other projects' programs are never touched. Returns what went, as
+    name(link id)."""
+    detached = []
+    for link_id, prog_id, name in kbp_cgroup_links(cgroup_id):
+        if prog_id in ours:
+            continue
+        try:
+            fd = libbpf.link_fd_by_id(link_id)
+        except OSError:
+            continue
+        try:
+            libbpf.link_detach(fd)
+        except OSError as err:
+            if err.errno != errno.ENOLINK:  # ENOLINK: defunct already
+                raise
+        finally:
+            os.close(fd)
+        detached.append(f"{name}(link {link_id})")
+    return detached

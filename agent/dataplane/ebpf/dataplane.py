@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -28,6 +29,7 @@ from .attach import Attacher, detach_xdp
 from .cgroup import detach_socket_hooks, netns_cookie
 from .conntrack import Timeouts, adopt_earlier_conntrack
 from .external import DEFAULT_SNAT_PORTS
+from .keeper import CHECK_PERIOD, REPAIRS, Keeper
 from .kernel import LoadError, load_programs
 from .maps import MapSizes
 from .netlink import TcAttacher
@@ -56,6 +58,7 @@ class EbpfDataplane:
         ct_timeouts: Timeouts | None = None,
         ct_sweep_interval: float = 0.0,
         tc_attach: str | None = None,
+        check_period: float = CHECK_PERIOD,
     ) -> None:
         """`external_interfaces`: globs of the node's external interfaces; empty means
         those that carry the node's NodePort addresses (the NodeState's
@@ -64,7 +67,9 @@ class EbpfDataplane:
         serve (None: not attached); `socket_lb` (--socket-lb): whose sockets they
         translate, all (the node's and the pods'), host or off. `ct_sweep_interval`: seconds
         between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools).
-        `tc_attach` (--tc-attach): auto, tcx or clsact, see netlink.TcAttacher."""
+        `tc_attach` (--tc-attach): auto, tcx or clsact, see netlink.TcAttacher.
+        `check_period`: seconds between the keeper's checks that what this agent wrote is
+        still in the kernel (0: only at full resyncs), see keeper.py."""
         self.pin_dir = Path(pin_dir)
         if socket_lb not in external.SOCKET_LB_BITS:
             why = f"--socket-lb must be all, host or off; got {socket_lb!r}"
@@ -115,25 +120,33 @@ class EbpfDataplane:
         if stale:
             log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
         self.conntrack.start()
+        # Applies and the keeper's repairs take turns: both attach and detach programs.
+        self._lock = threading.RLock()
+        self.keeper = Keeper(self.programs, self.links, self._lock, check_period)
+        self.keeper.start()
 
     @property
     def held_revision(self) -> str | None:
         return self.maps.held
 
     def apply(self, state: NodeState, full: bool = False) -> int:
-        if full and self.links.pod_netns is not None:
-            self.links.pod_netns.retry()  # pods whose namespaces were not found
-        writes, backends_removed = self.maps.apply(state, full)
-        if backends_removed:
-            self.links.release_udp_sockets(self.maps.live_backends)
-        if self.links.take_over():  # else an earlier program may write reply entries the
-            self.conntrack.use_gate(self.maps.gate)  # gate misses
-        self.links.follow_node(state.node, full)
-        return writes
+        with self._lock:
+            if full and self.links.pod_netns is not None:
+                self.links.pod_netns.retry()  # pods whose namespaces were not found
+            writes, backends_removed = self.maps.apply(state, full)
+            if backends_removed:
+                self.links.release_udp_sockets(self.maps.live_backends)
+            if self.links.take_over():  # else an earlier program may write reply entries
+                self.conntrack.use_gate(self.maps.gate)  # the gate misses
+            self.links.follow_node(state.node, full)
+            if full:  # every resync also checks that the rest of what we wrote is there
+                self.keeper.check()
+            return writes
 
     def cleanup(self) -> None:
         """Detach every kbp_ filter and XDP program from every interface and remove the
         pins."""
+        self.keeper.stop()
         self.conntrack.stop()
         self.links.stop()
         cleanup(self.pin_dir, self.links.tc)
@@ -142,16 +155,34 @@ class EbpfDataplane:
 
     def close(self) -> None:
         """Stop watching for interfaces; programs stay attached, maps stay pinned."""
+        self.keeper.stop()  # after its pass in flight: nothing writes through closed fds
         self.conntrack.stop()
         self.links.stop()
         self.links.tc.close()
         self.programs.close()
 
     def status_details(self) -> dict[str, object]:
-        return self.links.status()
+        problems, since = self.keeper.problems()
+        return {
+            **self.links.status(),
+            "datapathIntact": {
+                "checks": self.keeper.checks,
+                "problems": problems,
+                "unrepairedSeconds": round(time.monotonic() - since, 1) if since else None,
+            },
+        }
+
+    def integrity(self) -> tuple[list[str], float | None]:
+        """What the keeper found missing and could not put back, and for how many
+        seconds; ([], None) while the datapath serves what was applied."""
+        problems, since = self.keeper.problems()
+        return problems, (time.monotonic() - since if since is not None else None)
 
     def register_metrics(self, metrics: Metrics, service_metrics: str = "services") -> None:
         self.maps.register_metrics(metrics, service_metrics)
+        for what in REPAIRS:  # every series from the start, at 0
+            metrics.dataplane_repairs.labels(what)
+        self.keeper.start(lambda what, _detail: metrics.dataplane_repairs.labels(what).inc())
 
 
 def cleanup(pin_dir: Path, attacher: TcAttacher | None = None) -> tuple[list[str], list[str]]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .abi import BPF_DIR, MAP_NAMES, versioned
-from .libbpf import Map
+from .libbpf import Map, prog_id
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,10 @@ class LoadedPrograms:
             )
             self._fds[program] = function.fd
         return self._fds[program]
+
+    def prog_id(self, program: str) -> int:
+        """The kernel's id of a loaded program (what tc, XDP and cgroup queries report)."""
+        return prog_id(self.fd(program))
 
     def map_fd(self, name: str) -> int:
         return self.map(name).fd

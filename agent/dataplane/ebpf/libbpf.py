@@ -490,9 +490,11 @@ def prog_id(prog_fd: int) -> int:
 BPF_PROG_QUERY = 16  # enum bpf_cmd
 BPF_LINK_CREATE = 28
 BPF_LINK_GET_FD_BY_ID = 30
+BPF_LINK_GET_NEXT_ID = 31
 BPF_TCX_INGRESS = 46  # enum bpf_attach_type
 BPF_TCX_EGRESS = 47
-BPF_LINK_TYPE_TCX = 11  # enum bpf_link_type
+BPF_LINK_TYPE_CGROUP = 3  # enum bpf_link_type
+BPF_LINK_TYPE_TCX = 11
 BPF_F_BEFORE = 1 << 3  # mprog placement: first (no relative program given)
 BPF_F_AFTER = 1 << 4  # mprog placement: last
 
@@ -558,3 +560,19 @@ def link_fd_by_id(link_id: int) -> int:
     """An fd for the bpf_link with this id (the caller closes it)."""
     attr = bytearray(struct.pack("=III", link_id, 0, 0))
     return _sys_bpf(BPF_LINK_GET_FD_BY_ID, attr, f"open link id {link_id}")
+
+
+def link_ids() -> list[int]:
+    """The ids of every bpf_link on the machine, in id order (BPF_LINK_GET_NEXT_ID)."""
+    ids: list[int] = []
+    start = 0
+    while True:
+        attr = bytearray(struct.pack("=III", start, 0, 0))
+        try:
+            _sys_bpf(BPF_LINK_GET_NEXT_ID, attr, "list links")
+        except OSError as err:
+            if err.errno == errno_module.ENOENT:  # past the last one
+                return ids
+            raise
+        start = struct.unpack_from("=I", attr, 4)[0]
+        ids.append(start)
