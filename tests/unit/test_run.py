@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import signal
 import socket
@@ -33,6 +34,7 @@ from agent.dataplane import probe, select
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.fake import FakeDataplane
 from agent.dataplane.iptables.backend import BackendError
+from agent.nodelock import NodeLock
 
 from ..builders import write_kubeconfig
 
@@ -509,3 +511,58 @@ def test_cleanup_does_the_other_part_when_one_fails_and_exits_1(
         else ["ebpf", "iptables (legacy)"]
     )
     assert [line.split(":")[0] for line in captured.out.splitlines()] == others
+
+
+# --- `cleanup` and the node's lock ------------------------------------------------------------
+
+
+def test_cleanup_refuses_while_an_agent_holds_the_node_and_removes_nothing(
+    cleanups: dict[str, Any], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("KBP_LOCK_DIR", str(tmp_path))
+    agent = NodeLock(tmp_path, PIN_DIR)  # a running agent's: an open file description
+    assert agent.try_acquire() is None
+    try:
+        assert main(["cleanup", "--bpffs", PIN_DIR]) == 1
+        assert cleanups["calls"] == []
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        [line] = captured.err.splitlines()
+        assert line.startswith(f"kube-bpf-proxy cleanup: an agent runs on {PIN_DIR}: "
+                               f"pid {os.getpid()} (started "), line  # fmt: skip
+        assert line.endswith(f"holds {agent.path}; nothing removed (stop the agent first, "
+                             "or --force)"), line  # fmt: skip
+
+        assert main(["cleanup", "--bpffs", PIN_DIR, "--force"]) == 0
+        assert cleanups["calls"] == [f"ebpf {PIN_DIR}", "iptables nft", "iptables legacy"]
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("ebpf: detached from 1 interface(s)"), out
+        assert out[-1] == (f"--force: removed while the agent (pid {os.getpid()}) still runs "
+                           f"and holds {agent.path}; it puts back what it serves when it "
+                           "next checks the dataplane")  # fmt: skip
+        assert agent.held and agent.path.exists()  # the agent's lock is untouched
+    finally:
+        agent.release()
+
+
+def test_cleanup_holds_the_lock_while_it_removes(
+    cleanups: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KBP_LOCK_DIR", str(tmp_path))
+    seen: list[object] = []
+    import agent.dataplane.ebpf.dataplane as ebpf_dataplane
+
+    faked = ebpf_dataplane.cleanup
+
+    def ebpf_cleanup(pin_dir: Path) -> tuple[list[str], list[str]]:
+        seen.append(NodeLock(tmp_path, PIN_DIR).try_acquire())  # an agent starting now
+        return faked(pin_dir)
+
+    monkeypatch.setattr(ebpf_dataplane, "cleanup", ebpf_cleanup)
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/kube-bpf-proxy", "cleanup", "--bpffs", PIN_DIR])
+    assert main(sys.argv[1:]) == 0
+    [holder] = seen
+    assert holder is not None and holder.pid == os.getpid()
+    assert "cleanup" in holder.fields["command"]
+    assert not NodeLock(tmp_path, PIN_DIR).path.exists()  # let go: the next agent starts
