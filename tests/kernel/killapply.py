@@ -466,7 +466,8 @@ def _paused(method: Any, pause: float, paused: list[bool]) -> Any:
         result = method(self, *args, **kwargs)
         if not paused and threading.current_thread().name == "sync":  # the runner's: an apply
             paused.append(True)
-            print(FIRST_SLOW_WRITE, file=sys.stderr, flush=True)
+            sys.stderr.write(FIRST_SLOW_WRITE + "\n")  # one write: log lines interleave
+            sys.stderr.flush()
             time.sleep(pause)
         return result
 
