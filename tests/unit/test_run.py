@@ -566,3 +566,63 @@ def test_cleanup_holds_the_lock_while_it_removes(
     assert holder is not None and holder.pid == os.getpid()
     assert "cleanup" in holder.fields["command"]
     assert not NodeLock(tmp_path, PIN_DIR).path.exists()  # let go: the next agent starts
+
+
+def waiting_agent(lock_dir: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    """`run --dataplane none` on the default --bpffs, whose lock the caller holds: the
+    process, and its stderr lines up to the one that says it waits."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--manifests", "examples", "--node", "node-a",
+         "--dataplane", "none", "--metrics-bind-address", "127.0.0.1:0",
+         "--healthz-bind-address", "127.0.0.1:0"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "KBP_LOCK_DIR": str(lock_dir)},
+    )  # fmt: skip
+    assert process.stderr is not None
+    lines = []
+    while "holds the node's lock" not in (lines[-1] if lines else ""):
+        line = process.stderr.readline()
+        assert line, f"the agent exited {process.wait()}: {lines}"
+        lines.append(line.rstrip())
+    return process, lines
+
+
+def test_a_second_run_waits_for_the_lock_and_starts_when_the_holder_lets_go(
+    tmp_path: Path,
+) -> None:
+    holder = NodeLock(tmp_path, Settings().bpffs)
+    assert holder.try_acquire() is None
+    process, lines = waiting_agent(tmp_path)
+    try:
+        assert f"pid {os.getpid()} (started " in lines[-1], lines
+        assert "writes nothing to the node until it holds the lock" in lines[-1], lines
+        time.sleep(0.5)
+        assert process.poll() is None
+        holder.release()
+        assert process.stderr is not None
+        rest = [process.stderr.readline().rstrip() for _ in range(2)]
+        assert "now holding the node's lock" in rest[0], rest
+        assert "dataplane: none (requested)" in rest[1], rest
+    finally:
+        holder.release()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+
+
+def test_sigterm_while_waiting_for_the_lock_exits_0_at_once_having_started_nothing(
+    tmp_path: Path,
+) -> None:
+    holder = NodeLock(tmp_path, Settings().bpffs)
+    assert holder.try_acquire() is None
+    try:
+        process, lines = waiting_agent(tmp_path)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=2) == 0
+        assert process.stderr is not None
+        lines += process.stderr.read().splitlines()
+    finally:
+        holder.release()
+    assert [line.split(" ", 4)[-1] for line in lines[1:]] == [
+        "received SIGTERM, stopping",
+        "stopped while waiting for the node's lock: wrote nothing",
+    ], lines
