@@ -9,9 +9,16 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import CONNTRACK_SETTINGS, CONNTRACK_TIMEOUTS, add_arguments, settings_from
+from .config import (
+    CONNTRACK_SETTINGS,
+    CONNTRACK_TIMEOUTS,
+    Settings,
+    add_arguments,
+    settings_from,
+)
 from .logs import setup_logging
 from .model.compile import compile
+from .nodelock import LockError, NodeLock
 from .render import render
 from .sources.manifests import load_manifests
 
@@ -37,6 +44,7 @@ RUN_SETTINGS = [
     "dataplane",
     "iptables_backend",
     "bpffs",
+    "lock_dir",
     "pod_interfaces",
     "external_interfaces",
     "xdp",
@@ -68,7 +76,7 @@ LAB_SETTINGS = ["manifests", "dataplane"]
 # explain: the agent's /state (--metrics-bind-address), or --manifests compiled for --node.
 EXPLAIN_SETTINGS = ["manifests", *NODE_SETTINGS, "metrics_bind_address", "bpffs",
                     "inspect_output", "log_level"]  # fmt: skip
-CLEANUP_SETTINGS = ["bpffs", "log_level"]
+CLEANUP_SETTINGS = ["bpffs", "lock_dir", "log_level"]
 INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp", "tc")
 
 
@@ -144,9 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
         "namespace (clsact qdiscs too when nothing else uses them), remove its pins under "
         "--bpffs, and remove its iptables/ip6tables jump rules and KBP- chains. Both are "
         "attempted even when one fails (exit status 1 then). Established connections through "
-        "Services lose their translation.",
+        "Services lose their translation. Refused (exit status 1, nothing removed) while an "
+        "agent runs on --bpffs, unless --force; otherwise it holds the node's lock while it "
+        "removes, so an agent that starts meanwhile waits.",
     )
     add_arguments(cleanup_parser, CLEANUP_SETTINGS)
+    cleanup_parser.add_argument(
+        "--force", action="store_true",
+        help="remove even while an agent runs on --bpffs (it keeps running, and puts back "
+        "what it serves)",
+    )  # fmt: skip
     cleanup_parser.add_argument(
         "-v", "--verbose", action="store_true",
         help="list every interface, pin, rule and chain removed (default: counts per kind)",
@@ -253,7 +268,36 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     settings = settings_from(args, CLEANUP_SETTINGS)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
-    # Each dataplane's part runs even when the other's failed: remove all that can go.
+    lock = NodeLock(settings.lock_dir, settings.bpffs)
+    try:
+        holder = lock.try_acquire()
+    except LockError as err:
+        if not args.force:
+            print(f"kube-bpf-proxy cleanup: {err}; nothing removed (--force removes without "
+                  "the lock)", file=sys.stderr)  # fmt: skip
+            return 1
+        print(f"kube-bpf-proxy cleanup: {err}; removing without the lock (--force)",
+              file=sys.stderr)  # fmt: skip
+        holder = None
+    if holder is not None and not args.force:
+        print(f"kube-bpf-proxy cleanup: an agent runs on {settings.bpffs}: {holder.describe()} "
+              f"holds {lock.path}; nothing removed (stop the agent first, or --force)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    try:
+        ok = _cleanup(settings, args.verbose)
+    finally:
+        lock.release()
+    if holder is not None:
+        print(
+            f"--force: removed while the agent (pid {holder.pid}) still runs and holds "
+            f"{lock.path}; it puts back what it serves when it next checks the dataplane"
+        )
+    return 0 if ok else 1
+
+
+def _cleanup(settings: Settings, verbose: bool) -> bool:
+    """Both dataplanes' parts, each even when the other's failed; True when both did."""
     ok = True
     try:
         from .dataplane.ebpf.dataplane import cleanup as cleanup_ebpf
@@ -265,7 +309,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     else:
         print(f"ebpf: detached from {len(interfaces)} interface(s); removed {len(pins)} pin(s) "
               f"under {settings.bpffs}")  # fmt: skip
-        if args.verbose:
+        if verbose:
             print(*(f"  interface {name}" for name in interfaces), sep="\n")
             print(*(f"  pin {pin}" for pin in pins), sep="\n")
     # Both iptables backends: an agent may have written to either (--iptables-backend).
@@ -280,9 +324,9 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
             ok = False
         else:
             print(f"iptables ({backend.name}): removed {iptables_summary(removed)}")
-            for item in removed if args.verbose else ():
+            for item in removed if verbose else ():
                 print(f"  {item}")
-    return 0 if ok else 1
+    return ok
 
 
 def iptables_summary(removed: list[str]) -> str:

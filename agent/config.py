@@ -166,6 +166,10 @@ class Settings:
     bpffs: str = _setting("/sys/fs/bpf/kube-bpf-proxy", "--bpffs",
         "directory on a bpffs where the eBPF dataplane pins its maps (kbp_*_v<N>)",
         "DIR", lambda path: _absolute(path))
+    lock_dir: str = _setting("/run/kube-bpf-proxy", "--lock-dir",
+        "directory of the node's lock files (one per --bpffs): `run` holds its lock while "
+        "it runs, a second `run` waits for it, `cleanup` refuses while it is held",
+        "DIR", lambda path: _absolute(path))
     pod_interfaces: list[str] = _setting(list(DEFAULT_POD_INTERFACES), "--pod-interfaces",
         "globs of the host-side pod interfaces the eBPF dataplane attaches to "
         f"(default: {','.join(DEFAULT_POD_INTERFACES)}, the common CNI prefixes)",

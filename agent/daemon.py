@@ -17,6 +17,7 @@ from .api.serving import raise_open_files_limit
 from .config import Settings
 from .dataplane.select import DataplaneStartError, select_dataplane
 from .metrics import Metrics
+from .nodelock import LockError, NodeLock
 from .sources.watch import ManifestPathError, ManifestSource
 from .sync.loop import SyncLoop
 from .sync.store import StateStore
@@ -178,7 +179,8 @@ class _AfterFirstApply:
 
 
 def run(settings: Settings, stop: threading.Event | None = None) -> int:
-    """Run until SIGTERM/SIGINT (or `stop` is set)."""
+    """Hold the node's lock (waiting for it while another agent holds it), then run until
+    SIGTERM/SIGINT (or `stop` is set). SIGTERM waits for an apply in flight."""
     stop = stop or threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -188,6 +190,23 @@ def run(settings: Settings, stop: threading.Event | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+    # One writer per node: before anything touches the kernel (the probes, the compile,
+    # the pins, a dataplane's leftovers), and released only after everything stopped.
+    lock = NodeLock(settings.lock_dir, settings.bpffs)
+    try:
+        if not lock.acquire(stop):
+            log.info("stopped while waiting for the node's lock: wrote nothing")
+            return 0
+    except LockError as err:
+        log.error("cannot start: %s", err)
+        return 1
+    try:
+        return _run_holding_the_lock(settings, stop)
+    finally:
+        lock.release()
+
+
+def _run_holding_the_lock(settings: Settings, stop: threading.Event) -> int:
     try:
         agent = Agent(settings)
     except StartupError as err:

@@ -42,6 +42,12 @@ os.environ.setdefault("KBP_CGROUP_ROOT", "none")
 _COMPILE_CACHE = tempfile.mkdtemp(prefix="kbp-test-compiled-")
 os.environ.setdefault("KBP_COMPILE_CACHE_DIR", _COMPILE_CACHE)
 atexit.register(shutil.rmtree, _COMPILE_CACHE, True)
+# The node locks of the agents and cleanups the tests start (one per --bpffs): in a
+# directory of this run's own, so a run neither needs the machine's /run nor waits for
+# another run's agents on the default --bpffs (tests of the lock pass --lock-dir).
+_LOCK_DIR = tempfile.mkdtemp(prefix="kbp-test-locks-")
+os.environ.setdefault("KBP_LOCK_DIR", _LOCK_DIR)
+atexit.register(shutil.rmtree, _LOCK_DIR, True)
 BPFFS = Path("/sys/fs/bpf")
 VMLINUX_BTF = Path("/sys/kernel/btf/vmlinux")
 

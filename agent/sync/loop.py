@@ -81,6 +81,8 @@ class SyncLoop:
         self._last_counts: dict[str, int] = {}  # counts reported so far (all since start)
         self.state: NodeState | None = None
         self.applied: NodeState | None = None  # the last state the dataplane took
+        # (revision, clock at its start) while dataplane.apply runs; stop() waits for it
+        self._applying: tuple[str, float] | None = None
         self._register_state_gauges()
         self.runner = BoundedFrequencyRunner(
             "sync", self.sync, min_sync_period, sync_period, clock=clock
@@ -92,7 +94,20 @@ class SyncLoop:
         self.runner.run()
 
     def stop(self) -> None:
-        self.runner.stop()
+        """Start no sync, and wait for the apply in flight however long it takes: the
+        dataplane closes its descriptors after this returns, and an apply cut there
+        would write through closed (or reused) file descriptors. What bounds the wait
+        is whoever sent SIGTERM (the kubelet's SIGKILL after the grace period)."""
+        self.runner.halt()
+        applying = self._applying
+        if applying is not None:
+            revision, since = applying
+            log.info(
+                "stopping: waiting for the apply of revision %s in flight (%.1f s so far) to "
+                "finish; nothing is closed before it has",
+                revision[:19], self._clock() - since,
+            )  # fmt: skip
+        self.runner.join()
 
     def sync(self, periodic: bool = False) -> bool:
         """One run: compile what changed, apply if needed. Returns True on success."""
@@ -116,6 +131,7 @@ class SyncLoop:
         if not full and state.revision == self.dataplane.held_revision:
             self._succeeded(state, started, 0, triggers)
             return True
+        self._applying = (state.revision, self._clock())
         try:
             writes = self.dataplane.apply(state, full=full)
         except DataplaneError as err:
@@ -125,6 +141,8 @@ class SyncLoop:
             log.exception("sync: dataplane %s raised", self.dataplane.name)
             self._failed("unexpected", f"{type(err).__name__}: {err}", triggers)
             return False
+        finally:
+            self._applying = None
         if self._needs_full and not self._frozen:
             # The first full state is programmed: move the millions of long-lived model
             # objects out of the cyclic GC's generations, so later collections do not

@@ -57,12 +57,21 @@ class BoundedFrequencyRunner:
         self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10) -> None:
+    def halt(self) -> None:
+        """No run starts from now on; one under way goes on to its end."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the run under way, if any (by default however long it takes)."""
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """halt, then join: a run under way is never cut, whatever it writes."""
+        self.halt()
+        self.join(timeout)
 
     def _next_due(self, now: float) -> tuple[float, bool]:
         """(when the next run is due, whether it is periodic). Holds the lock."""

@@ -33,7 +33,11 @@ difference: they open the pinned maps instead of compiling the programs with bcc
 takes 2-10 s a time here (more under load) and would add two compiles to every trial; the
 maps are what a crash can leave half written, and the programs attach nowhere here
 (`--pod-interfaces` matches nothing, in a namespace the caller made). The runner compiles
-once, to create the pins."""
+once, to create the pins.
+
+`run --pause S ARGS` is the real agent (`kube-bpf-proxy run ARGS`) with its first apply
+paused S seconds after its first map write: tests/kernel/test_node_lock.py stops it
+there with SIGTERM."""
 
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -147,9 +152,8 @@ def _endpoints(i: int, which: str, services: int, endpoints: int) -> range | Non
     return range(endpoints + 4)  # kind 7: some added
 
 
-def nodestate(which: str, services: int, endpoints: int, ports: int = 1) -> NodeState:
-    """State A or B of a cluster of `services` Services x `endpoints` endpoints (see the
-    module doc); in B, Services services..services + services/10 - 1 are new."""
+def cluster_objects(which: str, services: int, endpoints: int, ports: int = 1) -> list[dict]:
+    """The Nodes, Services and EndpointSlices of state A or B (as manifests hold them)."""
     objects: list[dict] = [*default_nodes()]
     for i in range(services + services // 10):
         members = _endpoints(i, which, services, endpoints)
@@ -157,7 +161,13 @@ def nodestate(which: str, services: int, endpoints: int, ports: int = 1) -> Node
             continue
         objects.append(_service(i, ports))
         objects.extend(_slices(i, ports, members))
-    return compile(state_of(*objects), NODE)
+    return objects
+
+
+def nodestate(which: str, services: int, endpoints: int, ports: int = 1) -> NodeState:
+    """State A or B of a cluster of `services` Services x `endpoints` endpoints (see the
+    module doc); in B, Services services..services + services/10 - 1 are new."""
+    return compile(state_of(*cluster_objects(which, services, endpoints, ports)), NODE)
 
 
 # --- reading and judging the maps ----------------------------------------------------------
@@ -435,6 +445,35 @@ def agent_main(args: argparse.Namespace) -> int:
     return 0
 
 
+FIRST_SLOW_WRITE = "killapply: the apply's first map write"  # logged by `run --pause`
+
+
+def slow_run_main(args: argparse.Namespace, agent_args: list[str]) -> int:
+    """`run`: the real agent (`kube-bpf-proxy run ARGS`) whose first apply pauses --pause
+    seconds after its first map write (made by the sync loop's thread) and logs
+    FIRST_SLOW_WRITE then, so a caller can signal the agent while an apply is half
+    written, whatever the number of writes it makes."""
+    from agent.cli import main as cli_main
+
+    paused: list[bool] = []
+    for name in WRITE_CALLS:
+        setattr(Map, name, _paused(getattr(Map, name), args.pause, paused))
+    return cli_main(["run", *agent_args])
+
+
+def _paused(method: Any, pause: float, paused: list[bool]) -> Any:
+    def write(self: Map, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        if not paused and threading.current_thread().name == "sync":  # the runner's: an apply
+            paused.append(True)
+            sys.stderr.write(FIRST_SLOW_WRITE + "\n")  # one write: log lines interleave
+            sys.stderr.flush()
+            time.sleep(pause)
+        return result
+
+    return write
+
+
 def _counted(method: Any, writes_at: list[float], die_after: int) -> Any:
     def write(self: Map, *args: Any, **kwargs: Any) -> Any:
         result = method(self, *args, **kwargs)
@@ -628,7 +667,14 @@ def main(argv: list[str] | None = None) -> int:
     apply.add_argument("--netns", required=True)
     apply.add_argument("--die-after-write", type=int, default=0, metavar="K")
     apply.add_argument("--dataplane", choices=("ebpf", "iptables"), default="ebpf")
-    args = parser.parse_args(argv)
+    slow = sub.add_parser("run", help="the real agent with slow applies (slow_run_main); "
+                          "the other arguments are `kube-bpf-proxy run`'s")  # fmt: skip
+    slow.add_argument("--pause", type=float, required=True, metavar="SECONDS")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "run":
+        return slow_run_main(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return agent_main(args)
 
 

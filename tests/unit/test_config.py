@@ -167,6 +167,8 @@ RANGE_CASES = [
     ("kubeconfig", ["--kubeconfig", " "], {}, "--kubeconfig: must not be empty"),
     ("dataplane", [], {"KBP_DATAPLANE": "quantum"}, "KBP_DATAPLANE: 'quantum' is not one of"),
     ("bpffs", ["--bpffs", "sys/fs/bpf"], {}, "--bpffs: 'sys/fs/bpf' is not an absolute path"),
+    ("lock_dir", [], {"KBP_LOCK_DIR": "run/kube-bpf-proxy"},
+     "KBP_LOCK_DIR: 'run/kube-bpf-proxy' is not an absolute path"),
     ("pod_interfaces", ["--pod-interfaces", "eth/0"], {}, "--pod-interfaces: 'eth/0' is not"),
     ("external_interfaces", [], {"KBP_EXTERNAL_INTERFACES": "eth 0"},
      "KBP_EXTERNAL_INTERFACES: 'eth 0' is not an interface name glob"),

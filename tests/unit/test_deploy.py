@@ -31,6 +31,7 @@ from packaging.utils import canonicalize_name
 from agent.api import AgentStatus, HealthServer, parse_bind
 from agent.cli import RUN_SETTINGS, build_parser
 from agent.config import ENV_PREFIX, SETTINGS_FIELDS, Settings, settings_from
+from agent.dataplane.ebpf.kernel import DEFAULT_CACHE_DIR as COMPILE_CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -310,7 +311,7 @@ def test_the_daemonset_mounts_bpffs_kernel_headers_the_xtables_lock_and_netns(tm
             assert mount["mountPath"] == path
     assert set(by_path) == {
         "/sys/fs/bpf", "/lib/modules", "/usr/src", "/run/xtables.lock", "/sys/fs/cgroup",
-        "/run/netns", "/run/kube-bpf-proxy/compiled",
+        "/run/netns", "/run/kube-bpf-proxy",
     }  # fmt: skip
     env = {e["name"]: e.get("value") for e in container(daemonset)["env"]}
     assert env["KBP_CGROUP_ROOT"] == by_path["/sys/fs/cgroup"][0]["mountPath"]
@@ -322,6 +323,14 @@ def test_the_daemonset_mounts_bpffs_kernel_headers_the_xtables_lock_and_netns(tm
     assert by_path["/run/netns"][0]["mountPropagation"] == "HostToContainer"
     # The pins the agent makes land inside the host's bpffs.
     assert Path(effective_settings(tmp_path).bpffs).is_relative_to("/sys/fs/bpf")
+    # The node's lock is the host's: a second agent pod on the node (a stale one, a
+    # surge) waits for it instead of writing beside the first. The compile cache's
+    # digests live there too.
+    assert by_path["/run/kube-bpf-proxy"][1]["type"] == "DirectoryOrCreate"
+    assert not by_path["/run/kube-bpf-proxy"][0].get("readOnly", False)
+    assert Path(effective_settings(tmp_path).lock_dir).is_relative_to("/run/kube-bpf-proxy")
+    assert Path(COMPILE_CACHE_DIR).is_relative_to("/run/kube-bpf-proxy")
+    assert "KBP_COMPILE_CACHE_DIR" not in env and "KBP_LOCK_DIR" not in env
 
 
 def test_a_rolling_upgrade_replaces_one_agent_at_a_time():

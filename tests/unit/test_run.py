@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import signal
 import socket
@@ -33,6 +34,7 @@ from agent.dataplane import probe, select
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.fake import FakeDataplane
 from agent.dataplane.iptables.backend import BackendError
+from agent.nodelock import NodeLock
 
 from ..builders import write_kubeconfig
 
@@ -509,3 +511,118 @@ def test_cleanup_does_the_other_part_when_one_fails_and_exits_1(
         else ["ebpf", "iptables (legacy)"]
     )
     assert [line.split(":")[0] for line in captured.out.splitlines()] == others
+
+
+# --- `cleanup` and the node's lock ------------------------------------------------------------
+
+
+def test_cleanup_refuses_while_an_agent_holds_the_node_and_removes_nothing(
+    cleanups: dict[str, Any], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("KBP_LOCK_DIR", str(tmp_path))
+    agent = NodeLock(tmp_path, PIN_DIR)  # a running agent's: an open file description
+    assert agent.try_acquire() is None
+    try:
+        assert main(["cleanup", "--bpffs", PIN_DIR]) == 1
+        assert cleanups["calls"] == []
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        [line] = captured.err.splitlines()
+        assert line.startswith(f"kube-bpf-proxy cleanup: an agent runs on {PIN_DIR}: "
+                               f"pid {os.getpid()} (started "), line  # fmt: skip
+        assert line.endswith(f"holds {agent.path}; nothing removed (stop the agent first, "
+                             "or --force)"), line  # fmt: skip
+
+        assert main(["cleanup", "--bpffs", PIN_DIR, "--force"]) == 0
+        assert cleanups["calls"] == [f"ebpf {PIN_DIR}", "iptables nft", "iptables legacy"]
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("ebpf: detached from 1 interface(s)"), out
+        assert out[-1] == (f"--force: removed while the agent (pid {os.getpid()}) still runs "
+                           f"and holds {agent.path}; it puts back what it serves when it "
+                           "next checks the dataplane")  # fmt: skip
+        assert agent.held and agent.path.exists()  # the agent's lock is untouched
+    finally:
+        agent.release()
+
+
+def test_cleanup_holds_the_lock_while_it_removes(
+    cleanups: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KBP_LOCK_DIR", str(tmp_path))
+    seen: list[object] = []
+    import agent.dataplane.ebpf.dataplane as ebpf_dataplane
+
+    faked = ebpf_dataplane.cleanup
+
+    def ebpf_cleanup(pin_dir: Path) -> tuple[list[str], list[str]]:
+        seen.append(NodeLock(tmp_path, PIN_DIR).try_acquire())  # an agent starting now
+        return faked(pin_dir)
+
+    monkeypatch.setattr(ebpf_dataplane, "cleanup", ebpf_cleanup)
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/kube-bpf-proxy", "cleanup", "--bpffs", PIN_DIR])
+    assert main(sys.argv[1:]) == 0
+    [holder] = seen
+    assert holder is not None and holder.pid == os.getpid()
+    assert "cleanup" in holder.fields["command"]
+    assert not NodeLock(tmp_path, PIN_DIR).path.exists()  # let go: the next agent starts
+
+
+def waiting_agent(lock_dir: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    """`run --dataplane none` on the default --bpffs, whose lock the caller holds: the
+    process, and its stderr lines up to the one that says it waits."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--manifests", "examples", "--node", "node-a",
+         "--dataplane", "none", "--metrics-bind-address", "127.0.0.1:0",
+         "--healthz-bind-address", "127.0.0.1:0"],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "KBP_LOCK_DIR": str(lock_dir)},
+    )  # fmt: skip
+    assert process.stderr is not None
+    lines = []
+    while "holds the node's lock" not in (lines[-1] if lines else ""):
+        line = process.stderr.readline()
+        assert line, f"the agent exited {process.wait()}: {lines}"
+        lines.append(line.rstrip())
+    return process, lines
+
+
+def test_a_second_run_waits_for_the_lock_and_starts_when_the_holder_lets_go(
+    tmp_path: Path,
+) -> None:
+    holder = NodeLock(tmp_path, Settings().bpffs)
+    assert holder.try_acquire() is None
+    process, lines = waiting_agent(tmp_path)
+    try:
+        assert f"pid {os.getpid()} (started " in lines[-1], lines
+        assert "writes nothing to the node until it holds the lock" in lines[-1], lines
+        time.sleep(0.5)
+        assert process.poll() is None
+        holder.release()
+        assert process.stderr is not None
+        rest = [process.stderr.readline().rstrip() for _ in range(2)]
+        assert "now holding the node's lock" in rest[0], rest
+        assert "dataplane: none (requested)" in rest[1], rest
+    finally:
+        holder.release()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0
+
+
+def test_sigterm_while_waiting_for_the_lock_exits_0_at_once_having_started_nothing(
+    tmp_path: Path,
+) -> None:
+    holder = NodeLock(tmp_path, Settings().bpffs)
+    assert holder.try_acquire() is None
+    try:
+        process, lines = waiting_agent(tmp_path)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=2) == 0
+        assert process.stderr is not None
+        lines += process.stderr.read().splitlines()
+    finally:
+        holder.release()
+    assert [line.split(" ", 4)[-1] for line in lines[1:]] == [
+        "received SIGTERM, stopping",
+        "stopped while waiting for the node's lock: wrote nothing",
+    ], lines

@@ -237,6 +237,42 @@ def test_a_burst_of_changes_is_coalesced_while_a_sync_runs(loop: SyncLoop) -> No
         loop.stop()
 
 
+def test_stop_waits_for_the_apply_in_flight_and_starts_no_other(
+    loop: SyncLoop, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM during an apply: the dataplane closes its descriptors after stop returns,
+    so stop must return only once the apply did, however long it takes."""
+    applying, finished = threading.Event(), threading.Event()
+    real_apply = fake(loop).apply
+    calls_after_stop: list[str] = []
+    stopped = threading.Event()
+
+    def slow_apply(state: NodeState, full: bool = False) -> int:
+        if stopped.is_set():
+            calls_after_stop.append(state.revision)
+        applying.set()
+        time.sleep(1.5)
+        writes = real_apply(state, full)
+        finished.set()
+        return writes
+
+    loop.dataplane.apply = slow_apply  # type: ignore[method-assign]
+    loop.store.mark_synced("test")
+    loop.start()
+    assert applying.wait(5)
+    loop.store.upsert(web_slice("10.244.2.5", "10.244.3.1"))  # a change waits meanwhile
+    caplog.set_level("INFO", logger="agent.sync.loop")
+    started = time.monotonic()
+    loop.stop()
+    stopped.set()
+    assert finished.is_set(), "stop returned while the apply was still writing"
+    assert time.monotonic() - started >= 1.0
+    [line] = [r.getMessage() for r in caplog.records if "in flight" in r.getMessage()]
+    assert line.startswith("stopping: waiting for the apply of revision sha256:"), line
+    time.sleep(0.2)
+    assert calls_after_stop == [] and len(fake(loop).applied) == 1
+
+
 def test_the_runner_respects_the_minimum_interval() -> None:
     times: list[float] = []
     runner = BoundedFrequencyRunner("t", lambda periodic: times.append(time.monotonic()), 0.2, 60)

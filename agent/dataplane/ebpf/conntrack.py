@@ -276,9 +276,11 @@ class Collector:
             self._thread.start()
 
     def stop(self) -> None:
+        """No sweep starts from now on; one under way finishes first (it writes kbp_ct,
+        whose descriptor the dataplane closes next)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join()
             self._thread = None
 
     def _run(self) -> None:
