@@ -43,10 +43,11 @@ from .libbpf import BPF_NOEXIST, Map
 
 log = logging.getLogger(__name__)
 
-# Where a pin being moved waits (kbp_ct_v4 -> kbp_ct_v4.resizing) until the move is done.
+# Where a pin being moved waits (kbp_ct_v4 -> kbp_ct_v4-resizing) until the move is done.
 # Not a version suffix: remove_stale_pins and adopt_earlier_conntrack never take it for
-# another ABI version's map, and `cleanup` removes it with the other kbp_ pins.
-ASIDE_SUFFIX = ".resizing"
+# another ABI version's map, and `cleanup` removes it with the other kbp_ pins. (Not a
+# dot: bpffs refuses names with dots, EPERM, keeping them for its own files.)
+ASIDE_SUFFIX = "-resizing"
 
 # enum bpf_map_type (include/uapi/linux/bpf.h) by bcc's table type name, and how a line
 # names each.
