@@ -4,7 +4,9 @@ each says, under a short stable name, whether one thing eBPF needs works here an
 In order: `bpf-syscall` (the bpf(2) syscall loads a two-instruction tc program),
 `clsact` (a clsact qdisc with a bpf filter on `lo` of a throw-away network namespace),
 `bpffs` (the pin directory is on a BPF filesystem, mounted at its parent if it was not),
-`bcc-compile` (bcc compiles and loads our programs: building the eBPF dataplane itself).
+`pins` (no pin at one of our map paths holds someone else's map: those are never opened,
+replaced or removed), `bcc-compile` (bcc compiles and loads our programs: building the
+eBPF dataplane itself).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ _T = TypeVar("_T")
 BPF_SYSCALL = "bpf-syscall"
 CLSACT = "clsact"
 BPFFS = "bpffs"
+PINS = "pins"
 BCC_COMPILE = "bcc-compile"
-PROBE_NAMES = (BPF_SYSCALL, CLSACT, BPFFS, BCC_COMPILE)
+PROBE_NAMES = (BPF_SYSCALL, CLSACT, BPFFS, PINS, BCC_COMPILE)
 
 # A failure's reason goes into a metric label and /state: one line, bounded.
 MAX_REASON_CHARS = 200
@@ -257,6 +260,24 @@ def probe_bpffs(pin_dir: Path) -> ProbeResult:
     return ProbeResult(BPFFS)
 
 
+# --- pins ----------------------------------------------------------------------------------
+
+
+def probe_pins(pin_dir: Path) -> ProbeResult:
+    """Every pin at one of our map paths is one of our maps (any size: a changed size is
+    moved at load). A pin of someone else's there would make bcc use that map: it is
+    named, one clause each, and left in place."""
+    try:
+        from .ebpf.pins import foreign_pins
+    except ImportError:  # cffi or libbpf missing: bcc-compile says what
+        return ProbeResult(PINS)
+    try:
+        found = foreign_pins(pin_dir)
+    except OSError as err:
+        return failed(PINS, f"cannot inspect the pins under {pin_dir}: {describe_os_error(err)}")
+    return failed(PINS, "; ".join(found)) if found else ProbeResult(PINS)
+
+
 # --- bcc compile -------------------------------------------------------------------------
 
 
@@ -289,6 +310,7 @@ def probe_ebpf(
     probes: list[Callable[[], ProbeResult]] = [probe_bpf_syscall, probe_clsact]
     if pin_dir is not None:
         probes.append(lambda: probe_bpffs(pin_dir))
+        probes.append(lambda: probe_pins(pin_dir))
     for probe in probes:
         started = time.perf_counter()
         result = probe()

@@ -135,7 +135,10 @@ def select_dataplane(settings: Settings) -> Selection:
             f"--dataplane auto: neither dataplane can run here: {ebpf_reason}; "
             f"iptables unavailable: {err}"
         ) from err
-    log.warning("--dataplane auto: %s; falling back to iptables", ebpf_reason)
+    # The log line says the whole reason (the selection's reason, a label, is bounded): a
+    # pin of someone else's is named with its path there.
+    log.warning("--dataplane auto: eBPF unavailable: %s: %s; falling back to iptables",
+                failure.name, " ".join(failure.detail.split()) or failure.failure)  # fmt: skip
     return Selection(dataplane, ebpf_reason, "ebpf", without_ebpf)
 
 

@@ -35,7 +35,7 @@ from .agentproc import cli as agent_cli
 from .tchooks import our_tc_programs
 
 CLUSTER_IP = "10.96.0.80"
-FORCE: tuple[str, ...] = ()  # cleanup's --force once the node lock refuses it
+FORCE = ("--force",)  # cleanup refuses while an agent holds the node (agent/nodelock.py)
 REPAIR_WITHIN = 10.0  # seconds: the keeper checks every 5
 
 

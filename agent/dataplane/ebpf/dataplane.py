@@ -33,6 +33,7 @@ from .keeper import CHECK_PERIOD, REPAIRS, Keeper
 from .kernel import LoadError, load_programs
 from .maps import MapSizes
 from .netlink import TcAttacher
+from .pins import not_ours
 from .writer import MapWriter
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class EbpfDataplane:
                 self.links.release_udp_sockets(self.maps.live_backends)
             if self.links.take_over():  # else an earlier program may write reply entries
                 self.conntrack.use_gate(self.maps.gate)  # the gate misses
+            self.programs.finish_moves()  # maps moved to a new size: their old users are gone
             self.links.follow_node(state.node, full)
             if full:  # every resync also checks that the rest of what we wrote is there
                 self.keeper.check()
@@ -218,19 +220,29 @@ def remove_stale_pins(pin_dir: Path) -> list[str]:
     ours = {versioned(name) for name in MAP_NAMES}
     for entry in sorted(pin_dir.iterdir()):
         base, _, version = entry.name.rpartition("_v")
-        if base in MAP_NAMES and version.isdigit() and entry.name not in ours:
+        stale = base in MAP_NAMES and version.isdigit() and entry.name not in ours
+        if stale and not _keep_foreign(entry):
             entry.unlink()
             removed.append(entry.name)
     return removed
 
 
+def _keep_foreign(pin: Path) -> bool:
+    """A pin with one of our names holding someone else's map is never removed: say so."""
+    why = not_ours(pin)
+    if why is not None:
+        log.warning("ebpf: %s", why)
+    return why is not None
+
+
 def remove_pins(pin_dir: Path) -> list[str]:
-    """Unlink our pins (kbp_*) and the directory when that leaves it empty."""
+    """Unlink our pins (kbp_*) and the directory when that leaves it empty; a pin with one
+    of our map names that holds someone else's map stays, and a warning names it."""
     removed: list[str] = []
     if not pin_dir.is_dir():
         return removed
     for entry in sorted(pin_dir.iterdir()):
-        if entry.name.startswith("kbp_"):
+        if entry.name.startswith("kbp_") and not _keep_foreign(entry):
             entry.unlink()
             removed.append(entry.name)
     with contextlib.suppress(OSError):

@@ -31,6 +31,7 @@ from typing import Any
 
 from .abi import BPF_DIR, MAP_NAMES, versioned
 from .libbpf import Map, prog_id
+from .pins import ForeignPinError, Moves
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class LoadedPrograms:
         self.compile_seconds = compile_seconds
         self._fds: dict[str, int] = {}
         self.maps: dict[str, Map] = {}
+        # Maps moved to a new size whose old maps an earlier agent's programs still use.
+        self.moves: Moves | None = None
 
     def fd(self, program: str) -> int:
         if program not in self._fds:
@@ -136,6 +139,18 @@ class LoadedPrograms:
                 raise KeyError(f"no map {name} in the compiled module")
             self.maps[name] = Map(fd, versioned(name))
         return self.maps[name]
+
+    def finish_moves(self) -> None:
+        """After this agent's programs replaced an earlier agent's: complete the moves of
+        maps to a new size (pins.Moves.finish). Once; a failure is logged, not raised
+        (the maps are this agent's either way; what is left is an aside pin)."""
+        moves, self.moves = self.moves, None
+        if moves is None:
+            return
+        try:
+            moves.finish(self.map)
+        except OSError as err:
+            log.error("ebpf: completing the move of the maps to their new size: %s", err)
 
     def close(self) -> None:
         """Release the module; attached programs stay attached, pinned maps stay."""
@@ -190,10 +205,19 @@ def _cache_file(digest: str) -> Path | None:
     return Path(directory) / digest if directory else None
 
 
-def trial_compile(text: str, cflags: Sequence[str]) -> float | None:
-    """Compile `text` in a child process unless it compiled before; the seconds the trial
-    took (None when skipped). LoadError naming the compiler's complaint when it fails,
-    however the child ended."""
+@dataclass(frozen=True)
+class Trial:
+    """A trial compile that ran: how long it took, and whether the file cache now
+    remembers it (`not_remembered`: why not, None when it does)."""
+
+    seconds: float
+    not_remembered: str | None = None
+
+
+def trial_compile(text: str, cflags: Sequence[str]) -> Trial | None:
+    """Compile `text` in a child process unless it compiled before; what the trial took
+    and whether it was remembered (None when skipped). LoadError naming the compiler's
+    complaint when it fails, however the child ended."""
     digest = _digest(text, cflags)
     cache = _cache_file(digest)
     if digest in _compiled or (cache is not None and cache.exists()):
@@ -210,13 +234,14 @@ def trial_compile(text: str, cflags: Sequence[str]) -> float | None:
     if child.returncode != 0:
         raise LoadError(f"bcc cannot compile the datapath: {_complaint(child)}")
     _compiled.add(digest)
-    if cache is not None:
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(f"compiled in a trial of {took:.1f} s\n")
-        except OSError as err:  # a read-only /run: the trial runs at every start
-            log.debug("cannot remember the trial compile in %s: %s", cache, err)
-    return took
+    if cache is None:
+        return Trial(took, f"{CACHE_DIR_ENV} is empty (no file cache)")
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(f"compiled in a trial of {took:.1f} s\n")
+    except OSError as err:  # a read-only /run: the trial runs at every start
+        return Trial(took, f"cannot write {cache}: {err.strerror or err}")
+    return Trial(took)
 
 
 def _complaint(child: subprocess.CompletedProcess[bytes]) -> str:
@@ -248,15 +273,46 @@ def load_programs(
 ) -> LoadedPrograms:
     """Compile the datapath; create (or re-open) the pinned maps; load every program."""
     try:
-        from bcc import BPF
+        import bcc  # noqa: F401  (here only to say what is missing before anything is done)
     except ImportError as err:
         raise LoadError(f"bcc is not importable ({err}); install python3-bpfcc") from err
     os.makedirs(pin_dir, exist_ok=True)
     text = entry_text()
     flags = [*cflags_for(pin_dir, sizes), *cflags]
+    # Before bcc opens (or the trial creates) anything: someone else's map at one of our
+    # pins is refused here, naming it; ours at another size is set aside to be moved.
+    try:
+        moves = Moves.prepare(pin_dir, sizes)
+    except ForeignPinError as err:
+        raise LoadError(str(err)) from err
+    except OSError as err:
+        raise LoadError(f"inspecting the pins under {pin_dir}: {err}") from err
+    try:
+        loaded = _compile_and_load(text, flags, pin_dir)
+    except BaseException:
+        moves.undo()
+        raise
+    if moves.moves:
+        try:
+            moves.copy(loaded.map, loaded.map("kbp_meta"))
+        except OSError as err:
+            loaded.close()
+            moves.undo()
+            raise LoadError(f"moving the pinned maps to their new size: {err}") from err
+        loaded.moves = moves
+    return loaded
+
+
+def _compile_and_load(text: str, flags: list[str], pin_dir: Path) -> LoadedPrograms:
+    from bcc import BPF
+
     trial = trial_compile(text, flags)  # LoadError rather than this process ending
-    if trial is not None:
-        log.info("datapath compiled in a child process first (%.1f s); remembered", trial)
+    if trial is not None and trial.not_remembered is None:
+        log.info("datapath compiled in a child process first (%.1f s); remembered", trial.seconds)
+    elif trial is not None:
+        log.info("datapath compiled in a child process first (%.1f s); not remembered (%s): "
+                 "the next start compiles in a child again", trial.seconds,
+                 trial.not_remembered)  # fmt: skip
     started = time.perf_counter()
     try:
         bpf = BPF(text=text.encode(), cflags=flags)
