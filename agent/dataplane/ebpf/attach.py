@@ -66,6 +66,15 @@ def detach_xdp(tc: TcAttacher, index: int | None = None) -> set[str]:
     return names
 
 
+def _other_agents_hooks(cgroup: Path) -> list[tuple[int, int, str]]:
+    """Socket hooks of ours on `cgroup` that another agent attached (at start-up, any);
+    none when the cgroup cannot be read (attaching will say why)."""
+    try:
+        return kbp_cgroup_links(os.stat(cgroup).st_ino)
+    except OSError:
+        return []
+
+
 class Attacher:
     """The programs on the interfaces and the cgroup, and what /state says of them."""
 
@@ -113,7 +122,7 @@ class Attacher:
         # The socket hooks wait too where an earlier agent's serve: pinned here, or on the
         # cgroup from another pin directory (an earlier --bpffs), replaced at take_over.
         self.cgroup_deferred = cgroup is not None and bool(
-            socket_hooks_pinned(programs.pin_dir) or kbp_cgroup_links(os.stat(cgroup).st_ino)
+            socket_hooks_pinned(programs.pin_dir) or _other_agents_hooks(cgroup)
         )
         # What /state says of the socket hooks: attached, off, failed: why, or that the
         # earlier agent's serve until the first apply.
