@@ -18,7 +18,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,6 @@ from .agentproc import cli as agent_cli
 from .tchooks import our_tc_programs
 
 CLUSTER_IP = "10.96.0.80"
-FORCE = ("--force",)  # cleanup refuses while an agent holds the node (agent/nodelock.py)
 REPAIR_WITHIN = 10.0  # seconds: the keeper checks every 5
 
 
@@ -104,7 +103,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
             while Agent.started:
                 Agent.started.pop().stop(signal.SIGKILL)
             for pin_dir in made.pin_dirs:
-                agent_cli(lab.node_ns, "cleanup", *FORCE, "--bpffs", str(pin_dir))
+                agent_cli(lab.node_ns, "cleanup", "--force", "--bpffs", str(pin_dir))
     for pin_dir in made.pin_dirs:
         assert not pin_dir.exists(), f"{pin_dir} left behind"
 
@@ -122,28 +121,9 @@ def _survived(stream: Stream, ok: int) -> None:
     assert error is None and after >= ok + 10, f"the held connection broke: {error}"
 
 
-def _force_cleanup(node: Node, pin_dir: Path) -> None:
-    done = node.cli("cleanup", *FORCE, "--bpffs", str(pin_dir))
-    assert done.returncode == 0, done.stderr
-    assert not pin_dir.exists()
-
-
-def _remove_pin_dir(node: Node, pin_dir: Path) -> None:
-    for pin in sorted(pin_dir.iterdir(), reverse=True):
-        pin.unlink()
-    pin_dir.rmdir()
-
-
-@pytest.mark.parametrize(
-    ("tc_attach", "take_away"),
-    [
-        pytest.param("tcx", _force_cleanup, id="cleanup-under-the-agent"),
-        pytest.param("tcx", _remove_pin_dir, id="rm-r-of-the-pin-directory-tcx"),
-        pytest.param("clsact", _force_cleanup, id="cleanup-under-the-agent-clsact"),
-    ],
-)
-def test_what_is_taken_from_a_running_agent_comes_back_with_its_conntrack(
-    node: Node, tc_attach: str, take_away: Callable[[Node, Path], None]
+@pytest.mark.parametrize("tc_attach", ["tcx", "clsact"])
+def test_cleanup_under_a_running_agent_is_undone_within_seconds_with_its_conntrack(
+    node: Node, tc_attach: str
 ) -> None:
     pin_dir = node.pin_dir()
     agent = Agent(node.lab, node.manifests, pin_dir, "--tc-attach", tc_attach,
@@ -155,27 +135,60 @@ def test_what_is_taken_from_a_running_agent_comes_back_with_its_conntrack(
         held = node.conntrack_to_service(pin_dir)
         assert held, "the held connection has conntrack entries"
         pins = sorted(p.name for p in pin_dir.iterdir())
-        take_away(node, pin_dir)
+        done = node.cli("cleanup", "--force", "--bpffs", str(pin_dir))
+        assert done.returncode == 0 and "still runs" in done.stdout + done.stderr, done
 
         took = node.serves_again()
         agent.wait_for_line("ebpf: repaired")
         _survived(stream, ok)
         assert node.new_connections(20)["errors"] == {}
-        # Back as it was: the same pins, the same conntrack entries (the maps never went).
-        deadline = time.monotonic() + REPAIR_WITHIN
-        while sorted(p.name for p in pin_dir.iterdir()) != pins:
-            assert time.monotonic() < deadline, (pins, sorted(pin_dir.iterdir()), agent.log())
-            time.sleep(0.2)
+        _same_pins(pin_dir, pins, agent)
+        # The maps never went: the held connection's entries are the ones it had.
         kept = {(r["source"], r["translation"]) for r in node.conntrack_to_service(pin_dir)}
         assert {(r["source"], r["translation"]) for r in held} <= kept
         repairs = agent.repairs()
         assert repairs["pin"] >= 1 and repairs["tc"] >= 1, repairs
-        code, body = agent.ask("/readyz", "health server")
-        assert code == 200, body
-        print(f"{tc_attach} {take_away.__name__}: serving again after {took:.1f} s")
+        assert agent.ask("/readyz", "health server")[0] == 200
+        print(f"{tc_attach}: serving again {took:.1f} s after cleanup --force")
     finally:
         stream.close()
         assert agent.stop() == 0
+
+
+def test_removing_the_pin_directory_under_a_running_agent_detaches_nothing(node: Node) -> None:
+    """tcx links and the socket hooks' cgroup links end with their last reference: the
+    agent holds an fd of each beside the pin, so `rm -r` costs no connection."""
+    cgroup = node.lab.cgroup
+    assert cgroup is not None
+    pin_dir = node.pin_dir()
+    agent = Agent(node.lab, node.manifests, pin_dir, "--tc-attach", "tcx",
+                  "--cgroup-root", str(cgroup), "--socket-lb", "all")  # fmt: skip
+    agent.wait_for_line("sync: applied revision")
+    assert node.new_connections()["errors"] == {}
+    pins = sorted(p.name for p in pin_dir.iterdir())
+    assert any(p.startswith("kbp_tcx_") for p in pins) and any(
+        p.startswith(sockhooks.LINK_PIN_PREFIX) for p in pins), pins  # fmt: skip
+    for pin in pin_dir.iterdir():
+        pin.unlink()
+    pin_dir.rmdir()
+
+    # Translated at connect() and by tc alike, before the agent has noticed anything.
+    assert node.new_connections(20)["errors"] == {}
+    assert sockhooks.attached_programs(cgroup, "connect4") == ["kbp_connect4"]
+    agent.wait_for_line("ebpf: repaired")
+    _same_pins(pin_dir, pins, agent)
+    repairs = agent.repairs()
+    assert repairs["pin"] >= 1, repairs
+    assert repairs["tc"] == repairs["socket_hooks"] == 0, repairs  # nothing was detached
+    assert node.new_connections(20)["errors"] == {}
+    assert agent.stop() == 0
+
+
+def _same_pins(pin_dir: Path, pins: list[str], agent: Agent) -> None:
+    deadline = time.monotonic() + REPAIR_WITHIN
+    while not pin_dir.is_dir() or sorted(p.name for p in pin_dir.iterdir()) != pins:
+        assert time.monotonic() < deadline, (pins, agent.log())
+        time.sleep(0.2)
 
 
 def test_readyz_is_503_while_a_program_cannot_be_put_back(node: Node) -> None:

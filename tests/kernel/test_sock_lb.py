@@ -347,9 +347,10 @@ def env() -> Iterator[Env]:
             sizes = MapSizes(4096, 65536, 4096, 4096, 1024)
             # No external interfaces (the glob matches nothing): only the pods' veths and
             # the socket hooks carry programs here.
+            # No keeper: these tests attach, move and detach the hooks themselves.
             dataplane = EbpfDataplane(pin_dir, ("vethkbp*",), sizes, netns=lab.node_ns,
                                       watch=False, external_interfaces=("kbp-none",),
-                                      xdp="off")  # fmt: skip
+                                      xdp="off", check_period=0)  # fmt: skip
             hooks = sockhooks.attach_socket_hooks(dataplane.programs, cgroup, pin_dir)
             assert hooks == HOOKS
             made = Env(lab, dataplane, pin_dir, cgroup, other_ns)

@@ -51,7 +51,12 @@ class Status:
         self.eligible = eligible
 
     def record_sync(
-        self, success: bool, when: float, held_revision: str | None, error: str | None = None
+        self,
+        success: bool,
+        when: float,
+        held_revision: str | None,
+        error: str | None = None,
+        reason: str | None = None,
     ) -> None:
         self.syncs.append((success, held_revision))
 

@@ -28,6 +28,7 @@ from .cgroup import (
     attach_socket_hooks,
     detach_foreign_cgroup_links,
     kbp_cgroup_links,
+    release_links,
     socket_hooks_pinned,
     socket_programs,
 )
@@ -65,6 +66,15 @@ def detach_xdp(tc: TcAttacher, index: int | None = None) -> set[str]:
     return names
 
 
+def _other_agents_hooks(cgroup: Path) -> list[tuple[int, int, str]]:
+    """Socket hooks of ours on `cgroup` that another agent attached (at start-up, any);
+    none when the cgroup cannot be read (attaching will say why)."""
+    try:
+        return kbp_cgroup_links(os.stat(cgroup).st_ino)
+    except OSError:
+        return []
+
+
 class Attacher:
     """The programs on the interfaces and the cgroup, and what /state says of them."""
 
@@ -96,6 +106,7 @@ class Attacher:
         except ValueError as err:
             raise DataplaneError("config", f"--tc-attach: {err}") from err
         self.cgroup = cgroup
+        self._hook_links: dict[str, int] = {}  # hook → link fd, held beside the pins
         # The pods' network namespaces, for the socket hooks (only when they serve pods).
         self.pod_netns: PodNamespaces | None = None
         self._sock_destroy_off = False  # set when the kernel has no SOCK_DESTROY
@@ -111,7 +122,7 @@ class Attacher:
         # The socket hooks wait too where an earlier agent's serve: pinned here, or on the
         # cgroup from another pin directory (an earlier --bpffs), replaced at take_over.
         self.cgroup_deferred = cgroup is not None and bool(
-            socket_hooks_pinned(programs.pin_dir) or kbp_cgroup_links(os.stat(cgroup).st_ino)
+            socket_hooks_pinned(programs.pin_dir) or _other_agents_hooks(cgroup)
         )
         # What /state says of the socket hooks: attached, off, failed: why, or that the
         # earlier agent's serve until the first apply.
@@ -159,10 +170,18 @@ class Attacher:
         return self._attach_xdp(link)
 
     def stop(self) -> None:
-        """Stop watching for interfaces."""
+        """Stop watching for interfaces; the pins alone hold our links from now on."""
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+        release_links(self._hook_links)
+
+    def attach_socket_hooks_again(self) -> None:
+        """The keeper's repair: our links on the cgroup again (those still attached
+        are pinned again, missing ones made); CgroupAttachError when that fails."""
+        assert self.cgroup is not None
+        attach_socket_hooks(self.programs, self.cgroup, self.programs.pin_dir,
+                            self._hook_links)  # fmt: skip
 
     def take_over(self) -> bool:
         """After the first complete apply: replace the earlier agent's programs where they
@@ -195,7 +214,8 @@ class Attacher:
         running (pods and outside clients do not use them) and says so."""
         assert self.cgroup is not None
         try:
-            attach_socket_hooks(self.programs, self.cgroup, self.programs.pin_dir)
+            attach_socket_hooks(self.programs, self.cgroup, self.programs.pin_dir,
+                                self._hook_links)  # fmt: skip
         except CgroupAttachError as err:
             self.socket_hooks = f"failed: {err}"
             log.error("ebpf: the socket hooks are off, so the node's own processes reach "

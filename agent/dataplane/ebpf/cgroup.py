@@ -116,44 +116,77 @@ def _open_cgroup(cgroup: Path) -> tuple[int, int]:
     return fd, os.fstat(fd).st_ino
 
 
-def _replace_in_place(pin: Path, prog_fd: int, attach_type: int, cgroup_id: int) -> bool:
-    """Point our pinned link at the new program. False when there is no usable link (no
-    pin, or a link to another cgroup or to a removed one: that one is detached and
-    unpinned, so the caller makes a new link)."""
-    if not pin.exists():
+def _update_held(
+    held: dict[str, int], hook: str, pin: Path, prog_fd: int, attach_type: int, cgroup_id: int
+) -> bool:  # fmt: skip
+    """Point the link we hold for `hook` at the new program and pin it again if its pin
+    was removed. False when we hold none that is still on the cgroup (then released)."""
+    link_fd = held.get(hook)
+    if link_fd is None:
         return False
+    info = libbpf.link_info(link_fd)
+    if (info.cgroup_id, info.attach_type) == (cgroup_id, attach_type):
+        try:
+            libbpf.link_update(link_fd, prog_fd)
+        except OSError as err:
+            if err.errno != errno.ENOLINK:
+                raise
+        else:
+            if not pin.exists():
+                libbpf.obj_pin(link_fd, str(pin))
+            return True
+    os.close(held.pop(hook))  # detached by someone else, or its cgroup went
+    return False
+
+
+def _replace_in_place(
+    pin: Path, prog_fd: int, attach_type: int, cgroup_id: int
+) -> int | None:  # fmt: skip
+    """Point our pinned link at the new program; its fd (the caller's to close). None
+    when there is no usable link (no pin, or a link to another cgroup or to a removed
+    one: that one is detached and unpinned, so the caller makes a new link)."""
+    if not pin.exists():
+        return None
     link_fd = libbpf.obj_get(str(pin))
     try:
         info = libbpf.link_info(link_fd)
         if info.cgroup_id == cgroup_id and info.attach_type == attach_type:
             try:
                 libbpf.link_update(link_fd, prog_fd)
-                return True
+                kept, link_fd = link_fd, -1
+                return kept
             except OSError as err:
                 if err.errno != errno.ENOLINK:  # ENOLINK: its cgroup went away meanwhile
                     raise
         with contextlib.suppress(OSError):  # already defunct when its cgroup was removed
             libbpf.link_detach(link_fd)
     finally:
-        os.close(link_fd)
+        if link_fd >= 0:
+            os.close(link_fd)
     pin.unlink()
-    return False
+    return None
 
 
 def _attach_one(
     hook: str, program: str, prog_fd: int, attach_type: int, cgroup: Path, cgroup_fd: int,
-    cgroup_id: int, pin_dir: Path,
+    cgroup_id: int, pin_dir: Path, held: dict[str, int],
 ) -> None:  # fmt: skip
     pin = link_pin(pin_dir, hook)
     try:
-        if _replace_in_place(pin, prog_fd, attach_type, cgroup_id):
+        if _update_held(held, hook, pin, prog_fd, attach_type, cgroup_id):
+            return
+        link_fd = _replace_in_place(pin, prog_fd, attach_type, cgroup_id)
+        if link_fd is not None:
+            held[hook] = link_fd
             log.debug("ebpf: %s on cgroup %s now runs the new %s", hook, cgroup, program)
             return
         link_fd = libbpf.link_create(prog_fd, cgroup_fd, attach_type)
         try:
             libbpf.obj_pin(link_fd, str(pin))
-        finally:
-            os.close(link_fd)  # the pin holds the link from here on
+        except BaseException:
+            os.close(link_fd)
+            raise
+        held[hook] = link_fd  # beside the pin: a removed pin detaches nothing
     except OSError as err:
         code = errno.errorcode.get(err.errno or 0, str(err.errno))
         raise CgroupAttachError(
@@ -162,12 +195,20 @@ def _attach_one(
     log.debug("ebpf: attached %s to cgroup %s at %s", program, cgroup, hook)
 
 
-def attach_socket_hooks(programs: LoadedPrograms, cgroup: Path, pin_dir: Path) -> list[str]:
+def attach_socket_hooks(
+    programs: LoadedPrograms, cgroup: Path, pin_dir: Path, held: dict[str, int] | None = None
+) -> list[str]:  # fmt: skip
     """Attach every socket hook to `cgroup` (the cgroup2 root covers every process of the
     node); on an agent restart, swap the programs of our pinned links in place. Pins of
     hooks this datapath no longer has are removed. On failure nothing of ours stays
     attached (a half set would rewrite connect() but not recvmsg()), and
-    CgroupAttachError says why. Returns the hooks attached."""
+    CgroupAttachError says why. Returns the hooks attached.
+
+    `held` (hook → link fd): the caller keeps each link's fd as well as its pin, so that
+    a pin removed under it detaches nothing; links it already holds are updated and
+    pinned again. None: the pins alone hold the links."""
+    keep = held is not None
+    held = held if held is not None else {}
     hooks = socket_programs()
     pin_dir.mkdir(parents=True, exist_ok=True)
     for stale in sorted(set(_pinned_hooks(pin_dir)) - set(hooks)):
@@ -176,13 +217,23 @@ def attach_socket_hooks(programs: LoadedPrograms, cgroup: Path, pin_dir: Path) -
     try:
         for hook, (program, attach_type) in sorted(hooks.items()):
             _attach_one(hook, program, programs.fd(program), attach_type, cgroup, cgroup_fd,
-                        cgroup_id, pin_dir)  # fmt: skip
+                        cgroup_id, pin_dir, held)  # fmt: skip
     except BaseException:
         detach_socket_hooks(pin_dir)
+        release_links(held)
         raise
     finally:
         os.close(cgroup_fd)
+        if not keep:
+            release_links(held)
     return sorted(hooks)
+
+
+def release_links(held: dict[str, int]) -> None:
+    """Close the link fds of `held` (their pins, if any, keep the links)."""
+    for fd in held.values():
+        os.close(fd)
+    held.clear()
 
 
 def _remove_link(pin: Path) -> None:

@@ -39,8 +39,8 @@ from .abi import MAP_NAMES, versioned
 from .attach import EXTERNAL_HOOKS, HOOKS, XDP_PROGRAM, Attacher
 from .cgroup import (
     CgroupAttachError,
-    attach_socket_hooks,
     detach_foreign_cgroup_links,
+    kbp_cgroup_links,
     link_pin,
     socket_programs,
 )
@@ -219,6 +219,8 @@ class Keeper:
                     wrong.append(f"{program} missing on {direction}")
                 elif len(ids) > 1:
                     wrong.append(f"another agent's kbp_ program beside {program} on {direction}")
+                elif not tc.pinned(link.index, direction):  # type: ignore[arg-type]
+                    wrong.append(f"the pin of {program}'s link on {direction} removed")
             if not wrong:
                 continue
             try:
@@ -228,6 +230,7 @@ class Keeper:
                 continue
             if attached:
                 what = "foreign_program" if all("another" in w for w in wrong) else "tc"
+                what = "pin" if all("the pin" in w for w in wrong) else what
                 self._repair(what, f"tc on {link.name}: {', '.join(wrong)}: attached ours")
         return problems
 
@@ -266,12 +269,19 @@ class Keeper:
                 wrong.append(hook)
         problems = []
         if wrong:
+            # Still attached (the agent holds each link's fd) when only the pin went.
+            running = {prog_id for _link, prog_id, _name in kbp_cgroup_links(cgroup_id)}
+            detached = [h for h in wrong if self._prog_ids[socket_programs()[h][0]] not in running]
             try:
-                attach_socket_hooks(self.programs, cgroup, self.pin_dir)
+                self.links.attach_socket_hooks_again()
             except CgroupAttachError as err:
                 return [f"socket hooks on cgroup {cgroup}: {' '.join(wrong)} missing; {err}"]
-            self._repair("socket_hooks", f"socket hooks on cgroup {cgroup}: attached "
-                         f"{' '.join(sorted(wrong))} again")  # fmt: skip
+            if detached:
+                self._repair("socket_hooks", f"socket hooks on cgroup {cgroup}: attached "
+                             f"{' '.join(sorted(detached))} again")  # fmt: skip
+            if set(wrong) - set(detached):
+                self._repair("pin", f"socket hooks on cgroup {cgroup}: pinned the links of "
+                             f"{' '.join(sorted(set(wrong) - set(detached)))} again")  # fmt: skip
         detached = detach_foreign_cgroup_links(cgroup_id, set(self._prog_ids.values()))
         if detached:
             self._repair("foreign_program", f"cgroup {cgroup}: detached {len(detached)} kbp_ "

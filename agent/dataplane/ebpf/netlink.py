@@ -429,6 +429,11 @@ class TcAttacher:
         if mode == "tcx" and pin_dir is None:  # ($KBP_TC_ATTACH may say tcx to tools)
             raise ValueError("tc attach mode tcx needs a bpffs directory to pin the links in")
         self.pin_dir = Path(pin_dir) if pin_dir is not None else None
+        # tcx links this attacher made or updated, by (ifindex, direction): their fds are
+        # held as well as pinned, so that a pin removed under a running agent (rm -r of
+        # the pin directory) detaches nothing; the keeper pins them again. Used on the
+        # namespace thread only.
+        self._held: dict[tuple[int, str], int] = {}
         self._worker = _NamespaceThread(netns, f"kbp-netlink-{netns or 'self'}", self._open)
         self.tcx_available = self._worker.call(tcx_supported)
         if requested == "tcx" and self.pin_dir is not None and not self.tcx_available:
@@ -454,7 +459,14 @@ class TcAttacher:
 
     def close(self) -> None:
         """Close the netlink socket; what is attached stays attached."""
-        self._worker.stop(lambda: self._ipr.close())
+
+        def finish() -> None:
+            for fd in self._held.values():
+                os.close(fd)  # the pins hold the links from here on
+            self._held.clear()
+            self._ipr.close()
+
+        self._worker.stop(finish)
 
     def __enter__(self) -> TcAttacher:
         return self
@@ -508,7 +520,20 @@ class TcAttacher:
         if self.pin_dir is None:
             return []
         pins = [self._pin(index, direction) for direction in ("ingress", "egress")]
-        return self._worker.call(lambda: self._sweep_pins(pins))
+
+        def forget() -> list[str]:
+            for direction in ("ingress", "egress"):
+                self._release(index, direction)
+            return self._sweep_pins(pins)
+
+        return self._worker.call(forget)
+
+    def pinned(self, index: int, direction: Direction) -> bool:
+        """Is our tcx link on this hook pinned where it should be? Always True with
+        clsact filters (nothing to pin)."""
+        if self.mode != "tcx" or self.pin_dir is None:
+            return True
+        return self._pin(index, direction).exists()
 
     def route_index(self, ip: str) -> int | None:
         """The interface index this namespace routes `ip` through; None without a route."""
@@ -744,11 +769,47 @@ class TcAttacher:
             log.debug("tcx: unpinned the links of removed interfaces: %s", " ".join(removed))
         return removed
 
-    def _update_pinned(self, pin: Path, index: int, attach_type: int, prog_fd: int) -> int:
-        """Swap the program of our pinned link in place; returns its link id, or 0 when
-        there is no usable link there (none, or a defunct one: unpinned)."""
+    def _hold(self, index: int, direction: Direction, link_fd: int) -> None:
+        previous = self._held.pop((index, direction), None)
+        if previous is not None and previous != link_fd:
+            os.close(previous)
+        self._held[(index, direction)] = link_fd
+
+    def _release(self, index: int, direction: str) -> None:
+        held = self._held.pop((index, direction), None)
+        if held is not None:
+            os.close(held)
+
+    def _update_held(self, pin: Path, index: int, direction: Direction, prog_fd: int) -> int:
+        """Swap the program of the link we hold on this hook, pinning it again if its pin
+        was removed; its link id, or 0 when we hold none that is still attached there."""
+        link_fd = self._held.get((index, direction))
+        if link_fd is None:
+            return 0
+        info = libbpf.link_info(link_fd)
+        if (info.tcx_ifindex, info.tcx_attach_type) != (index, TCX_ATTACH_TYPES[direction]):
+            self._release(index, direction)  # defunct: its interface went
+            return 0
+        try:
+            libbpf.link_update(link_fd, prog_fd)
+        except OSError as exc:
+            if exc.errno != errno.ENOLINK:
+                raise
+            self._release(index, direction)
+            return 0
+        if not pin.exists():
+            pin.parent.mkdir(parents=True, exist_ok=True)
+            libbpf.obj_pin(link_fd, str(pin))
+        return info.id
+
+    def _update_pinned(
+        self, pin: Path, index: int, direction: Direction, prog_fd: int
+    ) -> int:  # fmt: skip
+        """Swap the program of our pinned link in place (and hold it); returns its link
+        id, or 0 when there is no usable link there (none, or a defunct one: unpinned)."""
         if not pin.exists():
             return 0
+        attach_type = TCX_ATTACH_TYPES[direction]
         link_fd = libbpf.obj_get(str(pin))
         try:
             info = libbpf.link_info(link_fd)
@@ -757,6 +818,8 @@ class TcAttacher:
             ):  # fmt: skip
                 try:
                     libbpf.link_update(link_fd, prog_fd)
+                    self._hold(index, direction, link_fd)
+                    link_fd = -1
                     return info.id
                 except OSError as exc:
                     if exc.errno != errno.ENOLINK:  # ENOLINK: the interface just went
@@ -764,7 +827,8 @@ class TcAttacher:
             with contextlib.suppress(OSError):  # defunct already
                 libbpf.link_detach(link_fd)
         finally:
-            os.close(link_fd)
+            if link_fd >= 0:
+                os.close(link_fd)
         pin.unlink(missing_ok=True)
         return 0
 
@@ -772,7 +836,9 @@ class TcAttacher:
         pin = self._pin(index, direction)
         attach_type = TCX_ATTACH_TYPES[direction]
         try:
-            link_id = self._update_pinned(pin, index, attach_type, prog_fd)
+            link_id = self._update_held(pin, index, direction, prog_fd) or self._update_pinned(
+                pin, index, direction, prog_fd
+            )
             if not link_id:
                 # First among the hook's tcx programs, as priority 1 is under clsact:
                 # services are translated before another program (a CNI's) sees packets.
@@ -781,8 +847,10 @@ class TcAttacher:
                     link_id = libbpf.link_info(link_fd).id
                     pin.parent.mkdir(parents=True, exist_ok=True)
                     libbpf.obj_pin(link_fd, str(pin))
-                finally:
-                    os.close(link_fd)  # the pin holds the link from here on
+                except BaseException:
+                    os.close(link_fd)
+                    raise
+                self._hold(index, direction, link_fd)  # beside the pin, see _held
         except OSError as exc:
             if exc.errno in (errno.ENODEV, errno.ENOLINK) or self._ifname(index) is None:
                 log.debug("attach %s: interface index %d in %s vanished (%s)", name, index,
@@ -839,8 +907,10 @@ class TcAttacher:
                     raise
             finally:
                 os.close(link_fd)
-        if self.pin_dir is not None and not keep:
-            self._pin(index, direction).unlink(missing_ok=True)
+        if not keep:
+            self._release(index, direction)
+            if self.pin_dir is not None:
+                self._pin(index, direction).unlink(missing_ok=True)
         return removed
 
     def _refuse_foreign_filters(self, index: int, direction: Direction) -> None:
