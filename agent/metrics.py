@@ -76,6 +76,10 @@ class Metrics:
             "Repairs of what the agent wrote and found missing or replaced (pins, tc, "
             "XDP, socket hooks, another agent's programs), by what was repaired.",
             ["what"], registry=r)
+        self.datapath_self_tests = Counter("kbp_datapath_self_tests",
+            "Self-tests of the eBPF datapath: the attached program run on a new connection "
+            "to one programmed frontend, compared with the NodeState (pass, fail, or error "
+            "when it could not run).", ["result"], registry=r)
         self.dataplane_info = Gauge("kbp_dataplane_info",
             "1 for the dataplane in use; `reason` says why it was chosen.",
             ["dataplane", "reason"], registry=r)

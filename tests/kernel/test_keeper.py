@@ -2,7 +2,8 @@
 programs are detached or whose pins are removed under it puts them back within seconds,
 from the fds it holds, so the maps (conntrack included) are the ones they were; what it
 cannot put back makes /readyz 503; programs of an earlier agent with another pin
-directory do not keep serving beside the new agent's.
+directory do not keep serving beside the new agent's; the self-test asks the attached
+program what it does with a new connection and compares it with the NodeState.
 
 Address plan (agent/lab/nodelab.py): node namespace = the lab's; pods client 10.244.1.1,
 be1 10.244.1.2, be2 10.244.1.3 serving TCP 8080; Service web 10.96.0.80:80 → both.
@@ -25,9 +26,12 @@ import pytest
 
 from agent.dataplane.ebpf import abi
 from agent.dataplane.ebpf import cgroup as sockhooks
-from agent.dataplane.ebpf.netlink import FILTER_PRIORITY
+from agent.dataplane.ebpf.netlink import FILTER_PRIORITY, run_in_netns
+from agent.explain.selftest import self_test
 from agent.lab.nodelab import Lab, Stream
 from agent.lab.toolkit import in_netns
+from agent.model.compile import CompileOptions, compile
+from agent.sources.manifests import load_manifests
 
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv, service_manifest
@@ -266,3 +270,30 @@ def test_an_earlier_pin_directorys_programs_do_not_serve_beside_the_new_agents(
                    os.listdir(second_dir))  # fmt: skip
     finally:
         assert second.stop() == 0
+
+
+def test_the_self_test_asks_the_attached_program_and_tells_a_disagreement(
+    node: Node, tmp_path: Path
+) -> None:
+    pin_dir = node.pin_dir()
+    agent = Agent(node.lab, node.manifests, pin_dir, "--socket-lb", "off")
+    agent.wait_for_line("sync: applied revision")
+    deadline = time.monotonic() + REPAIR_WITHIN
+    while (tested := agent.state()["status"]["datapathIntact"]["selfTest"]) is None:
+        assert time.monotonic() < deadline, agent.log()
+        time.sleep(0.2)
+    assert tested["passed"] is True, tested
+    assert tested["frontend"] == f"{CLUSTER_IP}:80/TCP (default/web:http)", tested
+    assert tested["detail"].startswith("backends: to 10.244.1."), tested
+    assert re.search(r'^kbp_datapath_self_tests_total\{result="pass"\} [1-9]',
+                     agent.get("/metrics"), re.M)  # fmt: skip
+
+    # The same question about a NodeState the kernel does not hold (web without be1):
+    # the comparison names what differs.
+    other = tmp_path / "other.yaml"
+    other.write_text(service_manifest("web", CLUSTER_IP, [node.lab.pods["be2"].ipv4]))
+    state = compile(load_manifests([str(other)])[0], "node-a", CompileOptions())
+    result = run_in_netns(node.lab.node_ns, lambda: self_test(pin_dir, state, 0))
+    assert result is not None and result.passed is False, result
+    assert "the maps hold revision" in result.detail, result
+    assert agent.stop() == 0

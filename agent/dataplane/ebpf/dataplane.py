@@ -13,6 +13,7 @@ revision kbp_meta names) and the attacher attach and watch netlink for new inter
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from ...explain.selftest import SelfTest, self_test
 from ...metrics import Metrics
 from ...model.nodestate import NodeState
 from ..base import DataplaneError
@@ -141,6 +143,7 @@ class EbpfDataplane:
             if self.links.take_over():  # else an earlier program may write reply entries
                 self.conntrack.use_gate(self.maps.gate)  # the gate misses
             self.programs.finish_moves()  # maps moved to a new size: their old users are gone
+            self.keeper.test_with(functools.partial(self_test, self.pin_dir, state))
             self.links.follow_node(state.node, full)
             if full and self.keeper.period > 0:  # every resync checks the rest is there
                 self.keeper.check()
@@ -166,12 +169,14 @@ class EbpfDataplane:
 
     def status_details(self) -> dict[str, object]:
         problems, since = self.keeper.problems()
+        tested = self.keeper.self_test
         return {
             **self.links.status(),
             "datapathIntact": {
                 "checks": self.keeper.checks,
                 "problems": problems,
                 "unrepairedSeconds": round(time.monotonic() - since, 1) if since else None,
+                "selfTest": tested.to_dict() if tested is not None else None,
             },
         }
 
@@ -185,7 +190,15 @@ class EbpfDataplane:
         self.maps.register_metrics(metrics, service_metrics)
         for what in REPAIRS:  # every series from the start, at 0
             metrics.dataplane_repairs.labels(what)
-        self.keeper.start(lambda what, _detail: metrics.dataplane_repairs.labels(what).inc())
+        for result in ("pass", "fail", "error"):
+            metrics.datapath_self_tests.labels(result)
+
+        def tested(test: SelfTest) -> None:
+            result = {True: "pass", False: "fail", None: "error"}[test.passed]
+            metrics.datapath_self_tests.labels(result).inc()
+
+        self.keeper.start(lambda what, _detail: metrics.dataplane_repairs.labels(what).inc(),
+                          tested)  # fmt: skip
 
 
 def cleanup(pin_dir: Path, attacher: TcAttacher | None = None) -> tuple[list[str], list[str]]:

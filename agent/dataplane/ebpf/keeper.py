@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..base import DataplaneError
 from . import libbpf
@@ -45,7 +46,7 @@ from .cgroup import (
     socket_programs,
 )
 from .kernel import LoadedPrograms
-from .netlink import Link, PodInterfaces
+from .netlink import Link, PodInterfaces, run_in_netns
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ CHECK_PERIOD = 5.0  # seconds between checks: the longest a removal goes unnotic
 # reports unlinks like any file system); it waits this long for the remover to finish,
 # so that one pass puts back the whole of what was taken.
 SETTLE = 0.2
+# Seconds between self-tests (one frontend each: successive ones walk through them all),
+# and at the first check after each apply of a new revision.
+SELF_TEST_PERIOD = 30.0
 # What kbp_dataplane_repairs_total{what} counts.
 REPAIRS = ("pin", "tc", "xdp", "socket_hooks", "foreign_program")
 
@@ -78,6 +82,14 @@ class Keeper:
         self._since: float | None = None  # monotonic time the current problems began
         self._left: set[str] = set()  # pins of other objects already reported
         self._repaired: Callable[[str, str], None] = lambda what, detail: None
+        # The self-test of the applied state (agent/explain/selftest.py), set by the
+        # dataplane after each apply: test(turn) -> result or None; its last result.
+        self._test: Callable[[int], Any] | None = None
+        self._test_due = False
+        self._tested_at = 0.0  # monotonic
+        self._turn = 0
+        self.self_test: Any = None  # the last SelfTest
+        self._tested: Callable[[Any], None] = lambda result: None
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._pins = PinWatch(self.pin_dir)
@@ -85,11 +97,16 @@ class Keeper:
         self.checks = 0
         self.last_check: float | None = None  # Unix time of the last completed pass
 
-    def start(self, repaired: Callable[[str, str], None] | None = None) -> None:
+    def start(
+        self, repaired: Callable[[str, str], None] | None = None,
+        tested: Callable[[Any], None] | None = None,
+    ) -> None:  # fmt: skip
         """Check every `period` seconds in a thread; `repaired(what, detail)` is called
-        for each repair (the metric)."""
+        for each repair, `tested(result)` for each self-test (the metrics)."""
         if repaired is not None:
             self._repaired = repaired
+        if tested is not None:
+            self._tested = tested
         if self._thread is None and self.period > 0:
             self._thread = threading.Thread(target=self._main, name="kbp-keeper", daemon=True)
             self._thread.start()
@@ -106,6 +123,11 @@ class Keeper:
         self._pins.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+    def test_with(self, test: Callable[[int], Any]) -> None:
+        """After an apply: the self-test of the state now applied, due at the next check."""
+        with self._lock:
+            self._test, self._test_due = test, True
 
     def problems(self) -> tuple[list[str], float | None]:
         """What the last pass found and could not put back, and since when (monotonic)."""
@@ -154,7 +176,31 @@ class Keeper:
             self._problems = problems
             self.checks += 1
             self.last_check = time.time()
+            if not problems:
+                self._run_self_test()
             return list(problems)
+
+    def _run_self_test(self) -> None:
+        """Ask the attached program about one frontend when due (see SELF_TEST_PERIOD)."""
+        now = time.monotonic()
+        if self._test is None or not (self._test_due or now - self._tested_at >= SELF_TEST_PERIOD):
+            return
+        if not self.links.attached:
+            return  # no pod interface yet: no kbp_from_pod to ask
+        self._test_due, self._tested_at = False, now
+        test, turn = self._test, self._turn
+        self._turn += 1
+        netns = self.links.tc.netns
+        result = test(turn) if netns is None else run_in_netns(netns, lambda: test(turn))
+        if result is None:
+            return
+        previous, self.self_test = self.self_test, result
+        if result.passed is not True and (previous is None or previous.passed is True or
+                                          previous.detail != result.detail):  # fmt: skip
+            log.error("ebpf: self-test of %s: %s", result.frontend, result.detail)
+        elif result.passed and previous is not None and previous.passed is not True:
+            log.info("ebpf: self-test of %s passed again: %s", result.frontend, result.detail)
+        self._tested(result)
 
     def _repair(self, what: str, detail: str) -> None:
         log.warning("ebpf: repaired: %s", detail)
