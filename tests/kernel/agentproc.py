@@ -12,9 +12,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
+from agent.lab.nodelab import Lab
 from agent.lab.toolkit import LabError, in_netns, run
 
 ROOT = Path(__file__).parents[2]
@@ -67,6 +69,17 @@ def service_manifest(
         for address in backends
     )
     return SERVICE_MANIFEST.format(name=name, ip=ip, itp=itp, endpoints=endpoints or " []")
+
+
+@contextmanager
+def web_lab(cgroup: bool = False) -> Iterator[Lab]:
+    """The node of the agent-level tests: pods client, be1 and be2 (be1 and be2 serving
+    TCP 8080; `cgroup`: the pods' processes in a cgroup of the lab's)."""
+    with Lab(cgroup=cgroup) as lab:
+        lab.add_pod("client")
+        for name in ("be1", "be2"):
+            lab.add_pod(name).serve([8080])
+        yield lab
 
 
 def run_argv(manifests: Path | None, node: str, dataplane: str, *flags: str) -> list[str]:

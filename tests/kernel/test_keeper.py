@@ -34,7 +34,7 @@ from agent.model.compile import CompileOptions, compile
 from agent.sources.manifests import load_manifests
 
 from ..conftest import BPFFS
-from .agentproc import AgentProcess, run_argv, service_manifest
+from .agentproc import AgentProcess, run_argv, service_manifest, web_lab
 from .agentproc import cli as agent_cli
 from .tchooks import our_tc_programs
 
@@ -93,10 +93,7 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
-    with Lab(cgroup=True) as lab:
-        lab.add_pod("client")
-        for name in ("be1", "be2"):
-            lab.add_pod(name).serve([8080])
+    with web_lab(cgroup=True) as lab:
         manifests = tmp_path / "web.yaml"
         manifests.write_text(service_manifest(
             "web", CLUSTER_IP, [lab.pods["be1"].ipv4, lab.pods["be2"].ipv4]))  # fmt: skip

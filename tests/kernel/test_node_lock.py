@@ -28,7 +28,7 @@ from agent.lab.nodelab import Lab
 from agent.nodelock import lock_path
 
 from ..conftest import BPFFS
-from .agentproc import AgentProcess, run_argv, service_manifest
+from .agentproc import AgentProcess, run_argv, service_manifest, web_lab
 from .agentproc import cli as agent_cli
 from .killapply import FIRST_SLOW_WRITE, cluster_objects, exact, expected, nodestate, read_maps
 
@@ -70,10 +70,7 @@ class Node:
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[Node]:
     pin_dir = BPFFS / f"kbp-test-lock-{os.getpid()}-{time.monotonic_ns()}"
-    with Lab() as lab:
-        lab.add_pod("client")
-        for name in ("be1", "be2"):
-            lab.add_pod(name).serve([8080])
+    with web_lab() as lab:
         here = Node(lab, pin_dir, tmp_path)
         try:
             yield here
