@@ -14,6 +14,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -39,6 +40,7 @@ from agent.dataplane.ebpf.maps import (
 from agent.dataplane.ebpf.plan import plan_change
 from agent.dataplane.ebpf.translate import translate
 from agent.dataplane.ebpf.writer import MapWriter
+from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.conventions import ANNOTATION_LB_ALGORITHM
 from agent.model.decode import decode_object
@@ -1246,6 +1248,7 @@ class ModelWriter(MapWriter):
         self._range_index = external.SourceRangeIndex()
         self.kernel = Kernel(EMPTY, sizes)
         self.current = self._read_kernel()
+        self.needed = dict.fromkeys(("services", "slots", "backends", "src_ranges"), 0)
 
     def _write(self, w: Writes) -> None:
         self.kernel.apply(w)
@@ -1285,6 +1288,64 @@ def test_the_map_writer_holds_what_the_kernel_holds_after_a_refused_and_a_failed
     assert writer.held == FITS.revision
     assert writer.apply(FITS) == (0, False)
     assert writer.apply(FITS, full=True) == (0, False)
+
+
+class SizedMap:
+    """What the fill gauges read of a pinned map: its size and (LRU maps) its entries."""
+
+    def __init__(self, name: str, max_entries: int, entries: int = 0) -> None:
+        self.name = name
+        self.info = SimpleNamespace(max_entries=max_entries)
+        self.entries = entries
+
+    def items(self) -> list[tuple[bytes, bytes]]:
+        return [(b"", b"")] * self.entries
+
+
+def fill_ratios(metrics: Metrics) -> dict[str, float]:
+    return {
+        sample.labels["map"]: sample.value
+        for family in metrics.registry.collect()
+        if family.name == "kbp_map_fill_ratio"
+        for sample in family.samples
+    }
+
+
+def test_the_fill_ratio_of_every_sized_map_counts_what_the_last_state_needs() -> None:
+    """kbp_map_fill_ratio, through the metrics registry: a series for every map a
+    MapSizes field sizes; for the maps the agent fills, the entries the last state
+    needed over the size, above 1.0 (an alert on > 0.9 fires) while that state is
+    refused for want of room; for the LRU maps, what they hold."""
+    sizes = MapSizes(services=64, slots=1024, backends=1024, ct=2048, affinity=1024)
+    writer = ModelWriter(sizes)
+    held = {"ct": 512, "affinity": 256, "sock_rev": 0}
+    maps = {f"kbp_{name}": SizedMap(f"kbp_{name}", size, held.get(name, 0))
+            for name, size in dataclasses.asdict(sizes).items()}  # fmt: skip
+    writer.programs = SimpleNamespace(map=maps.__getitem__)  # type: ignore[assignment]
+    writer.conntrack = SimpleNamespace(interval=0.0)  # type: ignore[assignment]
+    metrics = Metrics()
+    writer.register_fill(metrics)
+    every_map = {versioned(f"kbp_{name}") for name in dataclasses.asdict(sizes)}
+    assert fill_ratios(metrics).keys() == every_map
+
+    writer.apply(fleet([21] * 43))  # 903 slots and backends, 43 frontends
+    ratios = fill_ratios(metrics)
+    assert ratios[versioned("kbp_slots")] == ratios[versioned("kbp_backends")] == 903 / 1024
+    assert ratios[versioned("kbp_services")] == 43 / 64
+    assert ratios[versioned("kbp_src_ranges")] == 0.0
+    assert ratios[versioned("kbp_ct")] == 512 / 2048
+    assert ratios[versioned("kbp_affinity")] == 256 / 1024
+    assert ratios[versioned("kbp_sock_rev")] == 0.0
+
+    with pytest.raises(DataplaneError):
+        writer.apply(fleet([21] * 49))  # 1,029 slots: refused
+    ratios = fill_ratios(metrics)
+    assert ratios[versioned("kbp_slots")] == 1029 / 1024 > 0.9
+    firing = sorted(name for name, ratio in ratios.items() if ratio > 0.9)
+    assert firing == [versioned("kbp_backends"), versioned("kbp_slots")]
+
+    writer.apply(fleet([21] * 43, first=10_000))  # fits again (in stages)
+    assert fill_ratios(metrics)[versioned("kbp_slots")] == 903 / 1024
 
 
 def test_a_change_that_cannot_be_translated_leaves_current_as_it_was() -> None:

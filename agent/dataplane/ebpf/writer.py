@@ -176,9 +176,15 @@ class MapWriter:
 
     def register_metrics(self, metrics: Metrics, service_metrics: str = "services") -> None:
         """Map fill ratios, the datapath's drop counters and, unless service_metrics is
-        none, per-Service traffic (read from the kernel at each scrape).
+        none, per-Service traffic (read from the kernel at each scrape)."""
+        self.register_fill(metrics)
+        metrics.registry.register(DropCollector(self.programs.map("kbp_drops")))
+        if service_metrics != "none":
+            metrics.text_sections.append(self._service_traffic(service_metrics).render)
+        metrics.registry.register(self.conntrack)
 
-        kbp_map_fill_ratio has one series per sized map (each MapSizes field). For the maps
+    def register_fill(self, metrics: Metrics) -> None:
+        """kbp_map_fill_ratio has one series per sized map (each MapSizes field). For the maps
         the agent fills (services, slots, backends, src_ranges) it is the entries the last
         NodeState asked for over the map's size, whether that state was written or refused
         for want of room: above 1.0 then, so an alert on > 0.9 fires when the state is
@@ -204,10 +210,6 @@ class MapWriter:
         for name in lru:
             counted = CountedFill(self.programs.map(f"kbp_{name}"))
             metrics.map_fill.labels(versioned(f"kbp_{name}")).set_function(counted.ratio)
-        metrics.registry.register(DropCollector(self.programs.map("kbp_drops")))
-        if service_metrics != "none":
-            metrics.text_sections.append(self._service_traffic(service_metrics).render)
-        metrics.registry.register(self.conntrack)
 
     def _service_traffic(self, mode: str) -> service_metrics.ServiceTraffic:
         cache: dict[str, Any] = {}
