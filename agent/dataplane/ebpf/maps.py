@@ -366,6 +366,7 @@ class _Stager:
         self.replaced: dict[FrontendKey, ServiceValue] = {}  # flipped to an interim value
         self.reset: set[int] = set()  # service ids whose counters a stage zeroed
         self.first = True  # no stage has freed anything yet
+        self.regrow = True  # a Service's growth may have changed since it was computed
         self.fresh = set(writes.counters_reset)
         self.to_delete: dict[int, int] = dict(writes.sets_to_delete)  # set id → slots
         self.set_refs: dict[int, int] = dict.fromkeys(self.to_delete, 0)
@@ -423,6 +424,8 @@ class _Stager:
                     set_refs[set_id] -= 1
                     if set_refs[set_id] == 0:
                         stage.sets_to_delete[set_id] = self.to_delete[set_id]
+                    else:  # named by another Service too: its growth changed
+                        self.regrow = True
         if first:
             for set_id, refs in set_refs.items():
                 if refs == 0 and set_id not in stage.sets_to_delete:
@@ -539,6 +542,7 @@ class _Stager:
             self.to_delete[interim_id] = len(members_)
             self.set_refs[interim_id] = sum(interim_id in self.sets_of(v) for v in values.values())
             self.members[interim_id] = set()  # its backends are the new content's
+        self.regrow = True
         unit.backends = [b for b in unit.backends if b not in written]
         unit.take = [0, unit.take[1], unit.take[2] - len(written)]
         return stage, took
@@ -617,8 +621,10 @@ def stage_writes(
     # Growth is looked at again before each stage: a flip or removal may leave another
     # Service the last to name an old set. A Service on interim sets goes first: its
     # interim left just the room for its last stage.
+    growth: dict[int, int] = {}
+
     def order(unit: _Unit) -> tuple[bool, int]:
-        return not unit.interim, stager.growth(unit)
+        return not unit.interim, growth[id(unit)]
 
     # First the frontends gone and what nothing names (sets, backends); then the Services.
     stages: list[Writes] = [Writes()]
@@ -629,6 +635,10 @@ def stage_writes(
     stager.free(stages[0], orphans.take)
     pending = list(units.values())
     while pending:
+        if stager.regrow:  # else the order stands (re-reading every Service's frees
+            # before each of hundreds of stages would cost seconds at 10k Services)
+            growth = {id(unit): stager.growth(unit) for unit in pending}
+            stager.regrow = False
         pending.sort(key=order)
         stage = Writes()
         took = [0, 0, 0]

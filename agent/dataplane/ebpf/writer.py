@@ -143,7 +143,8 @@ class MapWriter:
             self.current = change.commit()
             self.held = state.revision
             self.applied = state
-            return w.count + meta_writes, bool(w.backends_to_delete)
+            made = w.count if len(stages) == 1 else sum(s.count for s in stages)  # + interim
+            return made + meta_writes, bool(w.backends_to_delete)
 
     def _stage_external(
         self, w: Writes, stages: list[Writes], need: dict[str, tuple[int, int]]
