@@ -622,6 +622,12 @@ def test_more_services_than_the_counters_array_holds_is_a_capacity_error() -> No
     with pytest.raises(CapacityError) as raised:
         check_capacity(EMPTY, desired, diff(EMPTY, desired), sizes)
     assert (raised.value.map, raised.value.needed, raised.value.size) == ("services", 4, 3)
+    # No order of writes helps: the planner refuses it too, saying why.
+    change = plan_change(node_state(*objects), EMPTY, sizes=sizes)
+    with pytest.raises(CapacityError) as raised:
+        change.stages(sizes)
+    assert "counting the service ids in use" in str(raised.value)
+    change.rollback()
 
 
 def test_a_content_that_fits_passes_the_check() -> None:
