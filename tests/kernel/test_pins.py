@@ -220,7 +220,7 @@ def test_a_changed_map_size_moves_the_maps_and_an_established_connection_survive
             with Map.pinned(str(pin_dir / versioned("kbp_ct"))) as ct:
                 assert ct.info.max_entries == 8192
             assert not list(pin_dir.glob(f"*{pins.ASIDE_SUFFIX}")), list(pin_dir.iterdir())
-            assert "keeping the pinned size" not in second.log(), second.log()
+            assert "planning with the pinned size" not in second.log(), second.log()
             new = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 10)
             assert new.errors == {} and set(new.counts) == {other}, new
         finally:

@@ -14,6 +14,8 @@ import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.ebpf import external, plan
-from agent.dataplane.ebpf.abi import const
+from agent.dataplane.ebpf.abi import const, versioned
 from agent.dataplane.ebpf.maglev import maglev_table
 from agent.dataplane.ebpf.maps import (
     BackendValue,
@@ -38,6 +40,7 @@ from agent.dataplane.ebpf.maps import (
 from agent.dataplane.ebpf.plan import plan_change
 from agent.dataplane.ebpf.translate import translate
 from agent.dataplane.ebpf.writer import MapWriter
+from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.conventions import ANNOTATION_LB_ALGORITHM
 from agent.model.decode import decode_object
@@ -509,9 +512,7 @@ def test_a_deleted_service_loses_its_frontends_sets_and_backends() -> None:
 
 def test_a_service_flipping_policy_reuses_its_backends_and_points_at_a_new_set() -> None:
     first = translate(web([ep(5, "node-a"), ep(5)]), EMPTY)
-    second = translate(
-        web([ep(5, "node-a"), ep(5)], spec(internalTrafficPolicy="Local")), first
-    )
+    second = translate(web([ep(5, "node-a"), ep(5)], spec(internalTrafficPolicy="Local")), first)
     # The one-backend local set is new; the cluster set and the remote backend go.
     assert counts(diff(first, second)) == (0, 0, 1, 1, 0, 2, 1)
     assert set(second.backends) < set(first.backends)
@@ -586,13 +587,15 @@ def test_required_capacity_counts_old_and_new_sets_at_the_peak() -> None:
     [
         pytest.param(
             MapSizes(slots=6),
-            "map kbp_slots needs 7 entries but holds 6 (1 short); raise it with --map-size-slots",
+            f"map {versioned('kbp_slots')} needs 7 entries but holds 6 (1 short); the previous "
+            "state keeps serving; raise --map-size-slots (takes effect at the next start)",
             id="slots one short of the peak",
         ),
         pytest.param(
             MapSizes(backends=3),
-            "map kbp_backends needs 5 entries but holds 3 (2 short); "
-            "raise it with --map-size-backends",
+            f"map {versioned('kbp_backends')} needs 5 entries but holds 3 (2 short); the "
+            "previous state keeps serving; raise --map-size-backends (takes effect at the next "
+            "start)",
             id="backends two short of the peak",
         ),
     ],
@@ -619,6 +622,12 @@ def test_more_services_than_the_counters_array_holds_is_a_capacity_error() -> No
     with pytest.raises(CapacityError) as raised:
         check_capacity(EMPTY, desired, diff(EMPTY, desired), sizes)
     assert (raised.value.map, raised.value.needed, raised.value.size) == ("services", 4, 3)
+    # No order of writes helps: the planner refuses it too, saying why.
+    change = plan_change(node_state(*objects), EMPTY, sizes=sizes)
+    with pytest.raises(CapacityError) as raised:
+        change.stages(sizes)
+    assert "counting the service ids in use" in str(raised.value)
+    change.rollback()
 
 
 def test_a_content_that_fits_passes_the_check() -> None:
@@ -627,6 +636,170 @@ def test_a_content_that_fits_passes_the_check() -> None:
     check_capacity(
         current, desired, diff(current, desired), MapSizes(services=2, slots=7, backends=5)
     )
+
+
+# --- capacity: free before take ---------------------------------------------------------
+#
+# Fleets of Services s0..s<N-1> (ClusterIPs 10.96.<i // 250>.<i % 250 + 1>), each with its
+# own endpoints on node-b numbered from `first`: endpoint n is 10.<128 + n // 65536>.
+# <n // 256 % 256>.<n % 256>, so a fleet with another `first` replaces every endpoint.
+
+
+def fleet_objects(sizes: list[int], first: int = 0, names: range | None = None) -> list[Obj]:
+    objects: list[Obj] = []
+    n = first
+    for i, count in zip(names or range(len(sizes)), sizes, strict=True):
+        endpoints = []
+        for _ in range(count):
+            endpoints.append(make_endpoint(f"10.{128 + n // 65536}.{n // 256 % 256}.{n % 256}",
+                                           "node-b"))  # fmt: skip
+            n += 1
+        objects += svc(endpoints, name=f"s{i}", cluster_ip=f"10.96.{i // 250}.{i % 250 + 1}")
+    return objects
+
+
+def fleet(sizes: list[int], first: int = 0) -> NodeState:
+    return node_state(*fleet_objects(sizes, first))
+
+
+def apply_staged(
+    kernel: Kernel, current: KernelContent, state: NodeState, sizes: MapSizes, **kw: Any
+) -> tuple[KernelContent, list[Writes]]:
+    """plan_change and its stages written one element at a time into `kernel` (which
+    checks, after every write, the datapath's invariants and that no map is past its
+    size), then committed; also: each frontend flips once, every frontend of a Service
+    in the same stage, and the kernel ends holding exactly the new content."""
+    change = plan_change(state, current, sizes=sizes, **kw)
+    try:
+        stages = change.stages(sizes)
+    except CapacityError:
+        change.rollback()
+        raise
+    by_service: dict[int, set[FrontendKey]] = {}
+    for key, value in change.writes.services_to_upsert.items():
+        by_service.setdefault(value.service_id, set()).add(key)
+    for stage in stages:
+        kernel.apply(stage)
+        for value in stage.services_to_upsert.values():  # a Service's frontends flip together
+            assert by_service[value.service_id] <= stage.services_to_upsert.keys()
+    content = change.commit()
+    assert kernel.content() == content
+    assert view(content) == view(translate(state, EMPTY, sizes=sizes, **kw))
+    return content, stages
+
+
+def frontends_flipped_once(stages: list[Writes]) -> bool:
+    keys = [k for stage in stages for k in stage.services_to_upsert]
+    return len(keys) == len(set(keys))
+
+
+def test_every_endpoint_replaced_at_88_percent_fill_is_applied_in_stages() -> None:
+    """The issue's case: 903 of 1,024 slots, a change that replaces every endpoint. The
+    whole apply's peak (old beside new) is 1,806; no map may ever hold more than 1,024."""
+    sizes = MapSizes(services=64, slots=1024, backends=1024)
+    shape = [21] * 43  # 903 slots and backends
+    before, after = fleet(shape), fleet(shape, first=10_000)
+    current = plan_change(before, EMPTY, sizes=sizes).commit()
+    kernel = Kernel(current, sizes)
+    change = plan_change(after, current, sizes=sizes)
+    need = change.required_capacity()
+    assert need["slots"] == (903, 1806) and need["backends"] == (903, 1806)
+    with pytest.raises(CapacityError):  # what used to refuse it forever
+        change.check_capacity(sizes)
+    change.rollback()
+    current, stages = apply_staged(kernel, current, after, sizes)
+    assert len(stages) > 1 and frontends_flipped_once(stages)
+    assert kernel.peak["slots"] <= 1024 and kernel.peak["backends"] <= 1024
+    # The next change (one unrelated Service added) is an ordinary one-stage apply.
+    late = svc([ep(1)], name="late", cluster_ip="10.96.9.9")
+    nxt = node_state(*fleet_objects(shape, first=10_000), *late)
+    current, stages = apply_staged(kernel, current, nxt, sizes)
+    assert len(stages) == 1
+
+
+def test_many_services_each_replaced_at_99_percent_fill() -> None:
+    sizes = MapSizes(services=1024, slots=1024, backends=1024)
+    shape = [3] * 338  # 1,014 of 1,024: ten free, three Services a stage
+    current = plan_change(fleet(shape), EMPTY, sizes=sizes).commit()
+    kernel = Kernel(current, sizes)
+    current, stages = apply_staged(kernel, current, fleet(shape, first=5000), sizes)
+    assert len(stages) >= 338 // 3 and frontends_flipped_once(stages)
+    assert kernel.peak["slots"] == 1014 + 9  # three Services of three slots a stage
+
+
+def test_a_removal_and_an_addition_in_one_apply_free_before_they_take() -> None:
+    """Removing s0 (600 slots) and adding s2 (600) with 1,024 slots: s2 is written once
+    s0's frontend and entries are gone; the unchanged s1 is not touched."""
+    sizes = MapSizes(services=64, slots=1024, backends=1024)
+    before = node_state(*fleet_objects([600, 300]))
+    after = node_state(*fleet_objects([300], first=600, names=range(1, 2)),
+                       *fleet_objects([600], first=2000, names=range(2, 3)))  # fmt: skip
+    current = plan_change(before, EMPTY, sizes=sizes).commit()
+    kernel = Kernel(current, sizes)
+    s1 = {k: v for k, v in current.services.items() if k.addr == "10.96.0.2"}
+    current, stages = apply_staged(kernel, current, after, sizes)
+    assert [bool(s.frontends_to_delete) for s in stages] == [True, False]
+    assert all(current.services[k] == v for k, v in s1.items())
+    assert kernel.peak["slots"] == 900
+
+
+def test_one_service_too_big_to_sit_beside_its_old_self_switches_through_an_interim_set() -> None:
+    """One Service of 700 endpoints, all replaced, in 1,024 slots: old and new cannot be
+    there at once whatever the order. It switches first to a part of its new backends
+    (324: what is free), which frees the old 700, then to all of them."""
+    sizes = MapSizes(services=64, slots=1024, backends=1024)
+    current = plan_change(fleet([700]), EMPTY, sizes=sizes).commit()
+    kernel = Kernel(current, sizes)
+    current, stages = apply_staged(kernel, current, fleet([700], first=3000), sizes)
+    assert len(stages) == 2
+    ((key, interim),) = stages[0].services_to_upsert.items()
+    assert interim.count == 324 and stages[0].sets_to_delete  # the old set goes at once
+    assert stages[1].services_to_upsert[key].count == 700
+    assert set(stages[1].sets_to_delete) == {interim.set_id}
+    assert kernel.peak["slots"] == 1024 and kernel.peak["backends"] == 1024
+
+
+def test_a_maglev_service_too_big_for_two_tables_switches_through_an_interim_set() -> None:
+    sizes = MapSizes(services=64, slots=40, backends=1024)
+    before = node_state(*svc([ep(1), ep(2), ep(3)], maglev))
+    after = node_state(*svc([ep(4), ep(5), ep(6)], maglev))
+    current = plan_change(before, EMPTY, sizes=sizes, maglev_table_size=31).commit()
+    kernel = Kernel(current, sizes)
+    current, stages = apply_staged(kernel, current, after, sizes, maglev_table_size=31)
+    assert len(stages) == 2 and kernel.peak["slots"] <= 40
+
+
+def test_a_state_that_does_not_fit_is_still_refused_and_the_previous_stays() -> None:
+    sizes = MapSizes(services=64, slots=1024, backends=1024)
+    before, after = fleet([21] * 43), fleet([21] * 49, first=10_000)  # 1,029 slots
+    current = plan_change(before, EMPTY, sizes=sizes).commit()
+    kernel = Kernel(current, sizes)
+    snapshot = Snapshot(current)
+    with pytest.raises(CapacityError) as raised:
+        apply_staged(kernel, current, after, sizes)
+    assert (raised.value.map, raised.value.needed, raised.value.size) == ("slots", 1029, 1024)
+    assert str(raised.value) == (
+        f"map {versioned('kbp_slots')} needs 1029 entries but holds 1024 (5 short); the "
+        "previous state keeps serving; raise --map-size-slots (takes effect at the next start)"
+    )
+    snapshot.check(current)
+    assert kernel.content() == current
+
+
+def test_the_map_writer_applies_a_full_replacement_in_stages_and_reports_the_need() -> None:
+    sizes = MapSizes(services=64, slots=1024, backends=1024)
+    writer = ModelWriter(sizes)
+    writer.apply(fleet([21] * 43))
+    assert writer.needed["slots"] == 903
+    writes, removed = writer.apply(fleet([21] * 43, first=10_000))
+    assert removed and writes == 4 * 903 + 43  # slots and backends twice, 43 flips
+    assert writer.current == writer.kernel.content()
+    assert writer.kernel.peak["slots"] <= 1024
+    with pytest.raises(DataplaneError) as raised:
+        writer.apply(fleet([21] * 49))
+    assert raised.value.reason == "capacity"
+    assert writer.needed["slots"] == 1029  # what the refused state needs: fill 1.005
+    assert writer.current == writer.kernel.content()
 
 
 # --- properties over generated clusters ------------------------------------------------
@@ -640,11 +813,14 @@ class Kernel:
     (and everything at each phase boundary) checks the whole state after every write.
     With `fail_after` set, the write after that many raises OSError, as a map write can."""
 
-    def __init__(self, content: KernelContent) -> None:
+    def __init__(self, content: KernelContent, sizes: MapSizes | None = None) -> None:
         self.services = dict(content.services)
         self.slots = {(s, i): b for s, ids in content.slots.items() for i, b in enumerate(ids)}
         self.backends = dict(content.backends)
         self.fail_after: int | None = None
+        self.sizes = sizes  # with sizes, no write may take a map past its size
+        self.peak = {"services": len(self.services), "slots": len(self.slots),
+                     "backends": len(self.backends)}  # fmt: skip
         self.check_all()
 
     def sets_in_use(self, value: ServiceValue) -> list[tuple[int, int]]:
@@ -677,6 +853,10 @@ class Kernel:
                 del table[key]
             else:
                 table[key] = value
+                self.peak[map_name] = max(self.peak[map_name], len(table))
+                if self.sizes is not None:
+                    size = getattr(self.sizes, map_name)
+                    assert len(table) <= size, f"{map_name} past its {size} entries at {key}"
             # What this write could have broken:
             if (map_name, op) == ("services", "update"):
                 self.check_service(value)
@@ -944,6 +1124,66 @@ def test_any_change_between_two_states_keeps_every_kernel_state_consistent(pair)
     sync(kernel, current, second, first)
 
 
+@SETTINGS
+@given(pair=state_pairs(), slack=st.integers(2, 6))
+def test_any_change_between_states_that_fit_their_maps_is_applied_within_them(
+    pair, slack: int
+) -> None:
+    """Maps sized to the larger of two states plus `slack` (two entries: one per set of an
+    interim switch) are never refused and never overfilled, there and back again, and
+    every write keeps the datapath's invariants."""
+    first, second = pair
+    a, b = (translate(s, EMPTY, maglev_table_size=31) for s in pair)
+    sizes = MapSizes(
+        services=1024,
+        slots=max(a.slot_count(), b.slot_count()) + slack,
+        backends=max(len(a.backends), len(b.backends)) + slack,
+    )
+    kernel = Kernel(EMPTY, sizes)
+    current, _ = apply_staged(kernel, EMPTY, first, sizes, maglev_table_size=31)
+    current, _ = apply_staged(kernel, current, second, sizes, maglev_table_size=31)
+    current, _ = apply_staged(kernel, current, first, sizes, maglev_table_size=31)
+    # After a restart (content decoded from the kernel: the full path) too.
+    apply_staged(kernel, bare(current), second, sizes, maglev_table_size=31)
+
+
+@st.composite
+def tight_fleets(draw: st.DrawFn) -> tuple[NodeState, NodeState]:
+    """Two states of up to ten Services (plain, Maglev, or NodePort with
+    externalTrafficPolicy Local: two sets) whose endpoints are kept, replaced, added or
+    removed in any mix, and Services removed and added: the planner's harder cases."""
+    objects: tuple[list[Obj], list[Obj]] = ([], [])
+    n = 0
+    for i in range(draw(st.integers(1, 10))):
+        # A NodePort of its own: the API server never gives two Services one.
+        kind = [None, maglev, spec(type="NodePort", externalTrafficPolicy="Local", ports=[
+            {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP",
+             "nodePort": 30080 + i}
+        ])][draw(st.integers(0, 2))]  # fmt: skip
+        in_a, in_b = draw(st.sampled_from([(True, True), (True, True), (True, False),
+                                           (False, True)]))  # fmt: skip
+        count_a, count_b = draw(st.integers(1, 24)), draw(st.integers(1, 24))
+        kept = draw(st.integers(0, min(count_a, count_b)))
+        pool = []
+        for _ in range(count_a + count_b - kept):
+            node = "node-a" if draw(st.integers(0, 3)) == 0 else "node-b"
+            pool.append(make_endpoint(f"10.{128 + n // 65536}.{n // 256 % 256}.{n % 256}", node))
+            n += 1
+        members = (pool[:count_a], pool[count_a - kept : count_a - kept + count_b])
+        for side, present in enumerate((in_a, in_b)):
+            if present:
+                objects[side].extend(svc(members[side], kind, f"s{i}", f"10.96.0.{i + 1}"))
+    return node_state(*objects[0]), node_state(*objects[1])
+
+
+@SETTINGS
+@given(pair=tight_fleets(), slack=st.integers(2, 4))
+def test_fleets_replaced_in_maps_just_big_enough_are_applied_within_them(pair, slack: int) -> None:
+    test_any_change_between_states_that_fit_their_maps_is_applied_within_them.hypothesis.inner_test(
+        pair, slack
+    )
+
+
 # --- changes in place: refused, failed, committed ---------------------------------------
 
 FIRST = web([ep(1), ep(2)])
@@ -1012,8 +1252,9 @@ class ModelWriter(MapWriter):
         self.lock = threading.Lock()
         self.held = None
         self._range_index = external.SourceRangeIndex()
-        self.kernel = Kernel(EMPTY)
+        self.kernel = Kernel(EMPTY, sizes)
         self.current = self._read_kernel()
+        self.needed = dict.fromkeys(("services", "slots", "backends", "src_ranges"), 0)
 
     def _write(self, w: Writes) -> None:
         self.kernel.apply(w)
@@ -1053,6 +1294,64 @@ def test_the_map_writer_holds_what_the_kernel_holds_after_a_refused_and_a_failed
     assert writer.held == FITS.revision
     assert writer.apply(FITS) == (0, False)
     assert writer.apply(FITS, full=True) == (0, False)
+
+
+class SizedMap:
+    """What the fill gauges read of a pinned map: its size and (LRU maps) its entries."""
+
+    def __init__(self, name: str, max_entries: int, entries: int = 0) -> None:
+        self.name = name
+        self.info = SimpleNamespace(max_entries=max_entries)
+        self.entries = entries
+
+    def items(self) -> list[tuple[bytes, bytes]]:
+        return [(b"", b"")] * self.entries
+
+
+def fill_ratios(metrics: Metrics) -> dict[str, float]:
+    return {
+        sample.labels["map"]: sample.value
+        for family in metrics.registry.collect()
+        if family.name == "kbp_map_fill_ratio"
+        for sample in family.samples
+    }
+
+
+def test_the_fill_ratio_of_every_sized_map_counts_what_the_last_state_needs() -> None:
+    """kbp_map_fill_ratio, through the metrics registry: a series for every map a
+    MapSizes field sizes; for the maps the agent fills, the entries the last state
+    needed over the size, above 1.0 (an alert on > 0.9 fires) while that state is
+    refused for want of room; for the LRU maps, what they hold."""
+    sizes = MapSizes(services=64, slots=1024, backends=1024, ct=2048, affinity=1024)
+    writer = ModelWriter(sizes)
+    held = {"ct": 512, "affinity": 256, "sock_rev": 0}
+    maps = {f"kbp_{name}": SizedMap(f"kbp_{name}", size, held.get(name, 0))
+            for name, size in dataclasses.asdict(sizes).items()}  # fmt: skip
+    writer.programs = SimpleNamespace(map=maps.__getitem__)  # type: ignore[assignment]
+    writer.conntrack = SimpleNamespace(interval=0.0)  # type: ignore[assignment]
+    metrics = Metrics()
+    writer.register_fill(metrics)
+    every_map = {versioned(f"kbp_{name}") for name in dataclasses.asdict(sizes)}
+    assert fill_ratios(metrics).keys() == every_map
+
+    writer.apply(fleet([21] * 43))  # 903 slots and backends, 43 frontends
+    ratios = fill_ratios(metrics)
+    assert ratios[versioned("kbp_slots")] == ratios[versioned("kbp_backends")] == 903 / 1024
+    assert ratios[versioned("kbp_services")] == 43 / 64
+    assert ratios[versioned("kbp_src_ranges")] == 0.0
+    assert ratios[versioned("kbp_ct")] == 512 / 2048
+    assert ratios[versioned("kbp_affinity")] == 256 / 1024
+    assert ratios[versioned("kbp_sock_rev")] == 0.0
+
+    with pytest.raises(DataplaneError):
+        writer.apply(fleet([21] * 49))  # 1,029 slots: refused
+    ratios = fill_ratios(metrics)
+    assert ratios[versioned("kbp_slots")] == 1029 / 1024 > 0.9
+    firing = sorted(name for name, ratio in ratios.items() if ratio > 0.9)
+    assert firing == [versioned("kbp_backends"), versioned("kbp_slots")]
+
+    writer.apply(fleet([21] * 43, first=10_000))  # fits again (in stages)
+    assert fill_ratios(metrics)[versioned("kbp_slots")] == 903 / 1024
 
 
 def test_a_change_that_cannot_be_translated_leaves_current_as_it_was() -> None:

@@ -16,7 +16,9 @@ from typing import Any
 from ...model.nodestate import NodeState, ServiceEntry
 from .maglev import DEFAULT_TABLE_SIZE, check_table_size
 from .maps import (
+    MAPS,
     BackendValue,
+    CapacityError,
     FrontendKey,
     KernelContent,
     MapSizes,
@@ -29,6 +31,7 @@ from .maps import (
     diff,
     required_capacity,
     reset_counters_of_new_ids,
+    stage_writes,
     writes_for,
 )
 from .translate import (
@@ -343,12 +346,14 @@ class _Journals:
         "index",
         "service_ids",
         "services",
+        "sizes_before",
         "slots",
     )
 
     def __init__(self, content: KernelContent) -> None:
         index = content._index
         assert index is not None, "only a content built here is changed in place"
+        self.sizes_before = (len(content.services), content.slot_count(), len(content.backends))
         self.content = content
         self.index = index
         self.services = _Journal(content.services)
@@ -390,7 +395,7 @@ class Change:
     `rollback()` (refused, or a write failed) ends it; until then the `current` given to
     plan_change may already be the new content."""
 
-    __slots__ = ("_journals", "_need", "_open", "_previous", "content", "writes")
+    __slots__ = ("_journals", "_need", "_open", "_previous", "_sizes_before", "content", "writes")
 
     def __init__(
         self,
@@ -406,16 +411,20 @@ class Change:
         self._need = need
         self._journals = journals
         self._open = True
+        self._sizes_before = (
+            (len(previous.services), previous.slot_count(), len(previous.backends))
+            if journals is None
+            else journals.sizes_before
+        )
 
     @classmethod
     def _in_place(cls, current: KernelContent, update: _Update) -> Change:
-        sizes_before = (len(current.services), current.slot_count(), len(current.backends))
         journals = _Journals(current)
         try:
             update.apply(journals)
             writes = journals.writes()
             need = capacity_needed(
-                sizes_before, journals.services.had, journals.backends.had, current, writes
+                journals.sizes_before, journals.services.had, journals.backends.had, current, writes
             )
         except BaseException:
             journals.undo()
@@ -429,6 +438,48 @@ class Change:
     def check_capacity(self, sizes: MapSizes) -> None:
         """As `check_capacity`: raises CapacityError; call before writing anything."""
         check_need(self._need, sizes)
+
+    def stages(self, sizes: MapSizes) -> list[Writes]:
+        """`writes` in stages that never hold more than `sizes` (`maps.stage_writes`):
+        `[writes]` itself when the whole apply's peak fits, as it usually does. Raises
+        CapacityError, before anything is written, when the new state itself does not
+        fit (entries, or service ids: the new ones never reuse an id this apply frees), or
+        when one Service's old and new entries together exceed what its maps have free
+        with every other change made first."""
+        need = self._need
+        for name in MAPS:
+            steady = need[name][0]
+            size = getattr(sizes, name)
+            if steady > size:
+                raise CapacityError(name, steady, size)
+        if all(need[name][1] <= getattr(sizes, name) for name in MAPS):
+            return [self.writes]
+        index = self.content._index
+        if index is not None and index.service_id_overflow:
+            raise CapacityError(
+                "services", index.service_id_overflow + 1, sizes.services,
+                ", counting the service ids in use: new Services never take the id of one "
+                "removed in the same apply",
+            )  # fmt: skip
+        journals = self._journals
+        if journals is None:
+            previous = self._previous
+            return stage_writes(
+                self.writes, self._sizes_before, previous.services.get,
+                previous.slots.__getitem__, previous.services.__contains__,
+                previous.backends.__contains__, self.content.slots.__contains__, sizes,
+            )  # fmt: skip
+        services_before, slots_before = journals.services.before, journals.slots.before
+
+        def old_service(key: FrontendKey) -> ServiceValue | None:
+            value = services_before.get(key, _ABSENT)  # every key of `writes` changed
+            return None if value is _ABSENT else value  # _ABSENT: new
+
+        return stage_writes(
+            self.writes, self._sizes_before, old_service, slots_before.__getitem__,
+            journals.services.had, journals.backends.had, self.content.slots.__contains__,
+            sizes,
+        )  # fmt: skip
 
     def commit(self) -> KernelContent:
         """The writes are in the kernel: returns `content`, the new current."""

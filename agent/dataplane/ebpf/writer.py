@@ -58,6 +58,7 @@ class MapWriter:
         self._ports: dict[int, int] = {}  # kbp_ports bits this agent knows are set
         self._check_pinned_sizes()
         self.current = self._read_kernel()
+        self._target = self.current  # the content an apply writes towards (`_write`)
         # The first apply (a full one: the sync loop's first is) compares with what was
         # just read rather than read the maps again: at 10k Services x 10 a read takes
         # ~1.5 s, more than the restarted agent's whole plan, and nothing else writes
@@ -72,6 +73,14 @@ class MapWriter:
             *self._port_writes(const.KBP_PORT_F_FRONTEND, (k.port for k in frontends)),
         ])  # fmt: skip
         self._ranges = self._read_ranges()  # kbp_src_ranges as written
+        # Entries the last state asked for, by MapSizes field (kbp_map_fill_ratio): until
+        # the first apply, what the maps hold.
+        self.needed: dict[str, int] = {
+            "services": len(self.current.services),
+            "slots": self.current.slot_count(),
+            "backends": len(self.current.backends),
+            "src_ranges": len(self._ranges),
+        }
         self.conntrack = Collector(programs.map("kbp_ct"), programs.map("kbp_ct_stats"),
                                    ct_timeouts or Timeouts(), ct_sweep_interval,
                                    remap=programs.map("kbp_ct_remap"))  # fmt: skip
@@ -100,13 +109,21 @@ class MapWriter:
             )
             ranges = self._range_index.update(state, rescan=full)
             w = change.writes
+            need = change.required_capacity()
+            # What this state needs, whether it fits or not: the fill gauges' numerator.
+            self.needed = {name: steady for name, (steady, _) in need.items()}
+            self.needed["src_ranges"] = len(ranges)
             try:
-                change.check_capacity(self.sizes)
+                stages = change.stages(self.sizes)
                 busy = w.count
                 self._add_external(w, state, ranges)
+                if len(stages) > 1:
+                    self._stage_external(w, stages, need)
                 # kbp_meta says "unknown" until every write is done
                 meta_writes = self._write_meta(None) if busy else 0
-                self._write(w)
+                self._target = change.content
+                for stage in stages:
+                    self._write(stage)
                 meta_writes += self._write_meta(state)
             except CapacityError as err:  # nothing was written
                 self.current = change.rollback()
@@ -126,7 +143,30 @@ class MapWriter:
             self.current = change.commit()
             self.held = state.revision
             self.applied = state
-            return w.count + meta_writes, bool(w.backends_to_delete)
+            made = w.count if len(stages) == 1 else sum(s.count for s in stages)  # + interim
+            return made + meta_writes, bool(w.backends_to_delete)
+
+    def _stage_external(
+        self, w: Writes, stages: list[Writes], need: dict[str, tuple[int, int]]
+    ) -> None:
+        """The writes beside the service maps in a staged apply: kbp_config, kbp_ports and
+        the new source ranges before the first stage's flips, the ranges no frontend uses
+        after the last one's."""
+        first, last = stages[0], stages[-1]
+        first.config.extend(w.config)
+        first.ports.extend(w.ports)
+        first.ranges_to_add.extend(w.ranges_to_add)
+        last.ranges_to_delete.extend(w.ranges_to_delete)
+        peaks = ", ".join(
+            f"{versioned('kbp_' + name)} {peak} > {getattr(self.sizes, name)}"
+            for name, (_, peak) in need.items()
+            if peak > getattr(self.sizes, name)
+        )
+        log.info(
+            "ebpf: old and new entries together would not fit (%s): applying in %d stages, "
+            "each Service switching whole, the old entries of those switched freed first",
+            peaks, len(stages),
+        )  # fmt: skip
 
     def live_backends(self) -> set[tuple[int, str, int]]:
         """(service id, address, port) of every backend the maps hold."""
@@ -136,30 +176,41 @@ class MapWriter:
     # --- metrics -------------------------------------------------------------------------
 
     def register_metrics(self, metrics: Metrics, service_metrics: str = "services") -> None:
-        """Map fill ratios (from what the agent wrote), the datapath's drop counters and,
-        unless service_metrics is none, per-Service traffic (read from the kernel at each
-        scrape)."""
-
-        def filled(count: Callable[[KernelContent], int], size: int) -> Callable[[], float]:
-            def ratio() -> float:
-                with self.lock:  # an apply in progress may hold a change it will roll back
-                    return count(self.current) / size
-
-            return ratio
-
-        for name, count in (
-            ("kbp_services", lambda c: len(c.services)),
-            ("kbp_slots", lambda c: c.slot_count()),
-            ("kbp_backends", lambda c: len(c.backends)),
-        ):
-            size = self.programs.map(name).info.max_entries
-            metrics.map_fill.labels(versioned(name)).set_function(filled(count, size))
+        """Map fill ratios, the datapath's drop counters and, unless service_metrics is
+        none, per-Service traffic (read from the kernel at each scrape)."""
+        self.register_fill(metrics)
         metrics.registry.register(DropCollector(self.programs.map("kbp_drops")))
         if service_metrics != "none":
             metrics.text_sections.append(self._service_traffic(service_metrics).render)
         metrics.registry.register(self.conntrack)
+
+    def register_fill(self, metrics: Metrics) -> None:
+        """kbp_map_fill_ratio has one series per sized map (each MapSizes field). For the maps
+        the agent fills (services, slots, backends, src_ranges) it is the entries the last
+        NodeState asked for over the map's size, whether that state was written or refused
+        for want of room: above 1.0 then, so an alert on > 0.9 fires when the state is
+        larger than a map (after a successful apply it is also what the map holds). For the
+        LRU maps the datapath fills (ct, affinity, sock_rev) it is what the map holds: ct
+        as the last conntrack sweep counted it, else (and the others) counted at scrape,
+        at most every COUNT_EVERY seconds."""
+
+        def needed(name: str, size: int) -> Callable[[], float]:
+            def ratio() -> float:
+                return self.needed[name] / size  # one dict read: no lock needed
+
+            return ratio
+
+        for name in ("services", "slots", "backends", "src_ranges"):
+            size = self.programs.map(f"kbp_{name}").info.max_entries
+            metrics.map_fill.labels(versioned(f"kbp_{name}")).set_function(needed(name, size))
+        lru = ["affinity", "sock_rev"]
         if self.conntrack.interval > 0:  # counted by each sweep (a scan of the whole map)
             metrics.map_fill.labels(versioned("kbp_ct")).set_function(self.conntrack.fill_ratio)
+        else:
+            lru.append("ct")
+        for name in lru:
+            counted = CountedFill(self.programs.map(f"kbp_{name}"))
+            metrics.map_fill.labels(versioned(f"kbp_{name}")).set_function(counted.ratio)
 
     def _service_traffic(self, mode: str) -> service_metrics.ServiceTraffic:
         cache: dict[str, Any] = {}
@@ -187,10 +238,11 @@ class MapWriter:
         m("kbp_config").update_items(w.config)
         m("kbp_ports").update_items(w.ports)
         # 1. backends that new sets will name; 2. the new sets, complete, each slot with a
-        # copy of its backend's entry (self.current is the new content here: plan_change)
+        # copy of its backend's entry (from the new content)
         upserts = {i: codec.backend_value(v) for i, v in w.backends_to_upsert.items()}
         backends.update_items([(codec.backend_key(i), value) for i, value in upserts.items()])
-        known = self.current.backends
+        target = self._target
+        known = target.backends
 
         def copy_of(backend_id: int) -> bytes:
             value = upserts.get(backend_id)
@@ -201,11 +253,12 @@ class MapWriter:
                             for set_id, members in w.sets_to_write.items()
                             for index, backend_id in enumerate(members)])  # fmt: skip
         # A live backend whose flags changed: the slots of live sets that name it get the
-        # new copy (the set itself, its ids, is unchanged).
+        # new copy (the set itself, its ids, is unchanged). A staged apply names them in its
+        # last stage, when every set of the new content is in.
         changed = w.backends_changed
         if changed:  # rare (a fallback set's endpoint terminating): one pass over the sets
             slots.update_items([(codec.slot_key(set_id, index), codec.slot_value(b, upserts[b]))
-                                for set_id, members in self.current.slots.items()
+                                for set_id, members in target.slots.items()
                                 if set_id not in w.sets_to_write
                                 for index, b in enumerate(members) if b in changed])  # fmt: skip
         # 3. the ranges new services need, zeroed counters for new service ids, then the
@@ -234,8 +287,9 @@ class MapWriter:
         return codec.read_content(m("kbp_services"), m("kbp_slots"), m("kbp_backends"))
 
     def _check_pinned_sizes(self) -> None:
-        """Pinned maps keep the size they were created with: say so when the settings
-        ask for another, and plan with what the kernel really has."""
+        """Plan with the sizes the kernel really has. The loader moves a pinned map to a
+        new --map-size-* (pins.py), so they differ only when that move did not happen:
+        say so."""
         wanted = asdict(self.sizes)
         actual = {}
         for field in FLAG_MAP_SIZES:
@@ -243,8 +297,8 @@ class MapWriter:
             actual[field] = self.programs.map(name).info.max_entries
             if actual[field] != wanted[field]:
                 log.warning(
-                    "ebpf: pinned map %s has %d entries, --map-size-%s asks for %d; "
-                    "keeping the pinned size (run `kube-bpf-proxy cleanup` to recreate it)",
+                    "ebpf: pinned map %s has %d entries, --map-size-%s asks for %d and it "
+                    "was not moved to the new size: planning with the pinned size",
                     versioned(name), actual[field], field, wanted[field],
                 )  # fmt: skip
         self.sizes = MapSizes(**actual)
@@ -322,6 +376,33 @@ class MapWriter:
         """What kbp_src_ranges holds (an earlier agent's writes), to diff against."""
         items = self.programs.map("kbp_src_ranges").items()
         return {codec.decode_src_range_key(key) for key, _ in items}
+
+
+COUNT_EVERY = 10.0  # seconds a CountedFill figure is reused (a count reads the whole map)
+
+
+class CountedFill:
+    """The fill ratio of a map the datapath fills, counted by reading its keys in batches
+    (reused for COUNT_EVERY seconds: scrapes may come more often than that is worth)."""
+
+    def __init__(self, table: Map) -> None:
+        self._table = table
+        self._size = table.info.max_entries
+        self._lock = threading.Lock()
+        self._at = -COUNT_EVERY
+        self._ratio = 0.0
+
+    def ratio(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._at >= COUNT_EVERY:
+                try:
+                    self._ratio = len(self._table.items()) / self._size
+                except OSError:
+                    log.exception("ebpf: counting the entries of %s for /metrics",
+                                  self._table.name)  # fmt: skip
+                self._at = now
+            return self._ratio
 
 
 class DropCollector:

@@ -1,0 +1,90 @@
+"""A state that fits the maps is applied even when no Service keeps one endpoint (issue
+30): the 903-of-1,024-slots case, on real maps through EbpfDataplane, with real
+connections to every Service afterwards.
+
+Address plan (agent/lab/nodelab.py): one node namespace (node-a) with pods client1
+10.244.1.1 and be1..be3 10.244.1.2-4, each backend serving TCP on 8080-8086 and
+answering with its pod name. Services s0..s42 get ClusterIPs 10.96.1.1-43 port 80.
+Before: each Service has 21 endpoints "elsewhere" (10.244.2.1-21:8080 on node-b, which
+the lab does not have). After: each has the three backend pods on seven target ports
+(one EndpointSlice a port), 21 endpoints that answer. Both states hold 903 slots and
+903 backends in maps of 1,024 (88 %); old beside new would need 1,806.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from agent.dataplane.ebpf.dataplane import EbpfDataplane
+from agent.dataplane.ebpf.maps import MapSizes
+
+from ..builders import make_endpoint, make_service, make_slice
+from .test_dataplane import BACKENDS, Env, _ip, lab_env, local
+
+pytestmark = pytest.mark.kernel
+
+SERVICES = 43
+TARGET_PORTS = range(8080, 8087)  # 3 pods x 7 ports: 21 endpoints a Service
+SIZES = MapSizes(services=1024, slots=1024, backends=1024, ct=4096, affinity=1024)
+
+
+@pytest.fixture(scope="module", params=["ebpf-off", "ebpf-all"])
+def env(request: pytest.FixtureRequest) -> Iterator[Env]:
+    """The lab programmed by eBPF (tc alone, and with the socket hooks) on small maps."""
+    with lab_env(request.param, ["client1"], ["tcp"], "kbp-test-capacity", SIZES,
+                 cgroup=True) as made:  # fmt: skip
+        for name in BACKENDS:
+            made.pod(name).serve(TARGET_PORTS[1:], ("tcp",))  # 8080 is served already
+        yield made
+
+
+def cluster_ip(i: int) -> str:
+    return f"10.96.1.{i + 1}"
+
+
+def fleet(env: Env, answering: bool) -> list[dict]:
+    """Every Service with its 21 endpoints: elsewhere, or the backend pods."""
+    objects = []
+    for i in range(SERVICES):
+        name = f"s{i}"
+        objects.append(make_service(name=name, mutate=_ip(cluster_ip(i))))
+        if answering:
+            pods = [local(env.pod(n)) for n in BACKENDS]
+            objects += [make_slice(name=f"{name}-{port}", service=name, endpoints=pods, port=port)
+                        for port in TARGET_PORTS]  # fmt: skip
+        else:
+            away = [make_endpoint(f"10.244.2.{j}", "node-b") for j in range(1, 22)]
+            objects.append(make_slice(name=f"{name}-away", service=name, endpoints=away))
+    return objects
+
+
+def test_replacing_every_endpoint_at_88_percent_fill_is_applied_and_served(env: Env) -> None:
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane)
+    writer = dataplane.maps
+    env.program(*fleet(env, answering=False))
+    assert writer.current.slot_count() == 903 and len(writer.current.backends) == 903
+
+    after = fleet(env, answering=True)
+    env.program(*after)  # used to be refused: "map kbp_slots needs 1806 entries"
+    held = writer._read_kernel()
+    assert held == writer.current and held.slot_count() == 903 and len(held.backends) == 903
+    assert writer.needed["slots"] == 903
+    client = env.pod("client1")
+    for i in range(SERVICES):
+        result = client.connect_many(cluster_ip(i), 80, "tcp", 3)
+        assert result.errors == {}, (i, result.details)
+        assert set(result.counts) <= set(BACKENDS), (i, result.counts)
+
+    # The next apply, of an unrelated change, is an ordinary one.
+    late = make_service(name="late", mutate=_ip("10.96.1.200"))
+    late_slice = make_slice(name="late-1", service="late", endpoints=[local(env.pod("be1"))])
+    env.program(*after, late, late_slice)
+    result = client.connect_many("10.96.1.200", 80, "tcp", 3)
+    assert result.errors == {} and set(result.counts) == {"be1"}, result.details
+    # And back: every endpoint replaced again (elsewhere), applied.
+    env.program(*fleet(env, answering=False))
+    assert writer._read_kernel() == writer.current
+    assert writer.current.slot_count() == 903
