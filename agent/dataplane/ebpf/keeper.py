@@ -80,6 +80,7 @@ class Keeper:
         self._map_ids = {name: libbpf.map_info(programs.map(name).fd).id for name in MAP_NAMES}
         self._problems: list[str] = []
         self._since: float | None = None  # monotonic time the current problems began
+        self._report: tuple[list[str], float | None] = ([], None)  # both, replaced whole
         self._left: set[str] = set()  # pins of other objects already reported
         self._repaired: Callable[[str, str], None] = lambda what, detail: None
         # The self-test of the applied state (agent/explain/selftest.py), set by the
@@ -130,9 +131,9 @@ class Keeper:
             self._test, self._test_due = test, True
 
     def problems(self) -> tuple[list[str], float | None]:
-        """What the last pass found and could not put back, and since when (monotonic)."""
-        with self._lock:
-            return list(self._problems), self._since
+        """What the last pass found and could not put back, and since when (monotonic).
+        Never waits for an apply: the health endpoints ask it on their event loop."""
+        return self._report
 
     def _main(self) -> None:
         while not self._stop.is_set():
@@ -174,6 +175,7 @@ class Keeper:
                 log.info("ebpf: the datapath serves its state again")
                 self._since = None
             self._problems = problems
+            self._report = (list(problems), self._since)
             self.checks += 1
             self.last_check = time.time()
             if not problems:
