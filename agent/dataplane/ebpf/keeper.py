@@ -76,8 +76,10 @@ class Keeper:
         self.pin_dir = programs.pin_dir
         self.period = period
         self._lock = lock
-        self._prog_ids = {name: programs.prog_id(name) for name in _kept_programs()}
-        self._map_ids = {name: libbpf.map_info(programs.map(name).fd).id for name in MAP_NAMES}
+        # What ours are, by kernel id: asked at the first check (a keeper that never
+        # checks, period 0, asks nothing of the programs).
+        self._prog_ids: dict[str, int] = {}
+        self._map_ids: dict[str, int] = {}
         self._problems: list[str] = []
         self._since: float | None = None  # monotonic time the current problems began
         self._report: tuple[list[str], float | None] = ([], None)  # both, replaced whole
@@ -160,6 +162,10 @@ class Keeper:
         with self._lock:
             if self._stop.is_set() or not self.links.serving:
                 return list(self._problems)  # before the first apply the earlier state serves
+            if not self._prog_ids:
+                programs = self.programs
+                self._prog_ids = {name: programs.prog_id(name) for name in _kept_programs()}
+                self._map_ids = {n: libbpf.map_info(programs.map(n).fd).id for n in MAP_NAMES}
             problems: list[str] = []
             for part in (self._check_pins, self._check_tc, self._check_xdp,
                          self._check_socket_hooks):  # fmt: skip
