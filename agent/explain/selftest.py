@@ -22,6 +22,7 @@ from .semantics import POD, Source, Target, address, explain
 SOURCE_IPV4 = "198.18.255.254"
 SOURCE_IPV6 = "2001:db8:ffff::fe"
 SOURCE_PORT = 40001
+RESULTS = ("pass", "fail", "error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,11 @@ class SelfTest:
     frontend: str  # what was asked: "10.96.0.10:80/TCP (default/web:http)"
     passed: bool | None  # None: it could not run (no program attached, no pin)
     detail: str  # the kernel's answer, or what disagreed, or why it could not run
+
+    @property
+    def result(self) -> str:
+        """kbp_datapath_self_tests_total's label: one of RESULTS."""
+        return {True: "pass", False: "fail", None: "error"}[self.passed]
 
     def to_dict(self) -> dict[str, Any]:
         return {"time": self.when, "frontend": self.frontend, "passed": self.passed,

@@ -32,7 +32,7 @@ from agent.dataplane.ebpf.maps import MapSizes
 from agent.lab.nodelab import Lab
 
 from ..conftest import BPFFS, require_iptables
-from .agentproc import AgentProcess, run_argv, service_manifest
+from .agentproc import AgentProcess, run_argv, service_manifest, web_lab
 from .agentproc import cli as agent_cli
 
 CLUSTER_IP = "10.96.0.80"
@@ -106,10 +106,7 @@ def test_a_foreign_pin_is_named_in_one_line_and_kept_by_the_loader_and_cleanup(
 
 @pytest.fixture
 def lab_setup(tmp_path: Path, pin_dir: Path) -> Iterator[tuple[Lab, Path]]:
-    with Lab() as lab:
-        lab.add_pod("client")
-        for name in ("be1", "be2"):
-            lab.add_pod(name).serve([8080])
+    with web_lab() as lab:
         manifests = tmp_path / "web.yaml"
         backends = [lab.pods["be1"].ipv4, lab.pods["be2"].ipv4]
         manifests.write_text(service_manifest("web", CLUSTER_IP, backends))

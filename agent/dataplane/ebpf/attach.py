@@ -222,9 +222,8 @@ class Attacher:
                       "Services only through the routes: %s", err)  # fmt: skip
             return
         self.socket_hooks = "attached"
-        ours = {self.programs.prog_id(program) for program, _type in socket_programs().values()}
         try:
-            detached = detach_foreign_cgroup_links(os.stat(self.cgroup).st_ino, ours)
+            detached = self.detach_other_agents_hooks()
         except OSError as err:
             log.warning("ebpf: cannot look for other agents' socket hooks on %s: %s",
                         self.cgroup, err)  # fmt: skip
@@ -232,6 +231,13 @@ class Attacher:
         if detached:
             log.info("ebpf: detached another agent's socket hooks from cgroup %s (an earlier "
                      "--bpffs?): %s", self.cgroup, " ".join(detached))  # fmt: skip
+
+    def detach_other_agents_hooks(self) -> list[str]:
+        """Detach the kbp_ programs on our cgroup that are not this agent's (another
+        agent's, e.g. of an earlier --bpffs); what went, as name(link id)."""
+        assert self.cgroup is not None
+        ours = {self.programs.prog_id(program) for program, _type in socket_programs().values()}
+        return detach_foreign_cgroup_links(os.stat(self.cgroup).st_ino, ours)
 
     def release_udp_sockets(self, live_backends: Callable[[], set[tuple[int, str, int]]]) -> None:
         """After an apply that removed backends: destroy the connected UDP sockets the

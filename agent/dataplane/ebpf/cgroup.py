@@ -125,16 +125,10 @@ def _update_held(
     if link_fd is None:
         return False
     info = libbpf.link_info(link_fd)
-    if (info.cgroup_id, info.attach_type) == (cgroup_id, attach_type):
-        try:
-            libbpf.link_update(link_fd, prog_fd)
-        except OSError as err:
-            if err.errno != errno.ENOLINK:
-                raise
-        else:
-            if not pin.exists():
-                libbpf.obj_pin(link_fd, str(pin))
-            return True
+    if (info.cgroup_id, info.attach_type) == (cgroup_id, attach_type) and (
+        libbpf.link_update_and_pin(link_fd, prog_fd, str(pin))
+    ):
+        return True
     os.close(held.pop(hook))  # detached by someone else, or its cgroup went
     return False
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from ...explain.selftest import SelfTest, self_test
+from ...explain.selftest import RESULTS, SelfTest, self_test
 from ...metrics import Metrics
 from ...model.nodestate import NodeState
 from ..base import DataplaneError
@@ -168,14 +168,14 @@ class EbpfDataplane:
         self.programs.close()
 
     def status_details(self) -> dict[str, object]:
-        problems, since = self.keeper.problems()
+        problems, unrepaired = self.integrity()
         tested = self.keeper.self_test
         return {
             **self.links.status(),
             "datapathIntact": {
                 "checks": self.keeper.checks,
                 "problems": problems,
-                "unrepairedSeconds": round(time.monotonic() - since, 1) if since else None,
+                "unrepairedSeconds": round(unrepaired, 1) if unrepaired is not None else None,
                 "selfTest": tested.to_dict() if tested is not None else None,
             },
         }
@@ -190,15 +190,14 @@ class EbpfDataplane:
         self.maps.register_metrics(metrics, service_metrics)
         for what in REPAIRS:  # every series from the start, at 0
             metrics.dataplane_repairs.labels(what)
-        for result in ("pass", "fail", "error"):
+        for result in RESULTS:
             metrics.datapath_self_tests.labels(result)
 
         def tested(test: SelfTest) -> None:
-            result = {True: "pass", False: "fail", None: "error"}[test.passed]
-            metrics.datapath_self_tests.labels(result).inc()
+            metrics.datapath_self_tests.labels(test.result).inc()
 
-        self.keeper.start(lambda what, _detail: metrics.dataplane_repairs.labels(what).inc(),
-                          tested)  # fmt: skip
+        self.keeper.report_to(lambda what, _detail: metrics.dataplane_repairs.labels(what).inc(),
+                              tested)  # fmt: skip
 
 
 def cleanup(pin_dir: Path, attacher: TcAttacher | None = None) -> tuple[list[str], list[str]]:

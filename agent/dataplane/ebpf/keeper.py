@@ -40,7 +40,6 @@ from .abi import MAP_NAMES, versioned
 from .attach import EXTERNAL_HOOKS, HOOKS, XDP_PROGRAM, Attacher
 from .cgroup import (
     CgroupAttachError,
-    detach_foreign_cgroup_links,
     kbp_cgroup_links,
     link_pin,
     socket_programs,
@@ -80,9 +79,9 @@ class Keeper:
         # checks, period 0, asks nothing of the programs).
         self._prog_ids: dict[str, int] = {}
         self._map_ids: dict[str, int] = {}
-        self._problems: list[str] = []
-        self._since: float | None = None  # monotonic time the current problems began
-        self._report: tuple[list[str], float | None] = ([], None)  # both, replaced whole
+        # What the last pass could not put back, and since when (monotonic): replaced
+        # whole, so that readers never wait for the lock.
+        self._report: tuple[list[str], float | None] = ([], None)
         self._left: set[str] = set()  # pins of other objects already reported
         self._repaired: Callable[[str, str], None] = lambda what, detail: None
         # The self-test of the applied state (agent/explain/selftest.py), set by the
@@ -97,19 +96,17 @@ class Keeper:
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._pins = PinWatch(self.pin_dir)
         self._thread: threading.Thread | None = None
-        self.checks = 0
-        self.last_check: float | None = None  # Unix time of the last completed pass
+        self.checks = 0  # passes completed
 
-    def start(
-        self, repaired: Callable[[str, str], None] | None = None,
-        tested: Callable[[Any], None] | None = None,
+    def report_to(
+        self, repaired: Callable[[str, str], None], tested: Callable[[Any], None]
     ) -> None:  # fmt: skip
-        """Check every `period` seconds in a thread; `repaired(what, detail)` is called
-        for each repair, `tested(result)` for each self-test (the metrics)."""
-        if repaired is not None:
-            self._repaired = repaired
-        if tested is not None:
-            self._tested = tested
+        """`repaired(what, detail)` for each repair, `tested(result)` for each
+        self-test (the metrics)."""
+        self._repaired, self._tested = repaired, tested
+
+    def start(self) -> None:
+        """Check every `period` seconds (and when a pin goes) in a thread."""
         if self._thread is None and self.period > 0:
             self._thread = threading.Thread(target=self._main, name="kbp-keeper", daemon=True)
             self._thread.start()
@@ -135,7 +132,8 @@ class Keeper:
     def problems(self) -> tuple[list[str], float | None]:
         """What the last pass found and could not put back, and since when (monotonic).
         Never waits for an apply: the health endpoints ask it on their event loop."""
-        return self._report
+        problems, since = self._report
+        return list(problems), since
 
     def _main(self) -> None:
         while not self._stop.is_set():
@@ -161,7 +159,7 @@ class Keeper:
         """One pass: find what is missing, put it back; returns what could not be."""
         with self._lock:
             if self._stop.is_set() or not self.links.serving:
-                return list(self._problems)  # before the first apply the earlier state serves
+                return self.problems()[0]  # before the first apply the earlier state serves
             if not self._prog_ids:
                 programs = self.programs
                 self._prog_ids = {name: programs.prog_id(name) for name in _kept_programs()}
@@ -173,17 +171,16 @@ class Keeper:
                     problems += part()
                 except (OSError, DataplaneError) as err:
                     problems.append(f"{part.__name__.removeprefix('_check_')}: {err}")
-            if problems and self._since is None:
-                self._since = time.monotonic()
+            since = self._report[1]
+            if problems and since is None:
+                since = time.monotonic()
                 log.error("ebpf: the datapath does not serve its state and could not be "
                           "repaired: %s", "; ".join(problems))  # fmt: skip
-            elif not problems and self._since is not None:
+            elif not problems and since is not None:
                 log.info("ebpf: the datapath serves its state again")
-                self._since = None
-            self._problems = problems
-            self._report = (list(problems), self._since)
+                since = None
+            self._report = (problems, since)
             self.checks += 1
-            self.last_check = time.time()
             if not problems:
                 self._run_self_test()
             return list(problems)
@@ -223,7 +220,7 @@ class Keeper:
         missing = []
         for name, map_id in self._map_ids.items():
             path = self.pin_dir / versioned(name)
-            held = _pinned_id(path, libbpf.map_info)
+            held = _pinned_map_id(path)
             if held == map_id:
                 continue
             if held is not None:
@@ -266,26 +263,28 @@ class Keeper:
                 hooks = EXTERNAL_HOOKS
             else:
                 continue
-            wrong = []
+            wrong: list[tuple[str, str]] = []  # (what kbp_dataplane_repairs counts, why)
             for direction, program in hooks:
                 ids = found.get((link.index, direction), set())
                 if self._prog_ids[program] not in ids:
-                    wrong.append(f"{program} missing on {direction}")
+                    wrong.append(("tc", f"{program} missing on {direction}"))
                 elif len(ids) > 1:
-                    wrong.append(f"another agent's kbp_ program beside {program} on {direction}")
+                    wrong.append(("foreign_program", f"another agent's kbp_ program beside "
+                                  f"{program} on {direction}"))  # fmt: skip
                 elif not tc.pinned(link.index, direction):  # type: ignore[arg-type]
-                    wrong.append(f"the pin of {program}'s link on {direction} removed")
+                    wrong.append(("pin", f"the pin of {program}'s link on {direction} removed"))
             if not wrong:
                 continue
+            why = ", ".join(text for _what, text in wrong)
             try:
                 attached = self.links.attach_tc(link, hooks)
             except DataplaneError as err:
-                problems.append(f"{link.name}: {', '.join(wrong)}; cannot attach: {err}")
+                problems.append(f"{link.name}: {why}; cannot attach: {err}")
                 continue
-            if attached:
-                what = "foreign_program" if all("another" in w for w in wrong) else "tc"
-                what = "pin" if all("the pin" in w for w in wrong) else what
-                self._repair(what, f"tc on {link.name}: {', '.join(wrong)}: attached ours")
+            if attached:  # the worst of what was wrong: a detached program counts as tc
+                kinds = {what for what, _text in wrong}
+                what = next(k for k in ("tc", "foreign_program", "pin") if k in kinds)
+                self._repair(what, f"tc on {link.name}: {why}: attached ours")
         return problems
 
     def _check_xdp(self) -> list[str]:
@@ -314,8 +313,9 @@ class Keeper:
         if cgroup is None or self.links.socket_hooks != "attached":
             return []
         cgroup_id = os.stat(cgroup).st_ino
+        hooks = socket_programs()
         wrong = []
-        for hook, (program, attach_type) in socket_programs().items():
+        for hook, (program, attach_type) in hooks.items():
             link = _pinned_link(link_pin(self.pin_dir, hook))
             if link is None or (link.cgroup_id, link.attach_type, link.prog_id) != (
                 cgroup_id, attach_type, self._prog_ids[program],
@@ -325,7 +325,7 @@ class Keeper:
         if wrong:
             # Still attached (the agent holds each link's fd) when only the pin went.
             running = {prog_id for _link, prog_id, _name in kbp_cgroup_links(cgroup_id)}
-            detached = [h for h in wrong if self._prog_ids[socket_programs()[h][0]] not in running]
+            detached = [h for h in wrong if self._prog_ids[hooks[h][0]] not in running]
             try:
                 self.links.attach_socket_hooks_again()
             except CgroupAttachError as err:
@@ -336,7 +336,7 @@ class Keeper:
             if set(wrong) - set(detached):
                 self._repair("pin", f"socket hooks on cgroup {cgroup}: pinned the links of "
                              f"{' '.join(sorted(set(wrong) - set(detached)))} again")  # fmt: skip
-        detached = detach_foreign_cgroup_links(cgroup_id, set(self._prog_ids.values()))
+        detached = self.links.detach_other_agents_hooks()
         if detached:
             self._repair("foreign_program", f"cgroup {cgroup}: detached {len(detached)} kbp_ "
                          f"program(s) another agent attached: {' '.join(detached)}")  # fmt: skip
@@ -364,14 +364,14 @@ def _opened(path: Path) -> Iterator[int | None]:
         os.close(fd)
 
 
-def _pinned_id(path: Path, info: Callable[[int], libbpf.MapInfo]) -> int | None:
+def _pinned_map_id(path: Path) -> int | None:
     """The id of the map pinned at `path`; None when nothing is pinned there, -1 when
     something that is not a map is."""
     with _opened(path) as fd:
         if fd is None:
             return None
         try:
-            return info(fd).id
+            return libbpf.map_info(fd).id
         except OSError:
             return -1
 
@@ -388,8 +388,8 @@ def _pinned_link(path: Path) -> libbpf.LinkInfo | None:
 
 class PinWatch:
     """inotify on the pin directory: readable when a pin is removed or renamed away, or
-    the directory itself goes. fd is -1 while there is no directory to watch (or no
-    inotify): the keeper then relies on its period."""
+    the directory itself goes. While there is no directory to watch (it went and is not
+    made again yet), or without inotify (fd -1), the keeper relies on its period."""
 
     _MASK = 0x200 | 0x40 | 0x400 | 0x800  # IN_DELETE, IN_MOVED_FROM, IN_DELETE_SELF, IN_MOVE_SELF
 

@@ -414,6 +414,21 @@ def link_update(link_fd: int, prog_fd: int) -> None:
     _check(lib().bpf_link_update(link_fd, prog_fd, ffi.NULL), f"update link fd {link_fd}")
 
 
+def link_update_and_pin(link_fd: int, prog_fd: int, pin: str) -> bool:
+    """Swap the program of a link we hold an fd of, and pin it at `pin` again if that
+    pin was removed. False when the link is defunct (its target went: ENOLINK)."""
+    try:
+        link_update(link_fd, prog_fd)
+    except OSError as err:
+        if err.errno != errno_module.ENOLINK:
+            raise
+        return False
+    if not os.path.exists(pin):
+        os.makedirs(os.path.dirname(pin), exist_ok=True)
+        obj_pin(link_fd, pin)
+    return True
+
+
 def link_detach(link_fd: int) -> None:
     """Detach the link from its hook now, whoever else holds an fd or pin of it."""
     _check(lib().bpf_link_detach(link_fd), f"detach link fd {link_fd}")

@@ -787,19 +787,12 @@ class TcAttacher:
         if link_fd is None:
             return 0
         info = libbpf.link_info(link_fd)
-        if (info.tcx_ifindex, info.tcx_attach_type) != (index, TCX_ATTACH_TYPES[direction]):
+        where = (info.tcx_ifindex, info.tcx_attach_type)
+        if where != (index, TCX_ATTACH_TYPES[direction]) or not libbpf.link_update_and_pin(
+            link_fd, prog_fd, str(pin)
+        ):
             self._release(index, direction)  # defunct: its interface went
             return 0
-        try:
-            libbpf.link_update(link_fd, prog_fd)
-        except OSError as exc:
-            if exc.errno != errno.ENOLINK:
-                raise
-            self._release(index, direction)
-            return 0
-        if not pin.exists():
-            pin.parent.mkdir(parents=True, exist_ok=True)
-            libbpf.obj_pin(link_fd, str(pin))
         return info.id
 
     def _update_pinned(
