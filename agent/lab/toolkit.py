@@ -53,7 +53,11 @@ GATEWAY_IPV6 = "fe80::1"
 
 NO_DAD = {"net.ipv6.conf.all.accept_dad": 0, "net.ipv6.conf.default.accept_dad": 0}
 NO_RP_FILTER = {"net.ipv4.conf.all.rp_filter": 0, "net.ipv4.conf.default.rp_filter": 0}
-POD_SYSCTLS: dict[str, str | int] = {**NO_RP_FILTER, **NO_DAD}
+# Source ports that tests and benchmarks bind on purpose (a fixed 5-tuple) are reserved, so
+# no ephemeral connect() made earlier in the namespace (nor its TIME_WAIT) holds one when
+# the fixed-port client binds it (which would fail with EADDRINUSE).
+FIXED_CLIENT_PORTS = {"net.ipv4.ip_local_reserved_ports": "40000-41999"}
+POD_SYSCTLS: dict[str, str | int] = {**NO_RP_FILTER, **NO_DAD, **FIXED_CLIENT_PORTS}
 NODE_SYSCTLS: dict[str, str | int] = {
     "net.ipv4.ip_forward": 1,
     "net.ipv6.conf.all.forwarding": 1,

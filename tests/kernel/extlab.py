@@ -58,6 +58,7 @@ from pathlib import Path
 from agent.lab.nodelab import NAMESPACE_PREFIX, Lab, Pod, Result, client_argv, client_result
 from agent.lab.toolkit import (
     BPFFS,
+    FIXED_CLIENT_PORTS,
     NO_DAD,
     Built,
     addresses,
@@ -254,7 +255,8 @@ class ExtLab(Built):
             self.nodes[plan.name] = Node(plan, lab, pin_dir, cgroup)
         for number, (name, (ipv4, ipv6)) in enumerate(OUTSIDE_PLANS.items(), start=1):
             ns = self.undo.namespace(self.outside[name],
-                                        {**NO_DAD, "net.ipv4.conf.all.rp_filter": 0})  # fmt: skip
+                                        {**NO_DAD, **FIXED_CLIENT_PORTS,
+                                         "net.ipv4.conf.all.rp_filter": 0})  # fmt: skip
             self._plug(ns, f"o{number}-{EXTERNAL_IFNAME}")
             via = NODE_PLANS[0].ipv4
             ip_batch(ns, [
