@@ -16,10 +16,13 @@ pair IP1 IP2 PORT -n N: N pairs of TCP connections, both of a pair from one sour
   same time, each then echoing a line; prints
   {"pairs": n_both_worked, "errors": {...}, "details": [..]}. --pause: once a pair has
   answered, print {"opened": port} and wait for a line on stdin before the echoes;
-  --second-first: echo on the IP2 connection first.
+  --second-first: echo on the IP2 connection first. --proto udp: two connect()ed UDP
+  sockets instead, each asking for an answer twice, in turns (a socket only hears its
+  own peer, so an answer delivered to the wrong one is a timeout).
 reuse IP1 IP2 PORT -n N: N times, one source port (from --first-port on) used for a TCP
   connection to IP1 that echoes a line and closes with FINs both ways (no RST), then for
   one to IP2 that does the same; prints {"reused": n_both_worked, "errors": .., ..}.
+  --proto udp: a connect()ed UDP socket to each in turn, closed after its answer.
 
 items (the `lab` command's requests): reads {"items": [{"id", "proto": "tcp"|"udp", "ip",
   "port", "n", "timeout", "give_up_after", "peer"}]} as JSON on stdin; TCP items are HTTP
@@ -210,18 +213,31 @@ def run_idle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ask(sock: socket.socket) -> None:
+    """One datagram on a connected UDP socket, and its answer (from the socket's peer)."""
+    sock.send(b"ping")
+    if not sock.recv(4096):
+        raise EOFError("empty answer")
+
+
 def run_pair(args: argparse.Namespace) -> int:
     pairs, errors, details = 0, Counter(), []
+    kind = socket.SOCK_DGRAM if args.proto == "udp" else socket.SOCK_STREAM
     for n in range(args.n):
         port = args.first_port + n
         socks = []
         try:
             for ip in (args.ip1, args.ip2):
-                sock = new_socket(ip, socket.SOCK_STREAM, args.timeout, None)
+                sock = new_socket(ip, kind, args.timeout, None)
                 socks.append(sock)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sock.bind(("::" if family_of(ip) == socket.AF_INET6 else "0.0.0.0", port))
                 sock.connect((ip, args.port))
+            if kind == socket.SOCK_DGRAM:
+                for sock in (*socks, *reversed(socks)):
+                    _ask(sock)
+                pairs += 1
+                continue
             for sock in socks:  # both open at once, then both used
                 read_line(sock)
             if args.pause:  # the test does something to the flows first
@@ -242,15 +258,19 @@ def run_pair(args: argparse.Namespace) -> int:
 def run_reuse(args: argparse.Namespace) -> int:
     """One source port used for ip1, closed with FINs both ways, then for ip2."""
     done, errors, details = 0, Counter(), []
+    kind = socket.SOCK_DGRAM if args.proto == "udp" else socket.SOCK_STREAM
     for n in range(args.n):
         port = args.first_port + n
         try:
             for ip in (args.ip1, args.ip2):
-                with socket.socket(family_of(ip), socket.SOCK_STREAM) as sock:
+                with socket.socket(family_of(ip), kind) as sock:
                     sock.settimeout(args.timeout)
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                     sock.bind(("::" if family_of(ip) == socket.AF_INET6 else "0.0.0.0", port))
                     sock.connect((ip, args.port))
+                    if kind == socket.SOCK_DGRAM:
+                        _ask(sock)
+                        continue
                     read_line(sock)
                     _echo(sock, f"reuse {n}\n".encode())
                     sock.shutdown(socket.SHUT_WR)  # our FIN, then the server's
@@ -340,6 +360,7 @@ def two_services(modes: Any, name: str, first_port: int) -> argparse.ArgumentPar
     mode.add_argument("-n", type=int, default=1)
     mode.add_argument("--first-port", type=int, default=first_port)
     mode.add_argument("--timeout", type=float, default=5.0)
+    mode.add_argument("--proto", choices=("tcp", "udp"), default="tcp")
     return mode
 
 

@@ -480,11 +480,13 @@ static __always_inline void __ct_record_remap(struct kbp_ct_key *forward_key, __
  * frontend is this tuple's earlier flow, and one of a flow that is over is taken over.
  * `lost` (ct_note_lost): the flow lost its entries; if a clash had remapped it, the port
  * kbp_ct_remap recorded is used again whether or not the clash still exists, since the
- * backend knows the flow by it. *sport is the source port to send the packet with
+ * backend knows the flow by it. `clash`: the caller knows the client's own port is taken
+ * at the backend by a flow kbp_ct does not hold (a socket the socket hooks translated), so
+ * the port is remapped at once. *sport is the source port to send the packet with
  * (network order). Returns 0, or -1 when the map refused an entry or no port was free. */
-static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp_service *svc,
-				     __u32 backend_id, const struct kbp_backend *backend,
-				     int hairpin, __u64 now, int lost, __be16 *sport)
+static __always_inline int __ct_create(const struct kbp_tuple *t, const struct kbp_service *svc,
+				       __u32 backend_id, const struct kbp_backend *backend,
+				       int hairpin, __u64 now, int lost, int clash, __be16 *sport)
 {
 	struct kbp_ct_key key = {};
 	struct kbp_ct_entry stored = {}, *entry = &stored;
@@ -502,10 +504,11 @@ static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp
 	__ct_reply_key(t, backend->addr, backend->port, hairpin, &key);
 	__builtin_memcpy(entry->addr, t->daddr, sizeof(entry->addr));
 	entry->port = t->dport;
-	if (remapped || map_insert_ct(&key, entry)) {
-		held = remapped ? NULL : map_lookup_ct(&key);
-		if (!remapped && (hairpin || !held || !__ct_reply_is_other_flow(held, t) ||
-				  __ct_take_over(&key, held, now))) {
+	if (remapped || clash || map_insert_ct(&key, entry)) {
+		held = remapped || clash ? NULL : map_lookup_ct(&key);
+		if (!remapped && !clash &&
+		    (hairpin || !held || !__ct_reply_is_other_flow(held, t) ||
+		     __ct_take_over(&key, held, now))) {
 			if (map_update_ct(&key, entry))
 				return -1;
 		} else {
@@ -528,6 +531,25 @@ static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp
 	if (entry->flags & KBP_CT_F_SPORT)
 		__ct_record_remap(&key, entry->nat_port);
 	return 0;
+}
+
+/* A new flow tc translates (see __ct_create). */
+static __always_inline int ct_create(const struct kbp_tuple *t, const struct kbp_service *svc,
+				     __u32 backend_id, const struct kbp_backend *backend,
+				     int hairpin, __u64 now, int lost, __be16 *sport)
+{
+	return __ct_create(t, svc, backend_id, backend, hairpin, now, lost, 0, sport);
+}
+
+/* A new flow whose client port a socket of the client already uses towards `backend`
+ * (the socket hooks leave it to tc, which must remap it: lib/sock.h). */
+static __always_inline int ct_create_clashing(const struct kbp_tuple *t,
+					      const struct kbp_service *svc, __u32 backend_id,
+					      const struct kbp_backend *backend, __u64 now)
+{
+	__be16 sport;
+
+	return __ct_create(t, svc, backend_id, backend, 0, now, 0, 1, &sport);
 }
 
 /* Record a new flow from outside to a backend on another node, with its source rewritten

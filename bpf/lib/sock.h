@@ -55,6 +55,21 @@
  *     like packets, with 0 bytes.
  *   - Hairpin needs nothing: a pod that is its own Service's backend connects to its own
  *     address, which its namespace delivers locally.
+ *   - A bound source port. Translating at connect() makes the backend's tuple the
+ *     socket's own, and the kernel refuses a TCP connect() whose tuple another socket of
+ *     the namespace holds (EADDRNOTAVAIL: the same port used for two Services that share
+ *     a backend, at once or within the first connection's TIME_WAIT), where kube-proxy's
+ *     NAT would have remapped the port. So a pod's socket that has its port before
+ *     connect() (bound explicitly) is checked first (sock_tuple_taken): when a socket of
+ *     the pod's namespace holds the translated tuple (TCP: established or TIME_WAIT; UDP:
+ *     connected to that backend), or tc's conntrack has a flow under it, the hook leaves
+ *     the connection untranslated and tc translates it per packet, with the port remapped
+ *     (sock_leave_to_tc writes the flow's entries for tc, since tc cannot see the other
+ *     socket). An unconnected UDP socket that sends to two frontends sharing a backend
+ *     is handled the same way for the second one (its kbp_sock_rev record names the
+ *     first). Sockets the kernel gives a port to after the hook (every unbound TCP or
+ *     UDP connect()) pay nothing for this. The node's own sockets have no tc to fall back
+ *     to: theirs are translated as before.
  *   - Only TCP and UDP sockets (ctx->protocol) are translated; SCTP passes, as at tc.
  *   - A connected socket keeps the backend it was given. When that backend leaves the
  *     service, the agent destroys connected UDP sockets still pointed at it (they would
@@ -106,6 +121,7 @@ struct sock_user_addr {
 struct sock_client {
 	const __be32 *addr4; /* the pod's or the node's IPv4 address (word 0; 0: none) */
 	const __be32 *addr6;
+	__u8 pod; /* a pod's socket: its packets meet tc on the pod's veth */
 };
 
 /* Is this socket one the connect/sendmsg hooks translate (kbp_config.sock_lb, `config`
@@ -132,6 +148,7 @@ static __always_inline int sock_client_of(void *ctx, const struct kbp_config *co
 		return 0;
 	client->addr4 = pod->addr4;
 	client->addr6 = pod->addr6;
+	client->pod = 1;
 	return 1;
 }
 
@@ -303,10 +320,12 @@ static __always_inline int sock_refuse_empty_set(const struct kbp_service *svc)
  * is new (the socket's first flow to this backend: a new flow for the counters and for
  * affinity), 0 when it was already there. An unconnected UDP socket comes here on every
  * sendmsg(), hence the lookup before the (costlier) update. A failed update is ignored:
- * the flow still works, only recvmsg/getpeername would show the backend. */
+ * the flow still works, only recvmsg/getpeername would show the backend. `keep_other`: an
+ * entry that names another frontend for this backend is kept and -1 returned (the socket
+ * sends to two frontends that share this backend, from one port: see sock_leave_to_tc). */
 static __always_inline int sock_remember_frontend(__u64 cookie, const struct kbp_backend *backend,
 						  const struct sock_user_addr *frontend,
-						  __u32 service_id)
+						  __u32 service_id, int keep_other)
 {
 	struct kbp_sock_key key = {};
 	struct kbp_sock_rev rev = {};
@@ -320,6 +339,9 @@ static __always_inline int sock_remember_frontend(__u64 cookie, const struct kbp
 	if (known && lb_addr_equal(known->addr, frontend->addr) && known->port == frontend->port &&
 	    known->service_id == service_id)
 		return 0;
+	if (known && keep_other && (known->port != frontend->port ||
+				    !lb_addr_equal(known->addr, frontend->addr)))
+		return -1;
 	__builtin_memcpy(rev.addr, frontend->addr, sizeof(rev.addr));
 	rev.port = frontend->port;
 	rev.service_id = service_id;
@@ -392,7 +414,7 @@ static __always_inline int sock_remember_peer(struct bpf_sock_addr *ctx, __u64 c
 	struct kbp_sock_peer *peer = sock_peer_claim(ctx, cookie, &fresh);
 
 	if (!peer)
-		return sock_remember_frontend(cookie, backend, frontend, service_id);
+		return sock_remember_frontend(cookie, backend, frontend, service_id, 0);
 	if (!fresh && peer->service_id == service_id && peer->backend_port == backend->port &&
 	    peer->frontend_port == frontend->port && lb_addr_equal(peer->backend, backend->addr) &&
 	    lb_addr_equal(peer->frontend, frontend->addr))
@@ -425,6 +447,106 @@ static __always_inline void sock_forget_tc_flow(const struct kbp_tuple *t,
 	ct_forget_reply_to(&direct);
 }
 
+/* Who holds the tuple a pod's socket bound to port t->sport would have once pointed at
+ * `backend` (see "A bound source port" above). */
+#define SOCK_TUPLE_FREE 0
+#define SOCK_TUPLE_SOCKET 1 /* a socket of the pod's namespace has it as its own tuple */
+#define SOCK_TUPLE_TC 2     /* kbp_ct has a reply entry under it: a flow tc translated */
+
+/* Is this socket (a UDP one the lookup found) connected to `backend`? The fields are read
+ * first, each at its constant offset: the verifier allows no pointer arithmetic on a
+ * socket, which the compiler would otherwise use for the address words. */
+static __always_inline int sock_is_connected_to(struct bpf_sock *sk,
+						const struct kbp_backend *backend)
+{
+	__be32 peer[4];
+	__be16 port = (__be16)sk->dst_port;
+
+	if (backend->family == KBP_FAMILY_IPV4) {
+		peer[0] = sk->dst_ip4;
+		return port == backend->port && peer[0] == backend->addr[0];
+	}
+	peer[0] = sk->dst_ip6[0];
+	peer[1] = sk->dst_ip6[1];
+	peer[2] = sk->dst_ip6[2];
+	peer[3] = sk->dst_ip6[3];
+	return port == backend->port && lb_addr_equal(peer, backend->addr);
+}
+
+/* The lookups of SOCK_TUPLE_*: the kernel's socket tables of the socket's own namespace,
+ * asked as for a packet the backend would send to the client (TCP: established and
+ * TIME_WAIT sockets count, a listener does not; UDP: a socket connected to the backend),
+ * then tc's conntrack for a reply entry under the same tuple. */
+static __always_inline int sock_tuple_taken(struct bpf_sock_addr *ctx, const struct kbp_tuple *t,
+					    const struct kbp_backend *backend)
+{
+	struct bpf_sock_tuple tuple = {};
+	struct kbp_ct_key key = {};
+	struct bpf_sock *sk;
+	int size = sizeof(tuple.ipv4);
+	int taken = 0;
+
+	if (t->family == KBP_FAMILY_IPV4) {
+		tuple.ipv4.saddr = backend->addr[0];
+		tuple.ipv4.daddr = t->saddr[0];
+		tuple.ipv4.sport = backend->port;
+		tuple.ipv4.dport = t->sport;
+	} else {
+		__builtin_memcpy(tuple.ipv6.saddr, backend->addr, sizeof(tuple.ipv6.saddr));
+		__builtin_memcpy(tuple.ipv6.daddr, t->saddr, sizeof(tuple.ipv6.daddr));
+		tuple.ipv6.sport = backend->port;
+		tuple.ipv6.dport = t->sport;
+		size = sizeof(tuple.ipv6);
+	}
+	if (t->proto == IPPROTO_TCP) {
+		sk = bpf_skc_lookup_tcp(ctx, &tuple, size, BPF_F_CURRENT_NETNS, 0);
+		if (sk) {
+			taken = sk->state != BPF_TCP_LISTEN;
+			bpf_sk_release(sk);
+		}
+	} else {
+		sk = bpf_sk_lookup_udp(ctx, &tuple, size, BPF_F_CURRENT_NETNS, 0);
+		if (sk) {
+			taken = sock_is_connected_to(sk, backend);
+			bpf_sk_release(sk);
+		}
+	}
+	if (taken)
+		return SOCK_TUPLE_SOCKET;
+	__ct_reply_key(t, backend->addr, backend->port, 0, &key);
+	if (map_lookup_ct(&key))
+		return SOCK_TUPLE_TC;
+	return SOCK_TUPLE_FREE;
+}
+
+/* Leave a pod's connect() or datagram to `t`'s frontend untranslated, for tc on the pod's
+ * veth to translate per packet (see "A bound source port" above). The backend is the one
+ * the hook chose, which is tc's choice too (the flow hash of the same tuple). When a
+ * socket of the pod holds the tuple (SOCK_TUPLE_SOCKET) kbp_ct knows nothing of it, so the
+ * flow's entries are written here with the client's port remapped, as tc would after a
+ * clash it could see; a flow tc holds (SOCK_TUPLE_TC) is tc's own clash to settle, and a
+ * hairpin flow's source is rewritten anyway. A datagram of a UDP flow already written
+ * adds nothing. */
+static __always_inline int sock_leave_to_tc(const struct kbp_tuple *t,
+					    const struct kbp_service *svc, __u32 backend_id,
+					    const struct kbp_backend *backend,
+					    struct kbp_affinity *affinity, __u64 now, int taken)
+{
+	struct kbp_ct_entry *flow;
+
+	if (taken != SOCK_TUPLE_SOCKET || lb_addr_equal(t->saddr, backend->addr))
+		return KBP_SOCK_ALLOW;
+	if (t->proto == IPPROTO_UDP && (flow = ct_lookup_forward(t)) &&
+	    (flow->flags & KBP_CT_F_SPORT) && ct_backend_is_current(flow, svc) &&
+	    flow->backend_id == backend_id)
+		return KBP_SOCK_ALLOW;
+	if (ct_create_clashing(t, svc, backend_id, backend, kbp_now()))
+		return sock_refuse(svc, KBP_DROP_NO_SNAT_PORT, EADDRNOTAVAIL);
+	lb_refresh_affinity(t, svc, now, backend_id, affinity);
+	count_new_flow(svc->service_id);
+	return KBP_SOCK_ALLOW;
+}
+
 /* connect() (`connected`) or sendmsg() of a socket (bound to `bound`, if at all) to
  * `frontend`: on success `*backend_out` names the address to write; returns
  * KBP_SOCK_ALLOW with *backend_out NULL when the destination is not a service (or the
@@ -443,6 +565,7 @@ static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
 	__u32 set_id, count, backend_id = 0;
 	__u8 proto = sock_proto_of(protocol);
 	__u64 cookie, now;
+	int taken, known;
 
 	*backend_out = NULL;
 	/* Most connect()s go to no Service: the port, then the frontend, say so before the
@@ -477,8 +600,16 @@ static __always_inline int sock_lb_select(struct bpf_sock_addr *ctx,
 	/* Service ids are per family: a backend of another family means a corrupt entry. */
 	if (backend->family != frontend->family)
 		return sock_refuse(svc, KBP_DROP_NAT_FAILED, EHOSTUNREACH);
-	if (connected ? sock_remember_peer(ctx, cookie, backend, frontend, svc->service_id)
-		      : sock_remember_frontend(cookie, backend, frontend, svc->service_id)) {
+	if (connected && t.sport != 0 && client.pod &&
+	    (taken = sock_tuple_taken(ctx, &t, backend)) != SOCK_TUPLE_FREE)
+		return sock_leave_to_tc(&t, svc, backend_id, backend, affinity, now, taken);
+	known = connected ? sock_remember_peer(ctx, cookie, backend, frontend, svc->service_id)
+			  : sock_remember_frontend(cookie, backend, frontend, svc->service_id,
+						   client.pod);
+	if (known < 0)
+		return sock_leave_to_tc(&t, svc, backend_id, backend, affinity, now,
+					SOCK_TUPLE_SOCKET);
+	if (known) {
 		lb_refresh_affinity(&t, svc, now, backend_id, affinity);
 		count_new_flow(svc->service_id);
 		sock_forget_tc_flow(&t, backend);

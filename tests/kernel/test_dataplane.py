@@ -42,6 +42,7 @@ from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.maps import MapSizes
 from agent.dataplane.ebpf.pods import cookie_key
 from agent.lab.nodelab import Lab, Pod, Stream
+from agent.lab.toolkit import PODCLIENT
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState
 
@@ -384,6 +385,34 @@ def test_one_client_port_alternating_between_a_service_and_its_backend(
             env.running().conntrack.run_once()  # type: ignore[attr-defined]
         result = client.connect_many(ip, target, "tcp", 1, source_port=port)
         assert result.counts == {"be1": 1}, (ip, result.details)
+
+
+@pytest.mark.parametrize("protocol", ["tcp", "udp"])
+@pytest.mark.parametrize("mode", ["reuse", "pair"])
+def test_a_bound_client_port_reaches_two_services_that_share_their_backend(
+    env: Env, mode: str, protocol: str
+) -> None:
+    """A client binds one source port for two Services whose only endpoint is the same
+    pod: `reuse`, one after the other (TCP: the first closed, its TIME_WAIT held by the
+    client), `pair`, both open at once. kube-proxy's NAT remaps the clashing port; so must
+    we. Translated at connect(), the second socket's tuple would be the first's, which the
+    kernel refuses (TCP) or confuses (UDP answers reach the wrong socket): the socket hook
+    leaves it to tc, which remaps it (counted as a remap)."""
+    first, ip_a, _ = service(env, f"{mode}-{protocol}-a", backends(env, "be1"),
+                             protocol=protocol.upper())  # fmt: skip
+    second, ip_b, _ = service(env, f"{mode}-{protocol}-b", backends(env, "be1"),
+                              protocol=protocol.upper())  # fmt: skip
+    env.program(*first, *second)
+    ebpf = env.running() if isinstance(env.running(), EbpfDataplane) else None
+    remapped = ebpf.conntrack.remapped_total() if ebpf else 0  # type: ignore[attr-defined]
+    first_port = {"pair": 20000, "reuse": 21000}[mode] + (100 if protocol == "udp" else 0)
+    out = env.pod("client1").run(sys.executable, str(PODCLIENT), mode, ip_a, ip_b, "80",
+                                 "-n", "20", "--proto", protocol,
+                                 "--first-port", str(first_port), timeout=240)  # fmt: skip
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["pairs" if mode == "pair" else "reused"] == 20, report
+    if ebpf is not None and (mode == "pair" or protocol == "tcp") and env.sockets_translated:
+        assert ebpf.conntrack.remapped_total() - remapped >= 20  # type: ignore[attr-defined]
 
 
 @not_on("iptables", "kbp_ct_gate is the eBPF dataplane's")
