@@ -2,6 +2,13 @@
 slots, live conntrack and affinity entries), and the backend the attached program picks
 for this exact packet, by running it with BPF_PROG_TEST_RUN against the live maps.
 
+A pod whose connect()s the socket hooks translate (--socket-lb all) never meets the tc
+program: the hook picks its backend, by the flow hash of the 5-tuple when the socket has
+a bound source port (the same rule as tc, so the dry run's choice is the hook's) and by
+the socket's cookie otherwise. The report says which path the connection takes, and for a
+bound source port whose translated tuple is taken (by a socket of the pod's namespace, or
+a flow in tc's conntrack) that the hook leaves it to tc.
+
 The run carries KBP_EXPLAIN_MARK in its context, under which the programs write no
 conntrack, affinity or counter entry (bpf/maps.c): what they would have written lands in
 the per-CPU scratch map kbp_explain, which this module clears before and reads after.
@@ -12,7 +19,9 @@ that namespace's).
 from __future__ import annotations
 
 import os
+import socket
 import struct
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -25,7 +34,7 @@ from ..dataplane.ebpf.inspect import BACKEND_FLAGS, SERVICE_FLAGS, flag_names
 from ..dataplane.ebpf.libbpf import Map
 from ..dataplane.ebpf.maps import FrontendKey
 from ..model.nodestate import CLUSTER_IP, Backend, NodeState
-from .semantics import NODE, NOT_A_SERVICE, OUTSIDE, Explanation, address
+from .semantics import NODE, NOT_A_SERVICE, OUTSIDE, POD, Explanation, address
 
 DEFAULT_SPORT = 40000  # the source port of the packet when --sport is not given
 TC_ACT_OK, TC_ACT_SHOT, TC_ACT_REDIRECT = 0, 2, 7
@@ -37,6 +46,8 @@ MAPS = (
     "kbp_affinity",
     "kbp_meta",
     "kbp_explain",
+    "kbp_config",
+    "kbp_pods",
 )
 # What a dry run leaves in kbp_explain, as the programs filled it.
 SCRATCH = "kbp_explain"
@@ -79,6 +90,7 @@ def explain_ebpf(
 ) -> tuple[dict[str, Any], Backend | None, list[str]]:
     """(the report's kernel section, the backend the program chose if any, disagreements
     with the NodeState)."""
+    bound = sport is not None
     sport = sport or DEFAULT_SPORT
     fe = ex.frontend
     dst_ip = fe.ip if fe else target.ip
@@ -121,6 +133,7 @@ def explain_ebpf(
                 )
             lines += _service_lines(maps, svc, ex, source, disagree)
         lines += _live_lines(maps, source.ip, sport, dst_ip, dst_port, proto, svc)
+        pod_netns = _translating_hook(maps, pin_dir, source.ip) if source.kind == POD else None
     section: dict[str, Any] = {"dataplane": "ebpf", "lines": lines}
     if source.kind == NODE:
         section["summary"] = (
@@ -134,6 +147,11 @@ def explain_ebpf(
     section["program"] = run.program
     section["outcome"] = outcome
     section["lines"] = lines + _scratch_lines(run.scratch)
+    section["path"] = "tc"
+    if pod_netns is not None:
+        with _maps(pin_dir) as maps:
+            _through_the_hook(section, maps, pod_netns, source.ip, sport if bound else None,
+                              chosen, ex.protocol)  # fmt: skip
     if outcome != ex.outcome:
         disagree.append(
             f"the NodeState says {ex.outcome}, the program answered {outcome} ({summary})"
@@ -143,13 +161,131 @@ def explain_ebpf(
             f"the program chose {address(chosen.ip, chosen.port)}, which the "
             f"NodeState's {ex.set_name} does not list"
         )
+    summary = section["summary"]
     if outcome != ex.outcome:
         section["verdict"] = f"{outcome} by the kernel: {summary}"
+    elif outcome == "backends" and section["path"] == "socket hook":
+        section["note"] = (
+            f"; the socket hook picks it at connect() for source port {sport} (bound)"
+            if bound
+            else f"; the socket hook picks by the socket's cookie ({sport} bound: this one)"
+        )
     elif outcome == "backends":
         section["note"] = f"; the attached program picks it for source port {sport}"
     else:
         section["note"] = f" (the attached program: {summary})"
     return section, chosen, disagree
+
+
+# --- the socket hooks ----------------------------------------------------------------------
+
+
+def _translating_hook(maps: dict[str, Map], pin_dir: Path, ip: str) -> int | None:
+    """The network namespace cookie of the pod with address `ip` when the socket hooks
+    translate its connect()s: the connect hook of the address's family is attached (its
+    link pinned), kbp_config says the pods' sockets are translated (--socket-lb all) and
+    kbp_pods lists the pod. None: its connections go through tc."""
+    from ..dataplane.ebpf.cgroup import socket_hooks_pinned  # pyroute2, through netlink
+
+    family = abi.family_of(ip)
+    hook = "connect4" if family == const.KBP_FAMILY_IPV4 else "connect6"
+    if hook not in socket_hooks_pinned(pin_dir):
+        return None
+    raw = maps["kbp_config"].lookup(_u32(0))
+    if raw is None or not abi.from_bytes("kbp_config", raw).sock_lb & const.KBP_SOCK_LB_PODS:
+        return None
+    want = abi.addr_bytes(ip)
+    at = 0 if family == const.KBP_FAMILY_IPV4 else 16
+    for key, value in maps["kbp_pods"].items():
+        if value[at : at + 16] == want:
+            return int.from_bytes(key, sys.byteorder)
+    return None
+
+
+def _through_the_hook(
+    section: dict[str, Any],
+    maps: dict[str, Map],
+    netns_cookie: int,
+    src: str,
+    sport: int | None,
+    chosen: Backend | None,
+    protocol: str,
+) -> None:
+    """Rewrite the dry run's summary for a connection the socket hook translates at
+    connect() (lib/sock.h): where tc would refuse or drop, connect() fails; a backend is
+    the hook's (the flow hash for a bound port, the cookie otherwise); a bound port whose
+    translated tuple is taken falls to tc."""
+    tc = section["summary"]
+    outcome = section["outcome"]
+    section["path"] = "socket hook"
+    if outcome == "refused":
+        section["summary"] = f"connect() fails with ECONNREFUSED at the socket hook (tc: {tc})"
+        return
+    if outcome == "dropped":
+        section["summary"] = f"connect() fails with EHOSTUNREACH at the socket hook (tc: {tc})"
+        return
+    if outcome != "backends" or chosen is None:
+        return
+    target = address(chosen.ip, chosen.port)
+    if sport is None:
+        section["summary"] = (
+            f"translated at connect() by the socket hook, never seen by tc: a socket "
+            f"without a bound port gets a backend by its cookie, evenly over the set; "
+            f"bound to source port {DEFAULT_SPORT}, {target} (the flow hash, tc's rule)"
+        )
+        return
+    holders = _tuple_holders(maps, netns_cookie, src, sport, chosen, protocol)
+    if holders:
+        section["path"] = "tc"
+        section["summary"] = (
+            f"falls to tc: {' and '.join(holders)} already holds {address(src, sport)} -> "
+            f"{target}, so the socket hook leaves this connect() untranslated and tc "
+            f"translates it per packet, the source port remapped into --snat-port-range "
+            f"(tc: {tc})"
+        )
+        return
+    section["summary"] = (
+        f"translated at connect() by the socket hook to {target} (a bound source port: "
+        f"the flow hash of its 5-tuple, tc's rule); no conntrack entry is written"
+    )
+
+
+def _tuple_holders(
+    maps: dict[str, Map], netns_cookie: int, src: str, sport: int, chosen: Backend, protocol: str
+) -> list[str]:
+    """Who holds src:sport -> chosen as its tuple, as the hook asks (sock_tuple_taken): a
+    socket of the pod's namespace (by sock_diag in it), a flow in tc's conntrack (a reply
+    entry under the same tuple)."""
+    from ..dataplane.ebpf import sockdiag
+    from ..dataplane.ebpf.netlink import run_in_netns  # pyroute2
+    from ..dataplane.ebpf.pods import netns_path_of
+
+    found = []
+    proto = PROTOCOLS[protocol]
+    path = netns_path_of(netns_cookie)
+    states = (
+        run_in_netns(
+            path, lambda: sockdiag.tuple_holders(proto, src, sport, chosen.ip, chosen.port)
+        )
+        if path is not None
+        else []
+    )
+    if states:
+        kind = "TCP" if proto == socket.IPPROTO_TCP else "connected UDP"
+        found.append(f"a {kind} socket of the pod ({', '.join(sorted(set(states)))})")
+    family = abi.family_of(src)
+    key = packer("kbp_ct_key").pack(
+        abi.addr_bytes(chosen.ip),
+        abi.addr_bytes(src),
+        abi.port_bytes(chosen.port),
+        abi.port_bytes(sport),
+        proto,
+        family,
+        const.KBP_CT_REPLY,
+    )
+    if maps["kbp_ct"].lookup(key) is not None:
+        found.append("a flow in tc's conntrack")
+    return found
 
 
 def _service_lines(

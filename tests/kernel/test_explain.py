@@ -15,6 +15,8 @@ import json
 import os
 import signal
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,10 +37,15 @@ WEB, EMPTY, AWAY = "10.96.0.80", "10.96.0.81", "10.96.0.82"
 SOURCE_PORTS = range(41001, 41013)
 SCRATCH = "kbp_explain"  # explain's own scratch map: the only one a dry run writes
 
+
 @contextmanager
-def agent_lab(tmp_path: Path, dataplane: str) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+def agent_lab(
+    tmp_path: Path, dataplane: str, socket_hooks: bool = False
+) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+    """`socket_hooks`: the pods' processes in a cgroup of the lab's, where the agent
+    attaches its socket hooks (--socket-lb all translates the pods' connect()s)."""
     pin_dir = BPFFS / f"kbp-test-explain-{os.getpid()}-{time.monotonic_ns()}"
-    with Lab() as lab:
+    with Lab(cgroup=socket_hooks) as lab:
         lab.add_pod("client")
         backends = [lab.add_pod(name) for name in ("be1", "be2", "be3")]
         for pod in backends:
@@ -51,6 +58,8 @@ def agent_lab(tmp_path: Path, dataplane: str) -> Iterator[tuple[Lab, Path, Path,
         )
         argv = run_argv(manifests, "node-a", dataplane, "--bpffs", str(pin_dir),
                         "--conntrack-tcp-timeout-time-wait", "5m")  # fmt: skip
+        if socket_hooks:
+            argv += ["--cgroup-root", str(lab.cgroup), "--socket-lb", "all"]
         agent = AgentProcess(lab.node_ns, argv, "node-a")
         try:
             agent.wait_for_line("sync: applied revision")
@@ -64,6 +73,12 @@ def agent_lab(tmp_path: Path, dataplane: str) -> Iterator[tuple[Lab, Path, Path,
 @pytest.fixture
 def setup(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
     with agent_lab(tmp_path, "ebpf") as found:
+        yield found
+
+
+@pytest.fixture
+def setup_socket_hooks(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+    with agent_lab(tmp_path, "ebpf", socket_hooks=True) as found:
         yield found
 
 
@@ -187,3 +202,56 @@ def test_iptables_explain_traces_the_live_rules(setup_iptables) -> None:
                       "--to", f"{address}:80/TCP")  # fmt: skip
         assert doc["kernel"]["outcome"] == doc["semantics"]["outcome"] == outcome, doc
         assert doc["disagreements"] == [], doc
+
+
+# Holds one TCP connection from a bound source port to a Service open until stdin closes;
+# prints the backend's greeting (its pod name).
+HOLD = """
+import socket, sys
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("0.0.0.0", {port}))
+sock.connect(("{ip}", 80))
+print(sock.recv(100).decode().strip(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_pods_connect_is_explained_as_the_socket_hook_translates_it(setup_socket_hooks) -> None:
+    """With the pods' sockets translated at connect(), explain says so: an unbound socket
+    is balanced by its cookie; a bound port gets the flow hash's backend, which is the one
+    a real connection from that port reaches; while a connection from that port holds the
+    translated tuple, explain says a second one falls to tc, and a second one does work."""
+    lab, _, pin_dir, agent = setup_socket_hooks
+    client = lab.pods["client"]
+    by_ip = {lab.pods[n].ipv4: n for n in ("be1", "be2", "be3")}
+    query = [*from_agent(agent, pin_dir), "--from", client.ipv4, "--to", f"{WEB}:80/TCP"]
+    unbound = explain(lab, *query)
+    assert unbound["kernel"]["path"] == "socket hook", unbound
+    assert "by its cookie" in unbound["kernel"]["summary"], unbound
+    refused = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                      "--to", f"{EMPTY}:80/TCP")  # fmt: skip
+    assert refused["kernel"]["outcome"] == "refused", refused
+    assert "ECONNREFUSED" in refused["kernel"]["summary"], refused
+    assert client.connect_many(EMPTY, 80, "tcp", 1).errors == {"refused": 1}
+
+    port = SOURCE_PORTS[0]
+    bound = explain(lab, *query, "--sport", str(port))
+    assert bound["kernel"]["path"] == "socket hook", bound
+    assert bound["disagreements"] == [], bound
+    chosen = bound["kernel"]["summary"].split(" to ", 1)[1].split(" ", 1)[0]
+    assert "picks it at connect() for source port" in bound["verdict"], bound
+
+    holder = subprocess.Popen(client.argv([sys.executable, "-c", HOLD.format(port=port, ip=WEB)]),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        assert by_ip[chosen.split(":")[0]] == holder.stdout.readline().strip()
+        taken = explain(lab, *query, "--sport", str(port))
+        assert taken["kernel"]["path"] == "tc", taken
+        assert taken["kernel"]["summary"].startswith("falls to tc: a TCP socket of the pod "
+                                                     "(ESTABLISHED)"), taken  # fmt: skip
+        second = client.connect_many(WEB, 80, "tcp", 1, source_port=port)
+        assert second.counts == {by_ip[chosen.split(":")[0]]: 1}, second
+    finally:
+        holder.communicate(timeout=10)

@@ -83,6 +83,16 @@ def _namespace_paths() -> Iterator[str]:
         yield from [f"{PROC}/{entry}/ns/net" for entry in os.listdir(PROC) if entry.isdigit()]
 
 
+def netns_path_of(cookie: int) -> str | None:
+    """A path to the network namespace with this cookie (kbp_pods' key), or None: every
+    namespace this process can open is asked (for one-off readers such as `explain`)."""
+    for path in _candidates():
+        with contextlib.suppress(OSError):
+            if run_in_netns(path, cookie_of_this_netns) == cookie:
+                return path
+    return None
+
+
 def _read_pod(path: str, peer_index: int) -> tuple[int, list[str]]:
     """(cookie, addresses of interface peer_index) of the namespace at `path`."""
     return run_in_netns(path, lambda: (cookie_of_this_netns(), interface_addresses(peer_index)))

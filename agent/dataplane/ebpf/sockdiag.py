@@ -74,26 +74,59 @@ def _peer_of(family: int, dst: bytes) -> str:
     return str(mapped if mapped is not None else address)
 
 
-def connected_udp() -> list[UdpSocket]:
-    """Every connected UDP socket (IPv4 and IPv6) of this thread's namespace."""
-    found: list[UdpSocket] = []
+def _dump(protocol: int, states: int) -> Iterator[tuple[int, int, bytes]]:
+    """(family, state, raw inet_diag_sockid) of this thread's namespace's sockets of
+    `protocol` (IPv4 and IPv6) in the states of the bit mask `states`."""
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC,
                        NETLINK_SOCK_DIAG) as sock:  # fmt: skip
         sock.settimeout(5)
         for family in (socket.AF_INET, socket.AF_INET6):
-            body = _REQUEST.pack(family, socket.IPPROTO_UDP, 0, 1 << _TCP_ESTABLISHED)
+            body = _REQUEST.pack(family, protocol, 0, states)
             _request(sock, SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, body + bytes(48))
             for kind, payload in _messages(sock):
-                if kind != SOCK_DIAG_BY_FAMILY or len(payload) < 4 + 48:
-                    continue
-                msg_family = payload[0]
-                sockid = payload[4 : 4 + 48]
-                _sport, dport = _PORTS.unpack_from(sockid, 0)
-                _ifindex, low, high = _TAIL.unpack_from(sockid, 36)
-                if dport == 0:
-                    continue
-                peer = _peer_of(msg_family, sockid[20:36])
-                found.append(UdpSocket(msg_family, sockid, low | high << 32, peer, dport))
+                if kind == SOCK_DIAG_BY_FAMILY and len(payload) >= 4 + 48:
+                    yield payload[0], payload[1], payload[4 : 4 + 48]
+
+
+def connected_udp() -> list[UdpSocket]:
+    """Every connected UDP socket (IPv4 and IPv6) of this thread's namespace."""
+    found: list[UdpSocket] = []
+    for msg_family, _state, sockid in _dump(socket.IPPROTO_UDP, 1 << _TCP_ESTABLISHED):
+        _sport, dport = _PORTS.unpack_from(sockid, 0)
+        _ifindex, low, high = _TAIL.unpack_from(sockid, 36)
+        if dport == 0:
+            continue
+        peer = _peer_of(msg_family, sockid[20:36])
+        found.append(UdpSocket(msg_family, sockid, low | high << 32, peer, dport))
+    return found
+
+
+# TCP states (include/net/tcp_states.h) by number, for tuple_holders' answer.
+TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2",
+              6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN",
+              11: "CLOSING"}  # fmt: skip
+_NOT_HOLDING = {7, 10}  # a closed socket or a listener holds no connection's tuple
+
+
+def tuple_holders(
+    protocol: int, local: str, local_port: int, peer: str, peer_port: int
+) -> list[str]:
+    """The states of this thread's namespace's sockets whose own tuple is local:local_port
+    to peer:peer_port (TCP: any state that holds a connection, TIME_WAIT included; UDP:
+    connected ones, reported as ESTABLISHED): what makes the kernel refuse (TCP) or
+    misdeliver (UDP) a second socket with that tuple. IPv4 addresses also match
+    v4-mapped IPv6 sockets."""
+    want_local, want_peer = ipaddress.ip_address(local), ipaddress.ip_address(peer)
+    states = (1 << _TCP_ESTABLISHED) if protocol == socket.IPPROTO_UDP else 0xFFFFFFFF
+    found = []
+    for msg_family, state, sockid in _dump(protocol, states):
+        sport, dport = _PORTS.unpack_from(sockid, 0)
+        if (sport, dport) != (local_port, peer_port) or state in _NOT_HOLDING:
+            continue
+        src = ipaddress.ip_address(_peer_of(msg_family, sockid[4:20]))
+        dst = ipaddress.ip_address(_peer_of(msg_family, sockid[20:36]))
+        if (src, dst) == (want_local, want_peer):
+            found.append(TCP_STATES.get(state, str(state)))
     return found
 
 
