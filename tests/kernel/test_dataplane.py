@@ -577,6 +577,21 @@ def test_terminating_endpoints_serve_when_none_is_ready(env: Env) -> None:
     assert result.counts == {"be3": 10}
 
 
+def test_zone_hints_keep_connections_to_this_nodes_zone(env: Env) -> None:
+    """Topology hints (every endpoint hinted): node-a is in zone-1, so only the endpoints
+    hinted for zone-1 serve it; the one hinted for zone-2 gets nothing."""
+    endpoints = [
+        make_endpoint(env.pod("be1").ipv4, "node-a", zone="zone-1", zone_hints=["zone-1"]),
+        make_endpoint(env.pod("be2").ipv4, "node-a", zone="zone-1", zone_hints=["zone-1"]),
+        make_endpoint(env.pod("be3").ipv4, "node-a", zone="zone-2", zone_hints=["zone-2"]),
+    ]
+    objects, ip4, _ = service(env, "zoned", endpoints)
+    env.program(*objects)
+    result = env.pod("client1").connect_many(ip4, 80, "tcp", 30)
+    assert result.errors == {}, result.details
+    assert set(result.counts) == {"be1", "be2"}, result.counts
+
+
 @pytest.mark.parametrize("protocol", ["tcp", "udp"])
 def test_pod_reaching_its_own_service_is_served_by_itself(env: Env, protocol: str) -> None:
     objects, ip4, _ = service(env, f"hairpin-{protocol}", backends(env, "be1"),
