@@ -387,10 +387,11 @@ def test_one_client_port_alternating_between_a_service_and_its_backend(
         assert result.counts == {"be1": 1}, (ip, result.details)
 
 
+@pytest.mark.parametrize("family", [4, 6], ids=["ipv4", "ipv6"])
 @pytest.mark.parametrize("protocol", ["tcp", "udp"])
 @pytest.mark.parametrize("mode", ["reuse", "pair"])
 def test_a_bound_client_port_reaches_two_services_that_share_their_backend(
-    env: Env, mode: str, protocol: str
+    env: Env, mode: str, protocol: str, family: int
 ) -> None:
     """A client binds one source port for two Services whose only endpoint is the same
     pod: `reuse`, one after the other (TCP: the first closed, its TIME_WAIT held by the
@@ -398,14 +399,16 @@ def test_a_bound_client_port_reaches_two_services_that_share_their_backend(
     we. Translated at connect(), the second socket's tuple would be the first's, which the
     kernel refuses (TCP) or confuses (UDP answers reach the wrong socket): the socket hook
     leaves it to tc, which remaps it (counted as a remap)."""
-    first, ip_a, _ = service(env, f"{mode}-{protocol}-a", backends(env, "be1"),
-                             protocol=protocol.upper())  # fmt: skip
-    second, ip_b, _ = service(env, f"{mode}-{protocol}-b", backends(env, "be1"),
-                              protocol=protocol.upper())  # fmt: skip
+    both = backends(env, "be1") + backends(env, "be1", family=6)
+    name = f"{mode}-{protocol}-v{family}"
+    first, a4, a6 = service(env, f"{name}-a", both, protocol=protocol.upper(), dual_stack=True)
+    second, b4, b6 = service(env, f"{name}-b", both, protocol=protocol.upper(), dual_stack=True)
+    ip_a, ip_b = (a4, b4) if family == 4 else (a6, b6)
     env.program(*first, *second)
     ebpf = env.running() if isinstance(env.running(), EbpfDataplane) else None
     remapped = ebpf.conntrack.remapped_total() if ebpf else 0  # type: ignore[attr-defined]
     first_port = {"pair": 20000, "reuse": 21000}[mode] + (100 if protocol == "udp" else 0)
+    first_port += 0 if family == 4 else 200
     out = env.pod("client1").run(sys.executable, str(PODCLIENT), mode, ip_a, ip_b, "80",
                                  "-n", "20", "--proto", protocol,
                                  "--first-port", str(first_port), timeout=240)  # fmt: skip
