@@ -64,6 +64,8 @@ RUN_SETTINGS = [
     "metrics_bind_address",
     "service_metrics",
     "healthz_bind_address",
+    "state_socket",
+    "state_watchers",
     "log_level",
     "log_format",
     "verbosity",
@@ -77,6 +79,7 @@ LAB_SETTINGS = ["manifests", "dataplane"]
 EXPLAIN_SETTINGS = ["manifests", *NODE_SETTINGS, "metrics_bind_address", "bpffs",
                     "inspect_output", "log_level"]  # fmt: skip
 CLEANUP_SETTINGS = ["bpffs", "lock_dir", "log_level"]
+FOLLOW_SETTINGS = ["metrics_bind_address", "state_socket", "log_level"]
 INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp", "tc")
 
 
@@ -165,6 +168,29 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup_parser.add_argument(
         "-v", "--verbose", action="store_true",
         help="list every interface, pin, rule and chain removed (default: counts per kind)",
+    )  # fmt: skip
+    follow_parser = commands.add_parser(
+        "follow",
+        help="follow a running agent's node-local state, one line per revision",
+        description="Watch the agent's /state (on --metrics-bind-address, or on its "
+        "--state-socket) and print a line per NodeState revision as it comes: the "
+        "revision, the agent instance, how many Services and entries, which Services "
+        "changed; -o json prints each whole NodeState document instead. Reconnects when "
+        "the agent restarts (the line says so). The client is agent/stateclient.py "
+        '(docs/nodestate.md, "Watching the state").',
+    )
+    add_arguments(follow_parser, FOLLOW_SETTINGS)
+    follow_parser.add_argument(
+        "-o", "--output", dest="follow_output", choices=("summary", "json"), default="summary",
+        help="summary (default): one line per revision; json: the whole document per line",
+    )  # fmt: skip
+    follow_parser.add_argument(
+        "--changes", action="store_true",
+        help="ask for changes only after the first document (less to read on large states)",
+    )  # fmt: skip
+    follow_parser.add_argument(
+        "--count", type=int, default=0, metavar="N",
+        help="stop after N revisions (default 0: follow until interrupted)",
     )  # fmt: skip
     lab_parser = commands.add_parser(
         "lab",
@@ -357,8 +383,39 @@ def cmd_lab(args: argparse.Namespace) -> int:
     return lab(settings.manifests, settings.dataplane, args.keep, args.requests)
 
 
+def cmd_follow(args: argparse.Namespace) -> int:
+    from .stateclient import follow
+
+    settings = settings_from(args, FOLLOW_SETTINGS)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    where = (
+        {"socket_path": settings.state_socket}
+        if settings.state_socket
+        else {"url": f"http://{settings.metrics_bind_address}"}
+    )
+    for seen, rev in enumerate(follow(**where, changes=args.changes), start=1):  # type: ignore[arg-type]
+        if args.follow_output == "json":
+            print(json.dumps(rev.document, ensure_ascii=False, separators=(",", ":")))
+        else:
+            entries = rev.document["services"]
+            services = {(e["namespace"], e["name"]) for e in entries}
+            line = (f"revision {rev.revision[:19]}… instance {rev.instance[:8]} "
+                    f"services {len(services)} entries {len(entries)}")  # fmt: skip
+            if rev.restarted:
+                line += " (the agent restarted)"
+            if rev.changed:
+                line += " changed " + ", ".join(f"{ns}/{name}" for ns, name in rev.changed[:5])
+                line += f" (+{len(rev.changed) - 5})" if len(rev.changed) > 5 else ""
+            print(line)
+        sys.stdout.flush()
+        if args.count and seen >= args.count:
+            return 0
+    return 0
+
+
 COMMANDS = {
     "compile": cmd_compile,
+    "follow": cmd_follow,
     "run": cmd_run,
     "inspect": cmd_inspect,
     "explain": cmd_explain,

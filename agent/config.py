@@ -269,6 +269,14 @@ class Settings:
     healthz_bind_address: str = _setting("0.0.0.0:10256", "--healthz-bind-address",
         "address of /healthz, /livez and /readyz",
         "HOST:PORT", lambda bind: _bind_address(bind))
+    state_socket: str | None = _setting(None, "--state-socket",
+        "also serve /state and its watch (/state?watch=true) on a unix socket at this "
+        "path, mode 0600, for node-local consumers (docs/nodestate.md)",
+        "PATH", lambda path: _absolute(path))
+    state_watchers: int = _setting(128, "--state-watchers",
+        "most /state?watch=true streams served at once, on the metrics address and the "
+        "state socket together; more are answered 429",
+        "N", _between(1, 4096))
     log_format: str = _setting("text", "--log-format", "log line format",
         choices=("text", "json"))
     verbosity: int = _setting(0, "--v", "log verbosity like kube-proxy's -v: 0-1 info, 2+ debug",

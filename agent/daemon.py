@@ -12,8 +12,9 @@ from typing import Protocol
 
 from . import gcpause
 from .api.healthcheck import HealthCheckServers
-from .api.server import AgentStatus, HealthServer, MetricsServer
+from .api.server import AgentStatus, HealthServer, MetricsServer, StateSocketServer
 from .api.serving import raise_open_files_limit
+from .api.watch import StateHub
 from .config import Settings
 from .dataplane.select import DataplaneStartError, select_dataplane
 from .metrics import Metrics
@@ -94,11 +95,20 @@ class Agent:
         self._stoppers.append(gcpause.enable)
         raise_open_files_limit()  # every connection the HTTP servers hold is an open file
         sys.setswitchinterval(SWITCH_INTERVAL)
+        hub = StateHub(self._held_and_status, s.state_watchers)
+        self._stoppers.append(hub.close)
+        self.status.subscribe(hub.publish)
         try:
-            metrics_server = MetricsServer(s.metrics_bind_address, self.status, self.metrics)
+            metrics_server = MetricsServer(s.metrics_bind_address, self.status, self.metrics, hub)
             self._stoppers.append(metrics_server.close)
         except (OSError, ValueError) as err:
             raise StartupError(f"--metrics-bind-address {s.metrics_bind_address}: {err}") from err
+        if s.state_socket:
+            try:
+                state_socket = StateSocketServer(s.state_socket, self.status, hub)
+                self._stoppers.append(state_socket.close)
+            except OSError as err:
+                raise StartupError(f"--state-socket {s.state_socket}: {err}") from err
         try:
             health_server = HealthServer(s.healthz_bind_address, self.status, s.sync_period)
             self._stoppers.append(health_server.close)
@@ -130,6 +140,11 @@ class Agent:
             "serving metrics and /state on %s, health on %s",
             metrics_server.url, health_server.url,
         )  # fmt: skip
+
+    def _held_and_status(self) -> tuple[str | None, dict]:
+        """`/state`'s heldRevision and status now (for the watch's documents)."""
+        snap = self.status.snapshot()
+        return snap.held_revision, snap.to_dict()
 
     def _manifest_source(self) -> ManifestSource:
         """The file source: the files' full state now, and again when they change."""

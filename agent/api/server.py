@@ -62,10 +62,13 @@ from .serving import (
     Request,
     Response,
     Server,
+    Stream,
     json_response,
     serve,
+    serve_unix,
     text_response,
 )
+from .watch import StateHub
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +201,12 @@ class AgentStatus:
         self._api_reachable: bool | None = None
         self._node_eligible = True
         self._adopted: str | None = None
+        self._subscribers: list[Callable[[NodeState], None]] = []
+
+    def subscribe(self, callback: Callable[[NodeState], None]) -> None:
+        """Call `callback(state)` with every new NodeState revision (the watch hub)."""
+        with self._lock:
+            self._subscribers.append(callback)
 
     # --- writers (the sync loop, the sources) ----------------------------------------
     def set_adopted(self, revision: str | None) -> None:
@@ -212,10 +221,17 @@ class AgentStatus:
         """The latest complete NodeState (what the dataplane should hold)."""
         with self._lock:
             now = self._clock()
-            if self._state is None or state.revision != self._state.revision:
+            new = self._state is None or state.revision != self._state.revision
+            if new:
                 self._revision_since = now
             self._state = state
             self._update_pending(now, synced=False)
+            subscribers = list(self._subscribers) if new else []
+        for callback in subscribers:
+            try:
+                callback(state)
+            except Exception:
+                log.exception("a NodeState subscriber failed")
 
     def record_sync(
         self,
@@ -394,13 +410,17 @@ class MetricsServer(_RoutedServer):
       (docs/nodestate.md) with two more top-level fields before `services`:
       `heldRevision` (what the dataplane holds; equals `revision` when in sync) and
       `status` (`StatusSnapshot.to_dict`). 503 with `status` before the first NodeState.
+      gzip when accepted. `?watch=true`: the stream of revisions (watch.py), when the
+      server has a `hub`.
     * `/proxyMode`: the dataplane's name as plain text (kube-proxy serves its mode there).
     """
 
-    def __init__(self, bind: str, status: AgentStatus, metrics: Metrics) -> None:
+    def __init__(
+        self, bind: str, status: AgentStatus, metrics: Metrics, hub: StateHub | None = None
+    ) -> None:
         self.status = status
         self.metrics = metrics
-        self._documents = _StateDocuments()
+        self._state = _StateRoute(status, hub)
         self._start(
             bind,
             {"/metrics": self._metrics, "/state": self._state, "/proxyMode": self._proxy_mode},
@@ -416,7 +436,33 @@ class MetricsServer(_RoutedServer):
             headers["Content-Encoding"] = "gzip"
         return Response(200, body, content_type, headers)
 
-    def _state(self, request: Request) -> Response:
+    def _proxy_mode(self, request: Request) -> Response:
+        return text_response(200, self.status.snapshot().dataplane or "")
+
+
+class StateSocketServer(_RoutedServer):
+    """`--state-socket PATH`: `/state` (and its watch) on a unix socket only the agent's
+    user may open (mode 0600), for node-local consumers that should not use TCP."""
+
+    def __init__(self, path: str, status: AgentStatus, hub: StateHub | None) -> None:
+        self.server = serve_unix(path, {"/state": _StateRoute(status, hub)},
+                                 name="state socket", workers=WORKERS)  # fmt: skip
+        log.info("state socket listening on %s", self.server.address)
+
+
+class _StateRoute:
+    """The `/state` handler (MetricsServer, StateSocketServer)."""
+
+    def __init__(self, status: AgentStatus, hub: StateHub | None) -> None:
+        self.status = status
+        self.hub = hub
+        self._documents = _StateDocuments()
+
+    def __call__(self, request: Request) -> Response | Stream:
+        if request.param("watch", "false") == "true":
+            if self.hub is None:
+                return json_response(404, {"error": "this server has no watch"})
+            return self.hub.handle(request)
         output = request.param("output", "json")
         if output not in ("json", "yaml"):
             return json_response(400, {"error": f"output must be json or yaml, not {output!r}"})
@@ -432,10 +478,11 @@ class MetricsServer(_RoutedServer):
                     "status": snap.to_dict(),
                 },
             )
-        return self._documents.render(snap, output)
-
-    def _proxy_mode(self, request: Request) -> Response:
-        return text_response(200, self.status.snapshot().dataplane or "")
+        response = self._documents.render(snap, output)
+        if "gzip" in request.header("Accept-Encoding"):
+            body = gzip.compress(response.body, compresslevel=6)
+            return Response(200, body, response.content_type, {"Content-Encoding": "gzip"})
+        return response
 
 
 class _StateDocuments:

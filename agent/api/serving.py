@@ -17,6 +17,13 @@ docs/operations.md):
   open-files limit): a new one closes the oldest connection of the address that holds
   the most.
 
+A handler may answer with a `Stream` instead of a `Response` (a watch): its head goes
+out at once, then its producer writes pieces for as long as the connection lasts. A
+stream has no response deadline; what bounds it is its producer's (write only while the
+client keeps up: `StreamSink.writable`), and it leaves its client address's group, so a
+host's watches count toward the server-wide cap and the producer's own limit, not
+toward `MAX_PER_ADDRESS`. `serve_unix` serves the same routes on a unix socket.
+
 An idle connection costs about 2 KB and no thread, so thousands of them do not
 slow anyone else's request. Handlers that may block (rendering a large document) run on
 a few worker threads per server; those that only read memory run on the loop itself.
@@ -31,10 +38,12 @@ import errno
 import ipaddress
 import json
 import logging
+import os
 import queue
 import re
 import resource
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -93,7 +102,56 @@ class Response:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
-Handler = Callable[[Request], Response]
+class StreamSink:
+    """Where a Stream's producer writes (on the event loop's thread only, except
+    `call_soon`). `writable` is False while the client has not taken what was written
+    (asyncio paused writing) or once the connection is gone; `on_writable` is called when
+    it becomes writable again."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self.on_writable: Callable[[], None] | None = None
+
+    @property
+    def writable(self) -> bool:
+        conn = self._conn
+        return conn.stage == _STREAMING and not conn.paused
+
+    @property
+    def client(self) -> str:
+        return self._conn.client
+
+    def write(self, data: bytes) -> None:
+        if self._conn.stage == _STREAMING and self._conn.transport is not None:
+            self._conn.transport.write(data)
+
+    def call_soon(self, function: Callable[[], None]) -> None:
+        """Run `function` on the event loop (from any thread); nothing once it stopped."""
+        with contextlib.suppress(RuntimeError):
+            self._conn.server.shared.loop.call_soon_threadsafe(function)
+
+    def close(self) -> None:
+        """End the stream: what was written is sent, then the connection closes."""
+        if self._conn.transport is not None:
+            self._conn.transport.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A response whose body is written piece by piece while the connection lasts: no
+    Content-Length (the body ends when the connection does). `start(sink)` runs on the
+    event loop once the head is sent and returns what to call when the connection ends
+    (also when the server closes)."""
+
+    status: int
+    start: Callable[[StreamSink], Callable[[], None]]
+    content_type: str = "application/x-ndjson"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    # called instead of `start` when the connection went while the handler ran
+    abandoned: Callable[[], None] | None = None
+
+
+Handler = Callable[[Request], Response | Stream]
 
 
 def json_response(
@@ -329,7 +387,7 @@ class _Workers:
 
 # --- one connection -----------------------------------------------------------------------
 
-_READING, _HANDLING, _ANSWERED, _CLOSED = range(4)
+_READING, _HANDLING, _ANSWERED, _STREAMING, _CLOSED = range(5)
 
 
 class _Connection(asyncio.Protocol):
@@ -345,14 +403,21 @@ class _Connection(asyncio.Protocol):
         self.scanned = 0  # bytes of `buffer` known not to end the head
         self.peer_closed = False
         self.timer: asyncio.TimerHandle | None = None
+        self.paused = False  # asyncio paused writing: the client is behind
+        self.sink: StreamSink | None = None
+        self.stream_ended: Callable[[], None] | None = None
 
     # asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         peer = transport.get_extra_info("peername")
-        self.client = str(peer[0]) if peer else "?"
-        self.group = (id(self.server), client_key(self.client))
+        if isinstance(peer, tuple) and peer:
+            self.client = str(peer[0])
+            self.group = (id(self.server), client_key(self.client))
+        else:  # a unix socket: no address to group by, each is its own
+            self.client = "unix"
+            self.group = (id(self.server), f"unix {id(self)}")
         loop = self.server.shared.loop
         self.timer = loop.call_later(REQUEST_DEADLINE, self._request_timed_out)
         self.server.connections.add(self)
@@ -366,7 +431,9 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.peer_closed = True
-        return self.stage == _HANDLING  # keep the write side open for the answer
+        # Keep the write side open for the answer. A stream ends: a watching client that
+        # closes has gone (nothing else would tell, while no revision comes to write).
+        return self.stage == _HANDLING
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stage = _CLOSED
@@ -374,6 +441,20 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
         self.server.connections.discard(self)
         self.server.shared.table.remove(self)
+        ended, self.stream_ended = self.stream_ended, None
+        if ended is not None:
+            try:
+                ended()
+            except Exception:
+                log.exception("%s: ending a stream to %s failed", self.server.name, self.client)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.sink is not None and self.sink.on_writable is not None:
+            self.sink.on_writable()
 
     def abort(self) -> None:
         """Drop the connection now (a limit was reached, or the server closes)."""
@@ -467,11 +548,7 @@ class _Connection(asyncio.Protocol):
             self.timer.cancel()
         self._answer(request_line, json_response(status, {"error": message}))
 
-    def _answer(self, request_line: str, response: Response, head: bool = False) -> None:
-        """Send `response` (only its head for HEAD), then close once the client has it."""
-        if self.stage != _HANDLING or self.transport is None or self.transport.is_closing():
-            return  # dropped while the handler ran
-        self.stage = _ANSWERED
+    def _head(self, response: Response | Stream, length: int | None) -> bytes:
         status = response.status
         try:
             phrase = HTTPStatus(status).phrase
@@ -482,13 +559,46 @@ class _Connection(asyncio.Protocol):
             "Server: kube-bpf-proxy",
             f"Date: {formatdate(usegmt=True)}",
             f"Content-Type: {response.content_type}",
-            f"Content-Length: {len(response.body)}",
+            *([f"Content-Length: {length}"] if length is not None else []),
             "X-Content-Type-Options: nosniff",
             "Cache-Control: no-store",
             "Connection: close",
             *(f"{name}: {value}" for name, value in response.headers.items()),
         ]
-        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def _stream(self, request_line: str, response: Stream, head: bool) -> None:
+        """Send a Stream's head, then hand the connection to its producer."""
+        assert self.transport is not None
+        self.transport.write(self._head(response, None))
+        log.debug('%s: %s "%s" %d stream', self.server.name, self.client, request_line,
+                  response.status)  # fmt: skip
+        if head:
+            self.stage = _ANSWERED
+            self.transport.close()
+            if response.abandoned is not None:
+                response.abandoned()
+            return
+        self.stage = _STREAMING
+        table = self.server.shared.table
+        table.remove(self)  # out of its address's group: see the module docstring
+        self.group = (id(self.server), f"stream {id(self)}")
+        table.add(self)
+        self.sink = StreamSink(self)
+        self.stream_ended = response.start(self.sink)
+
+    def _answer(self, request_line: str, response: Response | Stream, head: bool = False) -> None:
+        """Send `response` (only its head for HEAD), then close once the client has it."""
+        if self.stage != _HANDLING or self.transport is None or self.transport.is_closing():
+            if isinstance(response, Stream) and response.abandoned is not None:
+                response.abandoned()
+            return  # dropped while the handler ran
+        if isinstance(response, Stream):
+            self._stream(request_line, response, head)
+            return
+        self.stage = _ANSWERED
+        status = response.status
+        data = self._head(response, len(response.body))
         if not head:
             data += response.body
         self.transport.write(data)
@@ -537,9 +647,11 @@ class Server:
         self._lock = threading.Lock()
         self._closed = False
         self._last_warning = 0.0
-        host, port = listener.getsockname()[:2]
-        self.host: str = str(host)
-        self.port: int = int(port)
+        if listener.family == socket.AF_UNIX:
+            self.host, self.port = str(listener.getsockname()), 0
+        else:
+            host, port = listener.getsockname()[:2]
+            self.host, self.port = str(host), int(port)
         self._v6only = listener.family == socket.AF_INET6 and bool(
             listener.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
         )
@@ -570,7 +682,10 @@ class Server:
 
     @property
     def address(self) -> str:
-        """The bound address as `host:port` (`[v6]:port`), with the real port."""
+        """The bound address as `host:port` (`[v6]:port`), with the real port; a unix
+        socket as `unix:PATH`."""
+        if self.port == 0 and self.host.startswith("/"):
+            return f"unix:{self.host}"
         return format_host_port(self.host, self.port)
 
     @property
@@ -614,7 +729,7 @@ class Server:
 
         self._workers.submit(job)
 
-    def _call(self, handler: Handler, request: Request) -> Response:
+    def _call(self, handler: Handler, request: Request) -> Response | Stream:
         try:
             return handler(request)
         except Exception as err:
@@ -707,5 +822,38 @@ def serve(
         family, address = _family_of(host, port)
         listener = _listen((address, port), family, True if family == socket.AF_INET6 else None)
     server = Server(listener, routes, default, name, workers)
+    log.debug("%s: listening on %s", name, server.address)
+    return server
+
+
+def serve_unix(
+    path: str,
+    routes: Mapping[str, Handler],
+    *,
+    name: str = "kbp-http",
+    workers: int = WORKERS,
+    mode: int = 0o600,
+) -> Server:
+    """`serve` on a unix socket at `path`, which only its owner may use (`mode`). A socket
+    file left at `path` by an earlier process is replaced; any other file there is an
+    error (FileExistsError)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise FileExistsError(errno.EEXIST, f"{path} exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old = os.umask(0o777 & ~mode)  # the file is born with `mode`: no window
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        os.chmod(path, mode)
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    server = Server(sock, routes, None, name, workers)
     log.debug("%s: listening on %s", name, server.address)
     return server

@@ -37,6 +37,7 @@ COMMAND_SETTINGS = {
     "cleanup": cli.CLEANUP_SETTINGS,
     "lab": cli.LAB_SETTINGS,
     "explain": cli.EXPLAIN_SETTINGS,
+    "follow": cli.FOLLOW_SETTINGS,
 }
 
 
