@@ -19,8 +19,11 @@ this instance (`revision=R&instance=I`); then one line per new revision (with
 `changes=true`, a client that says it holds a revision gets changes from it at once). Nothing is
 queued per watcher: a watcher is written to only while its client has taken what it was
 sent (the socket's buffer drained, `StreamSink.writable`); when it can take more it gets
-the latest revision, however many it missed. A watcher's memory is therefore one
-document in its socket buffer at most, whatever the rate of revisions. Each line is
+the latest revision, however many it missed. A line is handed to the socket a chunk at
+a time, and only while it takes them, out of the one rendered copy every watcher shares:
+a watcher's own memory is a chunk or two of socket buffer, whatever the size of the
+state or the rate of revisions (a watcher behind keeps the revision it is in the middle
+of alive, not a copy of it). Each line is
 rendered once per revision for every watcher (on one thread of its own, never on the
 HTTP event loop), and compressed once when clients ask for gzip: each line is then its
 own gzip member (a gzip stream may be a sequence of members; `gzip.decompress` and
@@ -39,7 +42,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..model.nodestate import API_VERSION, KIND, NodeState, ServiceEntry
+from ..model.nodestate import API_VERSION, KIND, NodeState, ServiceEntry, entries_of
 from .serving import Request, Response, Stream, StreamSink, json_response
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ log = logging.getLogger(__name__)
 CHANGES_KIND = "NodeStateChanges"
 HISTORY = 256  # consecutive revisions whose changed Services are remembered
 RENDERED = 16  # lines kept rendered (the latest full one, recent change documents)
+CHUNK = 1 << 16  # bytes handed to a watcher's socket at a time
 DEFAULT_MAX_WATCHERS = 128
 
 _Status = Callable[[], tuple[str | None, dict[str, Any]]]  # (heldRevision, status)
@@ -106,6 +110,12 @@ class StateHub:
     def watchers(self) -> int:
         with self._lock:
             return len(self._watchers)
+
+    def held(self) -> tuple[int, int]:
+        """(lines kept rendered, revisions whose changes are remembered): what the hub
+        holds besides the latest state, bounded by RENDERED and HISTORY."""
+        with self._lock:
+            return len(self._lines), len(self._links)
 
     def close(self) -> None:
         """Stop the render thread (after the servers that use the hub closed)."""
@@ -202,7 +212,7 @@ class StateHub:
             entries: Iterable[ServiceEntry] = state.services
         else:
             head["base"] = base
-            entries = [e for e in state.services if (e.namespace, e.name) in keys]
+            entries = entries_of(state.services, sorted(keys))
         head["heldRevision"] = held
         head["status"] = status
         services = [e.to_dict() for e in entries]
@@ -229,11 +239,14 @@ class _Watcher:
         self.full_sent = sent is not None  # a client that holds a revision holds it whole
         self.closed = False
         self.waiting = False  # a render is under way for it
+        self.sending: memoryview | None = None  # the rest of the line being sent
         sink.on_writable = self.kick
 
     def kick(self) -> None:
         """Send the latest revision if the client does not hold it and can take it."""
         if self.closed or self.waiting or not self.sink.writable:
+            return
+        if self.sending is not None and not self._send():
             return
         latest = self.hub.revision
         if latest is None or latest == self.sent:
@@ -250,10 +263,22 @@ class _Watcher:
             log.exception("rendering revision %s for a watcher failed", revision[:19])
             self.sink.close()
             return
-        self.sink.write(data)
         self.sent, self.full_sent = revision, True
-        if self.hub.revision != revision:
+        self.sending = memoryview(data)
+        if self._send() and self.hub.revision != revision:
             self.sink.call_soon(self.kick)
+
+    def _send(self) -> bool:
+        """Hand the line being sent to the socket while it takes it; True once all of it
+        is (the socket's own buffer then holds at most a chunk more than it takes)."""
+        assert self.sending is not None
+        while self.sending and self.sink.writable:
+            self.sink.write(self.sending[:CHUNK])
+            self.sending = self.sending[CHUNK:]
+        if self.sending:
+            return False  # on_writable calls kick, which goes on
+        self.sending = None
+        return True
 
     def _rendered(self) -> None:
         self.waiting = False

@@ -216,14 +216,16 @@ class Changes:
         """(went, came): the entries of the changed Services in `old` (the services of
         the state at `base`) and in `new`, each in NodeState order."""
         keys = sorted(self.services)
-        return _entries_of(old, keys), _entries_of(new, keys)
+        return entries_of(old, keys), entries_of(new, keys)
 
 
 def _service_of(entry: ServiceEntry) -> ServiceKey:
     return entry.namespace, entry.name
 
 
-def _entries_of(entries: Sequence[ServiceEntry], keys: list[ServiceKey]) -> list[ServiceEntry]:
+def entries_of(entries: Sequence[ServiceEntry], keys: list[ServiceKey]) -> list[ServiceEntry]:
+    """The entries of the Services `keys` (sorted), found by bisection in `entries` (a
+    NodeState's services, in document order): in document order."""
     out: list[ServiceEntry] = []
     for key in keys:  # entries are sorted by sort_key, whose head is the Service key
         low = bisect_left(entries, key, key=_service_of)

@@ -180,7 +180,8 @@ def test_a_client_follows_a_thousand_revisions_in_order(
     if changes:
         assert all(r.changed == [("default", "s-0")] for r in follower.revisions[1:])
     # nothing grows with the number of revisions
-    assert len(hub._lines) <= RENDERED and len(hub._links) <= HISTORY
+    lines, links = hub.held()
+    assert lines <= RENDERED and links <= HISTORY
     follower.stop()
 
 
