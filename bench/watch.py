@@ -157,6 +157,7 @@ def one_run(cluster: Any, watchers: int, changes: bool, count: int, pause: float
     # As the daemon does after its first sync: the long-lived heap leaves the cyclic GC.
     gc.collect()
     gc.freeze()
+    loaded_rss = rss()[0]
     published: dict[str, tuple[float, float]] = {}
     with MetricsServer("127.0.0.1:0", status, Metrics(), hub) as server:
         child = subprocess.Popen(
@@ -208,6 +209,7 @@ def one_run(cluster: Any, watchers: int, changes: bool, count: int, pause: float
         "bytes_per_line": Summary([float(b) for b in (change_bytes or full_bytes)]).to_json()
         if (change_bytes or full_bytes) else None,
         "cpu_per_revision": cpu / max(1, len(published)),
+        "rss_loaded": loaded_rss,  # the cluster state and the compiler, before any watch
         "rss": now_rss,
         "rss_peak": peak_rss,
     }  # fmt: skip
@@ -217,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--watchers-child":
         return watchers_main(argv[1], int(argv[2]), argv[3] == "1")
+    if argv and argv[0] == "--one":  # one configuration, in a process of its own
+        n, watchers, mode, count, pause = argv[1:6]
+        with tempfile.TemporaryDirectory() as tmp:
+            cluster = generate(int(n), Path(tmp))
+            run = one_run(cluster, int(watchers), mode == "changes", int(count), float(pause))
+        print(json.dumps(run), flush=True)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--services", default="1000,10000", help="comma-separated N")
     parser.add_argument("--watchers", default="1,100", help="comma-separated W")
@@ -228,16 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(f"# PB-15: the state watch, commit {git_commit()}, load {os.getloadavg()[0]:.2f}")
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in (int(x) for x in args.services.split(",")):
-            cluster = generate(n, Path(tmp))
-            for watchers in (int(x) for x in args.watchers.split(",")):
-                for changes in (True, False):
-                    count = args.changes if changes or n < 10_000 else args.full_changes
-                    pause = args.pause if changes or n < 10_000 else max(args.pause, 2.0)
-                    run = one_run(cluster, watchers, changes, count, pause)
-                    runs.append(run)
-                    show(run)
+    for n in (int(x) for x in args.services.split(",")):
+        for watchers in (int(x) for x in args.watchers.split(",")):
+            for mode in ("changes", "full"):
+                count = args.changes if mode == "changes" or n < 10_000 else args.full_changes
+                pause = args.pause if mode == "changes" or n < 10_000 else max(args.pause, 2.0)
+                # each in a fresh process: RSS and the allocator's state are its own
+                out = subprocess.run(
+                    [sys.executable, "-m", "bench.watch", "--one", str(n), str(watchers), mode,
+                     str(count), str(pause)],
+                    cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                    check=True,
+                ).stdout  # fmt: skip
+                run = json.loads(out.strip().splitlines()[-1])
+                runs.append(run)
+                show(run)
     print(f"load at the end {os.getloadavg()[0]:.2f}")
     write_results(Path(__file__).parent / "results" / "watch.json",
                   {"machine": info, "commit": git_commit(), "runs": runs})  # fmt: skip
@@ -260,7 +274,8 @@ def show(run: dict) -> None:
         f"[{mark} ≤ 10 ms p99], event→line {p('event_to_line')}; "
         + (f"{size['median'] / 1024:.1f} KiB/line; " if size else "")
         + f"CPU {run['cpu_per_revision'] * 1e3:.1f} ms/revision, RSS {run['rss'] / 2**20:.0f} "
-        f"MiB (peak {run['rss_peak'] / 2**20:.0f}); {run['not_delivered']} of "
+        f"MiB (peak {run['rss_peak'] / 2**20:.0f}, {run['rss_loaded'] / 2**20:.0f} before any "
+        f"watch); {run['not_delivered']} of "
         f"{run['revisions']} revisions skipped for a newer one",
         flush=True,
     )
