@@ -93,7 +93,7 @@ nsenter --net="/run/netns/$NODE" "$PYTHON" -m agent run --manifests "$WORK/web.y
     2>"$WORK/agent.log" &
 PIDS+=($!)
 for _ in $(seq 100); do
-    [[ -e $PIN/kbp_services_v1 ]] && break
+    compgen -G "$PIN/kbp_services_v*" >/dev/null && break  # the ABI version is the suffix
     sleep 0.1
 done
 sleep 1
