@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from .logs import setup_logging
 from .model.compile import compile
 from .nodelock import LockError, NodeLock
 from .render import render
-from .sources.manifests import load_manifests
+from .sources.manifests import load_manifests, unreadable
 
 log = logging.getLogger("kube-bpf-proxy")
 
@@ -288,10 +289,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_manifest_paths(paths: list[str]) -> None:
+    """Every --manifests path exists: a missing one would compile (or serve) an empty or
+    partial state that looks like the truth. ValueError naming the first missing path."""
+    for path in paths:
+        if not os.path.exists(path):  # a dangling symlink too
+            raise ValueError(f"--manifests {path}: {unreadable(Path(path))}")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     settings = settings_from(args, COMPILE_SETTINGS)
     if not settings.manifests:
         raise ValueError("--manifests: at least one file or directory is required")
+    check_manifest_paths(settings.manifests)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
     state, reports = load_manifests(settings.manifests)
     for report in reports:
@@ -309,6 +319,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     warnings: list[str] = []
     settings = settings_from(args, RUN_SETTINGS, warn=warnings.append)
+    check_manifest_paths(settings.manifests)  # before the lock and the datapath's compile
     setup_logging(settings.log_level, settings.log_format, settings.verbosity)
     for warning in warnings:  # in the agent's log format
         log.warning("%s", warning)
@@ -346,6 +357,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     if args.sport is not None and not 0 < args.sport < 65536:
         raise ValueError(f"--sport {args.sport}: expected a port 1-65535")
+    check_manifest_paths(settings.manifests)
     try:
         if settings.manifests:
             inputs = command.state_from_manifests(

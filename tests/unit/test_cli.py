@@ -127,14 +127,31 @@ def test_no_manifests_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 2 and "--manifests" in err
 
 
-def test_a_missing_file_is_reported_and_strict_fails(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+@pytest.mark.parametrize(
+    "command",
+    [["compile"], ["explain", "--from", "node", "--to", "10.96.0.10:53/UDP", "--no-kernel"]],
+    ids=["compile", "explain"],
+)
+def test_a_missing_manifests_path_is_a_one_line_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
 ) -> None:
     missing = str(tmp_path / "nope.yaml")
-    code, out, err = run(capsys, "compile", "--manifests", missing, "--node", "node-a")
+    code, out, err = run(capsys, *command, "--manifests", EXAMPLES, missing, "--node", "node-a")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"kube-bpf-proxy {command[0]}: error: --manifests {missing}: no such file or directory"
+    ]
+
+
+def test_an_unreadable_file_inside_a_directory_is_reported_and_strict_fails(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    code, out, err = run(capsys, "compile", "--manifests", str(tmp_path), "--node", "node-a")
     assert code == 0 and yaml.safe_load(out)["services"] == []
-    assert f"error: {missing}: no such file or directory" in err
-    code, _, _ = run(capsys, "compile", "--manifests", missing, "--node", "node-a", "--strict")
+    assert "dangling.yaml: cannot read: a dangling symlink" in err
+    code, _, _ = run(capsys, "compile", "--manifests", str(tmp_path), "--node", "node-a",
+                     "--strict")  # fmt: skip
     assert code == 1
 
 

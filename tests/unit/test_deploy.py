@@ -51,6 +51,12 @@ CAPABILITIES = {"NET_ADMIN", "BPF", "PERFMON", "SYS_ADMIN", "SYS_RESOURCE"}
 API_SERVER_ENV = {"KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"}
 # Packages of deps/debian.txt the agent needs at run time; each must reach the image.
 RUNTIME_PACKAGES = {"python3-bpfcc", "bpftool", "iptables", "iproute2", "conntrack"}
+# The oldest Kubernetes deploy/ is checked against (README.md says so).
+OLDEST_KUBERNETES = "1.29"
+# The slowest first start measured at the DaemonSet's CPU request (bench/README.md, "First
+# start at the DaemonSet's CPU request"): process start to the datapath compiled, seconds.
+SLOWEST_FIRST_START_SECONDS = 102
+STARTUP_CPU_MILLICORES = 100
 
 
 # ---------------------------------------------------------------------------------------
@@ -344,7 +350,90 @@ def test_a_rolling_upgrade_replaces_one_agent_at_a_time():
 def test_the_daemonset_runs_the_image_of_this_version():
     with (ROOT / "pyproject.toml").open("rb") as stream:
         version = tomllib.load(stream)["project"]["version"]
-    assert container(deploy_objects()["DaemonSet"])["image"] == f"kube-bpf-proxy:{version}"
+    daemonset = deploy_objects()["DaemonSet"]
+    assert container(daemonset)["image"] == f"kube-bpf-proxy:{version}"
+    for init in daemonset["spec"]["template"]["spec"]["initContainers"]:
+        assert init["image"] == f"kube-bpf-proxy:{version}", init["name"]
+
+
+def supported_versions() -> list[str]:
+    """Every Kubernetes minor from OLDEST_KUBERNETES to the newest kubernetes-validate has."""
+    from kubernetes_validate import utils
+
+    oldest = tuple(int(n) for n in OLDEST_KUBERNETES.split("."))
+    minors = {v for v in utils.all_versions() if tuple(int(n) for n in v.split(".")[:2]) >= oldest}
+    return sorted(minors, key=lambda v: tuple(int(n) for n in v.split(".")))
+
+
+@pytest.mark.parametrize("version", supported_versions())
+def test_every_manifest_validates_strictly_on_each_supported_kubernetes(version: str):
+    """kubectl apply's schema check (kubernetes-validate --strict: no unknown field, as
+    the API server's field validation refuses them) against each version's OpenAPI."""
+    import kubernetes_validate
+
+    for path in [*manifest_files(), OVERLAY / "configmap.yaml"]:
+        for doc in documents(path):
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                pytest.fail(f"{path.name}: {doc['kind']} on Kubernetes {version}: {err.message}")
+
+
+def test_the_readme_states_the_oldest_kubernetes_the_suite_validates_on():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"Kubernetes {OLDEST_KUBERNETES} or later" in readme
+    assert supported_versions()[0].startswith(OLDEST_KUBERNETES + ".")
+
+
+def test_the_daemonset_runs_on_linux_nodes_only():
+    pod = deploy_objects()["DaemonSet"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+
+
+def test_apparmor_is_unconfined_by_the_annotation_every_supported_version_reads():
+    template = deploy_objects()["DaemonSet"]["spec"]["template"]
+    annotation = (
+        "container.apparmor.security.beta.kubernetes.io/"
+        + container(deploy_objects()["DaemonSet"])["name"]
+    )
+    assert template["metadata"]["annotations"][annotation] == "unconfined"
+    assert "appArmorProfile" not in container(deploy_objects()["DaemonSet"])["securityContext"]
+
+
+def test_a_privileged_init_container_mounts_bpffs_on_the_host_with_bidirectional_propagation(
+    tmp_path: Path,
+):
+    daemonset = deploy_objects()["DaemonSet"]
+    (init,) = daemonset["spec"]["template"]["spec"]["initContainers"]
+    assert init["securityContext"] == {"privileged": True}
+    (mount,) = init["volumeMounts"]
+    volume = next(
+        v for v in daemonset["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    assert volume["hostPath"]["path"] == mount["mountPath"] == "/sys/fs/bpf"
+    assert mount["mountPropagation"] == "Bidirectional"
+    # The agent's pins are made in that mount: its --bpffs lies inside it.
+    assert Path(effective_settings(tmp_path).bpffs).is_relative_to(mount["mountPath"])
+    # The script: valid sh, mounting bpffs only where /proc/mounts has none.
+    shell, flag, script = init["command"]
+    assert (shell, flag) == ("/bin/sh", "-c")
+    assert "mount -t bpf bpf /sys/fs/bpf" in script
+    assert "' /sys/fs/bpf bpf '" in script and "/proc/mounts" in script
+    done = subprocess.run(["sh", "-n", "-c", script], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_startup_probe_outlasts_the_slowest_first_compile_measured(tmp_path: Path):
+    """bench/README.md, "First start at the DaemonSet's CPU request": the startup probe
+    gives the agent twice the slowest first start measured before liveness applies."""
+    agent = container(deploy_objects()["DaemonSet"])
+    startup = agent["startupProbe"]
+    port = port_of(effective_settings(tmp_path).healthz_bind_address)
+    assert startup["httpGet"] == {"path": "/livez", "port": port}
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget >= 2 * SLOWEST_FIRST_START_SECONDS
+    assert agent["resources"]["requests"]["cpu"] == f"{STARTUP_CPU_MILLICORES}m"
 
 
 # ---------------------------------------------------------------------------------------
