@@ -695,6 +695,32 @@ def test_the_entrypoint_picks_the_headers_bcc_compiles_against(tmp_path: Path, c
                                        "BCC_KERNEL_SOURCE": exported}  # fmt: skip
 
 
+@pytest.mark.parametrize("python", ["python", "python3"])
+def test_the_readmes_python_form_runs_the_venvs_python_through_the_entrypoint(
+    tmp_path: Path, python: str
+):
+    """`IMAGE python -m agent --help`: the image's `python` wrapper (the venv's), with the
+    headers chosen, not the agent given `python` as its command."""
+    root = tmp_path / "image"
+    entrypoint = image_entrypoint(root)
+    wrapper = root / "usr/local/bin/python"
+    assert "/opt/kube-bpf-proxy/venv/bin/python" in wrapper.read_text(encoding="utf-8")
+    wrapper.write_text(  # a stand-in that says how it was started
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        'print(json.dumps({"python": sys.argv[1:], '
+        '"BCC_KERNEL_SOURCE": os.environ.get("BCC_KERNEL_SOURCE")}))\n',
+        encoding="utf-8",
+    )
+    environ = {"PATH": os.environ["PATH"], "KBP_ENTRYPOINT_ROOT": str(root)}
+    done = subprocess.run([str(entrypoint), python, "-m", "agent", "--help"], env=environ,
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "python": ["-m", "agent", "--help"],
+        "BCC_KERNEL_SOURCE": FALLBACK.format(root=root),
+    }
+
+
 def test_the_entrypoint_passes_the_agents_exit_status_on(tmp_path: Path):
     root = tmp_path / "image"
     entrypoint = image_entrypoint(root)
@@ -953,10 +979,48 @@ def test_the_image_installs_through_the_pins_and_keeps_no_pip():
     commands = [c.strip() for c in run.arguments.split(";")]
     (install,) = [c for c in commands if " install " in c]
     assert install.startswith(f"PIP_CONSTRAINT={destination} ")
-    uninstall = next(i for i, c in enumerate(commands) if "pip uninstall" in c)
-    assert commands.index(install) < uninstall
-    assert commands[uninstall].split()[-2:] == ["pip", "setuptools"]
+    uninstalls = [i for i, c in enumerate(commands) if "pip uninstall" in c]
+    assert commands.index(install) < uninstalls[0]
+    assert commands[uninstalls[-1]].split()[-2:] == ["pip", "setuptools"]
     assert dockerignore_keeps("deps/python-constraints.txt")
+
+
+# The kubernetes client's asyncio half and what only it needs: the image removes them.
+ASYNC_CLIENT = ("aiohttp", "aiohttp-retry", "aiohappyeyeballs", "aiosignal", "frozenlist",
+                "multidict", "yarl", "propcache")  # fmt: skip
+ALL_AGENT_MODULES = """
+import importlib, json, pkgutil, sys
+import agent
+failed = []
+for module in pkgutil.walk_packages(agent.__path__, "agent."):
+    if module.name != "agent.__main__":  # that one runs the CLI
+        try:
+            importlib.import_module(module.name)
+        except Exception as err:
+            failed.append(f"{module.name}: {err!r}")
+print(json.dumps({"failed": failed, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_the_image_drops_the_async_client_that_no_module_of_the_agent_imports():
+    (run,) = stage("agent").named("RUN")
+    commands = [" ".join(c.split()) for c in run.arguments.split(";")]
+    (drop,) = [c for c in commands if "pip uninstall" in c and "aiohttp" in c]
+    assert drop.split()[-len(ASYNC_CLIENT) :] == list(ASYNC_CLIENT)
+    assert "rm -rf /opt/kube-bpf-proxy/venv/lib/python3*/site-packages/kubernetes/aio" in commands
+    # Every module of the agent imported in a fresh interpreter (the kubernetes client's
+    # whole package with it): none of what the image removes is loaded.
+    done = subprocess.run([sys.executable, "-c", ALL_AGENT_MODULES], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    result = json.loads(done.stdout)
+    assert result["failed"] == []
+    assert "kubernetes.client" in result["modules"]
+    top_level = {canonicalize_name(name) for name in ASYNC_CLIENT} | {"aiohttp_retry"}
+    loaded = [
+        name for name in result["modules"]
+        if name.startswith("kubernetes.aio") or canonicalize_name(name.split(".")[0]) in top_level
+    ]  # fmt: skip
+    assert loaded == []
 
 
 def test_debian_python3_yaml_is_not_installed_under_the_venvs_pyyaml():
