@@ -53,8 +53,8 @@ API_SERVER_ENV = {"KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"}
 RUNTIME_PACKAGES = {"python3-bpfcc", "bpftool", "iptables", "iproute2", "conntrack"}
 # The oldest Kubernetes deploy/ is checked against (README.md says so).
 OLDEST_KUBERNETES = "1.29"
-# The slowest first start measured at the DaemonSet's CPU request (bench/README.md, "First
-# start at the DaemonSet's CPU request"): process start to the datapath compiled, seconds.
+# The slowest first start measured at the DaemonSet's CPU request (bench/first_start.py's
+# section of bench/README.md): process start to the datapath compiled, seconds.
 SLOWEST_FIRST_START_SECONDS = 102
 STARTUP_CPU_MILLICORES = 100
 
@@ -425,7 +425,7 @@ def test_a_privileged_init_container_mounts_bpffs_on_the_host_with_bidirectional
 
 
 def test_the_startup_probe_outlasts_the_slowest_first_compile_measured(tmp_path: Path):
-    """bench/README.md, "First start at the DaemonSet's CPU request": the startup probe
+    """bench/first_start.py's section of bench/README.md: the startup probe
     gives the agent twice the slowest first start measured before liveness applies."""
     agent = container(deploy_objects()["DaemonSet"])
     startup = agent["startupProbe"]
