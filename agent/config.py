@@ -550,13 +550,25 @@ def _read_config(path: str, names: list[str]) -> tuple[dict[str, tuple[Any, str]
     """The settings of a --config file for a command taking `names`: name → (value, where
     it came from); and a KubeProxyConfiguration's fields that have no equivalent. A setting
     of another command is skipped (one file serves every command); an unknown one is an
-    error."""
+    error. A file of several YAML documents (kubeadm's configuration file) is read for
+    its KubeProxyConfiguration."""
     try:
         with open(path, encoding="utf-8") as stream:
-            document = yaml.safe_load(stream)
+            documents = [d for d in yaml.safe_load_all(stream) if d is not None]
     except (OSError, yaml.YAMLError) as err:
         message = " ".join(str(err).split())  # YAML errors span several lines
         raise ValueError(f"--config {path}: {message}") from None
+    document = documents[0] if documents else None
+    if len(documents) > 1:
+        found = [d for d in documents
+                 if isinstance(d, dict) and kubeproxy.is_kube_proxy_configuration(d)]  # fmt: skip
+        if len(found) != 1:
+            raise ValueError(
+                f"--config {path}: {len(documents)} YAML documents, {len(found)} of them a "
+                f"{kubeproxy.KIND}: expected one mapping of settings, or one "
+                f"{kubeproxy.KIND} among other documents"
+            )
+        document = found[0]
     if document is None:
         return {}, []
     if not isinstance(document, dict):

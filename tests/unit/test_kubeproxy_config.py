@@ -253,3 +253,39 @@ def test_every_field_of_the_schema_is_in_the_docs_table() -> None:
     walk(kubeproxy.SCHEMA, "")
     missing = [p for p in paths if f"`{p}`" not in docs and p not in ("apiVersion", "kind")]
     assert missing == []
+
+
+def test_kubeadms_configuration_file_is_read_for_its_kube_proxy_document(tmp_path: Path) -> None:
+    """`kubeadm init --config` files hold several documents; the KubeProxyConfiguration
+    among them is the one read."""
+    cluster = "apiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration\n"
+    settings, warnings = parse(tmp_path, f"{cluster}---\n{KUBEADM}")
+    assert settings.node == "worker-1" and warnings == []
+    with pytest.raises(ValueError, match="2 YAML documents, 0 of them a KubeProxyConfiguration"):
+        parse(tmp_path, f"{cluster}---\n{cluster}")
+
+
+def test_run_refuses_unmapped_fields_with_strict_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.conf"
+    config.write_text(edited(hostnameOverride="node-a", iptables__masqueradeAll=True))
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--config", str(config), "--manifests", EXAMPLES, "--strict"])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("kube-bpf-proxy run: error: --config ")
+    assert line.endswith("not applied: iptables.masqueradeAll (docs/kube-proxy.md); refused "
+                         "with --strict")  # fmt: skip
+
+
+def test_one_settings_file_serves_every_command(tmp_path: Path) -> None:
+    """The DaemonSet's config.yaml (run's settings) read by compile: the keys compile
+    does not take are skipped, an unknown key is still an error."""
+    configmap = yaml.safe_load((ROOT / "deploy" / "configmap.yaml").read_text())
+    text = configmap["data"]["config.yaml"]
+    settings, _ = parse(tmp_path, text + "cluster-cidr: [10.244.0.0/16]\n",
+                        names=COMPILE_SETTINGS)  # fmt: skip
+    assert settings.cluster_cidr == ["10.244.0.0/16"]
+    with pytest.raises(ValueError, match="unknown setting 'colour'"):
+        parse(tmp_path, text + "colour: blue\n", names=COMPILE_SETTINGS)
