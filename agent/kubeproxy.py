@@ -254,5 +254,5 @@ def _zero(value: Any) -> bool:
     if value is None or value is False or value == 0 or value in ("", [], {}):
         return True
     if isinstance(value, str):
-        return value.strip() in ("0", "0s", "0ms", "0m", "0h")
+        return value.strip() in ("", "0", "0s", "0ms", "0m", "0h")
     return False
