@@ -53,8 +53,8 @@ RUN set -eu; \
 # stays by design; there is no gcc, make or kbuild in the image. `apt-get clean`: a base
 # without Docker's apt hook (a debootstrapped one) keeps every downloaded .deb, 75 MB.
 # Documentation, man pages and translations are left out (dpkg's path-exclude, so no
-# package installed here brings them, and removed from the base), about 58 MB a
-# debootstrapped base and these packages carried; the copyright files stay.
+# package installed here brings them, and removed from the base): /usr/share went from
+# 67 MB to 13 MB on a debootstrapped base. The copyright files stay.
 FROM ${BASE} AS runtime
 COPY --from=package-lists /deps/runtime.txt /usr/share/kube-bpf-proxy/debian-packages.txt
 RUN set -eu; \
@@ -91,8 +91,8 @@ COPY examples /opt/kube-bpf-proxy/src/examples
 # which is time a restarted node waits for its first apply. pip and setuptools leave the
 # venv once the agent is in: nothing installs anything in a running image. Nor does the
 # kubernetes client's asyncio half (kubernetes/aio, 68 MB, and aiohttp with what only it
-# needs): the agent uses the synchronous client, and tests/unit/test_deploy.py checks that
-# no module of the agent imports them.
+# needs; the venv went from 171 MB to 92 MB): the agent uses the synchronous client, and
+# tests/unit/test_deploy.py checks that no module of the agent imports them.
 RUN set -eu; \
     python3 -m venv --system-site-packages /opt/kube-bpf-proxy/venv; \
     PIP_CONSTRAINT=/opt/kube-bpf-proxy/src/deps/python-constraints.txt \
