@@ -121,6 +121,8 @@ sys.exit(\"no /readyz 200 within 120 s\")"
     ready=$?
     kill -TERM "$pid"; wait "$pid"; stopped=$?
     [ "$ready" = 0 ] && [ "$stopped" = 0 ]'
+check "the init container's tools (deploy/daemonset.yaml, mount-bpffs)" sh -c \
+    'command -v stat >/dev/null && command -v mount >/dev/null'
 check "tools of the docs and lab" sh -c 'for t in bpftool ip tc nsenter sysctl ethtool conntrack xz \
     iptables-nft-save iptables-legacy-save ip6tables-nft-restore ip6tables-legacy-restore; do \
     command -v "$t" >/dev/null || { echo "missing $t"; exit 1; }; done'
