@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from .logs import setup_logging
 from .model.compile import compile
 from .nodelock import LockError, NodeLock
 from .render import render
-from .sources.manifests import load_manifests
+from .sources.manifests import load_manifests, unreadable
 
 log = logging.getLogger("kube-bpf-proxy")
 
@@ -34,7 +35,7 @@ NODE_SETTINGS = [
     "cluster_name",
     "service_proxy_name",
 ]
-COMPILE_SETTINGS = ["manifests", *NODE_SETTINGS, "output", "strict", "log_level"]
+COMPILE_SETTINGS = ["manifests", *NODE_SETTINGS, "output", "strict", "log_level", "config"]
 RUN_SETTINGS = [
     "manifests",
     "kubeconfig",
@@ -69,27 +70,119 @@ RUN_SETTINGS = [
     "log_level",
     "log_format",
     "verbosity",
+    "strict",
     "config",
 ]
 
 # inspect conntrack shows each flow's time left by the same timeouts as the agent's.
-INSPECT_SETTINGS = ["bpffs", "inspect_output", *CONNTRACK_TIMEOUTS.values(), "log_level"]
-LAB_SETTINGS = ["manifests", "dataplane"]
+INSPECT_SETTINGS = ["bpffs", "inspect_output", *CONNTRACK_TIMEOUTS.values(), "log_level",
+                    "config"]  # fmt: skip
+LAB_SETTINGS = ["manifests", "dataplane", "config"]
 # explain: the agent's /state (--metrics-bind-address), or --manifests compiled for --node.
 EXPLAIN_SETTINGS = ["manifests", *NODE_SETTINGS, "metrics_bind_address", "bpffs",
-                    "inspect_output", "log_level"]  # fmt: skip
-CLEANUP_SETTINGS = ["bpffs", "lock_dir", "log_level"]
-FOLLOW_SETTINGS = ["metrics_bind_address", "state_socket", "log_level"]
+                    "inspect_output", "log_level", "config"]  # fmt: skip
+CLEANUP_SETTINGS = ["bpffs", "lock_dir", "log_level", "config"]
+FOLLOW_SETTINGS = ["metrics_bind_address", "state_socket", "log_level", "config"]
 INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp", "tc")
 
 
+# kube-proxy's flags whose meaning differs from every flag here: each is answered with
+# one line naming what replaced it (its aliases of equal meaning are on the settings, in
+# agent/config.py). docs/kube-proxy.md has the whole table.
+_NO_EQUIVALENT = "no equivalent here (docs/kube-proxy.md lists what it did)"
+KUBE_PROXY_FLAGS = {
+    "--proxy-mode": "there are no proxy modes: --dataplane auto|ebpf|iptables|none picks what "
+    "programs the node (auto: eBPF, else iptables)",
+    "--cleanup": "use `kube-bpf-proxy cleanup` (removes what this agent installed; kube-proxy's "
+    "own rules: `kube-proxy --cleanup` before switching)",
+    "--master": "set the API server's address with KUBERNETES_SERVICE_HOST and "
+    "KUBERNETES_SERVICE_PORT, or a --kubeconfig whose server is it",
+    "--bind-address": "use --node-ip IP (kube-proxy's --bind-address only overrides the node's "
+    "primary IP; it binds nothing)",
+    "--pod-interface-name-prefix": "use --pod-interfaces PREFIX* (globs of the pods' host-side "
+    "interfaces)",
+    "--detect-local-mode": "local traffic is told by --pod-interfaces and --cluster-cidr",
+    "--healthz-port": "use --healthz-bind-address HOST:PORT",
+    "--metrics-port": "use --metrics-bind-address HOST:PORT",
+    "--ipvs-sync-period": "use --sync-period",
+    "--ipvs-min-sync-period": "use --min-sync-period",
+    "--write-config-to": "there is no default kube-proxy file to write: `run --help` lists the "
+    "settings, docs/kube-proxy.md maps kube-proxy's",
+    **{
+        flag: _NO_EQUIVALENT
+        for flag in (
+            "--masquerade-all", "--oom-score-adj", "--conntrack-max-per-core",
+            "--conntrack-min", "--conntrack-tcp-be-liberal", "--profiling", "--feature-gates",
+            "--ipvs-scheduler", "--ipvs-strict-arp", "--ipvs-exclude-cidrs",
+            "--ipvs-tcp-timeout", "--ipvs-tcpfin-timeout", "--ipvs-udp-timeout",
+            "--pod-bridge-interface", "--init-only", "--config-sync-period",
+            "--show-hidden-metrics-for-version", "--bind-address-hard-fail",
+            "--iptables-masquerade-bit", "--iptables-localhost-nodeports",
+            "--proxy-port-range", "--kube-api-qps", "--kube-api-burst",
+            "--kube-api-content-type", "--log-flush-frequency", "--vmodule",
+        )
+    },
+}  # fmt: skip
+
+
+class CommandParser(argparse.ArgumentParser):
+    """No abbreviated flags (a typo is an error, not another flag); a subcommand reports
+    an unknown argument itself, with its own usage line, not the top level's."""
+
+    def __init__(self, **kwargs: object) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: list[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras and self._subparsers is None:  # a subcommand's parser
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Two lines: a short usage naming --help, and the error."""
+        usage = f"usage: {self.prog} [OPTIONS]  (all of them: {self.prog} --help)"
+        if self._subparsers is not None:
+            usage = f"usage: {self.prog} COMMAND [OPTIONS]  (commands: {self.prog} --help)"
+        self.exit(2, f"{usage}\n{self.prog}: error: {message}\n")
+
+
+class _Replaced(argparse.Action):
+    """A kube-proxy flag without an equal here: refused with the one line that says what
+    to use instead (its value, if any, is taken and ignored)."""
+
+    def __init__(self, option_strings: list[str], dest: str, answer: str = "") -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?",
+                         help=argparse.SUPPRESS)  # fmt: skip
+        self.answer = answer
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        raise argparse.ArgumentError(None, f"{option_string} is kube-proxy's: {self.answer}")
+
+
+def _answer_kube_proxy_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, answer in KUBE_PROXY_FLAGS.items():
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, action=_Replaced, answer=answer)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kube-bpf-proxy",
         description="Kubernetes Service load balancing in eBPF: a kube-proxy replacement.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=CommandParser
+    )
     compile_parser = commands.add_parser(
         "compile",
         help="print this node's NodeState compiled from manifest files",
@@ -217,13 +310,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--requests", type=int, default=20, metavar="N",
         help="requests per frontend (default: 20)",
     )  # fmt: skip
+    for command_parser in (compile_parser, run_parser, explain_parser, cleanup_parser):
+        _answer_kube_proxy_flags(command_parser)
     return parser
+
+
+def check_manifest_paths(paths: list[str]) -> None:
+    """Every --manifests path exists: a missing one would compile (or serve) an empty or
+    partial state that looks like the truth. ValueError naming the first missing path."""
+    for path in paths:
+        if not os.path.exists(path):  # a dangling symlink too
+            raise ValueError(f"--manifests {path}: {unreadable(Path(path))}")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     settings = settings_from(args, COMPILE_SETTINGS)
     if not settings.manifests:
         raise ValueError("--manifests: at least one file or directory is required")
+    check_manifest_paths(settings.manifests)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
     state, reports = load_manifests(settings.manifests)
     for report in reports:
@@ -239,8 +343,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    settings = settings_from(args, RUN_SETTINGS)
+    warnings: list[str] = []
+    settings = settings_from(args, RUN_SETTINGS, warn=warnings.append)
+    check_manifest_paths(settings.manifests)  # before the lock and the datapath's compile
     setup_logging(settings.log_level, settings.log_format, settings.verbosity)
+    for warning in warnings:  # in the agent's log format
+        log.warning("%s", warning)
     from .daemon import run  # imports the servers and, without --manifests, kubernetes
 
     return run(settings)
@@ -275,6 +383,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     if args.sport is not None and not 0 < args.sport < 65536:
         raise ValueError(f"--sport {args.sport}: expected a port 1-65535")
+    check_manifest_paths(settings.manifests)
     try:
         if settings.manifests:
             inputs = command.state_from_manifests(

@@ -14,12 +14,14 @@ import math
 import os
 import re
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
 import yaml
 
+from . import kubeproxy
 from .model.compile import PRIMARY, CompileOptions
 from .model.ip import parse_cidr, parse_ip
 
@@ -84,8 +86,10 @@ def _setting(
 ) -> Any:
     """A Settings field: its default (a list or a function: made afresh for each Settings),
     flag, help and metavar; `check` raises ValueError for a bad value. Other keywords go to
-    argparse, but `short` (the short flag) and `comma` (comma-separated, flag repeatable)."""
-    metadata = {"flag": flag, "short": kwargs.pop("short", None), "help": help, **kwargs}
+    argparse, but `short` (the short flag), `comma` (comma-separated, flag repeatable) and
+    `aliases` (kube-proxy's flags of equal meaning, docs/kube-proxy.md)."""
+    metadata = {"flag": flag, "short": kwargs.pop("short", None),
+                "aliases": kwargs.pop("aliases", ()), "help": help, **kwargs}  # fmt: skip
     if metavar is not None:
         metadata["metavar"] = metavar
     if check is not None:
@@ -129,7 +133,7 @@ class Settings:
         "PATH", lambda paths: _each(paths, _nonempty), nargs="+")
     node: str = _setting(default_node_name, "--node",
         "name of this node (default: the hostname, lower-cased)",
-        "NAME", lambda name: _dns_subdomain(name))
+        "NAME", lambda name: _dns_subdomain(name), aliases=("--hostname-override",))
     node_ip: list[str] = _setting([], "--node-ip",
         "this node's address; repeat for dual-stack; replaces the Node object's addresses",
         "IP", lambda ips: _one_per_family(ips, parse_ip, "address"), action="append")
@@ -250,10 +254,10 @@ class Settings:
     min_sync_period: float = _setting(0.0, "--min-sync-period",
         "minimum time between syncs (e.g. 1s); 0 applies changes at once, coalescing "
         "those that arrive during a sync",
-        "DURATION", _duration(0.0, 3600.0))
+        "DURATION", _duration(0.0, 3600.0), aliases=("--iptables-min-sync-period",))
     sync_period: float = _setting(30.0, "--sync-period",
         "full resync period (e.g. 30s); a resync writes nothing when the kernel matches",
-        "DURATION", _duration(1.0, 86400.0))
+        "DURATION", _duration(1.0, 86400.0), aliases=("--iptables-sync-period",))
     api_idle_timeout: float = _setting(30.0, "--api-idle-timeout",
         "a watch of the API server silent this long gets a liveness probe (GET /version); "
         "like the HTTP/2 ping of kube-proxy's client",
@@ -278,12 +282,13 @@ class Settings:
         "state socket together; more are answered 429",
         "N", _between(1, 4096))
     log_format: str = _setting("text", "--log-format", "log line format",
-        choices=("text", "json"))
+        choices=("text", "json"), aliases=("--logging-format",))
     verbosity: int = _setting(0, "--v", "log verbosity like kube-proxy's -v: 0-1 info, 2+ debug",
         "N", _between(0, 10), short="-v")
     config: str | None = _setting(None, "--config",
         "YAML file with any of these settings (keys as the flags without dashes, "
-        "e.g. sync-period or sync_period); flags and env vars win over it",
+        "e.g. sync-period or sync_period), or kube-proxy's KubeProxyConfiguration "
+        "(docs/kube-proxy.md); flags and env vars win over it",
         "FILE", lambda path: _nonempty(path))
     output: str = _setting("yaml", "--output", "output format",
         short="-o", choices=("yaml", "json"))
@@ -293,7 +298,9 @@ class Settings:
         choices=("none", "services", "ports"))
     inspect_output: str = _setting("table", "--output", "output format",
         short="-o", choices=("table", "json"))
-    strict: bool = _setting(False, "--strict", "exit non-zero when any input problem is reported",
+    strict: bool = _setting(False, "--strict", "refuse a --config KubeProxyConfiguration "
+        "with fields that have no equivalent; compile: exit non-zero when any input problem "
+        "is reported",
         action="store_true")
     log_level: str = _setting("info", "--log-level", "log verbosity",
         choices=("debug", "info", "warning", "error"))
@@ -353,29 +360,49 @@ def add_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:
         f = SETTINGS_FIELDS[name]
         meta = dict(f.metadata)
         flag, short, help_text = meta.pop("flag"), meta.pop("short"), meta.pop("help")
+        aliases = meta.pop("aliases")
         meta.pop("check", None)
         if meta.pop("comma", False):
             meta["action"] = "append"
         env = ENV_PREFIX + name.upper()
-        flags = [short, flag] if short else [flag]
+        flags = [short, flag, *aliases] if short else [flag, *aliases]
         parser.add_argument(
             *flags, dest=name, default=None, help=f"{help_text} [env {env}]", **meta
         )
 
 
 def settings_from(
-    args: argparse.Namespace, names: list[str], environ: dict[str, str] | None = None
+    args: argparse.Namespace,
+    names: list[str],
+    environ: dict[str, str] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> Settings:
     """Settings from parsed flags, then KBP_* env vars, then the --config file, then
     defaults, each converted without coercion and checked against its range. Raises
     ValueError naming the setting and where its value came from (`--sync-period`,
-    `KBP_SYNC_PERIOD`, `--config FILE: sync-period`, `--node (default)`)."""
+    `KBP_SYNC_PERIOD`, `--config FILE: sync-period`, `--node (default)`).
+
+    The --config file is our settings file or kube-proxy's KubeProxyConfiguration; the
+    latter's fields without an equivalent go to `warn` in one line (default: stderr), or
+    raise ValueError when the command's --strict is set."""
     environ = dict(os.environ) if environ is None else environ
     file_values: dict[str, tuple[Any, str]] = {}
     if "config" in names:
         path = getattr(args, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
         if path:
-            file_values = _read_config(path, names)
+            file_values, unmapped = _read_config(path, names)
+            if unmapped:
+                strict = "strict" in names and (
+                    getattr(args, "strict", False)
+                    or environ.get(ENV_PREFIX + "STRICT", "").strip().lower() in _TRUE
+                )
+                message = (
+                    f"--config {path}: KubeProxyConfiguration fields without a kube-bpf-proxy "
+                    f"equivalent, not applied: {', '.join(unmapped)} (docs/kube-proxy.md)"
+                )
+                if strict:
+                    raise ValueError(f"{message}; refused with --strict")
+                (warn or _warn_stderr)(message)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name in names:
@@ -523,26 +550,56 @@ def _show(raw: Any) -> str:
     return str(raw).lower() if isinstance(raw, bool) else repr(raw)
 
 
-def _read_config(path: str, names: list[str]) -> dict[str, tuple[Any, str]]:
-    """The settings of a --config file: name → (value, where it came from)."""
+def _warn_stderr(message: str) -> None:
+    print(f"kube-bpf-proxy: warning: {message}", file=sys.stderr)
+
+
+def _read_config(path: str, names: list[str]) -> tuple[dict[str, tuple[Any, str]], list[str]]:
+    """The settings of a --config file for a command taking `names`: name → (value, where
+    it came from); and a KubeProxyConfiguration's fields that have no equivalent. A setting
+    of another command is skipped (one file serves every command); an unknown one is an
+    error. A file of several YAML documents (kubeadm's configuration file) is read for
+    its KubeProxyConfiguration."""
     try:
         with open(path, encoding="utf-8") as stream:
-            document = yaml.safe_load(stream)
+            documents = [d for d in yaml.safe_load_all(stream) if d is not None]
     except (OSError, yaml.YAMLError) as err:
         message = " ".join(str(err).split())  # YAML errors span several lines
         raise ValueError(f"--config {path}: {message}") from None
+    document = documents[0] if documents else None
+    if len(documents) > 1:
+        found = [d for d in documents
+                 if isinstance(d, dict) and kubeproxy.is_kube_proxy_configuration(d)]  # fmt: skip
+        if len(found) != 1:
+            raise ValueError(
+                f"--config {path}: {len(documents)} YAML documents, {len(found)} of them a "
+                f"{kubeproxy.KIND}: expected one mapping of settings, or one "
+                f"{kubeproxy.KIND} among other documents"
+            )
+        document = found[0]
     if document is None:
-        return {}
+        return {}, []
     if not isinstance(document, dict):
         raise ValueError(f"--config {path}: expected a mapping of settings")
+    if kubeproxy.is_kube_proxy_configuration(document):
+        try:
+            translation = kubeproxy.translate(document)
+        except ValueError as err:
+            raise ValueError(f"--config {path}: {kubeproxy.KIND}: {err}") from None
+        items = [(name, raw, key) for name, (raw, key) in translation.values.items()]
+        unmapped = translation.unmapped
+    else:
+        items = [(str(key).replace("-", "_"), raw, key) for key, raw in document.items()]
+        unmapped = []
     values: dict[str, tuple[Any, str]] = {}
-    for key, raw in document.items():
-        name = str(key).replace("-", "_")
-        if name not in names or name == "config":
+    for name, raw, key in items:
+        if name not in SETTINGS_FIELDS or name == "config":
             raise ValueError(f"--config {path}: unknown setting {key!r}")
+        if name not in names:
+            continue  # another command's setting
         where = f"--config {path}: {key}"
         values[name] = (_convert(SETTINGS_FIELDS[name], raw, where, text=False), where)
-    return values
+    return values, unmapped
 
 
 # --- the checks of single settings (ValueError without the setting's name) -------------

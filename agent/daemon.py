@@ -57,6 +57,30 @@ class Agent:
         self.settings = settings
         self.metrics = Metrics()
         self.store = StateStore()
+        self.status = AgentStatus()
+        self._stoppers: list[Callable[[], None]] = []
+        # The health server first: /livez answers while the dataplane is chosen and bcc
+        # compiles the datapath (over a minute at a 100m CPU request), so a liveness
+        # probe never kills an agent that is still starting; /readyz waits for the first
+        # programmed state as before.
+        raise_open_files_limit()  # every connection the HTTP servers hold is an open file
+        try:
+            self.health_server = HealthServer(
+                settings.healthz_bind_address, self.status, settings.sync_period, self.metrics
+            )
+        except (OSError, ValueError) as err:
+            raise StartupError(
+                f"--healthz-bind-address {settings.healthz_bind_address}: {err}"
+            ) from err
+        self._stoppers.append(self.health_server.close)
+        try:
+            self._choose_dataplane()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _choose_dataplane(self) -> None:
+        settings = self.settings
         try:
             self.selection = select_dataplane(settings)
         except DataplaneStartError as err:
@@ -64,9 +88,9 @@ class Agent:
         self.dataplane, reason = self.selection.dataplane, self.selection.reason
         self.metrics.dataplane_info.labels(self.dataplane.name, reason).set(1)
         log.info("dataplane: %s (%s)", self.dataplane.name, reason)
-        self.status = AgentStatus(
-            dataplane=self.dataplane.name,
-            dataplane_reason=reason,
+        self.status.set_dataplane(
+            self.dataplane.name,
+            reason,
             details=self.dataplane.status_details,
             integrity=self.dataplane.integrity,
         )
@@ -77,7 +101,6 @@ class Agent:
         if adopted is not None:
             log.info("the kernel holds revision %s (an earlier agent's): it serves until "
                      "this agent has the cluster's state", adopted[:19])  # fmt: skip
-        self._stoppers: list[Callable[[], None]] = []
         self.dataplane.register_metrics(self.metrics, settings.service_metrics)
         self._stoppers.append(self.dataplane.close)  # the kernel state stays
 
@@ -93,7 +116,6 @@ class Agent:
         gc_timer.start()
         self._stoppers.append(gc_timer.cancel)
         self._stoppers.append(gcpause.enable)
-        raise_open_files_limit()  # every connection the HTTP servers hold is an open file
         sys.setswitchinterval(SWITCH_INTERVAL)
         hub = StateHub(self._held_and_status, s.state_watchers)
         self._stoppers.append(hub.close)
@@ -109,11 +131,7 @@ class Agent:
                 self._stoppers.append(state_socket.close)
             except OSError as err:
                 raise StartupError(f"--state-socket {s.state_socket}: {err}") from err
-        try:
-            health_server = HealthServer(s.healthz_bind_address, self.status, s.sync_period)
-            self._stoppers.append(health_server.close)
-        except (OSError, ValueError) as err:
-            raise StartupError(f"--healthz-bind-address {s.healthz_bind_address}: {err}") from err
+        health_server = self.health_server
         health_checks = HealthCheckServers(proxy_healthy=health_server.is_healthy)
         self._stoppers.append(health_checks.close)
         self.loop = SyncLoop(

@@ -8,11 +8,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import choose_encoder
+
+# kube-proxy exports no `_created` series, and dashboards summing a family by a regex
+# would count them: prometheus_client's switch is process-wide.
+disable_created_metrics()
 
 # kube-proxy's buckets for sync durations (exponential from 1 ms).
 SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
+# client-go's rest_client_request_duration_seconds buckets.
+REST_CLIENT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 # kube-proxy's network programming buckets (0.25 s .. 30 min).
 PROGRAMMING_BUCKETS = (
     0.25, 0.5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
@@ -32,11 +45,42 @@ class Metrics:
         # One metric a row: kind(name, help, labels, ...).
         # fmt: off
         # --- kube-proxy's names -----------------------------------------------------
+        # process_*: CPU, memory, open files, start time (the Go client's families).
+        ProcessCollector(registry=r)
         self.sync_duration = Histogram("kubeproxy_sync_proxy_rules_duration_seconds",
             "Time a sync of the dataplane took (compile + apply).",
             buckets=SYNC_BUCKETS, registry=r)
+        self.sync_full_duration = Histogram(
+            "kubeproxy_sync_full_proxy_rules_duration_seconds",
+            "Time a full sync took (the first, the periodic resyncs, the retries after a "
+            "failure: the kernel compared entry by entry).", buckets=SYNC_BUCKETS, registry=r)
+        self.sync_partial_duration = Histogram(
+            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+            "Time a partial sync took (only what changed written).",
+            buckets=SYNC_BUCKETS, registry=r)
         self.sync_last_timestamp = Gauge("kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "Unix time of the last successful sync.", registry=r)
+        self.sync_last_queued = Gauge(
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "Unix time a sync was last asked for (a change arrived, or the agent started).",
+            registry=r)
+        self.service_changes_pending = Gauge(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Service changes seen and not yet taken by a sync.", registry=r)
+        self.endpoint_changes_pending = Gauge(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "EndpointSlice changes seen and not yet taken by a sync.", registry=r)
+        self.healthz_requests = Counter("kubeproxy_proxy_healthz",
+            "/healthz requests answered, by HTTP status code.", ["code"], registry=r)
+        self.livez_requests = Counter("kubeproxy_proxy_livez",
+            "/livez requests answered, by HTTP status code.", ["code"], registry=r)
+        self.rest_client_requests = Counter("rest_client_requests",
+            "Requests to the API server (lists, watches, the /version probe), by status "
+            "code ('<error>' when none came back), method and host.",
+            ["code", "method", "host"], registry=r)
+        self.rest_client_duration = Histogram("rest_client_request_duration_seconds",
+            "Time from sending a request to the API server to its response's headers.",
+            ["verb", "host"], buckets=REST_CLIENT_BUCKETS, registry=r)
         self.network_programming = Histogram("kubeproxy_network_programming_duration_seconds",
             "From an EndpointSlice's endpoints.kubernetes.io/last-change-trigger-time "
             "to its change being programmed.", buckets=PROGRAMMING_BUCKETS, registry=r)

@@ -6,7 +6,8 @@
 #      into a buildah storage of its own (under build/image-check/, never the machine's);
 #   2. `buildah bud --isolation chroot` of the Dockerfile on that base (no daemon, no
 #      BuildKit; buildah 1.28, Debian 12's, understands no Dockerfile heredocs);
-#   3. checks in the built image: the entrypoint and `python -m agent` run, the tools the
+#   3. checks in the built image: the entrypoint and `python -m agent` run (also as
+#      `IMAGE python -m agent`), the agent starts on examples/ and gets ready, the tools the
 #      docs and `lab` use are there (both iptables backends, xz for kheaders), the venv has
 #      no pip or setuptools and its Python packages are the pinned versions;
 #   4. the image's size, uncompressed and as a gzip'd archive.
@@ -101,6 +102,27 @@ check() {  # check DESCRIPTION COMMAND...: runs COMMAND in the image
 step "checking the image"
 check "kube-bpf-proxy --version (the entrypoint wrapper)" kube-bpf-proxy --version
 check "python -m agent --help (the README's form)" python -m agent --help
+check "IMAGE python -m agent --help (through the entrypoint)" kube-bpf-proxy python -m agent --help
+# A smoke start: the agent as the image runs it, on the examples, without a dataplane;
+# ready (/readyz 200) once it has compiled and "programmed" them, then stopped by SIGTERM.
+check "the agent starts and becomes ready (run --dataplane none --manifests examples)" sh -c '
+    kube-bpf-proxy run --dataplane none --manifests /opt/kube-bpf-proxy/src/examples \
+        --node node-a --healthz-bind-address 127.0.0.1:19256 \
+        --metrics-bind-address 127.0.0.1:19249 & pid=$!
+    python -c "
+import sys, time, urllib.request
+for _ in range(120):
+    try:
+        urllib.request.urlopen(\"http://127.0.0.1:19256/readyz\", timeout=2)
+        sys.exit(0)
+    except Exception:
+        time.sleep(1)
+sys.exit(\"no /readyz 200 within 120 s\")"
+    ready=$?
+    kill -TERM "$pid"; wait "$pid"; stopped=$?
+    [ "$ready" = 0 ] && [ "$stopped" = 0 ]'
+check "the init container's tools (deploy/daemonset.yaml, mount-bpffs)" sh -c \
+    'command -v stat >/dev/null && command -v mount >/dev/null'
 check "tools of the docs and lab" sh -c 'for t in bpftool ip tc nsenter sysctl ethtool conntrack xz \
     iptables-nft-save iptables-legacy-save ip6tables-nft-restore ip6tables-legacy-restore; do \
     command -v "$t" >/dev/null || { echo "missing $t"; exit 1; }; done'

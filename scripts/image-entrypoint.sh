@@ -17,4 +17,12 @@ if [ -z "${BCC_KERNEL_SOURCE:-}" ] \
     BCC_KERNEL_SOURCE="$root/usr/lib/kube-bpf-proxy/kernel-headers"
     export BCC_KERNEL_SOURCE
 fi
+# `IMAGE python -m agent ...` (the README's form) runs the agent's venv Python with the
+# same headers; anything else is the agent's own arguments (`IMAGE run ...`).
+case "${1:-}" in
+    python | python3)
+        shift
+        exec "$root/usr/local/bin/python" "$@"
+        ;;
+esac
 exec "$root/opt/kube-bpf-proxy/venv/bin/kube-bpf-proxy" "$@"

@@ -209,6 +209,19 @@ class AgentStatus:
             self._subscribers.append(callback)
 
     # --- writers (the sync loop, the sources) ----------------------------------------
+    def set_dataplane(
+        self,
+        name: str,
+        reason: str | None,
+        details: Callable[[], Mapping[str, Any]] | None = None,
+        integrity: Callable[[], tuple[Sequence[str], float | None]] | None = None,
+    ) -> None:
+        """The dataplane chosen (as the constructor's arguments): the agent serves its
+        health while the dataplane is still being chosen and compiled."""
+        with self._lock:
+            self._dataplane, self._dataplane_reason = name, reason
+            self._details, self._integrity = details, integrity
+
     def set_adopted(self, revision: str | None) -> None:
         """At start-up: the kernel holds what an earlier agent programmed (`revision`,
         None when unknown). Reported as held; not a sync, so not ready."""
@@ -533,11 +546,15 @@ class HealthServer(_RoutedServer):
     kube-proxy), plus `lastSuccessfulSync`, `apiReachable` and, when unhealthy, `reason`.
     """
 
-    def __init__(self, bind: str, status: AgentStatus, sync_period: float) -> None:
+    def __init__(
+        self, bind: str, status: AgentStatus, sync_period: float, metrics: Metrics | None = None
+    ) -> None:
+        """`metrics`: where /healthz and /livez answers are counted by status code."""
         if sync_period <= 0:
             raise ValueError(f"sync_period must be positive, not {sync_period}")
         self.status = status
         self.timeout = 2 * sync_period
+        self.metrics = metrics
         self._start(
             bind,
             {"/healthz": self._healthz, "/livez": self._livez, "/readyz": self._readyz},
@@ -572,11 +589,17 @@ class HealthServer(_RoutedServer):
     def _healthz(self, request: Request) -> Response:
         report = self.status.health(self.timeout)
         healthy = report.healthy and report.node_eligible
-        return json_response(200 if healthy else 503, self._body(report, with_node=True))
+        code = 200 if healthy else 503
+        if self.metrics is not None:
+            self.metrics.healthz_requests.labels(str(code)).inc()
+        return json_response(code, self._body(report, with_node=True))
 
     def _livez(self, request: Request) -> Response:
         report = self.status.health(self.timeout)
-        return json_response(200 if report.healthy else 503, self._body(report, with_node=False))
+        code = 200 if report.healthy else 503
+        if self.metrics is not None:
+            self.metrics.livez_requests.labels(str(code)).inc()
+        return json_response(code, self._body(report, with_node=False))
 
     def _readyz(self, request: Request) -> Response:
         snap = self.status.snapshot()

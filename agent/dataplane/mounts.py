@@ -92,9 +92,12 @@ def ensure_bpffs(pin_dir: Path, table: list[Mount] | None = None) -> str | None:
     where = f"{found.fstype} mounted at {found.point}" if found is not None else "unknown"
     advice = f"mount it on the node with `mount -t bpf bpf {parent}`"
     if parent != BPFFS_MOUNT_POINT and not _empty_or_missing(parent):
+        # Not "mount it at the parent": that would hide what the parent holds.
         raise BpffsError(
             f"{parent} is not a BPF filesystem (it is {where}) and is not empty, so no bpffs "
-            f"is mounted over it: {advice}, or give --bpffs a directory on a bpffs"
+            f"is mounted over it: give --bpffs a directory on a bpffs, e.g. "
+            f"{BPFFS_MOUNT_POINT}/kube-bpf-proxy (mounted on the node with "
+            f"`mount -t bpf bpf {BPFFS_MOUNT_POINT}` if it is not yet)"
         )
     try:
         mount_bpffs(parent)

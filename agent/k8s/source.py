@@ -72,6 +72,7 @@ import random
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -235,6 +236,8 @@ class KubernetesSource:
         self._reachability_lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        # client-go's `host` label: the API server's host:port.
+        self._host = urllib.parse.urlsplit(api_client.configuration.host or "").netloc
         core = client.CoreV1Api(api_client)
         discovery = client.DiscoveryV1Api(api_client)
         self._core = core
@@ -389,19 +392,32 @@ class KubernetesSource:
             for watcher in silent:
                 watcher.cut("the API server did not answer a liveness probe")
 
+    def record_request(self, started: float, status: object) -> None:
+        """client-go's rest_client_* for one request sent at `started` (monotonic);
+        `status` is the HTTP status, or None when no response came back."""
+        code = str(status) if isinstance(status, int) and status > 0 else "<error>"
+        self.metrics.rest_client_requests.labels(code, "GET", self._host).inc()
+        self.metrics.rest_client_duration.labels("GET", self._host).observe(
+            time.monotonic() - started
+        )
+
     def _probe(self) -> str | None:
         """None when the API server answers `GET /version` (any status below 500) within
         `request_timeout`; else why not."""
+        started = time.monotonic()
         try:
             response = self._version_api.get_code(
                 _preload_content=False, _request_timeout=self.request_timeout
             )
+            self.record_request(started, response.status)
         except OpenApiException as err:
             status = getattr(err, "status", None)
+            self.record_request(started, status)
             if isinstance(status, int) and 0 < status < ALIVE_BELOW:
                 return None
             return _describe(err)
         except Exception as err:  # timeouts, refused or reset connections
+            self.record_request(started, None)
             return _describe(err)
         try:
             response.read()
@@ -695,12 +711,18 @@ class _Watcher:
             kwargs["field_selector"] = self.field_selector
         if self.accept is not None:
             kwargs["_headers"] = {"Accept": self.accept[1 if kwargs.get("watch") else 0]}
-        response = self.list_function(
-            label_selector=self.label_selector,
-            _preload_content=False,
-            _request_timeout=(timeout, timeout),
-            **kwargs,
-        )
+        started = time.monotonic()
+        try:
+            response = self.list_function(
+                label_selector=self.label_selector,
+                _preload_content=False,
+                _request_timeout=(timeout, timeout),
+                **kwargs,
+            )
+        except Exception as err:
+            self.source.record_request(started, getattr(err, "status", None))
+            raise
+        self.source.record_request(started, response.status)
         with self._response_lock:
             self._response = response
             self._heard = time.monotonic()

@@ -89,8 +89,13 @@ class SyncLoop:
         )
 
     def start(self) -> None:
-        self.store.on_change(self.runner.run)
+        self.store.on_change(self._queue)
         self.runner.start()
+        self._queue()
+
+    def _queue(self) -> None:
+        """Ask for a sync (a change arrived); kube-proxy's queued timestamp says when."""
+        self.metrics.sync_last_queued.set(self._wall())
         self.runner.run()
 
     def stop(self) -> None:
@@ -129,7 +134,7 @@ class SyncLoop:
             self.status.set_node_eligible(node.eligible if node is not None else True)
         full = periodic or self._needs_full
         if not full and state.revision == self.dataplane.held_revision:
-            self._succeeded(state, started, 0, triggers)
+            self._succeeded(state, started, 0, triggers, full)
             return True
         self._applying = (state.revision, self._clock())
         try:
@@ -150,7 +155,7 @@ class SyncLoop:
             gcpause.enable(freeze=True)  # the daemon pauses it during the initial lists
             self._frozen = True
         self._needs_full = False
-        self._succeeded(state, started, writes, triggers)
+        self._succeeded(state, started, writes, triggers, full)
         return True
 
     def _register_state_gauges(self) -> None:
@@ -162,6 +167,14 @@ class SyncLoop:
             return self.applied.services if self.applied is not None else ()
 
         m.programmed_services.set_function(lambda: len(entries()))
+        # Changes the store took that no sync has taken yet (a sync takes them all).
+        for gauge, kind in (
+            (m.service_changes_pending, "Service"),
+            (m.endpoint_changes_pending, "EndpointSlice"),
+        ):
+            gauge.set_function(
+                lambda k=kind: max(0, self.store.counts.changes[k] - self._last_counts.get(k, 0))
+            )
         m.programmed_backends.set_function(
             lambda: self.applied.backend_count() if self.applied is not None else 0
         )
@@ -183,14 +196,16 @@ class SyncLoop:
         self.metrics.endpoint_changes.inc(counts["EndpointSlice"] - last.get("EndpointSlice", 0))
 
     def _succeeded(
-        self, state: NodeState, started: float, writes: int, triggers: list[float]
+        self, state: NodeState, started: float, writes: int, triggers: list[float], full: bool
     ) -> None:
         self._failures = 0
         first, self.applied = self.applied is None, state
         now = self._wall()
         m = self.metrics
         m.kernel_writes.labels(self.dataplane.name).inc(writes)
-        m.sync_duration.observe(self._clock() - started)
+        took = self._clock() - started
+        m.sync_duration.observe(took)
+        (m.sync_full_duration if full else m.sync_partial_duration).observe(took)
         m.sync_last_timestamp.set(now)
         for trigger in triggers:
             m.network_programming.observe(max(0.0, now - trigger))

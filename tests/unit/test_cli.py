@@ -127,14 +127,31 @@ def test_no_manifests_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 2 and "--manifests" in err
 
 
-def test_a_missing_file_is_reported_and_strict_fails(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+@pytest.mark.parametrize(
+    "command",
+    [["compile"], ["explain", "--from", "node", "--to", "10.96.0.10:53/UDP", "--no-kernel"]],
+    ids=["compile", "explain"],
+)
+def test_a_missing_manifests_path_is_a_one_line_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: list[str]
 ) -> None:
     missing = str(tmp_path / "nope.yaml")
-    code, out, err = run(capsys, "compile", "--manifests", missing, "--node", "node-a")
+    code, out, err = run(capsys, *command, "--manifests", EXAMPLES, missing, "--node", "node-a")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"kube-bpf-proxy {command[0]}: error: --manifests {missing}: no such file or directory"
+    ]
+
+
+def test_an_unreadable_file_inside_a_directory_is_reported_and_strict_fails(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    code, out, err = run(capsys, "compile", "--manifests", str(tmp_path), "--node", "node-a")
     assert code == 0 and yaml.safe_load(out)["services"] == []
-    assert f"error: {missing}: no such file or directory" in err
-    code, _, _ = run(capsys, "compile", "--manifests", missing, "--node", "node-a", "--strict")
+    assert "dangling.yaml: cannot read: a dangling symlink" in err
+    code, _, _ = run(capsys, "compile", "--manifests", str(tmp_path), "--node", "node-a",
+                     "--strict")  # fmt: skip
     assert code == 1
 
 
@@ -153,3 +170,58 @@ def test_entry_points(command: list[str]) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["kind"] == "NodeState"
+
+
+# --- kube-proxy's flags: aliases where equal, one line naming the replacement otherwise ---
+
+
+def test_kube_proxys_flags_of_equal_meaning_are_aliases() -> None:
+    args = build_parser().parse_args(
+        ["run", "--hostname-override", "node-a", "--iptables-sync-period", "1m",
+         "--iptables-min-sync-period", "1s", "--logging-format", "json"]
+    )  # fmt: skip
+    assert (args.node, args.sync_period, args.min_sync_period, args.log_format) == (
+        "node-a", "1m", "1s", "json",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "replacement"),
+    [
+        (["run", "--proxy-mode", "ipvs"], "--dataplane"),
+        (["run", "--proxy-mode=nftables"], "--dataplane"),
+        (["run", "--cleanup"], "`kube-bpf-proxy cleanup`"),
+        (["run", "--master", "https://192.0.2.1:6443"], "KUBERNETES_SERVICE_HOST"),
+        (["compile", "--bind-address", "192.0.2.1"], "--node-ip"),
+        (["run", "--masquerade-all"], "no equivalent here"),
+    ],
+    ids=["proxy-mode", "proxy-mode=", "cleanup", "master", "bind-address", "masquerade-all"],
+)
+def test_kube_proxys_other_flags_get_one_line_naming_the_replacement(
+    capsys: pytest.CaptureFixture[str], argv: list[str], replacement: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    flag = argv[1].split("=")[0]
+    usage, error = err.splitlines()
+    assert (code, out) == (2, "")
+    assert usage.startswith(f"usage: kube-bpf-proxy {argv[0]} ")
+    assert error.startswith(f"kube-bpf-proxy {argv[0]}: error: {flag} is kube-proxy's: ")
+    assert replacement in error
+
+
+def test_flags_are_never_abbreviated(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "compile", "--manifests", EXAMPLES, "--nodeport-address",
+                       "10.0.0.0/8")  # fmt: skip
+    assert code == 2
+    assert err.splitlines()[-1] == (
+        "kube-bpf-proxy compile: error: unrecognized arguments: --nodeport-address 10.0.0.0/8"
+    )
+
+
+def test_an_unknown_flag_shows_the_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "run", "--colour", "blue")
+    assert code == 2
+    assert err.splitlines() == [
+        "usage: kube-bpf-proxy run [OPTIONS]  (all of them: kube-bpf-proxy run --help)",
+        "kube-bpf-proxy run: error: unrecognized arguments: --colour blue",
+    ]

@@ -126,7 +126,7 @@ def test_every_setting_has_a_flag_and_help() -> None:
 
 # --- ranges: every setting has one, checked at start, named with where it came from ---
 
-ALL = [*RUN_SETTINGS, "output", "strict"]  # every setting but inspect's --output
+ALL = [*RUN_SETTINGS, "output"]  # every setting but inspect's --output
 MAX = {name: size.high for name, size in MAP_SIZES.items()}
 
 

@@ -51,6 +51,12 @@ CAPABILITIES = {"NET_ADMIN", "BPF", "PERFMON", "SYS_ADMIN", "SYS_RESOURCE"}
 API_SERVER_ENV = {"KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"}
 # Packages of deps/debian.txt the agent needs at run time; each must reach the image.
 RUNTIME_PACKAGES = {"python3-bpfcc", "bpftool", "iptables", "iproute2", "conntrack"}
+# The oldest Kubernetes deploy/ is checked against (README.md says so).
+OLDEST_KUBERNETES = "1.29"
+# The slowest first start measured at the DaemonSet's CPU request (bench/first_start.py's
+# section of bench/README.md): process start to the datapath compiled, seconds.
+SLOWEST_FIRST_START_SECONDS = 102
+STARTUP_CPU_MILLICORES = 100
 
 
 # ---------------------------------------------------------------------------------------
@@ -344,7 +350,90 @@ def test_a_rolling_upgrade_replaces_one_agent_at_a_time():
 def test_the_daemonset_runs_the_image_of_this_version():
     with (ROOT / "pyproject.toml").open("rb") as stream:
         version = tomllib.load(stream)["project"]["version"]
-    assert container(deploy_objects()["DaemonSet"])["image"] == f"kube-bpf-proxy:{version}"
+    daemonset = deploy_objects()["DaemonSet"]
+    assert container(daemonset)["image"] == f"kube-bpf-proxy:{version}"
+    for init in daemonset["spec"]["template"]["spec"]["initContainers"]:
+        assert init["image"] == f"kube-bpf-proxy:{version}", init["name"]
+
+
+def supported_versions() -> list[str]:
+    """Every Kubernetes minor from OLDEST_KUBERNETES to the newest kubernetes-validate has."""
+    from kubernetes_validate import utils
+
+    oldest = tuple(int(n) for n in OLDEST_KUBERNETES.split("."))
+    minors = {v for v in utils.all_versions() if tuple(int(n) for n in v.split(".")[:2]) >= oldest}
+    return sorted(minors, key=lambda v: tuple(int(n) for n in v.split(".")))
+
+
+@pytest.mark.parametrize("version", supported_versions())
+def test_every_manifest_validates_strictly_on_each_supported_kubernetes(version: str):
+    """kubectl apply's schema check (kubernetes-validate --strict: no unknown field, as
+    the API server's field validation refuses them) against each version's OpenAPI."""
+    import kubernetes_validate
+
+    for path in [*manifest_files(), OVERLAY / "configmap.yaml"]:
+        for doc in documents(path):
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as err:
+                pytest.fail(f"{path.name}: {doc['kind']} on Kubernetes {version}: {err.message}")
+
+
+def test_the_readme_states_the_oldest_kubernetes_the_suite_validates_on():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"Kubernetes {OLDEST_KUBERNETES} or later" in readme
+    assert supported_versions()[0].startswith(OLDEST_KUBERNETES + ".")
+
+
+def test_the_daemonset_runs_on_linux_nodes_only():
+    pod = deploy_objects()["DaemonSet"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+
+
+def test_apparmor_is_unconfined_by_the_annotation_every_supported_version_reads():
+    template = deploy_objects()["DaemonSet"]["spec"]["template"]
+    annotation = (
+        "container.apparmor.security.beta.kubernetes.io/"
+        + container(deploy_objects()["DaemonSet"])["name"]
+    )
+    assert template["metadata"]["annotations"][annotation] == "unconfined"
+    assert "appArmorProfile" not in container(deploy_objects()["DaemonSet"])["securityContext"]
+
+
+def test_a_privileged_init_container_mounts_bpffs_on_the_host_with_bidirectional_propagation(
+    tmp_path: Path,
+):
+    daemonset = deploy_objects()["DaemonSet"]
+    (init,) = daemonset["spec"]["template"]["spec"]["initContainers"]
+    assert init["securityContext"] == {"privileged": True}
+    (mount,) = init["volumeMounts"]
+    volume = next(
+        v for v in daemonset["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    assert volume["hostPath"]["path"] == mount["mountPath"] == "/sys/fs/bpf"
+    assert mount["mountPropagation"] == "Bidirectional"
+    # The agent's pins are made in that mount: its --bpffs lies inside it.
+    assert Path(effective_settings(tmp_path).bpffs).is_relative_to(mount["mountPath"])
+    # The script: valid sh, mounting bpffs only where /proc/mounts has none.
+    shell, flag, script = init["command"]
+    assert (shell, flag) == ("/bin/sh", "-c")
+    assert "mount -t bpf bpf /sys/fs/bpf" in script
+    assert "stat -f -c %T /sys/fs/bpf" in script  # tests/kernel/test_deploy_init.py runs it
+    done = subprocess.run(["sh", "-n", "-c", script], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_startup_probe_outlasts_the_slowest_first_compile_measured(tmp_path: Path):
+    """bench/first_start.py's section of bench/README.md: the startup probe
+    gives the agent twice the slowest first start measured before liveness applies."""
+    agent = container(deploy_objects()["DaemonSet"])
+    startup = agent["startupProbe"]
+    port = port_of(effective_settings(tmp_path).healthz_bind_address)
+    assert startup["httpGet"] == {"path": "/livez", "port": port}
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    assert budget >= 2 * SLOWEST_FIRST_START_SECONDS
+    assert agent["resources"]["requests"]["cpu"] == f"{STARTUP_CPU_MILLICORES}m"
 
 
 # ---------------------------------------------------------------------------------------
@@ -606,6 +695,32 @@ def test_the_entrypoint_picks_the_headers_bcc_compiles_against(tmp_path: Path, c
                                        "BCC_KERNEL_SOURCE": exported}  # fmt: skip
 
 
+@pytest.mark.parametrize("python", ["python", "python3"])
+def test_the_readmes_python_form_runs_the_venvs_python_through_the_entrypoint(
+    tmp_path: Path, python: str
+):
+    """`IMAGE python -m agent --help`: the image's `python` wrapper (the venv's), with the
+    headers chosen, not the agent given `python` as its command."""
+    root = tmp_path / "image"
+    entrypoint = image_entrypoint(root)
+    wrapper = root / "usr/local/bin/python"
+    assert "/opt/kube-bpf-proxy/venv/bin/python" in wrapper.read_text(encoding="utf-8")
+    wrapper.write_text(  # a stand-in that says how it was started
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        'print(json.dumps({"python": sys.argv[1:], '
+        '"BCC_KERNEL_SOURCE": os.environ.get("BCC_KERNEL_SOURCE")}))\n',
+        encoding="utf-8",
+    )
+    environ = {"PATH": os.environ["PATH"], "KBP_ENTRYPOINT_ROOT": str(root)}
+    done = subprocess.run([str(entrypoint), python, "-m", "agent", "--help"], env=environ,
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {
+        "python": ["-m", "agent", "--help"],
+        "BCC_KERNEL_SOURCE": FALLBACK.format(root=root),
+    }
+
+
 def test_the_entrypoint_passes_the_agents_exit_status_on(tmp_path: Path):
     root = tmp_path / "image"
     entrypoint = image_entrypoint(root)
@@ -864,10 +979,48 @@ def test_the_image_installs_through_the_pins_and_keeps_no_pip():
     commands = [c.strip() for c in run.arguments.split(";")]
     (install,) = [c for c in commands if " install " in c]
     assert install.startswith(f"PIP_CONSTRAINT={destination} ")
-    uninstall = next(i for i, c in enumerate(commands) if "pip uninstall" in c)
-    assert commands.index(install) < uninstall
-    assert commands[uninstall].split()[-2:] == ["pip", "setuptools"]
+    uninstalls = [i for i, c in enumerate(commands) if "pip uninstall" in c]
+    assert commands.index(install) < uninstalls[0]
+    assert commands[uninstalls[-1]].split()[-2:] == ["pip", "setuptools"]
     assert dockerignore_keeps("deps/python-constraints.txt")
+
+
+# The kubernetes client's asyncio half and what only it needs: the image removes them.
+ASYNC_CLIENT = ("aiohttp", "aiohttp-retry", "aiohappyeyeballs", "aiosignal", "frozenlist",
+                "multidict", "yarl", "propcache")  # fmt: skip
+ALL_AGENT_MODULES = """
+import importlib, json, pkgutil, sys
+import agent
+failed = []
+for module in pkgutil.walk_packages(agent.__path__, "agent."):
+    if module.name != "agent.__main__":  # that one runs the CLI
+        try:
+            importlib.import_module(module.name)
+        except Exception as err:
+            failed.append(f"{module.name}: {err!r}")
+print(json.dumps({"failed": failed, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_the_image_drops_the_async_client_that_no_module_of_the_agent_imports():
+    (run,) = stage("agent").named("RUN")
+    commands = [" ".join(c.split()) for c in run.arguments.split(";")]
+    (drop,) = [c for c in commands if "pip uninstall" in c and "aiohttp" in c]
+    assert drop.split()[-len(ASYNC_CLIENT) :] == list(ASYNC_CLIENT)
+    assert "rm -rf /opt/kube-bpf-proxy/venv/lib/python3*/site-packages/kubernetes/aio" in commands
+    # Every module of the agent imported in a fresh interpreter (the kubernetes client's
+    # whole package with it): none of what the image removes is loaded.
+    done = subprocess.run([sys.executable, "-c", ALL_AGENT_MODULES], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    result = json.loads(done.stdout)
+    assert result["failed"] == []
+    assert "kubernetes.client" in result["modules"]
+    top_level = {canonicalize_name(name) for name in ASYNC_CLIENT} | {"aiohttp_retry"}
+    loaded = [
+        name for name in result["modules"]
+        if name.startswith("kubernetes.aio") or canonicalize_name(name.split(".")[0]) in top_level
+    ]  # fmt: skip
+    assert loaded == []
 
 
 def test_debian_python3_yaml_is_not_installed_under_the_venvs_pyyaml():

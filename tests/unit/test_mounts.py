@@ -97,8 +97,14 @@ def test_no_bpffs_is_mounted_over_a_directory_that_holds_files(
     monkeypatch.setattr(mounts, "mount_bpffs", lambda target: pytest.fail("mounted"))
     (tmp_path / "web.yaml").write_text("kind: List\n")
     table = [Mount(Path("/"), "ext4")]
-    with pytest.raises(mounts.BpffsError, match="is not empty, so no bpffs is mounted over it"):
+    with pytest.raises(
+        mounts.BpffsError, match="is not empty, so no bpffs is mounted over it"
+    ) as e:
         ensure_bpffs(tmp_path / "pins", table)
+    # The advice names the kernel's mount point, never the directory it called non-empty.
+    assert f"mount -t bpf bpf {tmp_path}" not in str(e.value)
+    assert "give --bpffs a directory on a bpffs, e.g. /sys/fs/bpf/kube-bpf-proxy" in str(e.value)
+    assert "`mount -t bpf bpf /sys/fs/bpf`" in str(e.value)
 
 
 def test_an_empty_directory_gets_a_bpffs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
