@@ -118,6 +118,7 @@ class Agent:
         self._stoppers.append(gcpause.enable)
         sys.setswitchinterval(SWITCH_INTERVAL)
         hub = StateHub(self._held_and_status, s.state_watchers)
+        self.metrics.state_watchers.set_function(lambda: hub.watchers)
         self._stoppers.append(hub.close)
         self.status.subscribe(hub.publish)
         try:

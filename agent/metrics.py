@@ -124,6 +124,9 @@ class Metrics:
             "Self-tests of the eBPF datapath: the attached program run on a new connection "
             "to one programmed frontend, compared with the NodeState (pass, fail, or error "
             "when it could not run).", ["result"], registry=r)
+        self.state_watchers = Gauge("kbp_state_watchers",
+            "Open /state?watch=true streams (metrics address and state socket).",
+            registry=r)
         self.dataplane_info = Gauge("kbp_dataplane_info",
             "1 for the dataplane in use; `reason` says why it was chosen.",
             ["dataplane", "reason"], registry=r)
