@@ -476,7 +476,9 @@ static __always_inline int sock_is_connected_to(struct bpf_sock *sk,
 /* The lookups of SOCK_TUPLE_*: the kernel's socket tables of the socket's own namespace,
  * asked as for a packet the backend would send to the client (TCP: established and
  * TIME_WAIT sockets count, a listener does not; UDP: a socket connected to the backend),
- * then tc's conntrack for a reply entry under the same tuple. */
+ * then tc's conntrack for a reply entry under the same tuple, unless kbp_ct_gate says no
+ * reply entry can be there (the miss in a large kbp_ct cost about 290 ns, the gate's
+ * answer a few: PB-2 in bench/README.md). */
 static __always_inline int sock_tuple_taken(struct bpf_sock_addr *ctx, const struct kbp_tuple *t,
 					    const struct kbp_backend *backend)
 {
@@ -513,6 +515,8 @@ static __always_inline int sock_tuple_taken(struct bpf_sock_addr *ctx, const str
 	}
 	if (taken)
 		return SOCK_TUPLE_SOCKET;
+	if (!ct_reply_possible(backend->port, kbp_addr_fold(backend->addr), kbp_addr_fold(t->saddr)))
+		return SOCK_TUPLE_FREE;
 	__ct_reply_key(t, backend->addr, backend->port, 0, &key);
 	if (map_lookup_ct(&key))
 		return SOCK_TUPLE_TC;
@@ -526,7 +530,9 @@ static __always_inline int sock_tuple_taken(struct bpf_sock_addr *ctx, const str
  * flow's entries are written here with the client's port remapped, as tc would after a
  * clash it could see; a flow tc holds (SOCK_TUPLE_TC) is tc's own clash to settle, and a
  * hairpin flow's source is rewritten anyway. A datagram of a UDP flow already written
- * adds nothing. */
+ * adds nothing. An earlier flow of the same tuple (this socket's port connect()ed to this
+ * frontend before) is over: its reply entry goes, as tc removes it when a SYN starts a
+ * new flow on the tuple, or every reconnect would hold one more SNAT port. */
 static __always_inline int sock_leave_to_tc(const struct kbp_tuple *t,
 					    const struct kbp_service *svc, __u32 backend_id,
 					    const struct kbp_backend *backend,
@@ -536,10 +542,12 @@ static __always_inline int sock_leave_to_tc(const struct kbp_tuple *t,
 
 	if (taken != SOCK_TUPLE_SOCKET || lb_addr_equal(t->saddr, backend->addr))
 		return KBP_SOCK_ALLOW;
-	if (t->proto == IPPROTO_UDP && (flow = ct_lookup_forward(t)) &&
-	    (flow->flags & KBP_CT_F_SPORT) && ct_backend_is_current(flow, svc) &&
-	    flow->backend_id == backend_id)
+	flow = ct_lookup_forward(t);
+	if (flow && t->proto == IPPROTO_UDP && (flow->flags & KBP_CT_F_SPORT) &&
+	    ct_backend_is_current(flow, svc) && flow->backend_id == backend_id)
 		return KBP_SOCK_ALLOW;
+	if (flow)
+		ct_forget_reply_of(t, flow);
 	if (ct_create_clashing(t, svc, backend_id, backend, kbp_now()))
 		return sock_refuse(svc, KBP_DROP_NO_SNAT_PORT, EADDRNOTAVAIL);
 	lb_refresh_affinity(t, svc, now, backend_id, affinity);

@@ -418,6 +418,59 @@ def test_a_bound_client_port_reaches_two_services_that_share_their_backend(
         assert ebpf.conntrack.remapped_total() - remapped >= 20  # type: ignore[attr-defined]
 
 
+# One connection from a bound port held to a Service, then `n` connections from the same
+# port to another Service on the same backend, one after the other, each closed with a
+# RST (no TIME_WAIT, so the next may take the same tuple).
+RECONNECTS = """
+import socket, struct
+def bound():
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.settimeout(5)
+    sock.bind(("0.0.0.0", {port}))
+    return sock
+held = bound()
+held.connect(("{first}", 80))
+held.recv(100)
+for _ in range({n}):
+    sock = bound()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.connect(("{second}", 80))
+    sock.recv(100)
+    sock.close()
+print("done", flush=True)
+"""
+
+
+@not_on("iptables", "kbp_ct is the eBPF dataplane's conntrack")
+def test_reconnecting_a_bound_port_whose_tuple_is_taken_holds_one_remapped_port(env: Env) -> None:
+    """Each new connection from a port whose translated tuple a held socket takes is a
+    remapped flow; the one before it on the same tuple is over, and its remapped port is
+    given back (else every reconnect would hold one more SNAT port until connect() fails
+    with EADDRNOTAVAIL)."""
+    from agent.dataplane.ebpf import abi
+
+    first, ip_a, _ = service(env, "again-a", backends(env, "be1"))
+    second, ip_b, _ = service(env, "again-b", backends(env, "be1"))
+    env.program(*first, *second)
+    client, backend = env.pod("client1"), env.pod("be1")
+    port = 22500
+    out = client.run(sys.executable, "-c", RECONNECTS.format(port=port, first=ip_a, second=ip_b,
+                                                             n=60), timeout=120)  # fmt: skip
+    assert out.strip() == "done"
+    table = env.running().programs.map("kbp_ct")  # type: ignore[attr-defined]
+    remapped = set()  # reply entries that restore the second Service to the client
+    for raw_key, raw_entry in table.items():
+        key = abi.from_bytes("kbp_ct_key", raw_key)
+        entry = abi.from_bytes("kbp_ct_entry", raw_entry)
+        if (key.dir == abi.const.KBP_CT_REPLY
+                and abi.get_addr(key.saddr, key.family) == backend.ipv4
+                and abi.get_addr(key.daddr, key.family) == client.ipv4
+                and abi.get_addr(entry.addr, key.family) == ip_b):  # fmt: skip
+            remapped.add(abi.from_be16(key.dport))
+    assert len(remapped) <= 1, f"{len(remapped)} remapped ports held for one live flow"
+
+
 @not_on("iptables", "kbp_ct_gate is the eBPF dataplane's")
 def test_reply_gate_covers_every_reply_entry_and_forgets_collected_flows(env: Env) -> None:
     """kbp_ct_gate, which lets tc skip the conntrack lookups of flows it never translated:
