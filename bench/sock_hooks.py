@@ -30,8 +30,9 @@ Bound ports come from the lab's reserved range (40000-41999: no ephemeral connec
 holds them); `bound` and `floor_bound` cycle through 40000-40999, `taken` binds 41999 for
 every socket, its first one held open for the set. Every socket is closed with a RST,
 so no TIME_WAIT piles up. A taken set claims one port of the SNAT range per connect()
-for its remapped flow (freed by the collector 10 s after the RST), hence its shorter sets
-(--taken-connects) and a collector pass before each.
+for its remapped flow, and the reply entry of each superseded flow stays (the collector
+keeps it as established): hence shorter taken sets (--taken-connects) and kbp_ct emptied
+before each (forget_flows), so every set starts from the same empty range.
 
 Per size, sets run in rounds of rotating order, the client on one CPU and the one server
 process (bench/connect.py's serve, every server pod's listeners) on the other, swapped
@@ -222,6 +223,23 @@ def measured_entries(server_ip: str) -> list[Any]:
     return [plain, udp, sticky, second]
 
 
+def forget_flows(dp: Any) -> int:
+    """Empty kbp_ct and kbp_ct_remap (only the taken sets' remapped flows are there: the
+    hooks' flows write none). Each connect() of a taken set leaves its remapped flow's
+    reply entry behind once the next one, on the same tuple, rewrites the forward entry;
+    the collector keeps such a reply entry as an established flow, so the claimed SNAT
+    ports would add up from set to set (see bench/README.md, issue 31) and the sets would
+    measure the fill of the range instead of the path. Returns the entries removed."""
+    removed = 0
+    for name in ("kbp_ct", "kbp_ct_remap"):
+        table = dp.programs.map(name)
+        keys = table.keys()
+        if keys:
+            table.delete_keys(keys)
+        removed += len(keys)
+    return removed
+
+
 def slope_per_service(points: list[tuple[int, float]]) -> float:
     """Least-squares slope of (N, value) points."""
     from bench.connect import slope_ns_per_service
@@ -321,8 +339,8 @@ def run(args: argparse.Namespace) -> int:
                                     count = (
                                         args.taken_connects if kind == "taken" else args.connects
                                     )
-                                    if kind == "taken":  # frees the ports of earlier taken sets
-                                        dp.conntrack.run_once()
+                                    if kind == "taken":
+                                        forget_flows(dp)
                                     before = {p: st.sample() for p, st in stats.items()}
                                     out = run_in_pod(pod, mode, ip, port, count, client_cpu,
                                                      cgroup, hold)  # fmt: skip
