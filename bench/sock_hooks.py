@@ -267,6 +267,12 @@ def run(args: argparse.Namespace) -> int:
     from bench.connect import pin, placements, set_socket_lb, start_server
 
     sizes_n = sorted({int(x) for x in args.services.split(",") if x.strip()})
+    wanted = set(args.kinds.split(",")) if args.kinds else set(KINDS)
+    if wanted - set(KINDS):
+        print(f"--kinds: no kind {', '.join(sorted(wanted - set(KINDS)))}; the kinds are "
+              f"{', '.join(KINDS)}", file=sys.stderr)  # fmt: skip
+        return 2
+    measuring = tuple(k for k in KINDS if k in wanted | {"floor", "floor_bound"})
     terminate_as_interrupt()
     info = machine()
     header("bench/sock_hooks.py (PB-2, the connect hook)", info, "")
@@ -333,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
                             errors[n] = dict.fromkeys(KINDS, 0)
                             for r, (client_cpu, server_cpu) in enumerate(placements(args.rounds)):
                                 pin(server_proc.pid, server_cpu)
-                                for kind in KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]:
+                                r_at = r % len(measuring)
+                                for kind in measuring[r_at:] + measuring[:r_at]:
                                     pod, ip, port, mode, hold = targets[kind]
                                     cgroup = None if pod is client0 else lab.cgroup
                                     count = (
@@ -387,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
         print(head)
         print("-" * len(head))
         kinds_json: dict[str, Any] = {}
-        for kind in KINDS:
+        for kind in measuring:
             rounds = [one for one in by_kind[kind] if one]
             if not rounds:
                 print(f"{kind:<12} no samples ({errors[n][kind]} failed: {notes.get(kind, '')})")
@@ -453,15 +460,17 @@ def run(args: argparse.Namespace) -> int:
         summary[kind] = entry
     for n in sizes_n:
         kinds = report[str(n)]["kinds"]
-        aa = kinds["floor2"]["net_of_floor_ns"] / 1000 if "floor2" in kinds else float("nan")
-        aa_rounds = kinds.get("floor2", {}).get("round_nets_ns", [0.0])
         parts = [f"{k} {kinds[k]['net_of_floor_ns'] / 1000:+.2f}" for k in
                  ("sock", "affinity", "pod_ip") if k in kinds]  # fmt: skip
         parts += [f"{k} {kinds[k]['net_of_floor_bound_ns'] / 1000:+.2f} (vs floor_bound)"
                   for k in BOUND_KINDS if k in kinds]  # fmt: skip
+        aa = ""
+        if "floor2" in kinds:
+            nets = kinds["floor2"]["round_nets_ns"]
+            aa = (f"; A/A floor2 - floor {kinds['floor2']['net_of_floor_ns'] / 1000:+.2f} µs "
+                  f"(per round {min(nets) / 1000:+.2f}..{max(nets) / 1000:+.2f})")  # fmt: skip
         print(f"(c) {n} Services: connect() p50 - floor ({kinds['floor']['median'] / 1000:.2f} "
-              f"µs): {', '.join(parts)}; A/A floor2 - floor {aa:+.2f} µs (per round "
-              f"{min(aa_rounds) / 1000:+.2f}..{max(aa_rounds) / 1000:+.2f})")  # fmt: skip
+              f"µs): {', '.join(parts)}{aa}")  # fmt: skip
     seconds = time.perf_counter() - began
     loads.append(os.getloadavg()[0])
     print(f"load average (1 min) during the run: {loads[0]:.2f} at the start, "
@@ -516,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--taken-connects", type=int, default=500,
                         help="connect() calls per taken set (each claims a SNAT port)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=4, help="sets per kind and size")
+    parser.add_argument("--kinds", help="comma-separated kinds to measure (default all; floor "
+                        f"and floor_bound always): {', '.join(KINDS)}")  # fmt: skip
     parser.add_argument("--json", type=Path, help="results file (default bench/results/...)")
     return run(parser.parse_args(argv))
 
