@@ -48,6 +48,7 @@ other, not with connect.py's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -240,26 +241,146 @@ def forget_flows(dp: Any) -> int:
     return removed
 
 
-def slope_per_service(points: list[tuple[int, float]]) -> float:
-    """Least-squares slope of (N, value) points."""
+@dataclasses.dataclass
+class SizeSets:
+    """What the sets of one size measured: per kind and round, the connect() samples and,
+    per program, (run_time_ns, run_cnt) of the set; failures per kind."""
+
+    applied: dict[str, float]
+    samples: dict[str, list[list[int]]]
+    hook: dict[str, dict[str, list[tuple[int, int]]]]
+    errors: dict[str, int]
+
+    @classmethod
+    def empty(cls, applied: dict[str, float]) -> SizeSets:
+        hook: dict[str, dict[str, list[tuple[int, int]]]] = {
+            k: {p: [] for p in PROGRAMS} for k in KINDS
+        }
+        return cls(applied, {k: [] for k in KINDS}, hook, dict.fromkeys(KINDS, 0))
+
+
+def ns_per_run(pairs: list[tuple[int, int]]) -> float | None:
+    ns, cnt = sum(x for x, _ in pairs), sum(c for _, c in pairs)
+    return ns / cnt if cnt else None
+
+
+def report_size(
+    n: int, sets: SizeSets, kinds: tuple[str, ...], notes: dict[str, str]
+) -> dict[str, Any]:
+    """Print one size's table (connect() p50 against the floor, per round too; each
+    program's ns per run, over all rounds and the range of the rounds); its JSON."""
+    import statistics
+
+    from bench.common.report import Summary
+
+    def median_of(rounds: list[list[int]]) -> float:
+        return Summary([ns for one in rounds for ns in one]).median
+
+    floor = median_of(sets.samples["floor"])
+    floor_bound = median_of(sets.samples["floor_bound"])
+    print(f"\n## {n} Services ({sets.applied['entries']} entries); connect() p50 net of the "
+          f"floor {floor / 1000:.2f} µs, per round: median (range); hook ns per run over all "
+          f"rounds (range of the rounds)")  # fmt: skip
+    head = (f"{'kind':<12} {'p50 µs':>7} {'- floor':>8} {'per round':>22}"
+            + "".join(f" {p + ' ns/run':>28} {'runs':>6}" for p in PROGRAMS))  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    out: dict[str, Any] = {}
+    for kind in kinds:
+        errors = sets.errors[kind]
+        rounds = [one for one in sets.samples[kind] if one]
+        if not rounds:
+            print(f"{kind:<12} no samples ({errors} failed: {notes.get(kind, '')})")
+            continue
+        s = Summary([ns for one in rounds for ns in one])
+        ref = sets.samples["floor_bound" if kind in BOUND_KINDS else "floor"]
+        nets = [statistics.median(ours) - statistics.median(base)
+                for ours, base in zip(sets.samples[kind], ref, strict=True)
+                if ours and base]  # fmt: skip
+        rounds_text = (f"{statistics.median(nets) / 1000:+.2f} ({min(nets) / 1000:+.2f}.."
+                       f"{max(nets) / 1000:+.2f})")  # fmt: skip
+        line = (f"{kind:<12} {s.median / 1000:7.2f} {(s.median - floor) / 1000:+8.2f} "
+                f"{rounds_text:>22}")  # fmt: skip
+        entry: dict[str, Any] = {**s.to_json(), "net_of_floor_ns": s.median - floor,
+                                 "round_nets_ns": nets, "errors": errors,
+                                 "programs": {}}  # fmt: skip
+        for p in PROGRAMS:
+            pairs = sets.hook[kind][p]
+            total = ns_per_run(pairs)
+            per_round = [ns / cnt for ns, cnt in pairs if cnt]
+            cnt = sum(c for _, c in pairs)
+            text = (f"{total:.0f} ({min(per_round):.0f}-{max(per_round):.0f})"
+                    if total is not None else "-")  # fmt: skip
+            line += f" {text:>28} {cnt:>6}"
+            entry["programs"][p] = {"ns_per_run": total, "rounds": per_round, "runs": cnt}
+        if kind in BOUND_KINDS:
+            entry["net_of_floor_bound_ns"] = s.median - floor_bound
+            line += f"  (- floor_bound {(s.median - floor_bound) / 1000:+.2f})"
+        if errors:
+            line += f"  ({errors} failed: {notes.get(kind, '')})"
+        print(line)
+        out[kind] = entry
+    return {"applied": sets.applied, "kinds": out}
+
+
+def report_rebased(report: dict[str, Any], sizes_n: list[int]) -> dict[str, Any]:
+    """PB-2 as re-based in issue 31: (a) the hook's ns per connect() by size, its slope and
+    targets; (c) connect() p50 net of the floor beside the floor's A/A spread."""
+    from bench.common.report import mark
     from bench.connect import slope_ns_per_service
 
-    return slope_ns_per_service(points)
+    print("\n## PB-2 re-based (bench/README.md): (a) the connect hook's ns per connect(), "
+          "(c) connect() p50 net of the floor with the floor's A/A spread")  # fmt: skip
+    summary: dict[str, Any] = {}
+    for kind in ("sock", "affinity", "udp", "bound", "taken", "pod_ip"):
+        points = [(n, report[str(n)]["kinds"][kind]["programs"][PROGRAMS[0]]["ns_per_run"])
+                  for n in sizes_n if kind in report[str(n)]["kinds"]]  # fmt: skip
+        points = [(n, v) for n, v in points if v is not None]
+        if not points:
+            continue
+        text = ", ".join(f"{n}: {v:.0f}" for n, v in points)
+        entry: dict[str, Any] = {"points": points}
+        if len(points) >= 2:
+            slope = slope_ns_per_service(points)
+            flat = points[-1][1] / points[0][1]
+            entry.update(slope_ns_per_1k=slope * 1000, last_over_first=flat)
+            text += (f"; slope {slope * 1000:+.2f} ns per 1k Services, {points[-1][0]} / "
+                     f"{points[0][0]}: x{flat:.2f}")  # fmt: skip
+            if kind == "sock":
+                entry["flat_mark"] = mark(flat <= TARGET_FLAT)
+                text += f" {entry['flat_mark']} (flat: ≤ x{TARGET_FLAT})"
+        at = dict(points).get(TARGET_HOOK_AT)
+        if kind == "sock" and at is not None:
+            entry["at_10k_mark"] = mark(at <= TARGET_HOOK_NS)
+            text += (f"; at {TARGET_HOOK_AT}: {at:.0f} ns {entry['at_10k_mark']} "
+                     f"(≤ {TARGET_HOOK_NS})")  # fmt: skip
+        print(f"(a) {PROGRAMS[0]} ns/run, {kind}: {text}")
+        summary[kind] = entry
+    for n in sizes_n:
+        kinds = report[str(n)]["kinds"]
+        parts = [f"{k} {kinds[k]['net_of_floor_ns'] / 1000:+.2f}" for k in
+                 ("sock", "affinity", "pod_ip") if k in kinds]  # fmt: skip
+        parts += [f"{k} {kinds[k]['net_of_floor_bound_ns'] / 1000:+.2f} (vs floor_bound)"
+                  for k in BOUND_KINDS if k in kinds]  # fmt: skip
+        aa = ""
+        if "floor2" in kinds:
+            nets = kinds["floor2"]["round_nets_ns"]
+            aa = (f"; A/A floor2 - floor {kinds['floor2']['net_of_floor_ns'] / 1000:+.2f} µs "
+                  f"(per round {min(nets) / 1000:+.2f}..{max(nets) / 1000:+.2f})")  # fmt: skip
+        print(f"(c) {n} Services: connect() p50 - floor ({kinds['floor']['median'] / 1000:.2f} "
+              f"µs): {', '.join(parts)}{aa}")  # fmt: skip
+    return summary
 
 
 def run(args: argparse.Namespace) -> int:
-    import statistics
-
     from agent.dataplane.ebpf.cgroup import netns_cookie
     from agent.lab.nodelab import Lab
     from agent.lab.toolkit import stop_process
     from bench.common.kernel import bench_dataplane, leftovers, map_sizes_for
     from bench.common.nodestates import nodestate_of, synthetic_entries
     from bench.common.report import (
-        Summary,
         header,
         machine,
-        mark,
         results_path,
         terminate_as_interrupt,
         write_results,
@@ -282,13 +403,8 @@ def run(args: argparse.Namespace) -> int:
           f"{os.environ.get('KBP_BPF_SOURCE_DIR') or 'of this checkout'}", flush=True)  # fmt: skip
     began = time.perf_counter()
     loads = [os.getloadavg()[0]]
-    # samples[n][kind]: per round, the set's connect() samples; hook[n][kind][prog]: per
-    # round, (run_time_ns, run_cnt) of the set.
-    samples: dict[int, dict[str, list[list[int]]]] = {}
-    hook: dict[int, dict[str, dict[str, list[tuple[int, int]]]]] = {}
-    errors: dict[int, dict[str, int]] = {}
+    by_size: dict[int, SizeSets] = {}
     notes: dict[str, str] = {}
-    applied: dict[int, dict[str, float]] = {}
     sizes: dict[str, int] = {}
     try:
         with Lab(cgroup=True) as lab:
@@ -297,180 +413,74 @@ def run(args: argparse.Namespace) -> int:
             measured = measured_entries(server.ipv4)
             others = synthetic_entries(max(0, max(sizes_n) - len(measured) + 1), args.endpoints)
             map_sizes = map_sizes_for(max(sizes_n), args.endpoints)
-            with bench_dataplane(map_sizes, lab.node_ns, [client.host_ifname,
-                                 server.host_ifname], lab.cgroup) as dp:  # fmt: skip
+            # kind: (pod, address, port, pod-side mode, the held socket's address)
+            targets: dict[str, tuple[Pod, str, int, str, str | None]] = {
+                "floor": (client0, server0.ipv4, PORT, "--pod-connect", None),
+                "floor2": (client0, server0.ipv4, PORT, "--pod-connect", None),
+                "sock": (client, TARGET_IP, FRONTEND_PORT, "--pod-connect", None),
+                "affinity": (client, AFFINITY_IP, FRONTEND_PORT, "--pod-connect", None),
+                "udp": (client, TARGET_IP, FRONTEND_PORT, "--pod-udp", None),
+                "pod_ip": (client, server.ipv4, PORT, "--pod-connect", None),
+                "pod_ip80": (client, server.ipv4, FRONTEND_PORT, "--pod-connect", None),
+                "floor_bound": (client0, server0.ipv4, PORT, "--pod-bound", None),
+                "bound": (client, TARGET_IP, FRONTEND_PORT, "--pod-bound", None),
+                "taken": (client, SECOND_IP, FRONTEND_PORT, "--pod-bound", TARGET_IP),
+            }
+            with contextlib.ExitStack() as stack:
+                dp = stack.enter_context(bench_dataplane(
+                    map_sizes, lab.node_ns, [client.host_ifname, server.host_ifname],
+                    lab.cgroup))  # fmt: skip
                 server_proc = start_server([(server0, [PORT]), (server, [PORT, FRONTEND_PORT])],
                                            lab.cgroup)  # fmt: skip
-                try:
-                    print(f"client netns cookie {netns_cookie(client.ns)}; maps {map_sizes}",
-                          flush=True)  # fmt: skip
-                    stats = {p: ProgramStats(dp.programs.fd(p)) for p in PROGRAMS}
-                    targets: dict[str, tuple[Pod, str, int, str, str | None]] = {
-                        "floor": (client0, server0.ipv4, PORT, "--pod-connect", None),
-                        "floor2": (client0, server0.ipv4, PORT, "--pod-connect", None),
-                        "sock": (client, TARGET_IP, FRONTEND_PORT, "--pod-connect", None),
-                        "affinity": (client, AFFINITY_IP, FRONTEND_PORT, "--pod-connect", None),
-                        "udp": (client, TARGET_IP, FRONTEND_PORT, "--pod-udp", None),
-                        "pod_ip": (client, server.ipv4, PORT, "--pod-connect", None),
-                        "pod_ip80": (client, server.ipv4, FRONTEND_PORT, "--pod-connect", None),
-                        "floor_bound": (client0, server0.ipv4, PORT, "--pod-bound", None),
-                        "bound": (client, TARGET_IP, FRONTEND_PORT, "--pod-bound", None),
-                        "taken": (client, SECOND_IP, FRONTEND_PORT, "--pod-bound", TARGET_IP),
-                    }
-                    stats_fd = enable_stats()
-                    try:
-                        for n in sizes_n:
-                            # N Services in all, the measured ones among them (the UDP port
-                            # is the TCP Service's second entry).
-                            state = nodestate_of([*others[: max(0, n - len(measured) + 1)],
-                                                  *measured])  # fmt: skip
-                            started = time.perf_counter()
-                            writes = dp.apply(state)
-                            applied[n] = {"seconds": time.perf_counter() - started,
-                                          "writes": writes,
-                                          "entries": len(state.services)}  # fmt: skip
-                            set_socket_lb(dp, "all")
-                            dp.conntrack.run_once()  # builds kbp_ct_gate, as an agent's
-                            print(f"# {n} Services: {len(state.services)} entries, applied "
-                                  f"{writes} writes in {applied[n]['seconds']:.2f} s",
-                                  flush=True)  # fmt: skip
-                            samples[n] = {k: [] for k in KINDS}
-                            hook[n] = {k: {p: [] for p in PROGRAMS} for k in KINDS}
-                            errors[n] = dict.fromkeys(KINDS, 0)
-                            for r, (client_cpu, server_cpu) in enumerate(placements(args.rounds)):
-                                pin(server_proc.pid, server_cpu)
-                                r_at = r % len(measuring)
-                                for kind in measuring[r_at:] + measuring[:r_at]:
-                                    pod, ip, port, mode, hold = targets[kind]
-                                    cgroup = None if pod is client0 else lab.cgroup
-                                    count = (
-                                        args.taken_connects if kind == "taken" else args.connects
-                                    )
-                                    if kind == "taken":
-                                        forget_flows(dp)
-                                    before = {p: st.sample() for p, st in stats.items()}
-                                    out = run_in_pod(pod, mode, ip, port, count, client_cpu,
-                                                     cgroup, hold)  # fmt: skip
-                                    after = {p: st.sample() for p, st in stats.items()}
-                                    samples[n][kind].append(out["ns"])
-                                    errors[n][kind] += out["errors"]
-                                    if out["first_error"]:
-                                        notes.setdefault(kind, out["first_error"])
-                                    for p in PROGRAMS:
-                                        hook[n][kind][p].append(
-                                            (after[p][0] - before[p][0], after[p][1] - before[p][1])
-                                        )
-                                loads.append(os.getloadavg()[0])
-                    finally:
-                        os.close(stats_fd)
-                    sizes = stats[PROGRAMS[0]].sizes()
-                finally:
-                    stop_process(server_proc)
+                stack.callback(stop_process, server_proc)
+                print(f"client netns cookie {netns_cookie(client.ns)}; maps {map_sizes}",
+                      flush=True)  # fmt: skip
+                stats = {p: ProgramStats(dp.programs.fd(p)) for p in PROGRAMS}
+                stack.callback(os.close, enable_stats())
+                for n in sizes_n:
+                    # N Services in all, the measured ones among them (the UDP port is the
+                    # TCP Service's second entry).
+                    state = nodestate_of([*others[: max(0, n - len(measured) + 1)], *measured])
+                    started = time.perf_counter()
+                    writes = dp.apply(state)
+                    sets = by_size[n] = SizeSets.empty({
+                        "seconds": time.perf_counter() - started, "writes": writes,
+                        "entries": len(state.services)})  # fmt: skip
+                    set_socket_lb(dp, "all")
+                    dp.conntrack.run_once()  # builds kbp_ct_gate, as an agent's
+                    print(f"# {n} Services: {len(state.services)} entries, applied {writes} "
+                          f"writes in {sets.applied['seconds']:.2f} s", flush=True)  # fmt: skip
+                    for r, (client_cpu, server_cpu) in enumerate(placements(args.rounds)):
+                        pin(server_proc.pid, server_cpu)
+                        at = r % len(measuring)
+                        for kind in measuring[at:] + measuring[:at]:
+                            pod, ip, port, mode, hold = targets[kind]
+                            count = args.connects
+                            if kind == "taken":
+                                count = args.taken_connects
+                                forget_flows(dp)
+                            before = {p: st.sample() for p, st in stats.items()}
+                            cgroup = None if pod is client0 else lab.cgroup
+                            out = run_in_pod(pod, mode, ip, port, count, client_cpu, cgroup,
+                                             hold)  # fmt: skip
+                            after = {p: st.sample() for p, st in stats.items()}
+                            sets.samples[kind].append(out["ns"])
+                            sets.errors[kind] += out["errors"]
+                            if out["first_error"]:
+                                notes.setdefault(kind, out["first_error"])
+                            for p in PROGRAMS:
+                                sets.hook[kind][p].append(
+                                    (after[p][0] - before[p][0], after[p][1] - before[p][1])
+                                )
+                        loads.append(os.getloadavg()[0])
+                sizes = stats[PROGRAMS[0]].sizes()
     except KeyboardInterrupt:
         print(f"\ninterrupted; cleaned up (left over: {leftovers() or 'nothing'})")
         return 130
 
-    def ns_per_run(pairs: list[tuple[int, int]]) -> float | None:
-        ns, cnt = sum(x for x, _ in pairs), sum(c for _, c in pairs)
-        return ns / cnt if cnt else None
-
-    def per_round(pairs: list[tuple[int, int]]) -> list[float]:
-        return [ns / cnt for ns, cnt in pairs if cnt]
-
-    def median_of(rounds: list[list[int]]) -> float:
-        return Summary([ns for one in rounds for ns in one]).median
-
-    report: dict[str, Any] = {}
     print(f"\n{PROGRAMS[0]}: {sizes}")
-    for n in sizes_n:
-        by_kind = samples[n]
-        floor = median_of(by_kind["floor"])
-        floor_bound = median_of(by_kind["floor_bound"])
-        print(f"\n## {n} Services ({applied[n]['entries']} entries); connect() p50 net of the "
-              f"floor {floor / 1000:.2f} µs, per round: median (range); hook ns per run over "
-              f"all rounds (range of the rounds)")  # fmt: skip
-        head = (f"{'kind':<12} {'p50 µs':>7} {'- floor':>8} {'per round':>22}"
-                + "".join(f" {p + ' ns/run':>28} {'runs':>6}" for p in PROGRAMS))  # fmt: skip
-        print(head)
-        print("-" * len(head))
-        kinds_json: dict[str, Any] = {}
-        for kind in measuring:
-            rounds = [one for one in by_kind[kind] if one]
-            if not rounds:
-                print(f"{kind:<12} no samples ({errors[n][kind]} failed: {notes.get(kind, '')})")
-                continue
-            s = Summary([ns for one in rounds for ns in one])
-            nets = [statistics.median(ours) - statistics.median(ref)
-                    for ours, ref in zip(by_kind[kind],
-                                         by_kind["floor_bound" if kind in BOUND_KINDS
-                                                 else "floor"], strict=True)
-                    if ours and ref]  # fmt: skip
-            rounds_text = (f"{statistics.median(nets) / 1000:+.2f} ({min(nets) / 1000:+.2f}.."
-                           f"{max(nets) / 1000:+.2f})")  # fmt: skip
-            line = (f"{kind:<12} {s.median / 1000:7.2f} {(s.median - floor) / 1000:+8.2f} "
-                    f"{rounds_text:>22}")  # fmt: skip
-            entry: dict[str, Any] = {**s.to_json(), "net_of_floor_ns": s.median - floor,
-                                     "round_nets_ns": nets, "errors": errors[n][kind],
-                                     "programs": {}}  # fmt: skip
-            if kind in BOUND_KINDS:
-                entry["net_of_floor_bound_ns"] = s.median - floor_bound
-            for p in PROGRAMS:
-                total = ns_per_run(hook[n][kind][p])
-                runs = per_round(hook[n][kind][p])
-                cnt = sum(c for _, c in hook[n][kind][p])
-                text = (f"{total:.0f} ({min(runs):.0f}-{max(runs):.0f})" if total is not None
-                        else "-")  # fmt: skip
-                line += f" {text:>28} {cnt:>6}"
-                entry["programs"][p] = {"ns_per_run": total, "rounds": runs, "runs": cnt}
-            if kind in BOUND_KINDS:
-                line += f"  (- floor_bound {(s.median - floor_bound) / 1000:+.2f})"
-            if errors[n][kind]:
-                line += f"  ({errors[n][kind]} failed: {notes.get(kind, '')})"
-            print(line)
-            kinds_json[kind] = entry
-        report[str(n)] = {"applied": applied[n], "kinds": kinds_json}
-
-    print("\n## PB-2 re-based (bench/README.md): (a) the connect hook's ns per connect(), "
-          "(c) connect() p50 net of the floor with the floor's A/A spread")  # fmt: skip
-    summary: dict[str, Any] = {}
-    for kind in ("sock", "affinity", "udp", "bound", "taken", "pod_ip"):
-        points = [(n, report[str(n)]["kinds"][kind]["programs"][PROGRAMS[0]]["ns_per_run"])
-                  for n in sizes_n if kind in report[str(n)]["kinds"]]  # fmt: skip
-        points = [(n, v) for n, v in points if v is not None]
-        if not points:
-            continue
-        text = ", ".join(f"{n}: {v:.0f}" for n, v in points)
-        entry = {"points": points}
-        if len(points) >= 2:
-            slope = slope_per_service(points)
-            flat = points[-1][1] / points[0][1]
-            entry.update(slope_ns_per_1k=slope * 1000, last_over_first=flat)
-            text += (f"; slope {slope * 1000:+.2f} ns per 1k Services, {points[-1][0]} / "
-                     f"{points[0][0]}: x{flat:.2f}")  # fmt: skip
-            if kind == "sock":
-                entry["flat_mark"] = mark(flat <= TARGET_FLAT)
-                text += f" {entry['flat_mark']} (flat: ≤ x{TARGET_FLAT})"
-        at = dict(points).get(TARGET_HOOK_AT)
-        if kind == "sock" and at is not None:
-            entry["at_10k_mark"] = mark(at <= TARGET_HOOK_NS)
-            text += (
-                f"; at {TARGET_HOOK_AT}: {at:.0f} ns {entry['at_10k_mark']} (≤ {TARGET_HOOK_NS})"
-            )
-        print(f"(a) {PROGRAMS[0]} ns/run, {kind}: {text}")
-        summary[kind] = entry
-    for n in sizes_n:
-        kinds = report[str(n)]["kinds"]
-        parts = [f"{k} {kinds[k]['net_of_floor_ns'] / 1000:+.2f}" for k in
-                 ("sock", "affinity", "pod_ip") if k in kinds]  # fmt: skip
-        parts += [f"{k} {kinds[k]['net_of_floor_bound_ns'] / 1000:+.2f} (vs floor_bound)"
-                  for k in BOUND_KINDS if k in kinds]  # fmt: skip
-        aa = ""
-        if "floor2" in kinds:
-            nets = kinds["floor2"]["round_nets_ns"]
-            aa = (f"; A/A floor2 - floor {kinds['floor2']['net_of_floor_ns'] / 1000:+.2f} µs "
-                  f"(per round {min(nets) / 1000:+.2f}..{max(nets) / 1000:+.2f})")  # fmt: skip
-        print(f"(c) {n} Services: connect() p50 - floor ({kinds['floor']['median'] / 1000:.2f} "
-              f"µs): {', '.join(parts)}{aa}")  # fmt: skip
+    report = {str(n): report_size(n, by_size[n], measuring, notes) for n in sizes_n}
+    summary = report_rebased(report, sizes_n)
     seconds = time.perf_counter() - began
     loads.append(os.getloadavg()[0])
     print(f"load average (1 min) during the run: {loads[0]:.2f} at the start, "
