@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
@@ -16,6 +17,7 @@ from .api.server import AgentStatus, HealthServer, MetricsServer
 from .api.serving import raise_open_files_limit
 from .config import Settings
 from .dataplane.select import DataplaneStartError, select_dataplane
+from .kubeproxy import Found, KubeProxyWatch
 from .metrics import Metrics
 from .nodelock import LockError, NodeLock
 from .sources.watch import ManifestPathError, ManifestSource
@@ -76,6 +78,13 @@ class Agent:
         if adopted is not None:
             log.info("the kernel holds revision %s (an earlier agent's): it serves until "
                      "this agent has the cluster's state", adopted[:19])  # fmt: skip
+        # kube-proxy's rules keep serving beside ours until removed: looked for now, after
+        # the first apply (removed then with --remove-kube-proxy-rules) and on resyncs.
+        self.kube_proxy = KubeProxyWatch(
+            settings.remove_kube_proxy_rules, self._report_kube_proxy,
+            period=settings.sync_period, clock=time.monotonic,
+        )  # fmt: skip
+        self.kube_proxy.check()
         self._stoppers: list[Callable[[], None]] = []
         self.dataplane.register_metrics(self.metrics, settings.service_metrics)
         self._stoppers.append(self.dataplane.close)  # the kernel state stays
@@ -115,7 +124,8 @@ class Agent:
             min_sync_period=s.min_sync_period,
             sync_period=s.sync_period,
             status=self.status,
-            followers=[health_checks, _AfterFirstApply(self.selection.take_over)],
+            followers=[health_checks, _AfterFirstApply(self.selection.take_over),
+                       self.kube_proxy],
         )
         # The source registers with the store when it is made, before the loop can run:
         # the store is not synced until every source it knows of has listed, so nothing
@@ -130,6 +140,11 @@ class Agent:
             "serving metrics and /state on %s, health on %s",
             metrics_server.url, health_server.url,
         )  # fmt: skip
+
+    def _report_kube_proxy(self, state: str, found: Found) -> None:
+        self.status.set_kube_proxy(state, found.to_dict())
+        for kind, count in found.counts().items():
+            self.metrics.kube_proxy_rules.labels(kind).set(count)
 
     def _manifest_source(self) -> ManifestSource:
         """The file source: the files' full state now, and again when they change."""

@@ -106,6 +106,9 @@ class StatusSnapshot:
     datapath_problems: tuple[str, ...] = ()
     unrepaired_seconds: float | None = None
     refused: str | None = None  # the last apply's error when the state does not fit
+    # kube-proxy's state in this namespace at the last look (agent.kubeproxy): None
+    # before the first look; else {"state": absent|present|removed, "found": ...}.
+    kube_proxy: Mapping[str, Any] | None = None
 
     @property
     def current_revision(self) -> str | None:
@@ -136,6 +139,7 @@ class StatusSnapshot:
             "adoptedRevision": self.adopted_revision,
             "apiReachable": self.api_reachable,
             "nodeEligible": self.node_eligible,
+            **({"kubeProxy": dict(self.kube_proxy)} if self.kube_proxy is not None else {}),
             **self.details,
         }
 
@@ -198,6 +202,7 @@ class AgentStatus:
         self._api_reachable: bool | None = None
         self._node_eligible = True
         self._adopted: str | None = None
+        self._kube_proxy: dict[str, Any] | None = None
 
     # --- writers (the sync loop, the sources) ----------------------------------------
     def set_adopted(self, revision: str | None) -> None:
@@ -244,6 +249,13 @@ class AgentStatus:
                 self._failures += 1
                 self._last_error = error or "sync failed"
             self._update_pending(now, synced=success)
+
+    def set_kube_proxy(self, state: str, found: Mapping[str, Any]) -> None:
+        """What the last look for kube-proxy's state saw (agent.kubeproxy.KubeProxyWatch):
+        `state` absent, present or removed; `found` what is there now."""
+        with self._lock:
+            self._kube_proxy = {"state": state, "checkedTime": timestamp(self._clock()),
+                                "found": dict(found)}  # fmt: skip
 
     def set_api_reachable(self, reachable: bool) -> None:
         with self._lock:
@@ -295,6 +307,7 @@ class AgentStatus:
                 datapath_problems=tuple(problems),
                 unrepaired_seconds=unrepaired,
                 refused=self._refused,
+                kube_proxy=self._kube_proxy,
             )
 
     @property
