@@ -80,7 +80,7 @@
  * translated before this agent served its frontend (kube-proxy's DNAT, at a takeover:
  * agent/dataplane/ebpf/handoff.py): its packets are left to netfilter, which holds its
  * NAT (lib/conntrack.h ct_left_to_netfilter). No backend has this id. */
-#define KBP_CT_NETFILTER 0xffffffff
+#define KBP_CT_NETFILTER 4294967295 /* 0xffffffff */
 
 /* Indexes of the kbp_ct_stats map (per-CPU __u64): conntrack events the agent reports. */
 #define KBP_CT_STAT_LOST 0   /* a TCP segment other than a SYN found no forward entry (its

@@ -149,7 +149,9 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 	v->svc = svc;
 	v->service_id = svc->service_id;
 	flow = ct_lookup_forward(t);
-	if (flow && ct_left_to_netfilter(flow, t, now))
+	/* A flow netfilter translated (lib/conntrack.h ct_left_to_netfilter; not touched
+	 * here, as below: the agent deletes the entry when netfilter's is gone). */
+	if (flow && flow->backend_id == KBP_CT_NETFILTER && !tuple_is_tcp_syn(t))
 		return KBP_EXT_NONE;
 	if (flow && ct_forward_is_usable(flow, svc, t)) {
 		v->flow = flow;

@@ -31,7 +31,7 @@ from .attach import Attacher, detach_xdp
 from .cgroup import detach_socket_hooks, netns_cookie
 from .conntrack import Timeouts, adopt_earlier_conntrack
 from .external import DEFAULT_SNAT_PORTS
-from .handoff import Handoff, describe, kernel_nat_flows
+from .handoff import Handoff, describe, kernel_nat_flows, release_netfilter
 from .keeper import CHECK_PERIOD, REPAIRS, Keeper
 from .kernel import LoadError, load_programs
 from .maps import MapSizes
@@ -167,6 +167,7 @@ class EbpfDataplane:
         kbp_config.handoff (handoff.py)."""
         flows = kernel_nat_flows()
         seeded = self.handoff.seed(state, flows)
+        self.handoff.hold()
         self.maps.set_handoff(False)
         self._handed_off = True
         if seeded:
@@ -244,6 +245,9 @@ def cleanup(pin_dir: Path, attacher: TcAttacher | None = None) -> tuple[list[str
             attacher.close()
     # Links first: unpinning alone leaves a link attached while anyone holds its fd.
     detach_socket_hooks(pin_dir)
+    for table in release_netfilter():  # kube-proxy's rules, back, hold conntrack again
+        log.info("ebpf: deleted nftables table %s (held conntrack for flows left to "
+                 "netfilter)", table)  # fmt: skip
     return interfaces, remove_pins(pin_dir)
 
 

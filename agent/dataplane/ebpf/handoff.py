@@ -24,6 +24,15 @@ How (design (b) of issue 32; bcc cannot call the conntrack kfuncs, see docs/migr
    netfilter translates no new pod flow (our program takes their SYNs first).
 4. At every full resync, seeded entries whose kernel flow is gone are deleted.
 
+Netfilter must keep tracking and translating those flows after kube-proxy's rules are
+gone: conntrack runs in a network namespace only while something uses it (a DNAT or
+MASQUERADE target, a conntrack match, an nftables `ct` or `nat` expression), and NAT
+bindings are applied only at hooks where a nat table or chain is registered. Removing
+kube-proxy's rules can take the last of both away (then the flows' packets are no longer
+tracked: they keep the Service address and go nowhere). So while seeded flows live, the
+agent holds the nftables table HOLD_TABLE (ip and ip6): nat chains at the four hooks, one
+`ct state` rule each; it matches and changes nothing, and goes with the last flow.
+
 UDP flows are seeded too, but the handoff bit cannot tell a UDP datagram of a flow
 netfilter holds from a new flow's first one: a UDP flow whose first datagram passed
 kube-proxy during the first apply is translated anew (a DNS query retries).
@@ -123,6 +132,44 @@ def kernel_nat_flows() -> list[KernelFlow]:
     return flows
 
 
+HOLD_TABLE = "kube-bpf-proxy-handoff"
+_HOOKS = (("prerouting", "dstnat"), ("output", "-100"), ("input", "100"),
+          ("postrouting", "srcnat"))  # fmt: skip
+
+
+def _nft(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT, check=False)  # fmt: skip
+
+
+def hold_netfilter() -> str | None:
+    """Create HOLD_TABLE (see the module's docstring); the error, or None."""
+    chains = "".join(
+        f"  chain {hook} {{ type nat hook {hook} priority {priority}; policy accept; "
+        f"ct state new counter; }}\n"
+        for hook, priority in _HOOKS
+    )
+    text = "".join(f"table {family} {HOLD_TABLE} {{\n{chains}}}\n" for family in ("ip", "ip6"))
+    try:
+        proc = _nft("-f", "-", stdin=text)
+    except (OSError, subprocess.SubprocessError) as err:
+        return str(err)
+    return proc.stderr.strip() or "nft failed" if proc.returncode != 0 else None
+
+
+def release_netfilter() -> list[str]:
+    """Delete HOLD_TABLE where it exists; the tables deleted ("ip kube-bpf-proxy-handoff")."""
+    deleted = []
+    for family in ("ip", "ip6"):
+        try:
+            proc = _nft("delete", "table", family, HOLD_TABLE)
+        except (OSError, subprocess.SubprocessError):
+            return deleted
+        if proc.returncode == 0:
+            deleted.append(f"{family} {HOLD_TABLE}")
+    return deleted
+
+
 def frontends_of(state: NodeState) -> set[tuple[int, str, int]]:
     """(protocol number, address, port) of every frontend of the NodeState."""
     out = set()
@@ -174,7 +221,19 @@ class Handoff:
             if backend_id == const.KBP_CT_NETFILTER and self._ct.delete(key):
                 deleted += 1
         self.seeded -= gone
+        if not self.seeded:
+            release_netfilter()
         return deleted
+
+    def hold(self) -> None:
+        """Keep netfilter tracking the seeded flows (hold_netfilter), when there are any."""
+        if not self.seeded:
+            return
+        error = hold_netfilter()
+        if error is not None:
+            log.warning("handoff: cannot create nftables table %s (%s): if kube-proxy's rules "
+                        "were the last to use conntrack here, the flows left to netfilter "
+                        "lose their NAT when they go", HOLD_TABLE, error)  # fmt: skip
 
 
 def describe(flows: Iterable[KernelFlow]) -> str:
