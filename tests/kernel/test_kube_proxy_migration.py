@@ -315,3 +315,63 @@ def _run_stdin(lab: Lab, argv: list[str], text: str) -> None:
     proc = subprocess.run(in_netns(lab.node_ns, argv), input=text, capture_output=True,
                           text=True, timeout=30, check=False)  # fmt: skip
     assert proc.returncode == 0, f"{' '.join(argv)}: {proc.stderr}\n{text}"
+
+
+@pytest.fixture
+def cgroup_node(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path]]:
+    """As `node`, with the pods' processes in a cgroup of the lab's (--cgroup-root)."""
+    pin_dir = BPFFS / f"kbp-test-kpback-{os.getpid()}-{time.monotonic_ns()}"
+    with Lab(cgroup=True) as lab:
+        lab.add_pod("client")
+        for name in BACKENDS:
+            lab.add_pod(name).serve([8080], protos=("tcp",))
+        manifests = tmp_path / "web.yaml"
+        manifests.write_text(service_manifest(
+            "web", CLUSTER_IP, [lab.pods[name].ipv4 for name in BACKENDS]))  # fmt: skip
+        try:
+            yield lab, manifests, pin_dir
+        finally:
+            while Agent.started:
+                Agent.started.pop().stop(signal.SIGKILL)
+            cli(lab.node_ns, "cleanup", "--bpffs", str(pin_dir))
+    assert not pin_dir.exists()
+
+
+@pytest.mark.parametrize("dataplane", ["ebpf", "iptables"])
+def test_the_way_back_to_kube_proxy_drops_nothing(cgroup_node, dataplane) -> None:
+    """The agent serves (eBPF: the pods' connections translated at connect() by the socket
+    hooks, the default `--socket-lb all`), kube-proxy's rules are back, the agent stops
+    and `cleanup` removes its dataplane: held connections keep echoing and no new one
+    fails. (Connections tc translated mid-path cannot be handed back: docs/migration.md.)"""
+    lab, manifests, pin_dir = cgroup_node
+    tools = find_backend("nft") or find_backend("legacy")
+    if tools is None:
+        skip_or_fail("no iptables backend is installed")
+    assert lab.cgroup is not None
+    hooks = ("--cgroup-root", str(lab.cgroup), "--socket-lb", "all") if dataplane == "ebpf" else ()
+    agent = Agent(lab, manifests, pin_dir, dataplane, *hooks)
+    agent.wait_for_line("sync: applied revision")
+    client = lab.pods["client"]
+    streams = hold(lab)
+    stop_new = client.connect_every(CLUSTER_IP, 80, INTERVAL)
+    try:
+        time.sleep(1.0)
+        _restore(lab, tools.restore("IPv4"), kube_proxy_iptables(
+            [lab.pods[name].ipv4 for name in BACKENDS]))  # fmt: skip
+        time.sleep(1.0)
+        assert agent.stop() == 0
+        done = cli(lab.node_ns, "cleanup", "--bpffs", str(pin_dir))
+        assert done.returncode == 0, done.stderr + done.stdout
+        time.sleep(3.0)  # only kube-proxy's rules serve now
+    finally:
+        new = stop_new()
+        finals = []
+        for stream in streams:
+            ok, _ = stream.check()
+            finals.append(stream.wait_for(ok + 10))
+    assert new.errors == {}, f"new connections failed on the way back: {new}\n{agent.log()}"
+    assert new.answered >= 30 and set(new.counts) == set(BACKENDS), new
+    broken = [error for _, error in finals if error]
+    assert not broken, f"held connection(s) broke on the way back: {broken}\n{agent.log()}"
+    assert "KBP-" not in saved(lab, tools.name)
+    assert not pin_dir.exists()
