@@ -61,6 +61,7 @@ _ENTRY = packer("kbp_ct_entry")
 _PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP, "sctp": 132}
 _NAMES = {number: name.upper() for name, number in _PROTOCOLS.items()}
 COMMAND_TIMEOUT = 60.0
+_OVER = ("TIME_WAIT", "CLOSE")  # TCP states of netfilter's flows that are over
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,8 @@ def parse_conntrack(text: str) -> list[KernelFlow]:
             continue
         if reply_src == dst and reply_sport == dport:
             continue  # no DNAT
+        if words[0] == "tcp" and len(words) > 3 and words[3] in _OVER:
+            continue  # closed: nothing of it is left to pass
         flows.append(KernelFlow(_PROTOCOLS[words[0]], src, dst, int(sport), int(dport),
                                 reply_src, int(reply_sport)))  # fmt: skip
     return flows
