@@ -289,20 +289,35 @@ def test_takeover_from_kube_proxy_nftables_drops_nothing(node, dataplane) -> Non
 
 
 def test_cleanup_kube_proxy_removes_only_kube_proxy_state(node) -> None:
-    """`cleanup --kube-proxy` on demand, and detection without an agent: what it finds,
-    what it removes, and that kubelet's chains stay."""
+    """`cleanup --kube-proxy` on demand, without an agent: it finds and removes kube-proxy's
+    iptables chains, its nftables table (where nft is installed) and the IPVS mode's
+    kube-ipvs0 link, and leaves kubelet's chains. (IPVS virtual servers need the ip_vs
+    module, which the lab does not load.)"""
     lab, _, _ = node
     tools = find_backend("legacy")
     if tools is None:
         skip_or_fail("iptables-legacy is not installed")
     _restore(lab, tools.restore("IPv4"), kube_proxy_iptables([lab.pods["be1"].ipv4]))
+    nft = shutil.which("nft") is not None
+    if nft:
+        _run_stdin(lab, ["nft", "-f", "-"], kube_proxy_nftables([lab.pods["be1"].ipv4]))
+    # kube-proxy makes kube-ipvs0 a dummy link; this kernel has no dummy driver, and what
+    # is looked for is the name: a veth pair stands in (deleting one end deletes both).
+    lab.run_in_node("ip", "link", "add", "kube-ipvs0", "type", "veth", "peer", "name", "kbpipvs")
+    lab.run_in_node("ip", "address", "add", f"{CLUSTER_IP}/32", "dev", "kube-ipvs0")
     done = cli(lab.node_ns, "cleanup", "--kube-proxy", "-v")
     assert done.returncode == 0, done.stderr
     assert "iptables-legacy: 11 chain(s)" in done.stdout, done.stdout
     assert "iptables-legacy IPv4 nat KUBE-SERVICES" in done.stdout, done.stdout
+    assert "ipvs: 0 virtual server(s), link kube-ipvs0" in done.stdout, done.stdout
+    assert ("nftables: table(s) ip kube-proxy" in done.stdout) is nft, done.stdout
     left = saved(lab, "legacy")
     assert kube_proxy_lines(left) == [], left
     assert all(f":{chain} " in left for chain in KUBELET_CHAINS), left
+    links = lab.run_in_node("ip", "-o", "link")
+    assert "kube-ipvs0" not in links and "kbpipvs" not in links, links
+    if nft:
+        assert "kube-proxy" not in lab.run_in_node("nft", "list", "tables")
     again = cli(lab.node_ns, "cleanup", "--kube-proxy")
     assert again.returncode == 0 and "nothing (none found)" in again.stdout, again.stdout
 
