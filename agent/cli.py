@@ -60,6 +60,7 @@ RUN_SETTINGS = [
     "map_size_ct",
     "map_size_affinity",
     *CONNTRACK_SETTINGS,
+    "remove_kube_proxy_rules",
     "min_sync_period",
     "sync_period",
     "metrics_bind_address",
@@ -259,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         "what it serves)",
     )  # fmt: skip
     cleanup_parser.add_argument(
+        "--kube-proxy", action="store_true",
+        help="remove kube-proxy's state instead of ours, as `kube-proxy --cleanup` would: "
+        "its KUBE- chains and the jumps to them (iptables, both backends), its nftables "
+        "tables, IPVS virtual servers and kube-ipvs0; conntrack entries stay. Runs beside "
+        "a running agent (it touches nothing of kube-bpf-proxy's); see docs/migration.md",
+    )  # fmt: skip
+    cleanup_parser.add_argument(
         "-v", "--verbose", action="store_true",
         help="list every interface, pin, rule and chain removed (default: counts per kind)",
     )  # fmt: skip
@@ -403,6 +411,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     settings = settings_from(args, CLEANUP_SETTINGS)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    if args.kube_proxy:
+        return _cleanup_kube_proxy(args.verbose)
     lock = NodeLock(settings.lock_dir, settings.bpffs)
     try:
         holder = lock.try_acquire()
@@ -462,6 +472,22 @@ def _cleanup(settings: Settings, verbose: bool) -> bool:
             for item in removed if verbose else ():
                 print(f"  {item}")
     return ok
+
+
+def _cleanup_kube_proxy(verbose: bool) -> int:
+    """`cleanup --kube-proxy`: kube-proxy's state only; 1 when some of it stayed."""
+    from .kubeproxy_rules import RemoveError, detect, remove
+
+    found = detect()
+    try:
+        removed = remove()
+    except RemoveError as err:
+        print(f"kube-bpf-proxy cleanup --kube-proxy: {err}", file=sys.stderr)
+        return 1
+    print(f"kube-proxy: removed {found.summary() if removed else 'nothing (none found)'}")
+    for item in removed if verbose else ():
+        print(f"  {item}")
+    return 0
 
 
 def iptables_summary(removed: list[str]) -> str:

@@ -251,6 +251,11 @@ class Settings:
         "eBPF conntrack: how often the agent removes expired and closed flows from "
         "kbp_ct (0: never; the LRU alone then makes room)",
         "DURATION", _duration(0.0, 3600.0))
+    remove_kube_proxy_rules: bool = _setting(False, "--remove-kube-proxy-rules",
+        "remove kube-proxy's iptables chains, nftables tables and IPVS state from this node "
+        "once this agent has programmed the cluster's state (and again whenever a full "
+        "resync finds them); conntrack entries stay, so open connections keep their NAT",
+        action="store_true")
     min_sync_period: float = _setting(0.0, "--min-sync-period",
         "minimum time between syncs (e.g. 1s); 0 applies changes at once, coalescing "
         "those that arrive during a sync",

@@ -6,6 +6,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
@@ -17,6 +18,7 @@ from .api.serving import raise_open_files_limit
 from .api.watch import StateHub
 from .config import Settings
 from .dataplane.select import DataplaneStartError, select_dataplane
+from .kubeproxy_rules import Found, KubeProxyWatch
 from .metrics import Metrics
 from .nodelock import LockError, NodeLock
 from .sources.watch import ManifestPathError, ManifestSource
@@ -101,6 +103,13 @@ class Agent:
         if adopted is not None:
             log.info("the kernel holds revision %s (an earlier agent's): it serves until "
                      "this agent has the cluster's state", adopted[:19])  # fmt: skip
+        # kube-proxy's rules keep serving beside ours until removed: looked for now, after
+        # the first apply (removed then with --remove-kube-proxy-rules) and on resyncs.
+        self.kube_proxy = KubeProxyWatch(
+            settings.remove_kube_proxy_rules, self._report_kube_proxy,
+            period=settings.sync_period, clock=time.monotonic,
+        )  # fmt: skip
+        self.kube_proxy.check()
         self.dataplane.register_metrics(self.metrics, settings.service_metrics)
         self._stoppers.append(self.dataplane.close)  # the kernel state stays
 
@@ -144,7 +153,7 @@ class Agent:
             min_sync_period=s.min_sync_period,
             sync_period=s.sync_period,
             status=self.status,
-            followers=[health_checks, _AfterFirstApply(self.selection.take_over)],
+            followers=[health_checks, _AfterFirstApply(self.selection.take_over), self.kube_proxy],
         )
         # The source registers with the store when it is made, before the loop can run:
         # the store is not synced until every source it knows of has listed, so nothing
@@ -164,6 +173,11 @@ class Agent:
         """`/state`'s heldRevision and status now (for the watch's documents)."""
         snap = self.status.snapshot()
         return snap.held_revision, snap.to_dict()
+
+    def _report_kube_proxy(self, state: str, found: Found) -> None:
+        self.status.set_kube_proxy(state, found.to_dict())
+        for kind, count in found.counts().items():
+            self.metrics.kube_proxy_rules.labels(kind).set(count)
 
     def _manifest_source(self) -> ManifestSource:
         """The file source: the files' full state now, and again when they change."""

@@ -130,6 +130,11 @@ class Metrics:
         self.dataplane_info = Gauge("kbp_dataplane_info",
             "1 for the dataplane in use; `reason` says why it was chosen.",
             ["dataplane", "reason"], registry=r)
+        self.kube_proxy_rules = Gauge("kbp_kube_proxy_rules",
+            "kube-proxy's state found in this node's network namespace at the last look: "
+            "iptables chains per backend (kind iptables-legacy, iptables-nft), nftables "
+            "tables (nftables), IPVS virtual servers plus the kube-ipvs0 link (ipvs).",
+            ["kind"], registry=r)
         # fmt: on
 
     def exposition(self, accept: str | None = None) -> tuple[bytes, str]:

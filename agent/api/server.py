@@ -109,6 +109,9 @@ class StatusSnapshot:
     datapath_problems: tuple[str, ...] = ()
     unrepaired_seconds: float | None = None
     refused: str | None = None  # the last apply's error when the state does not fit
+    # kube-proxy's state in this namespace at the last look (agent.kubeproxy_rules): None
+    # before the first look; else {"state": absent|present|removed, "found": ...}.
+    kube_proxy: Mapping[str, Any] | None = None
 
     @property
     def current_revision(self) -> str | None:
@@ -139,6 +142,7 @@ class StatusSnapshot:
             "adoptedRevision": self.adopted_revision,
             "apiReachable": self.api_reachable,
             "nodeEligible": self.node_eligible,
+            **({"kubeProxy": dict(self.kube_proxy)} if self.kube_proxy is not None else {}),
             **self.details,
         }
 
@@ -201,6 +205,7 @@ class AgentStatus:
         self._api_reachable: bool | None = None
         self._node_eligible = True
         self._adopted: str | None = None
+        self._kube_proxy: dict[str, Any] | None = None
         self._subscribers: list[Callable[[NodeState], None]] = []
 
     def subscribe(self, callback: Callable[[NodeState], None]) -> None:
@@ -274,6 +279,13 @@ class AgentStatus:
                 self._last_error = error or "sync failed"
             self._update_pending(now, synced=success)
 
+    def set_kube_proxy(self, state: str, found: Mapping[str, Any]) -> None:
+        """What the last look for kube-proxy's state saw (kubeproxy_rules.KubeProxyWatch):
+        `state` absent, present or removed; `found` what is there now."""
+        with self._lock:
+            self._kube_proxy = {"state": state, "checkedTime": timestamp(self._clock()),
+                                "found": dict(found)}  # fmt: skip
+
     def set_api_reachable(self, reachable: bool) -> None:
         with self._lock:
             self._api_reachable = reachable
@@ -324,6 +336,7 @@ class AgentStatus:
                 datapath_problems=tuple(problems),
                 unrepaired_seconds=unrepaired,
                 refused=self._refused,
+                kube_proxy=self._kube_proxy,
             )
 
     @property

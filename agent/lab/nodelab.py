@@ -50,7 +50,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,15 +109,19 @@ def client_argv(
     *,
     source_port: int | None = None,
     same_socket: bool = False,
+    interval: float = 0.0,
 ) -> list[str]:
     """`podclient.py many` for n exchanges with ip:port (see Pod.connect_many); run it in
-    a namespace with in_netns and read it with client_result."""
+    a namespace with in_netns and read it with client_result. `interval`: seconds between
+    exchanges; n 0: until SIGTERM (Pod.connect_every)."""
     argv = [sys.executable, str(PODCLIENT), "many", ip, str(port),
             "--proto", proto, "-n", str(n), "--timeout", str(timeout)]  # fmt: skip
     if source_port is not None:
         argv += ["--source-port", str(source_port)]
     if same_socket:
         argv.append("--same-socket")
+    if interval:
+        argv += ["--interval", str(interval)]
     return argv
 
 
@@ -248,6 +252,25 @@ class Pod:
         argv = client_argv(ip, port, proto, n, timeout,
                            source_port=source_port, same_socket=same_socket)  # fmt: skip
         return client_result(self.argv(argv), n, timeout)
+
+    def connect_every(
+        self, ip: str, port: int, interval: float, timeout: float = 2.0
+    ) -> Callable[[], Result]:
+        """New TCP connections to ip:port, one every `interval` seconds, in the background
+        until the returned function is called; it stops them and returns what they saw."""
+        argv = self.argv(client_argv(ip, port, "tcp", 0, timeout, interval=interval))
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.processes.append(proc)
+
+        def stop() -> Result:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=timeout + 10)
+            self.processes.remove(proc)
+            report = json.loads(out.strip().splitlines()[-1])
+            return Result(Counter(report["counts"]), Counter(report["errors"]),
+                          report["details"])  # fmt: skip
+
+        return stop
 
     def stream(self, ip: str, port: int, timeout: float = 2.0) -> Stream:
         """A long-lived TCP connection to ip:port, checked line by line; returns once the

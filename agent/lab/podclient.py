@@ -3,7 +3,8 @@
 many IP PORT --proto tcp|udp -n N: N exchanges, each on a new socket (so a new flow and,
   unless --source-port fixes it, a new source port); every answer is the serving pod's
   name. Prints one JSON line: {"counts": {name: n}, "errors": {class: n}, "details": [..]}.
-  --same-socket (UDP) sends all N datagrams from one socket: one flow.
+  --same-socket (UDP) sends all N datagrams from one socket: one flow. --interval S
+  waits S seconds after each exchange; -n 0 goes on until SIGTERM.
 stream IP PORT: one TCP connection; prints `backend NAME`, then every --interval sends a
   numbered line, checks its echo and prints `ok SEQ`; on the first failure prints
   `error CLASS DETAIL` and exits 1. SIGTERM closes the connection cleanly and exits 0.
@@ -118,7 +119,18 @@ def run_many(args: argparse.Namespace) -> int:
     errors: Counter[str] = Counter()
     details: list[str] = []
     shared: socket.socket | None = None
-    for _ in range(args.n):
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    done = 0
+    while not stopping and (args.n == 0 or done < args.n):
+        done += 1
+        if args.interval and done > 1:
+            time.sleep(args.interval)
         try:
             if args.proto == "tcp":
                 counts[tcp_exchange(args.ip, args.port, args.timeout, args.source_port)] += 1
@@ -375,6 +387,7 @@ def main() -> int:
     many.add_argument("--timeout", type=float, default=2.0)
     many.add_argument("--source-port", type=int)
     many.add_argument("--same-socket", action="store_true")
+    many.add_argument("--interval", type=float, default=0.0)
     stream = modes.add_parser("stream")
     stream.add_argument("ip")
     stream.add_argument("port", type=int)

@@ -76,6 +76,12 @@
 #define KBP_CT_F_RST 64 /* a TCP RST was seen (KBP_CT_F_CLOSING is set too) */
 #define KBP_CT_F_SPARE 128 /* forward entry: its reply entry has a spare (KBP_CT_SPARE) */
 
+/* struct kbp_ct_entry.backend_id of a forward entry the agent seeds for a flow netfilter
+ * translated before this agent served its frontend (kube-proxy's DNAT, at a takeover:
+ * agent/dataplane/ebpf/handoff.py): its packets are left to netfilter, which holds its
+ * NAT (lib/conntrack.h ct_left_to_netfilter). No backend has this id. */
+#define KBP_CT_NETFILTER 4294967295 /* 0xffffffff */
+
 /* Indexes of the kbp_ct_stats map (per-CPU __u64): conntrack events the agent reports. */
 #define KBP_CT_STAT_LOST 0   /* a TCP segment other than a SYN found no forward entry (its
 				 flow's entries were evicted or expired): the flow hash chose
@@ -272,7 +278,9 @@ struct kbp_config {
 	__u8 pod_cidr6_len;   /* the same for IPv6 */
 	__u8 sock_lb;         /* KBP_SOCK_LB_* bits: whose sockets connect()/sendmsg() translate
 				 (0: nobody's, --socket-lb off) */
-	__u8 pad;
+	__u8 handoff;         /* 1 while the agent takes flows over from netfilter (its first
+				 apply, until it has seeded KBP_CT_NETFILTER entries): a lost
+				 TCP segment is left to netfilter (lib/conntrack.h ct_handoff) */
 	__be32 pod_cidr4[4];  /* the IPv4 cluster CIDR's network address (word 0) */
 	__be32 pod_cidr6[4];  /* the IPv6 cluster CIDR's network address */
 	/* Conntrack lifetimes in seconds (the --conntrack-* timeouts the collector applies),

@@ -140,6 +140,34 @@ static __always_inline void ct_touch(struct kbp_ct_entry *entry, const struct kb
 		entry->last_seen = now;
 }
 
+/* A flow netfilter translated before this agent served its frontend (a forward entry
+ * with backend_id KBP_CT_NETFILTER, seeded by the agent from the kernel's conntrack): its
+ * packets pass untranslated, so netfilter's conntrack keeps the flow's NAT. Translating
+ * them, even to the same backend, would give netfilter a new tuple whose reply tuple
+ * clashes with its entry's, and it would remap the source port. A SYN (the tuple reused
+ * by a new connection) is not left: it is a new flow of ours. Touched so the collector
+ * keeps the entry while the flow lives (FIN/RST: it expires as a closing flow). */
+static __always_inline int ct_left_to_netfilter(struct kbp_ct_entry *flow,
+						const struct kbp_tuple *t, __u64 now)
+{
+	if (flow->backend_id != KBP_CT_NETFILTER || tuple_is_tcp_syn(t))
+		return 0;
+	ct_touch(flow, t, now, 0);
+	return 1;
+}
+
+/* While the agent takes flows over from netfilter (kbp_config.handoff: during its first
+ * apply, until it has seeded the KBP_CT_NETFILTER entries of the flows kube-proxy's rules
+ * translated), a lost TCP segment (ct_note_lost: no entry of ours, not a SYN) is such a
+ * flow's, opened before the seeding: it is left to netfilter like them. Asked only on the
+ * lost path. */
+static __always_inline int ct_handoff(void)
+{
+	struct kbp_config *cfg = map_lookup_config();
+
+	return cfg && cfg->handoff;
+}
+
 /* The reply key of a forward flow to backend addr:port: the backend answers the client,
  * or, for hairpin, the frontend address the client's source was rewritten to. */
 static __always_inline void __ct_reply_key(const struct kbp_tuple *t, const __be32 *backend_addr,

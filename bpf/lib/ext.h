@@ -142,12 +142,17 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 {
 	struct kbp_service *svc = lb_lookup_service(t);
 	struct kbp_ct_entry *flow;
+	int lost;
 
 	if (!svc)
 		return KBP_EXT_NONE;
 	v->svc = svc;
 	v->service_id = svc->service_id;
 	flow = ct_lookup_forward(t);
+	/* A flow netfilter translated (lib/conntrack.h ct_left_to_netfilter; not touched
+	 * here, as below: the agent deletes the entry when netfilter's is gone). */
+	if (flow && flow->backend_id == KBP_CT_NETFILTER && !tuple_is_tcp_syn(t))
+		return KBP_EXT_NONE;
 	if (flow && ct_forward_is_usable(flow, svc, t)) {
 		v->flow = flow;
 		/* not ct_touch_forward: its spare overflows kbp_from_ext's stack */
@@ -155,7 +160,10 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 		__ext_target(t, flow, v);
 		return (flow->flags & KBP_CT_F_SNAT) ? KBP_EXT_FORWARD : KBP_EXT_LOCAL;
 	}
-	return __ext_new_flow(t, svc, cfg, flow, ct_note_lost(t, flow), now, v);
+	lost = ct_note_lost(t, flow);
+	if (lost && cfg->handoff)
+		return KBP_EXT_NONE; /* a flow netfilter translated, at a takeover */
+	return __ext_new_flow(t, svc, cfg, flow, lost, now, v);
 }
 
 /* A reply arriving on an external interface: only SNATed flows are translated here

@@ -87,6 +87,8 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 	int lost;
 	int hairpin;
 
+	if (flow && ct_left_to_netfilter(flow, t, now))
+		return TC_ACT_OK;
 	if (flow && ct_forward_is_usable(flow, svc, t)) {
 		ct_touch_forward(flow, t, now);
 		__builtin_memcpy(addr, flow->addr, sizeof(addr));
@@ -96,6 +98,8 @@ static __always_inline int translate_to_service(struct __sk_buff *skb, const str
 			sport = flow->nat_port;
 	} else {
 		lost = ct_note_lost(t, flow);
+		if (lost && ct_handoff())
+			return TC_ACT_OK;
 		if (!lb_source_admitted(t, svc))
 			return drop_service_packet(bytes, service_id, KBP_DROP_SOURCE_RANGE);
 		lb_set_for_pods(svc, &set_id, &count);

@@ -231,6 +231,8 @@ RANGE_CASES = [
     ("config", ["--config", ""], {}, "--config: must not be empty"),
     ("output", [], {"KBP_OUTPUT": "xml"}, "KBP_OUTPUT: 'xml' is not one of yaml, json"),
     ("strict", [], {"KBP_STRICT": "treu"}, "KBP_STRICT: 'treu' is not a boolean"),
+    ("remove_kube_proxy_rules", [], {"KBP_REMOVE_KUBE_PROXY_RULES": "maybe"},
+     "KBP_REMOVE_KUBE_PROXY_RULES: 'maybe' is not a boolean"),
     ("log_level", [], {"KBP_LOG_LEVEL": "loud"}, "KBP_LOG_LEVEL: 'loud' is not one of"),
 ]  # fmt: skip
 

@@ -29,7 +29,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from agent.api import AgentStatus, HealthServer, parse_bind
-from agent.cli import RUN_SETTINGS, build_parser
+from agent.cli import CLEANUP_SETTINGS, RUN_SETTINGS, build_parser
 from agent.config import ENV_PREFIX, SETTINGS_FIELDS, Settings, settings_from
 from agent.dataplane.ebpf.kernel import DEFAULT_CACHE_DIR as COMPILE_CACHE_DIR
 
@@ -434,6 +434,57 @@ def test_the_startup_probe_outlasts_the_slowest_first_compile_measured(tmp_path:
     budget = startup["periodSeconds"] * startup["failureThreshold"]
     assert budget >= 2 * SLOWEST_FIRST_START_SECONDS
     assert agent["resources"]["requests"]["cpu"] == f"{STARTUP_CPU_MILLICORES}m"
+
+
+# ---------------------------------------------------------------------------------------
+# deploy/cleanup: the way back to kube-proxy (docs/migration.md)
+
+CLEANUP = DEPLOY / "cleanup"
+
+
+def cleanup_daemonset() -> dict[str, Any]:
+    (daemonset,) = documents(CLEANUP / "daemonset.yaml")
+    return daemonset
+
+
+def test_the_cleanup_manifest_parses_and_is_its_own_kustomization():
+    for path in sorted(CLEANUP.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            for doc in documents(path):
+                assert round_trip(doc) == doc, path
+    (kustomization,) = documents(CLEANUP / "kustomization.yaml")
+    assert kustomization["resources"] == ["daemonset.yaml"]
+    # Not applied with the agent: deploy/'s kustomization lists only its own files.
+    (agent,) = documents(DEPLOY / "kustomization.yaml")
+    assert not any("cleanup" in resource for resource in agent["resources"])
+    built = kustomize_build(CLEANUP)
+    if built is not None:
+        assert [doc["kind"] for doc in built] == ["DaemonSet"]
+
+
+def test_the_cleanup_daemonset_runs_cleanup_on_the_agents_pins_and_lock(tmp_path: Path):
+    """Its init container is a valid `cleanup` command whose pin directory and lock
+    are the agent's (the same host paths mounted at the same places), on the labelled
+    nodes only, in the host's network namespace, with the agent's image and rights."""
+    daemonset = cleanup_daemonset()
+    pod = daemonset["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    args = build_parser().parse_args(init["args"])
+    assert args.command == "cleanup" and not args.force and not args.kube_proxy
+    settings = settings_from(args, CLEANUP_SETTINGS, environ={})
+    agent = effective_settings(tmp_path)
+    assert (settings.bpffs, settings.lock_dir) == (agent.bpffs, agent.lock_dir)
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+    mounted = {host_paths[m["name"]]: m["mountPath"] for m in init["volumeMounts"]}
+    assert mounted == {path: path for path in
+                       ("/sys/fs/bpf", "/run/kube-bpf-proxy", "/run/xtables.lock")}  # fmt: skip
+    assert Path(settings.bpffs).is_relative_to("/sys/fs/bpf")
+    assert Path(settings.lock_dir).is_relative_to("/run/kube-bpf-proxy")
+    assert pod["hostNetwork"] is True and pod["tolerations"] == [{"operator": "Exists"}]
+    assert pod["nodeSelector"] == {"kube-bpf-proxy.io/cleanup": "true"}
+    agent_container = container(deploy_objects()["DaemonSet"])
+    assert init["image"] == agent_container["image"]
+    assert init["securityContext"] == agent_container["securityContext"]
 
 
 # ---------------------------------------------------------------------------------------

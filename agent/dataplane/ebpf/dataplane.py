@@ -31,6 +31,7 @@ from .attach import Attacher, detach_xdp
 from .cgroup import detach_socket_hooks, netns_cookie
 from .conntrack import Timeouts, adopt_earlier_conntrack
 from .external import DEFAULT_SNAT_PORTS
+from .handoff import Handoff, describe, kernel_nat_flows, release_netfilter
 from .keeper import CHECK_PERIOD, REPAIRS, Keeper
 from .kernel import LoadError, load_programs
 from .maps import MapSizes
@@ -124,6 +125,9 @@ class EbpfDataplane:
         if stale:
             log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
         self.conntrack.start()
+        # Flows netfilter translated (kube-proxy's) are left to it: handoff.py.
+        self.handoff = Handoff(self.programs.map("kbp_ct"))
+        self._handed_off = False
         # Applies and the keeper's repairs take turns: both attach and detach programs.
         self._lock = threading.RLock()
         self.keeper = Keeper(self.programs, self.links, self._lock, check_period)
@@ -137,7 +141,16 @@ class EbpfDataplane:
         with self._lock:
             if full and self.links.pod_netns is not None:
                 self.links.pod_netns.retry()  # pods whose namespaces were not found
+            if not self._handed_off:
+                self.maps.set_handoff(True)  # before any frontend is written
             writes, backends_removed = self.maps.apply(state, full)
+            if not self._handed_off:
+                self._hand_off(state)
+            elif full and self.handoff.seeded:
+                gone = self.handoff.reconcile()
+                if gone:
+                    log.info("ebpf: %d flow(s) left to netfilter ended (%d still open)",
+                             gone, len(self.handoff.seeded))  # fmt: skip
             if backends_removed:
                 self.links.release_udp_sockets(self.maps.live_backends)
             if self.links.take_over():  # else an earlier program may write reply entries
@@ -148,6 +161,19 @@ class EbpfDataplane:
             if full and self.keeper.period > 0:  # every resync checks the rest is there
                 self.keeper.check()
             return writes
+
+    def _hand_off(self, state: NodeState) -> None:
+        """After the first apply: seed the flows netfilter translated, then clear
+        kbp_config.handoff (handoff.py)."""
+        flows = kernel_nat_flows()
+        seeded = self.handoff.seed(state, flows)
+        self.handoff.hold()
+        self.maps.set_handoff(False)
+        self._handed_off = True
+        if seeded:
+            log.info("ebpf: %d open flow(s) that netfilter translated (kube-proxy's rules) "
+                     "are left to it until they end", seeded)  # fmt: skip
+            log.debug("ebpf: left to netfilter: %s", describe(flows))
 
     def cleanup(self) -> None:
         """Detach every kbp_ filter and XDP program from every interface and remove the
@@ -219,6 +245,9 @@ def cleanup(pin_dir: Path, attacher: TcAttacher | None = None) -> tuple[list[str
             attacher.close()
     # Links first: unpinning alone leaves a link attached while anyone holds its fd.
     detach_socket_hooks(pin_dir)
+    for table in release_netfilter():  # kube-proxy's rules, back, hold conntrack again
+        log.info("ebpf: deleted nftables table %s (held conntrack for flows left to "
+                 "netfilter)", table)  # fmt: skip
     return interfaces, remove_pins(pin_dir)
 
 

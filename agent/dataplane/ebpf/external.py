@@ -167,12 +167,14 @@ def config_value(
     snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
     socket_lb: str = "all",
     ct_lifetimes: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0),
+    handoff: bool = False,
 ) -> bytes:
     """struct kbp_config: the first (primary) node address of each family is the SNAT
     source; the first cluster CIDR of each family tells pods of the cluster apart;
     `socket_lb` (--socket-lb) says whose sockets the socket hooks translate.
     `ct_lifetimes`: seconds per conntrack state (conntrack.Timeouts.lifetimes(); 0: the
-    datapath never judges that state expired)."""
+    datapath never judges that state expired). `handoff`: a takeover from netfilter is
+    under way (handoff.py)."""
     addresses = list(node_addresses)
     cidrs = list(cluster_cidrs)
     v4 = _first_of_family(addresses, v6=False)
@@ -188,6 +190,7 @@ def config_value(
         pod4_len,
         pod6_len,
         SOCKET_LB_BITS[socket_lb],
+        int(handoff),
         pod4,
         pod6,
         *ct_lifetimes,

@@ -23,7 +23,7 @@ from ...metrics import Metrics
 from ...model.nodestate import NodeState
 from ..base import DataplaneError
 from . import codec, external, service_metrics
-from .abi import DROP_REASONS, const, versioned
+from .abi import DROP_REASONS, const, layout, packer, versioned
 from .conntrack import Collector, Timeouts
 from .ctgate import ReplyGate
 from .external import SourceRange
@@ -31,6 +31,10 @@ from .kernel import LoadedPrograms
 from .libbpf import Map
 from .maps import CapacityError, KernelContent, MapSizes, Writes
 from .plan import plan_change
+
+# kbp_config.handoff's offset, and the struct's size (set_handoff).
+_HANDOFF = next(offset for name, offset, _ in layout("kbp_config") if name == "handoff")
+_CONFIG_SIZE = packer("kbp_config").size
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +95,7 @@ class MapWriter:
         self.gate = ReplyGate(programs.map("kbp_ct_gate"))
         self.gate.reset()
         self._config = programs.map("kbp_config").lookup(bytes(4))  # an earlier agent's
+        self.handoff = False  # kbp_config.handoff, see set_handoff
         # The revision an earlier agent's last complete apply left in the maps (None: none,
         # or that apply was cut short): reported as held until this agent applies.
         self.meta_revision = codec.meta_revision(programs.map("kbp_meta").lookup(bytes(4)))
@@ -325,7 +330,8 @@ class MapWriter:
         if len(ranges) > size:
             raise CapacityError("src_ranges", len(ranges), size)
         node, ct = state.node, self.conntrack.timeouts.lifetimes()
-        config = external.config_value(node.addresses, node.cluster_cidrs, *self._settings, ct)
+        config = external.config_value(node.addresses, node.cluster_cidrs, *self._settings, ct,
+                                       handoff=self.handoff)  # fmt: skip
         if config != self._config:
             w.config.append((bytes(4), config))
             self._config = config
@@ -337,6 +343,19 @@ class MapWriter:
         w.ranges_to_add.extend((r.key(), r.value()) for r in added)
         w.ranges_to_delete.extend(r.key() for r in gone)
         self._ranges = set(ranges)
+
+    def set_handoff(self, on: bool) -> None:
+        """Set or clear kbp_config.handoff now (and in every kbp_config written later):
+        while set, a lost TCP segment is left to netfilter (handoff.py)."""
+        self.handoff = on
+        table = self.programs.map("kbp_config")
+        current = bytearray(table.lookup(bytes(4)) or bytes(_CONFIG_SIZE))
+        current[_HANDOFF] = int(on)
+        table.update(bytes(4), bytes(current))
+        if self._config is not None:
+            config = bytearray(self._config)
+            config[_HANDOFF] = int(on)
+            self._config = bytes(config)
 
     def _forget_external(self) -> None:
         """After a failed write: read kbp_src_ranges back; write kbp_config and look the
