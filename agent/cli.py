@@ -147,11 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(explain_parser, EXPLAIN_SETTINGS)
     cleanup_parser = commands.add_parser(
         "cleanup",
-        help="remove what either dataplane installed: tc filters and pins, iptables chains",
+        help="remove what any dataplane installed: tc filters and pins, nftables tables, "
+        "iptables chains",
         description="Detach kube-bpf-proxy's tc programs from every interface of this network "
         "namespace (clsact qdiscs too when nothing else uses them), remove its pins under "
-        "--bpffs, and remove its iptables/ip6tables jump rules and KBP- chains. Both are "
-        "attempted even when one fails (exit status 1 then). Established connections through "
+        "--bpffs, delete its nftables tables (ip and ip6 kube-bpf-proxy), and remove its "
+        "iptables/ip6tables jump rules and KBP- chains. Each is attempted even when another "
+        "fails (exit status 1 then). Established connections through "
         "Services lose their translation. Refused (exit status 1, nothing removed) while an "
         "agent runs on --bpffs, unless --force; otherwise it holds the node's lock while it "
         "removes, so an agent that starts meanwhile waits.",
@@ -297,7 +299,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def _cleanup(settings: Settings, verbose: bool) -> bool:
-    """Both dataplanes' parts, each even when the other's failed; True when both did."""
+    """Every dataplane's parts, each even when another's failed; True when all did."""
     ok = True
     try:
         from .dataplane.ebpf.dataplane import cleanup as cleanup_ebpf
@@ -312,6 +314,15 @@ def _cleanup(settings: Settings, verbose: bool) -> bool:
         if verbose:
             print(*(f"  interface {name}" for name in interfaces), sep="\n")
             print(*(f"  pin {pin}" for pin in pins), sep="\n")
+    from .dataplane.nftables.dataplane import cleanup as cleanup_nftables
+
+    try:
+        tables = cleanup_nftables()
+    except Exception as err:
+        print(f"kube-bpf-proxy cleanup: nftables: {err}", file=sys.stderr)
+        ok = False
+    else:
+        print(f"nftables: removed {', '.join(tables) if tables else 'nothing'}")
     # Both iptables backends: an agent may have written to either (--iptables-backend).
     from .dataplane.iptables.dataplane import cleanup as cleanup_iptables
     from .dataplane.iptables.dataplane import installed_backends
