@@ -10,7 +10,7 @@ or deleted), their affinity sets, and the hairpin set's elements of endpoints th
 went (kube-proxy's nftables mode does the same). Nothing of it grows with the number of
 Services that did not change.
 
-Every transaction ends with the family's marker (the `state` chain's comments): the
+Every transaction ends with the family's marker (the `state` set's comments): the
 revision written and a digest of everything in the table. A restarted agent reports the
 marker's revision as held until it applies, and its first apply writes nothing when the
 state it would write has the digest the kernel's marker names. A periodic full sync
@@ -112,33 +112,35 @@ def kernel_marker(
 ) -> tuple[str, str, int] | None:
     """(revision, digest, written at in Unix ns) of the marker in a family's table; None
     when there is no table or no marker."""
-    found = _list(netns, run, "chain", NFT_FAMILY[family], TABLE, STATE)
+    found = _list(netns, run, "set", NFT_FAMILY[family], TABLE, STATE)
     if found is None:
         return None
-    comments = [o["rule"].get("comment", "") for o in found if "rule" in o]
+    comments: dict[str, str] = {}
+    for item in found:
+        for element in item.get("set", {}).get("elem", []):
+            inner = element.get("elem", {}) if isinstance(element, dict) else {}
+            if isinstance(inner.get("val"), str):
+                comments[inner["val"]] = inner.get("comment", "")
     return parse_marker(comments)
 
 
-def our_tables(netns: str | None = None, run: Runner = run_command) -> list[str]:
-    """Our tables in the namespace ("ip kube-bpf-proxy", ...)."""
-    proc = run(netns, [NFT, "list", "tables"], None)
-    if proc.returncode != 0:
-        raise DataplaneError("nft", f"nft list tables: {(proc.stderr or proc.stdout).strip()}")
-    tables = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("table ")]
-    return [" ".join(t) for t in tables if len(t) == 2 and t[1] == TABLE]
-
-
 def cleanup(netns: str | None = None, run: Runner = run_command) -> list[str]:
-    """Delete our tables in this namespace (one transaction); return which went. Safe
-    when nothing is installed or nft is absent (nothing of ours can be there then)."""
+    """Delete our tables in this namespace; return which went. Safe when nothing is
+    installed or nft is absent (nothing of ours can be there then). Each table is deleted
+    by name: `nft list tables` reads every rule of every table first (seconds at 10k
+    Services), a delete of a table that is not there only fails."""
     if shutil.which(NFT) is None:
         return []
-    tables = our_tables(netns, run)
-    if tables:
-        proc = run(netns, [NFT, "-f", "-"], "".join(f"delete table {t}\n" for t in tables))
-        if proc.returncode != 0:
-            raise DataplaneError("nft", f"nft delete table: {(proc.stderr or proc.stdout).strip()}")
-    return [f"table {t}" for t in tables]
+    removed = []
+    for family in FAMILIES:
+        table = f"{NFT_FAMILY[family]} {TABLE}"
+        proc = run(netns, [NFT, "delete", "table", *table.split()], None)
+        if proc.returncode == 0:
+            removed.append(f"table {table}")
+        elif "No such file or directory" not in (proc.stderr or proc.stdout):
+            raise DataplaneError("nft", f"nft delete table {table}: "
+                                 f"{(proc.stderr or proc.stdout).strip()}")  # fmt: skip
+    return removed
 
 
 @dataclass

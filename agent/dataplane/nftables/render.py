@@ -30,9 +30,11 @@ Structure of one family's table:
                                  untranslated: `goto reject-chain` when the Service has no
                                  endpoints at all, `drop` when policy leaves none for this
                                  packet or the source range refuses the client
-    state                        never jumped to: two rules whose comments name the NodeState
+    state (set)                  never matched: two elements whose comments name the NodeState
                                  revision and a digest of everything written with it, rewritten
-                                 in every transaction (a restarted agent knows what it holds)
+                                 in every transaction (a restarted agent knows what it holds;
+                                 nft lists one set without reading the rest of the table, as
+                                 it does not for a chain or a table)
 
 Unlike the iptables rendering there are no per-endpoint chains (hairpin is one set
 lookup in postrouting) and no anonymous sets (the kernel names each one by scanning
@@ -43,7 +45,6 @@ stable across restarts and unique per table; each carries the readable name as c
 
 from __future__ import annotations
 
-import base64
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -97,8 +98,7 @@ def interface_patterns(globs: Iterable[str]) -> tuple[str, ...]:
 
 
 def _hash(identity: str) -> str:
-    digest = hashlib.sha256(identity.encode()).digest()
-    return base64.b32encode(digest)[:16].decode().lower()
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def service_port_name(entry: ServiceEntry) -> str:
@@ -148,8 +148,8 @@ def entry_nft(entry: ServiceEntry, options: RenderOptions) -> EntryNft:
     ip = "ip" if family == IPV4 else "ip6"
     name = service_port_name(entry)
     proto = entry.protocol.lower()
-    svc, svl = service_chain("svc", entry), service_chain("svl", entry)
-    ext, fw = service_chain("ext", entry), service_chain("fw", entry)
+    h = _hash(_identity(entry))
+    svc, svl, ext, fw = f"svc-{h}", f"svl-{h}", f"ext-{h}", f"fw-{h}"
     cluster = entry.cluster_backends or ()
     local = entry.local_backends or ()
     dispatch: list[tuple[str, str]] = []
@@ -286,7 +286,7 @@ def base_commands(options: RenderOptions) -> list[str]:
         f"add map {t} {SERVICE_IPS} {{ type {key} : verdict ; }}",
         f"add map {t} {FILTER_IPS} {{ type {key} : verdict ; }}",
         f"add set {t} {HAIRPIN} {{ type {addr} . {addr} ; }}",
-        f"add chain {t} {STATE}",
+        f"add set {t} {STATE} {{ type ifname ; }}",
         f"add chain {t} {MARK_MASQ}",
         f"add rule {t} {MARK_MASQ} meta mark set meta mark | {MASQ_MARK}",
         f"add chain {t} {MASQ_NON_POD}",
@@ -344,24 +344,29 @@ def rules_digest(options: RenderOptions, entry_digests: Iterable[bytes]) -> str:
     return h.hexdigest()[:32]
 
 
+MARKER_ELEMENTS = ("revision", "rules")  # the state set's elements, in this order
+
+
 def marker_commands(family: str, revision: str, digest: str, written_ns: int) -> list[str]:
-    """The state chain's two rules (nft comments hold at most 128 bytes: one says the
+    """The state set's two elements (nft comments hold at most 128 bytes: one says the
     revision, the other the digest and when)."""
     t = f"{NFT_FAMILY[family]} {TABLE}"
+    first = _quote(f"{MARKER_PREFIX} {revision}")
+    second = _quote(f"{DIGEST_PREFIX} {digest} at {written_ns}")
     return [
-        f"flush chain {t} {STATE}",
-        f"add rule {t} {STATE} return comment {_quote(f'{MARKER_PREFIX} {revision}')}",
-        f"add rule {t} {STATE} return comment "
-        f"{_quote(f'{DIGEST_PREFIX} {digest} at {written_ns}')}",
+        f"flush set {t} {STATE}",
+        f'add element {t} {STATE} {{ "{MARKER_ELEMENTS[0]}" comment {first}, '
+        f'"{MARKER_ELEMENTS[1]}" comment {second} }}',
     ]
 
 
-def parse_marker(comments: Sequence[str]) -> tuple[str, str, int] | None:
-    """(revision, rules digest, written at in Unix ns) from the state chain's comments;
-    None when they are not a marker."""
-    if len(comments) != 2:
+def parse_marker(comments: dict[str, str]) -> tuple[str, str, int] | None:
+    """(revision, rules digest, written at in Unix ns) from the state set's elements'
+    comments (element → comment); None when they are not a marker."""
+    if set(comments) != set(MARKER_ELEMENTS):
         return None
-    first, second = comments[0].split(), comments[1].split()
+    first = comments[MARKER_ELEMENTS[0]].split()
+    second = comments[MARKER_ELEMENTS[1]].split()
     if len(first) != 3 or " ".join(first[:2]) != MARKER_PREFIX:
         return None
     if len(second) != 4 or second[0] != DIGEST_PREFIX or second[2] != "at":
