@@ -77,7 +77,8 @@ LAB_SETTINGS = ["manifests", "dataplane"]
 EXPLAIN_SETTINGS = ["manifests", *NODE_SETTINGS, "metrics_bind_address", "bpffs",
                     "inspect_output", "log_level"]  # fmt: skip
 CLEANUP_SETTINGS = ["bpffs", "lock_dir", "log_level"]
-INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp", "tc")
+INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp", "tc",
+                 "nftables")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_parser = commands.add_parser(
         "inspect",
         help="show the eBPF dataplane's maps: frontends, backends, conntrack, affinity, "
-        "counters, xdp, tc (the tc programs: tcx links and clsact filters)",
+        "counters, xdp, tc (the tc programs: tcx links and clsact filters); or nftables: "
+        "the nftables dataplane's frontends and marker",
         description="Decode the pinned maps under --bpffs into tables (or JSON): what the "
         "kernel holds right now, whether or not an agent is running.",
     )
@@ -225,6 +227,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     settings = settings_from(args, INSPECT_SETTINGS)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    if args.view == "nftables":
+        return _inspect_nftables(settings.inspect_output)
     from .dataplane.ebpf import inspect  # cffi and libbpf only: no compiler needed
     from .dataplane.ebpf.conntrack import Timeouts
 
@@ -241,6 +245,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
     else:
         sys.stdout.write(inspect.render_table(args.view, rows))
+    return 0
+
+
+def _inspect_nftables(output: str) -> int:
+    from .dataplane.base import DataplaneError
+    from .dataplane.nftables import inspect as nft_inspect
+
+    try:
+        rows = nft_inspect.tables()
+    except (DataplaneError, OSError) as err:
+        print(f"kube-bpf-proxy inspect: nftables: {err}", file=sys.stderr)
+        return 1
+    if output == "json":
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+    else:
+        sys.stdout.write(nft_inspect.render_table(rows))
     return 0
 
 

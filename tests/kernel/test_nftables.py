@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -352,3 +354,26 @@ def test_a_streamed_transaction_that_fails_changes_nothing(
     monkeypatch.undo()
     dataplane.apply(changed)
     assert table_content(nft_ns) != before
+
+
+def test_inspect_shows_the_frontends_and_the_revision(nft_ns: str) -> None:
+    def empty_with_nodeport(obj: Obj) -> None:
+        obj["spec"]["type"] = "NodePort"
+        obj["spec"]["ports"][0]["nodePort"] = 30002
+
+    state = compiled(*service(1, ["10.244.2.1"]), *service(2, [], mutate=empty_with_nodeport))
+    NftablesDataplane(POD_INTERFACES, netns=nft_ns).apply(state)
+    argv = ["nsenter", f"--net=/run/netns/{nft_ns}", "--", sys.executable, "-m", "agent",
+            "inspect", "nftables", "-o", "json"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False,
+                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {(r["family"], r["frontend"]): r for r in json.loads(done.stdout)}
+    assert set(rows) == {("IPv4", "10.96.1.1:80/TCP"), ("IPv4", "10.96.1.2:80/TCP"),
+                         ("IPv4", "192.0.2.10:30002/TCP")}, rows  # fmt: skip
+    assert rows[("IPv4", "10.96.1.1:80/TCP")]["translate"].startswith("goto svc-")
+    assert rows[("IPv4", "10.96.1.1:80/TCP")]["untranslated"] == ""
+    for frontend in ("10.96.1.2:80/TCP", "192.0.2.10:30002/TCP"):  # no endpoints: rejected
+        assert rows[("IPv4", frontend)]["translate"] == ""
+        assert rows[("IPv4", frontend)]["untranslated"] == "goto reject-chain"
+    assert {r["revision"] for r in rows.values()} == {state.revision}
