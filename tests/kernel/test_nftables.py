@@ -330,32 +330,6 @@ def test_cleanup_removes_our_tables_and_leaves_others(nft_ns: str) -> None:
     assert cleanup(nft_ns) == []  # nothing left: nothing to do
 
 
-def test_a_streamed_transaction_that_fails_changes_nothing(
-    nft_ns: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The default runner streams a rewrite into nft while it is rendered: a command the
-    kernel refuses near the end (here in place of the marker) still leaves the table as it
-    was, and the apply raises naming nft's complaint."""
-    from agent.dataplane.nftables import dataplane as module
-
-    state = compiled(*service(1, ["10.244.2.1"]))
-    dataplane = NftablesDataplane(POD_INTERFACES, netns=nft_ns)
-    dataplane.apply(state)
-    before = table_content(nft_ns)
-    changed = compiled(*service(1, ["10.244.2.1", "10.244.2.2"]), *service(2, ["10.244.2.3"]))
-    monkeypatch.setattr(module, "marker_commands",
-                        lambda *args: ["add rule ip nonexistent-table x accept"])  # fmt: skip
-    dataplane._needs_full = True  # a rewrite: streamed
-    with pytest.raises(DataplaneError) as raised:
-        dataplane.apply(changed)
-    assert "No such file or directory" in str(raised.value), raised.value
-    assert "nonexistent-table" in str(raised.value)
-    assert table_content(nft_ns) == before
-    monkeypatch.undo()
-    dataplane.apply(changed)
-    assert table_content(nft_ns) != before
-
-
 def test_inspect_shows_the_frontends_and_the_revision(nft_ns: str) -> None:
     def empty_with_nodeport(obj: Obj) -> None:
         obj["spec"]["type"] = "NodePort"

@@ -19,22 +19,19 @@ state it would write has the digest the kernel's marker names. A periodic full s
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import shutil
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import IO
 
 from ...config import DEFAULT_POD_INTERFACES
 from ...model.ip import ip_family
 from ...model.nodestate import NodeState, ServiceEntry
 from ..base import DataplaneError, QuietDataplane
-from ..iptables.backend import COMMAND_TIMEOUT, command, run_command
+from ..iptables.backend import run_command
 from .render import (
     FAMILIES,
     FILTER_IPS,
@@ -262,7 +259,7 @@ class NftablesDataplane(QuietDataplane):
             log.warning("nftables: a table of ours was changed or removed; rewriting all")
             rewrite = True
         changed = None if rewrite else self._changed_keys(state)
-        pieces: list[Iterable[str]] = []
+        commands: list[str] = []
         new_held: dict[str, _Held] = {}
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
         stamp = time.time_ns()
@@ -271,70 +268,34 @@ class NftablesDataplane(QuietDataplane):
             held = self._held.get(family)
             if rewrite or held is None or held.options != options:
                 fresh = (rendered or {}).get(family)
-                if fresh is not None and fresh.options == options:
-                    marker = marker_commands(family, state.revision, fresh.digest, stamp)
-                    pieces.append(full_table(options, fresh.made.values(), marker))
-                    new_held[family] = fresh
-                else:  # rendered while nft parses what came before
-                    pieces.append(self._lazy_full(options, by_family[family], state.revision,
-                                                  stamp, new_held))  # fmt: skip
+                if fresh is None or fresh.options != options:
+                    fresh = self._render_family(options, by_family[family])
+                marker = marker_commands(family, state.revision, fresh.digest, stamp)
+                commands += full_table(options, fresh.made.values(), marker)
+                new_held[family] = fresh
                 if held is not None:
-                    entries = {e.sort_key: e for e in by_family[family]}
-                    removed_udp += self._udp_changes(held, entries, None)
+                    removed_udp += self._udp_changes(held, fresh.entries, None)
                 continue
             family_commands, updated = self._partial(held, by_family[family], changed,
                                                      removed_udp)  # fmt: skip
             if family_commands:
                 family_commands += marker_commands(family, state.revision, updated.digest, stamp)
-                pieces.append(family_commands)
+                commands += family_commands
             new_held[family] = updated
-        commands: list[str] = []  # every line sent, for error messages
-        if pieces:
-            lines = itertools.chain.from_iterable(pieces)
-            try:
-                if self._run is run_command:
-                    proc = _stream(self.netns, lines, commands)
-                else:
-                    commands = list(lines)
-                    proc = self._run(self.netns, [NFT, "-f", "-"], "\n".join(commands) + "\n")
-            except (OSError, subprocess.SubprocessError) as err:
-                self._needs_full = True
-                raise DataplaneError("nft", f"nft -f: {err}") from err
-            if proc.returncode != 0:
-                self._needs_full = True
-                raise DataplaneError("nft", _nft_error(proc, commands))
         writes = sum(
             1 for c in commands if not c.startswith(("flush ", "add table", "delete table"))
         )
+        if commands:
+            proc = self._run(self.netns, [NFT, "-f", "-"], "\n".join(commands) + "\n")
+            if proc.returncode != 0:
+                self._needs_full = True
+                raise DataplaneError("nft", _nft_error(proc, commands))
         self._held = new_held
         self._needs_full = False
         self._revision, self._services = state.revision, state.services
         self.last_writes = writes
         self._clear_udp_conntrack(removed_udp)
         return writes
-
-    @staticmethod
-    def _lazy_full(
-        options: RenderOptions,
-        entries: list[ServiceEntry],
-        revision: str,
-        stamp: int,
-        out: dict[str, _Held],
-    ) -> Iterator[str]:
-        """A family's whole table, each entry rendered as nft takes the lines before it;
-        what it holds goes into out[family] at the end (with the marker)."""
-        by_key = {e.sort_key: e for e in entries}
-        made: dict[tuple[str, ...], EntryNft] = {}
-
-        def rendered() -> Iterator[EntryNft]:
-            for key, entry in by_key.items():
-                made[key] = entry_nft(entry, options)
-                yield made[key]
-
-        yield from full_table(options, rendered())
-        held = _held_from(options, by_key, made)
-        out[options.family] = held
-        yield from marker_commands(options.family, revision, held.digest, stamp)
 
     def _tables_changed(self) -> bool:
         """Does a family's marker differ from what this agent wrote last (the table gone,
@@ -502,51 +463,6 @@ class NftablesDataplane(QuietDataplane):
                                            "--orig-dst", frontend.ip, "--orig-port-dst",
                                            str(frontend.port), "--reply-src", ip,
                                            "--reply-port-src", str(port)], None)  # fmt: skip
-
-
-STREAM_CHUNK = 4000  # lines per write to nft's stdin
-
-
-def _stream(
-    netns: str | None, lines: Iterable[str], sent: list[str]
-) -> subprocess.CompletedProcess[str]:
-    """`nft -f -` fed as `lines` come (nft parses while the rest is rendered); every line
-    is kept in `sent`. Its output is read by threads, so a full pipe never blocks it."""
-    argv = command(netns, [NFT, "-f", "-"])
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    output: dict[str, str] = {}
-
-    def read(name: str, stream: IO[str]) -> None:
-        output[name] = stream.read()
-
-    readers = [threading.Thread(target=read, args=(n, s), daemon=True)
-               for n, s in (("out", proc.stdout), ("err", proc.stderr))]  # fmt: skip
-    for reader in readers:
-        reader.start()
-    assert proc.stdin is not None
-    try:
-        chunk: list[str] = []
-        for line in lines:
-            chunk.append(line)
-            if len(chunk) == STREAM_CHUNK:
-                proc.stdin.write("\n".join(chunk) + "\n")
-                sent += chunk
-                chunk = []
-        proc.stdin.write("\n".join(chunk) + "\n")
-        sent += chunk
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass  # nft stopped reading: its exit status and message say why
-    except BaseException:
-        proc.kill()
-        raise
-    finally:
-        returncode = proc.wait(timeout=COMMAND_TIMEOUT)
-        for reader in readers:
-            reader.join()
-    return subprocess.CompletedProcess(argv, returncode, output.get("out", ""),
-                                       output.get("err", ""))  # fmt: skip
 
 
 def _nft_error(proc: subprocess.CompletedProcess[str], commands: Sequence[str]) -> str:

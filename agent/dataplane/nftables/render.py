@@ -46,7 +46,7 @@ stable across restarts and unique per table; each carries the readable name as c
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ...model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, ServiceEntry
@@ -410,36 +410,33 @@ def hairpin_element(ip: str) -> str:
 
 def full_table(
     options: RenderOptions, entries: Iterable[EntryNft], marker: Sequence[str] = ()
-) -> Iterator[str]:
+) -> list[str]:
     """The commands that replace a family's table by one holding `entries` (in document
-    order: the first entry claiming a frontend wins, as the first iptables rule would).
-    A generator: each entry's chains come as it is taken from `entries` (which may render
-    them lazily, while nft already parses), the map elements at the end."""
+    order: the first entry claiming a frontend wins, as the first iptables rule would)."""
     fam = NFT_FAMILY[options.family]
     family = options.family
-    yield from (f"add table {fam} {TABLE}", f"delete table {fam} {TABLE}",
-                f"add table {fam} {TABLE}")  # fmt: skip
-    yield from base_commands(options)
+    out = [f"add table {fam} {TABLE}", f"delete table {fam} {TABLE}", f"add table {fam} {TABLE}"]
+    out += base_commands(options)
     dispatch: dict[str, str] = {}
     filtering: dict[str, str] = {}
     hairpin: set[str] = set()
+    chains: list[str] = []
     for made in entries:
         for name, timeout in made.sets.items():
-            yield set_command(family, name, timeout)
+            out.append(set_command(family, name, timeout))
         for name, (comment, rules) in made.chains.items():
-            yield from chain_commands(family, name, comment, rules, new=True)
+            chains += chain_commands(family, name, comment, rules, new=True)
         for key, verdict in made.dispatch:
             dispatch.setdefault(key, verdict)
         for key, verdict in made.filter:
             filtering.setdefault(key, verdict)
         hairpin.update(made.endpoints)
-    yield from element_commands("add", family, SERVICE_IPS,
-                                [f"{k} : {v}" for k, v in dispatch.items()])  # fmt: skip
-    yield from element_commands("add", family, FILTER_IPS,
-                                [f"{k} : {v}" for k, v in filtering.items()])  # fmt: skip
-    yield from element_commands("add", family, HAIRPIN,
-                                [hairpin_element(i) for i in sorted(hairpin)])  # fmt: skip
-    yield from marker
+    out += chains
+    out += element_commands("add", family, SERVICE_IPS, [f"{k} : {v}" for k, v in dispatch.items()])
+    out += element_commands("add", family, FILTER_IPS, [f"{k} : {v}" for k, v in filtering.items()])
+    out += element_commands("add", family, HAIRPIN, [hairpin_element(i) for i in sorted(hairpin)])
+    out += marker
+    return out
 
 
 def render(entries: Iterable[ServiceEntry], options: RenderOptions) -> str:
