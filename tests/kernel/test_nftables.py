@@ -351,3 +351,28 @@ def test_inspect_shows_the_frontends_and_the_revision(nft_ns: str) -> None:
         assert rows[("IPv4", frontend)]["translate"] == ""
         assert rows[("IPv4", frontend)]["untranslated"] == "goto reject-chain"
     assert {r["revision"] for r in rows.values()} == {state.revision}
+
+
+def test_long_names_fit_nfts_comments(nft_ns: str) -> None:
+    """A namespace and a name of 63 characters each, and a port name of 15: the chains'
+    comments (nft keeps 127 bytes) are cut, the transaction goes through."""
+    namespace, name = "n" * 63, "s" * 63
+
+    def long_names(obj: Obj) -> None:
+        obj["metadata"]["namespace"] = namespace
+        obj["metadata"]["name"] = name
+        obj["spec"]["ports"][0]["name"] = "p" * 15
+
+    objects = service(1, ["10.244.2.1"], mutate=long_names)
+    objects[1]["metadata"].update(namespace=namespace)
+    objects[1]["metadata"]["labels"]["kubernetes.io/service-name"] = name
+    objects[1]["ports"][0]["name"] = "p" * 15
+    state = compiled(*objects)
+    assert [e.name for e in state.services] == [name]
+    NftablesDataplane(POD_INTERFACES, netns=nft_ns).apply(state)
+    listed = run_command(nft_ns, ["nft", "list", "table", "ip", TABLE], None).stdout
+    comments = [line.strip() for line in listed.splitlines() if line.strip().startswith("comment")]
+    assert comments, listed  # (nft -j leaves chain comments out)
+    assert all(len(c.encode()) <= len('comment ""') + 127 for c in comments), comments
+    assert any(c.startswith(f'comment "{namespace}/s') and c.endswith('..."')
+               for c in comments), comments  # fmt: skip

@@ -138,8 +138,20 @@ class EntryNft:
     digest: bytes = b""
 
 
+COMMENT_MAX = 127  # bytes nft keeps of a comment (NFTNL_UDATA_COMMENT_MAXLEN, 128 with NUL)
+
+
 def _quote(text: str) -> str:
     return '"' + text.replace('"', "'") + '"'
+
+
+def _comment(text: str) -> str:
+    """A comment nft accepts: quoted, at most COMMENT_MAX bytes (a Service's namespace and
+    name may each be 63 characters: the end of the text goes)."""
+    data = text.replace('"', "'").encode()
+    if len(data) > COMMENT_MAX:
+        data = data[: COMMENT_MAX - 3].decode(errors="ignore").encode() + b"..."
+    return '"' + data.decode() + '"'
 
 
 def entry_nft(entry: ServiceEntry, options: RenderOptions) -> EntryNft:
@@ -351,8 +363,8 @@ def marker_commands(family: str, revision: str, digest: str, written_ns: int) ->
     """The state set's two elements (nft comments hold at most 128 bytes: one says the
     revision, the other the digest and when)."""
     t = f"{NFT_FAMILY[family]} {TABLE}"
-    first = _quote(f"{MARKER_PREFIX} {revision}")
-    second = _quote(f"{DIGEST_PREFIX} {digest} at {written_ns}")
+    first = _comment(f"{MARKER_PREFIX} {revision}")
+    second = _comment(f"{DIGEST_PREFIX} {digest} at {written_ns}")
     return [
         f"flush set {t} {STATE}",
         f'add element {t} {STATE} {{ "{MARKER_ELEMENTS[0]}" comment {first}, '
@@ -381,7 +393,7 @@ def chain_commands(
 ) -> list[str]:
     """A chain's commands: created (`new`) or flushed, then its rules."""
     t = f"{NFT_FAMILY[family]} {TABLE}"
-    head = (f"add chain {t} {name} {{ comment {_quote(comment)} ; }}" if new
+    head = (f"add chain {t} {name} {{ comment {_comment(comment)} ; }}" if new
             else f"flush chain {t} {name}")  # fmt: skip
     return [head, *(f"add rule {t} {name} {rule}" for rule in rules)]
 
