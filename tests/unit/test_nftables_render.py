@@ -290,3 +290,46 @@ def test_a_failed_transaction_raises_and_the_next_apply_rewrites_all() -> None:
     [written] = nft.take()
     assert "delete table ip kube-bpf-proxy" in written
     assert dataplane.held_revision == changed.revision
+
+
+NO_NF_TABLES = "Error: Could not process rule: Operation not supported"
+
+
+@pytest.mark.parametrize(
+    ("answers", "expected"),
+    [
+        ({"ip": (0, ""), "ip6": (0, "")}, ["table ip kube-bpf-proxy", "table ip6 kube-bpf-proxy"]),
+        ({"ip": (1, "Error: No such file or directory"), "ip6": (0, "")},
+         ["table ip6 kube-bpf-proxy"]),
+        ({"ip": (1, NO_NF_TABLES), "ip6": (1, NO_NF_TABLES)}, []),
+    ],
+    ids=["both there", "one there", "no nf_tables in the kernel"],
+)  # fmt: skip
+def test_cleanup_deletes_each_table_by_name(
+    monkeypatch: pytest.MonkeyPatch, answers: dict, expected: list[str]
+) -> None:
+    from agent.dataplane.nftables import dataplane as module
+
+    monkeypatch.setattr(module.shutil, "which", lambda name: f"/usr/sbin/{name}")
+    calls: list[list[str]] = []
+
+    def run(netns, argv, stdin=None):  # type: ignore[no-untyped-def]
+        calls.append(list(argv))
+        code, err = answers[argv[3]]
+        return subprocess.CompletedProcess(list(argv), code, "", err)
+
+    assert module.cleanup(None, run) == expected
+    assert calls == [["nft", "delete", "table", "ip", "kube-bpf-proxy"],
+                     ["nft", "delete", "table", "ip6", "kube-bpf-proxy"]]  # fmt: skip
+
+
+def test_cleanup_names_any_other_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.dataplane.nftables import dataplane as module
+
+    monkeypatch.setattr(module.shutil, "which", lambda name: f"/usr/sbin/{name}")
+
+    def run(netns, argv, stdin=None):  # type: ignore[no-untyped-def]
+        return subprocess.CompletedProcess(list(argv), 1, "", "Error: Operation not permitted")
+
+    with pytest.raises(DataplaneError, match="ip kube-bpf-proxy: Error: Operation not permitted"):
+        module.cleanup(None, run)
