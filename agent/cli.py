@@ -84,7 +84,8 @@ EXPLAIN_SETTINGS = ["manifests", *NODE_SETTINGS, "metrics_bind_address", "bpffs"
                     "inspect_output", "log_level", "config"]  # fmt: skip
 CLEANUP_SETTINGS = ["bpffs", "lock_dir", "log_level", "config"]
 FOLLOW_SETTINGS = ["metrics_bind_address", "state_socket", "log_level", "config"]
-INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp", "tc")
+INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "xdp", "tc",
+                 "nftables")  # fmt: skip
 
 
 # kube-proxy's flags whose meaning differs from every flag here: each is answered with
@@ -92,10 +93,11 @@ INSPECT_VIEWS = ("frontends", "backends", "conntrack", "affinity", "counters", "
 # agent/config.py). docs/kube-proxy.md has the whole table.
 _NO_EQUIVALENT = "no equivalent here (docs/kube-proxy.md lists what it did)"
 KUBE_PROXY_FLAGS = {
-    "--proxy-mode": "there are no proxy modes: --dataplane auto|ebpf|iptables|none picks what "
-    "programs the node (auto: eBPF, else iptables)",
-    "--cleanup": "use `kube-bpf-proxy cleanup` (removes what this agent installed; kube-proxy's "
-    "own rules: `kube-proxy --cleanup` before switching)",
+    "--proxy-mode": "there are no proxy modes: --dataplane auto|ebpf|nftables|iptables|none "
+    "picks what programs the node (auto: eBPF, else nftables, else iptables)",
+    "--cleanup": "use `kube-bpf-proxy cleanup` (removes what this agent installed); "
+    "kube-proxy's own rules: `kube-bpf-proxy cleanup --kube-proxy`, or run "
+    "--remove-kube-proxy-rules (docs/migration.md)",
     "--master": "set the API server's address with KUBERNETES_SERVICE_HOST and "
     "KUBERNETES_SERVICE_PORT, or a --kubeconfig whose server is it",
     "--bind-address": "use --node-ip IP (kube-proxy's --bind-address only overrides the node's "
@@ -204,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_parser = commands.add_parser(
         "inspect",
         help="show the eBPF dataplane's maps: frontends, backends, conntrack, affinity, "
-        "counters, xdp, tc (the tc programs: tcx links and clsact filters)",
+        "counters, xdp, tc (the tc programs: tcx links and clsact filters); or nftables: "
+        "the nftables dataplane's frontends and marker",
         description="Decode the pinned maps under --bpffs into tables (or JSON): what the "
         "kernel holds right now, whether or not an agent is running.",
     )
@@ -244,11 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(explain_parser, EXPLAIN_SETTINGS)
     cleanup_parser = commands.add_parser(
         "cleanup",
-        help="remove what either dataplane installed: tc filters and pins, iptables chains",
+        help="remove what any dataplane installed: tc filters and pins, nftables tables, "
+        "iptables chains",
         description="Detach kube-bpf-proxy's tc programs from every interface of this network "
         "namespace (clsact qdiscs too when nothing else uses them), remove its pins under "
-        "--bpffs, and remove its iptables/ip6tables jump rules and KBP- chains. Both are "
-        "attempted even when one fails (exit status 1 then). Established connections through "
+        "--bpffs, delete its nftables tables (ip and ip6 kube-bpf-proxy), and remove its "
+        "iptables/ip6tables jump rules and KBP- chains. Each is attempted even when another "
+        "fails (exit status 1 then). Established connections through "
         "Services lose their translation. Refused (exit status 1, nothing removed) while an "
         "agent runs on --bpffs, unless --force; otherwise it holds the node's lock while it "
         "removes, so an agent that starts meanwhile waits.",
@@ -365,6 +370,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     settings = settings_from(args, INSPECT_SETTINGS)
     logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s %(message)s")
+    if args.view == "nftables":
+        return _inspect_nftables(settings.inspect_output)
     from .dataplane.ebpf import inspect  # cffi and libbpf only: no compiler needed
     from .dataplane.ebpf.conntrack import Timeouts
 
@@ -381,6 +388,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
     else:
         sys.stdout.write(inspect.render_table(args.view, rows))
+    return 0
+
+
+def _inspect_nftables(output: str) -> int:
+    from .dataplane.base import DataplaneError
+    from .dataplane.nftables import inspect as nft_inspect
+
+    try:
+        rows = nft_inspect.tables()
+    except (DataplaneError, OSError) as err:
+        print(f"kube-bpf-proxy inspect: nftables: {err}", file=sys.stderr)
+        return 1
+    if output == "json":
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+    else:
+        sys.stdout.write(nft_inspect.render_table(rows))
     return 0
 
 
@@ -442,7 +465,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def _cleanup(settings: Settings, verbose: bool) -> bool:
-    """Both dataplanes' parts, each even when the other's failed; True when both did."""
+    """Every dataplane's parts, each even when another's failed; True when all did."""
     ok = True
     try:
         from .dataplane.ebpf.dataplane import cleanup as cleanup_ebpf
@@ -457,6 +480,15 @@ def _cleanup(settings: Settings, verbose: bool) -> bool:
         if verbose:
             print(*(f"  interface {name}" for name in interfaces), sep="\n")
             print(*(f"  pin {pin}" for pin in pins), sep="\n")
+    from .dataplane.nftables.dataplane import cleanup as cleanup_nftables
+
+    try:
+        tables = cleanup_nftables()
+    except Exception as err:
+        print(f"kube-bpf-proxy cleanup: nftables: {err}", file=sys.stderr)
+        ok = False
+    else:
+        print(f"nftables: removed {', '.join(tables) if tables else 'nothing'}")
     # Both iptables backends: an agent may have written to either (--iptables-backend).
     from .dataplane.iptables.dataplane import cleanup as cleanup_iptables
     from .dataplane.iptables.dataplane import installed_backends

@@ -160,9 +160,10 @@ class Settings:
         "else ~/.kube/config",
         "FILE", lambda path: _nonempty(path))
     dataplane: str = _setting("auto", "--dataplane",
-        "what programs the NodeState: auto picks the best available and says why; "
-        "none compiles and serves it without programming anything (a dry run)",
-        choices=("auto", "ebpf", "iptables", "none"))
+        "what programs the NodeState: auto picks the best available (eBPF, else nftables "
+        "where the kernel has nf_tables, else iptables) and says why; none compiles and "
+        "serves it without programming anything (a dry run)",
+        choices=("auto", "ebpf", "nftables", "iptables", "none"))
     iptables_backend: str = _setting("auto", "--iptables-backend",
         "which iptables the iptables dataplane writes to: auto uses the backend that "
         "already holds the node's rules (kubelet's, the CNI's), nft when neither does",

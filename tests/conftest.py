@@ -95,6 +95,14 @@ def require_iptables(netns: str) -> None:
         skip_or_fail(f"iptables unavailable: {reason}")
 
 
+def require_nftables(netns: str) -> None:
+    """Skip (or fail) the test when nftables does not work in the namespace."""
+    from agent.dataplane.nftables.dataplane import unavailable_reason
+
+    if (reason := unavailable_reason(netns)) is not None:
+        skip_or_fail(f"nftables unavailable: {reason}")
+
+
 def _run(*argv: str) -> str | None:
     """Run a command; None on success, else a one-line description of the failure."""
     try:

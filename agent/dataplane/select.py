@@ -1,7 +1,10 @@
-"""`--dataplane auto|ebpf|iptables|none`: probe the kernel, build the dataplane, say why it
-was chosen, and remove what the other kernel dataplane left on this node once the chosen
-one has programmed its first state (until then the other one keeps serving: a restart
-that switches dataplanes while the API server is unreachable must not blank the node)."""
+"""`--dataplane auto|ebpf|nftables|iptables|none`: probe the kernel, build the dataplane,
+say why it was chosen, and remove what the other kernel dataplanes left on this node once
+the chosen one has programmed its first state (until then the others keep serving: a
+restart that switches dataplanes while the API server is unreachable must not blank the
+node). `auto`: eBPF when every probe passes, else nftables where the kernel has nf_tables
+(its transactions do not grow with the number of Services; iptables-nft's restore does),
+else iptables."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ class Selection:
 
     dataplane: Dataplane
     reason: str
-    other: str | None = None  # "ebpf" | "iptables": whose leftovers take_over removes
+    other: str | None = None  # "ebpf and nftables", ...: whose leftovers take_over removes
     _remove: Callable[[], list[str]] | None = None
 
     def take_over(self) -> None:
@@ -99,47 +102,100 @@ def build_iptables(settings: Settings) -> Dataplane:
         raise DataplaneError("start", str(err)) from err
 
 
-def select_dataplane(settings: Settings) -> Selection:
-    """The dataplane and the reason. `auto`: eBPF when every probe passes, else iptables,
-    the reason naming the probe that failed and why. Raises DataplaneStartError when an
-    explicitly requested dataplane cannot start here, or with `auto` when neither can."""
-    requested = settings.dataplane
+def nftables_module() -> ModuleType:
+    """agent.dataplane.nftables.dataplane, imported only when nftables is considered."""
+    from .nftables import dataplane
 
-    def without_ebpf() -> list[str]:
-        return remove_ebpf_leftovers(settings)
+    return dataplane
+
+
+def build_nftables(settings: Settings) -> Dataplane:
+    """The nftables dataplane in this network namespace; DataplaneError saying why not."""
+    try:
+        module = nftables_module()
+    except ImportError as err:
+        raise DataplaneError("import", f"cannot import the nftables dataplane: {err}") from err
+    reason = module.unavailable_reason()
+    if reason is not None:
+        raise DataplaneError("unavailable", reason)
+    try:
+        return module.NftablesDataplane(settings.pod_interfaces)
+    except (OSError, DataplaneError) as err:
+        raise DataplaneError("start", str(err)) from err
+
+
+KERNEL_DATAPLANES = ("ebpf", "nftables", "iptables")
+
+
+def _others(settings: Settings, chosen: str) -> tuple[str, Callable[[], list[str]]]:
+    """Whose leftovers the `chosen` dataplane removes, and how."""
+    removers: dict[str, Callable[[], list[str]]] = {
+        "ebpf": lambda: remove_ebpf_leftovers(settings),
+        "nftables": remove_nftables_leftovers,
+        "iptables": remove_iptables_leftovers,
+    }
+    others = [name for name in KERNEL_DATAPLANES if name != chosen]
+
+    def remove() -> list[str]:
+        removed: list[str] = []
+        for name in others:  # each even when another failed
+            try:
+                removed += removers[name]()
+            except Exception as err:
+                log.warning("could not remove what the %s dataplane left behind: %s", name, err)
+        return removed
+
+    return " and ".join(others), remove
+
+
+def select_dataplane(settings: Settings) -> Selection:
+    """The dataplane and the reason. `auto`: eBPF when every probe passes, else nftables
+    where it works, else iptables, the reason naming what failed and why. Raises
+    DataplaneStartError when an explicitly requested dataplane cannot start here, or with
+    `auto` when none can."""
+    requested = settings.dataplane
 
     if requested == "none":
         return Selection(NoneDataplane(), "requested")
-    if requested == "iptables":
+    if requested in ("iptables", "nftables"):
+        build = build_iptables if requested == "iptables" else build_nftables
         try:
-            dataplane = build_iptables(settings)
+            dataplane = build(settings)
         except DataplaneError as err:
-            raise DataplaneStartError(f"--dataplane iptables: {err}") from err
-        return Selection(dataplane, "requested", "ebpf", without_ebpf)
+            raise DataplaneStartError(f"--dataplane {requested}: {err}") from err
+        return Selection(dataplane, "requested", *_others(settings, requested))
 
     ebpf, results = probe.probe_ebpf(lambda: build_ebpf(settings), Path(settings.bpffs))
     if ebpf is not None:
         reason = "requested" if requested == "ebpf" else EBPF_PROBES_PASSED
-        return Selection(ebpf, reason, "iptables", remove_iptables_leftovers)
+        return Selection(ebpf, reason, *_others(settings, "ebpf"))
     failure = results[-1]
     if requested == "ebpf":
         raise DataplaneStartError(f"--dataplane ebpf: {failure.name}: {failure.detail}")
 
     ebpf_reason = f"eBPF unavailable: {failure}"
-    try:
-        dataplane = build_iptables(settings)
-    except DataplaneError as err:
-        # Running as a dry run would program nothing while looking healthy and ready:
-        # refuse to start, so the node's state shows it (use --dataplane none on purpose).
-        raise DataplaneStartError(
-            f"--dataplane auto: neither dataplane can run here: {ebpf_reason}; "
-            f"iptables unavailable: {err}"
-        ) from err
     # The log line says the whole reason (the selection's reason, a label, is bounded): a
     # pin of someone else's is named with its path there.
-    log.warning("--dataplane auto: eBPF unavailable: %s: %s; falling back to iptables",
-                failure.name, " ".join(failure.detail.split()) or failure.failure)  # fmt: skip
-    return Selection(dataplane, ebpf_reason, "ebpf", without_ebpf)
+    detail = " ".join(failure.detail.split()) or failure.failure
+    try:
+        dataplane = build_nftables(settings)
+    except DataplaneError as nft_err:
+        try:
+            dataplane = build_iptables(settings)
+        except DataplaneError as err:
+            # Running as a dry run would program nothing while looking healthy and ready:
+            # refuse to start, so the node's state shows it (use --dataplane none on purpose).
+            raise DataplaneStartError(
+                f"--dataplane auto: no dataplane can run here: {ebpf_reason}; "
+                f"nftables unavailable: {nft_err}; iptables unavailable: {err}"
+            ) from err
+        log.warning("--dataplane auto: eBPF unavailable: %s: %s; nftables unavailable: %s; "
+                    "falling back to iptables", failure.name, detail, nft_err)  # fmt: skip
+        return Selection(dataplane, f"{ebpf_reason}; nftables unavailable: {nft_err}",
+                         *_others(settings, "iptables"))  # fmt: skip
+    log.warning("--dataplane auto: eBPF unavailable: %s: %s; falling back to nftables",
+                failure.name, detail)  # fmt: skip
+    return Selection(dataplane, ebpf_reason, *_others(settings, "nftables"))
 
 
 # Switching dataplanes leaves nothing of the other behind (as kube-proxy removes other
@@ -155,6 +211,11 @@ def remove_ebpf_leftovers(settings: Settings) -> list[str]:
 
     interfaces, pins = cleanup(Path(settings.bpffs))
     return [*(f"tc filters on {name}" for name in interfaces), *(f"pin {pin}" for pin in pins)]
+
+
+def remove_nftables_leftovers() -> list[str]:
+    """Our nftables tables in this namespace; nothing when nft is absent."""
+    return list(nftables_module().cleanup())
 
 
 def remove_iptables_leftovers() -> list[str]:

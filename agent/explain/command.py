@@ -152,6 +152,10 @@ def kernel_reader(pin_dir: Path) -> KernelReader:
                 from .ebpf import explain_ebpf
 
                 return explain_ebpf(pin_dir, state, query.source, query.target, query.sport, ex)
+            if chosen == "nftables":
+                from .nftables import explain_nftables
+
+                return explain_nftables(state, query.source, query.target, query.sport, ex)
             if chosen == "iptables":
                 from .iptables import explain_iptables
 
@@ -159,7 +163,7 @@ def kernel_reader(pin_dir: Path) -> KernelReader:
         except (OSError, ValueError, RuntimeError, DataplaneError) as err:
             return {"dataplane": chosen, "summary": f"could not be read: {err}"}, None, []
         reason = "the agent programs nothing (--dataplane none)" if chosen == "none" else \
-            f"neither eBPF pins under {pin_dir} nor iptables chains of ours found"  # fmt: skip
+            f"no eBPF pins under {pin_dir}, nor a table or chains of ours found"  # fmt: skip
         return {"dataplane": chosen or "none", "summary": reason}, None, []
 
     return read
@@ -170,6 +174,10 @@ def _installed(pin_dir: Path) -> str | None:
 
     if (pin_dir / versioned("kbp_services")).exists():
         return "ebpf"
+    from ..dataplane.nftables.dataplane import kernel_marker
+
+    if any(kernel_marker(family) is not None for family in ("IPv4", "IPv6")):
+        return "nftables"
     from ..dataplane.iptables.backend import backend_holding_ours
 
     return "iptables" if backend_holding_ours() is not None else None

@@ -82,8 +82,9 @@ EXTERNAL_IPV4_CIDR = "203.0.113.0/24"  # VIPs and ExternalIPs: routed into the s
 LB_VIP = "203.0.113.9"
 EXTERNAL_IP = "203.0.113.7"
 CLUSTER_CIDRS = ("10.244.0.0/16", "fd00:244::/32")  # --cluster-cidr of both agents
-DATAPLANES = ("iptables", "ebpf", "ebpf-noxdp")
+DATAPLANES = ("iptables", "nftables", "ebpf", "ebpf-noxdp")
 MAGLEV_TABLE_SIZE = 251
+NETFILTER = ("iptables", "nftables")  # the dataplanes that program netfilter
 XDP_MODES = {"ebpf": "native", "ebpf-noxdp": "false"}  # --xdp of each eBPF dataplane
 # The program on the bridge ends of the nodes' eth0s (ExtLab._attach_xdp_pass). Not kbp_:
 # nothing of the agent's own may match it.
@@ -300,7 +301,7 @@ class ExtLab(Built):
         self.dataplane = dataplane
         for node in self.nodes.values():
             argv = run_argv(
-                manifests, node.name, "iptables" if dataplane == "iptables" else "ebpf",
+                manifests, node.name, dataplane if dataplane in NETFILTER else "ebpf",
                 "--cluster-cidr", ",".join(CLUSTER_CIDRS),
                 # A Maglev Service's table is this many slots per backend set: small, to
                 # fit --map-size-slots, and still prime and far above the backend count.

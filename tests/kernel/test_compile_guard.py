@@ -1,7 +1,7 @@
 """A datapath that LLVM refuses with a fatal error (a program over the BPF stack's 512
 bytes ends the compiling process: exit 1, no traceback) must not take the agent down:
 the trial compile in a child process (agent/dataplane/ebpf/kernel.py) turns it into a
-bcc-compile probe failure, so `--dataplane auto` falls back to iptables and serves, and
+bcc-compile probe failure, so `--dataplane auto` falls back (to nftables here) and serves, and
 `--dataplane ebpf` exits with one line naming the compile failure.
 
 The broken datapath is a copy of bpf/ with one more program whose stack is 640 bytes,
@@ -58,7 +58,7 @@ def lo_up(ns: str) -> None:
     assert done.returncode == 0
 
 
-def test_auto_falls_back_to_iptables_naming_the_compile_failure_and_serves(
+def test_auto_falls_back_to_nftables_naming_the_compile_failure_and_serves(
     netns: Callable[[], str], bpf_pin_dir: Path, broken_bpf: Path
 ) -> None:
     ns = netns()
@@ -66,20 +66,20 @@ def test_auto_falls_back_to_iptables_naming_the_compile_failure_and_serves(
     agent = AgentProcess(ns, agent_argv(ROOT / "examples", "auto", bpf_pin_dir, broken_bpf),
                          "auto")  # fmt: skip
     try:
-        line = agent.lines[agent.wait_for_line("falling back to iptables", timeout=READY_TIMEOUT)]
+        line = agent.lines[agent.wait_for_line("falling back to nftables", timeout=READY_TIMEOUT)]
         assert "bcc-compile" in line and CAUSE in line and "kbp_stack_hog" in line, line
-        agent.wait_for_line("dataplane: iptables")
+        agent.wait_for_line("dataplane: nftables")
         deadline = time.monotonic() + READY_TIMEOUT
         while agent.ask("/readyz", "health server")[0] != 200:
             assert agent.proc.poll() is None, agent.log()
             assert time.monotonic() < deadline, f"never ready:\n{agent.log()}"
             time.sleep(0.5)
         status = agent.state()["status"]
-        assert status["dataplane"] == "iptables", status
+        assert status["dataplane"] == "nftables", status
         assert CAUSE in status["dataplaneReason"], status
-        rules = subprocess.run(in_netns(ns, ["iptables-save", "-t", "nat"]), capture_output=True,
-                               text=True, check=True).stdout  # fmt: skip
-        assert "KBP-SERVICES" in rules, rules
+        rules = subprocess.run(in_netns(ns, ["nft", "list", "table", "ip", "kube-bpf-proxy"]),
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert "vmap @service-ips" in rules, rules
         assert "Traceback" not in agent.log(), agent.log()
     finally:
         agent.stop()

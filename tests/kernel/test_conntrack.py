@@ -25,7 +25,16 @@ from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.maps import MapSizes
 from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
 
-from .test_dataplane import BACKENDS, DATAPLANES, Env, backends, lab_env, not_on, service
+from .test_dataplane import (
+    BACKENDS,
+    DATAPLANES,
+    NETFILTER,
+    Env,
+    backends,
+    lab_env,
+    not_on,
+    service,
+)
 
 pytestmark = pytest.mark.kernel
 
@@ -123,7 +132,7 @@ def test_one_client_port_for_two_services_sharing_their_only_backend(env: Env) -
     assert report["pairs"] == 20, report
 
 
-@not_on("iptables", "deletes eBPF conntrack entries by hand (kbp_ct)")
+@not_on(NETFILTER, "deletes eBPF conntrack entries by hand (kbp_ct)")
 def test_a_connection_whose_entries_were_deleted_keeps_its_backend(env: Env) -> None:
     objects, ip4, _ = service(env, "recover", backends(env, *BACKENDS))
     env.program(*objects)
@@ -168,7 +177,7 @@ def test_a_closed_flows_tuple_is_taken_over_not_remapped(env: Env) -> None:
         assert env.dataplane.conntrack.remapped_total() == before  # type: ignore[union-attr]
 
 
-@not_on("iptables", "deletes eBPF conntrack entries by hand (kbp_ct)")
+@not_on(NETFILTER, "deletes eBPF conntrack entries by hand (kbp_ct)")
 @pytest.mark.parametrize("order", ["remapped-first", "remapped-last"])
 def test_a_remapped_connection_whose_entries_were_deleted_keeps_its_port(
     env: Env, order: str
@@ -274,7 +283,7 @@ for line in sys.stdin:
 """
 
 
-@not_on("iptables", "deletes eBPF conntrack entries by hand (kbp_ct)")
+@not_on(NETFILTER, "deletes eBPF conntrack entries by hand (kbp_ct)")
 @pytest.mark.parametrize("remapped", [False, True], ids=["plain", "remapped"])
 def test_a_connection_whose_reply_entry_alone_was_deleted_still_works(
     env: Env, remapped: bool

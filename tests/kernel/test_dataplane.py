@@ -49,7 +49,9 @@ from agent.model.nodestate import NodeState
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
 from .tchooks import our_tc_programs
 
-DATAPLANES = ("ebpf-all", "ebpf-off", "iptables")  # eBPF: --socket-lb all and off
+DATAPLANES = ("ebpf-all", "ebpf-off", "iptables", "nftables")  # eBPF: --socket-lb all and off
+# The dataplanes that program netfilter (not_on marks of eBPF-only scenarios name both).
+NETFILTER = ("iptables", "nftables")
 POD_INTERFACES = ("vethkbp*",)
 PORT = 8080
 BACKENDS = ("be1", "be2", "be3")
@@ -81,6 +83,10 @@ class Env:
             return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns,
                                  cgroup=self.lab.cgroup, socket_lb=self.socket_lb,
                                  tc_attach=self.tc_attach)  # fmt: skip
+        if self.kind == "nftables":
+            from agent.dataplane.nftables.dataplane import NftablesDataplane
+
+            return NftablesDataplane(POD_INTERFACES, netns=self.lab.node_ns)
         from agent.dataplane.iptables.dataplane import IptablesDataplane
 
         return IptablesDataplane(POD_INTERFACES, netns=self.lab.node_ns)
@@ -122,6 +128,10 @@ class Env:
 
                 with TcAttacher(self.lab.node_ns) as attacher:
                     cleanup(self.pin_dir, attacher)
+            elif self.kind == "nftables":
+                from agent.dataplane.nftables.dataplane import cleanup as cleanup_nft
+
+                cleanup_nft(netns=self.lab.node_ns)
             else:
                 from agent.dataplane.iptables.dataplane import cleanup
 
@@ -144,6 +154,9 @@ class Env:
                 hooks = our_tc_programs(self.lab.node_ns, pod.host_ifname)
                 left += [f"{pod.host_ifname} {hook}" for hook in hooks]
             return left
+        if self.kind == "nftables":
+            tables = self.lab.run_in_node("nft", "list", "tables")
+            return [line for line in tables.splitlines() if "kube-bpf-proxy" in line]
         rules = self.lab.run_in_node("iptables-save") + self.lab.run_in_node("ip6tables-save")
         return [line for line in rules.splitlines() if "KBP-" in line]
 
@@ -161,7 +174,12 @@ def lab_env(
     """A lab of the `clients` pods and BACKENDS serving PORT over `protos`, programmed by
     the `param` dataplane (pins in BPFFS/`pins`-N; `cgroup`: the pods' own cgroup for the
     eBPF socket hooks); asserts at the end that the dataplane left nothing behind."""
-    from ..conftest import BPFFS, missing_kernel_prerequisites, require_iptables
+    from ..conftest import (
+        BPFFS,
+        missing_kernel_prerequisites,
+        require_iptables,
+        require_nftables,
+    )
 
     if missing_kernel_prerequisites():
         pytest.skip("kernel prerequisites missing")  # the per-test hook reports why
@@ -173,6 +191,8 @@ def lab_env(
             lab.add_pod(name).serve([PORT], protos)
         if kind == "iptables":
             require_iptables(lab.node_ns)
+        if kind == "nftables":
+            require_nftables(lab.node_ns)
         made = Env(lab, param, BPFFS / f"{pins}-{time.monotonic_ns()}", sizes)
         try:
             made.dataplane = made.start_dataplane()
@@ -189,13 +209,15 @@ def env(request: pytest.FixtureRequest) -> Iterator[Env]:
         yield made
 
 
-def not_on(kind: str, reason: str) -> pytest.MarkDecorator:
-    """This scenario does not apply to the `kind` dataplane: skipped there with `reason`,
-    run on the others (the same module-scoped `env` fixtures, chosen indirectly)."""
-    skip = pytest.mark.skip(reason=f"not on {kind}: {reason}")
+def not_on(kind: str | tuple[str, ...], reason: str) -> pytest.MarkDecorator:
+    """This scenario does not apply to the `kind` dataplane(s): skipped there with
+    `reason`, run on the others (the same module-scoped `env` fixtures, chosen
+    indirectly)."""
+    kinds = (kind,) if isinstance(kind, str) else kind
+    skip = pytest.mark.skip(reason=f"not on {' or '.join(kinds)}: {reason}")
     return pytest.mark.parametrize(
         "env",
-        [pytest.param(k, marks=skip) if k.partition("-")[0] == kind else k for k in DATAPLANES],
+        [pytest.param(k, marks=skip) if k.partition("-")[0] in kinds else k for k in DATAPLANES],
         indirect=True,
     )
 
@@ -442,7 +464,7 @@ print("done", flush=True)
 """
 
 
-@not_on("iptables", "kbp_ct is the eBPF dataplane's conntrack")
+@not_on(NETFILTER, "kbp_ct is the eBPF dataplane's conntrack")
 def test_reconnecting_a_bound_port_whose_tuple_is_taken_holds_one_remapped_port(env: Env) -> None:
     """Each new connection from a port whose translated tuple a held socket takes is a
     remapped flow; the one before it on the same tuple is over, and its remapped port is
@@ -471,7 +493,7 @@ def test_reconnecting_a_bound_port_whose_tuple_is_taken_holds_one_remapped_port(
     assert len(remapped) <= 1, f"{len(remapped)} remapped ports held for one live flow"
 
 
-@not_on("iptables", "kbp_ct_gate is the eBPF dataplane's")
+@not_on(NETFILTER, "kbp_ct_gate is the eBPF dataplane's")
 def test_reply_gate_covers_every_reply_entry_and_forgets_collected_flows(env: Env) -> None:
     """kbp_ct_gate, which lets tc skip the conntrack lookups of flows it never translated:
     the datapath sets a reply entry's slot on both sides (the C and Python hashes agree),
@@ -721,7 +743,7 @@ def _conntrack_entries_of(env: Env, frontend: str) -> int:
     return found
 
 
-@not_on("iptables", "kbp_ct is the eBPF dataplane's conntrack")
+@not_on(NETFILTER, "kbp_ct is the eBPF dataplane's conntrack")
 @pytest.mark.parametrize("protocol", ["tcp", "udp"])
 def test_socket_translated_flows_write_no_conntrack_and_show_the_cluster_ip(
     env: Env, protocol: str
@@ -793,7 +815,7 @@ def test_restarted_dataplane_takes_over_while_a_connection_stays_open(env: Env) 
         stream.close()
 
 
-@not_on("iptables", "kbp_pods is the eBPF dataplane's")
+@not_on(NETFILTER, "kbp_pods is the eBPF dataplane's")
 def test_a_pod_whose_namespace_is_unknown_is_served_by_tc(env: Env) -> None:
     """The hooks translate only sockets of namespaces in kbp_pods; any other pod's
     connection is translated at tc, with the same result for the application."""
@@ -824,7 +846,7 @@ def test_a_pod_whose_namespace_is_unknown_is_served_by_tc(env: Env) -> None:
     assert result.errors == {} and _conntrack_entries_of(env, ip4) == before
 
 
-@not_on("iptables", "--socket-lb is the eBPF dataplane's")
+@not_on(NETFILTER, "--socket-lb is the eBPF dataplane's")
 def test_switching_socket_lb_modes_keeps_established_streams(env: Env) -> None:
     """The agent restarted with the other --socket-lb, then back: a stream begun in each
     mode (one translated at connect(), the other at tc) keeps working throughout."""
@@ -848,7 +870,7 @@ def test_switching_socket_lb_modes_keeps_established_streams(env: Env) -> None:
             stream.close()
 
 
-@not_on("iptables", "--tc-attach is the eBPF dataplane's")
+@not_on(NETFILTER, "--tc-attach is the eBPF dataplane's")
 def test_moving_between_clsact_and_tcx_keeps_established_streams(env: Env) -> None:
     """An agent of the clsact era upgraded in place to one that attaches tcx links, then
     forced back to clsact: the restarted agent takes each pod interface over at its first
@@ -880,7 +902,7 @@ def test_moving_between_clsact_and_tcx_keeps_established_streams(env: Env) -> No
             stream.close()
 
 
-@not_on("iptables", "tcx pins are the eBPF dataplane's")
+@not_on(NETFILTER, "tcx pins are the eBPF dataplane's")
 def test_a_removed_pod_interface_leaves_no_tcx_pin(env: Env) -> None:
     """The watcher attaches a new pod's interface as pinned tcx links; when the interface
     goes, the kernel detaches them and the agent removes their pins."""
@@ -908,7 +930,7 @@ def _within(seconds: float, condition: Callable[[], bool]) -> bool:
     return True
 
 
-@not_on("iptables", "iptables chains have no fixed capacity to refuse a state for")
+@not_on(NETFILTER, "iptables chains have no fixed capacity to refuse a state for")
 def test_state_that_does_not_fit_is_refused_and_the_previous_stays(env: Env) -> None:
     objects, ip4, _ = service(env, "before", backends(env, *BACKENDS))
     env.program(*objects)
@@ -931,7 +953,7 @@ def _ip(ip: str) -> Callable[[dict], None]:
     return mutate
 
 
-@not_on("iptables", "map fill ratios and datapath drop counters are eBPF maps")
+@not_on(NETFILTER, "map fill ratios and datapath drop counters are eBPF maps")
 def test_metrics_show_map_fill_and_datapath_drops(env: Env) -> None:
     from prometheus_client import generate_latest
 

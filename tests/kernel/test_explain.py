@@ -88,6 +88,12 @@ def setup_iptables(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProce
         yield found
 
 
+@pytest.fixture
+def setup_nftables(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path, AgentProcess]]:
+    with agent_lab(tmp_path, "nftables") as found:
+        yield found
+
+
 def explain(lab: Lab, *args: str) -> dict:
     done = cli(lab.node_ns, "explain", *args, "-o", "json")
     assert done.returncode == 0, done.stderr
@@ -197,6 +203,23 @@ def test_iptables_explain_traces_the_live_rules(setup_iptables) -> None:
     assert set(shares) == {f"{lab.pods[n].ipv4}:8080" for n in ("be1", "be2", "be3")}, web
     assert all(abs(p - 1 / 3) < 0.01 for p in shares.values()), shares
     assert "at random per connection" in web["verdict"]
+    for address, outcome in ((EMPTY, "refused"), (AWAY, "dropped")):
+        doc = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                      "--to", f"{address}:80/TCP")  # fmt: skip
+        assert doc["kernel"]["outcome"] == doc["semantics"]["outcome"] == outcome, doc
+        assert doc["disagreements"] == [], doc
+
+
+def test_nftables_explain_follows_the_live_table(setup_nftables) -> None:
+    lab, _, pin_dir, agent = setup_nftables
+    client = lab.pods["client"]
+    web = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                  "--to", f"{WEB}:80/TCP")  # fmt: skip
+    assert web["disagreements"] == [], web
+    assert web["kernel"]["dataplane"] == "nftables" and web["kernel"]["outcome"] == "backends"
+    shares = web["kernel"]["endpoints"]
+    assert set(shares) == {f"{lab.pods[n].ipv4}:8080" for n in ("be1", "be2", "be3")}, web
+    assert "flow hash" in web["kernel"]["lines"][1], web
     for address, outcome in ((EMPTY, "refused"), (AWAY, "dropped")):
         doc = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
                       "--to", f"{address}:80/TCP")  # fmt: skip

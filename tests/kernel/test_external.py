@@ -39,7 +39,15 @@ import pytest
 
 from agent.lab.nodelab import Result
 
-from .extlab import DATAPLANES, EXTERNAL_IFNAME, EXTERNAL_IP, LB_VIP, ExtLab, answers
+from .extlab import (
+    DATAPLANES,
+    EXTERNAL_IFNAME,
+    EXTERNAL_IP,
+    LB_VIP,
+    NETFILTER,
+    ExtLab,
+    answers,
+)
 from .tchooks import our_tc_programs
 
 # Slow (a two-node lab with agents, built per dataplane in the first test of each):
@@ -170,12 +178,13 @@ def ext(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                 lab.cleanup(node)
 
 
-def not_on(dataplane: str, reason: str) -> pytest.MarkDecorator:
-    """This scenario does not apply to `dataplane`: skipped there with `reason`, run on the
-    others (the same module-scoped `ext` labs, chosen indirectly)."""
-    skip = pytest.mark.skip(reason=f"not on {dataplane}: {reason}")
+def not_on(dataplane: str | tuple[str, ...], reason: str) -> pytest.MarkDecorator:
+    """This scenario does not apply to `dataplane`(s): skipped there with `reason`, run on
+    the others (the same module-scoped `ext` labs, chosen indirectly)."""
+    kinds = (dataplane,) if isinstance(dataplane, str) else dataplane
+    skip = pytest.mark.skip(reason=f"not on {' or '.join(kinds)}: {reason}")
     return pytest.mark.parametrize(
-        "ext", [pytest.param(d, marks=skip) if d == dataplane else d for d in DATAPLANES],
+        "ext", [pytest.param(d, marks=skip) if d in kinds else d for d in DATAPLANES],
         indirect=True,
     )  # fmt: skip
 
@@ -199,7 +208,7 @@ def local_backend_sees(ext: ExtLab, client: str) -> str | set[str]:
     MASQUERADE: the outgoing device's primary address, else the first device's that has
     one; a pod veth has no IPv4 address, so in this lab that is 169.254.1.1 on lo (IPv6
     picks node-a's global 2001:db8::10)."""
-    if ext.dataplane != "iptables":
+    if ext.dataplane not in NETFILTER:
         return client
     addresses = ext.nodes["node-a"].addresses()
     assert client not in addresses
@@ -276,7 +285,11 @@ def test_load_balancer_source_ranges_apply_to_the_vip_only(ext: ExtLab) -> None:
 MAGLEV_SOURCE_PORTS = range(40001, 40009)  # eight flows of outside-1, one per port
 
 
-@not_on("iptables", "the iptables dataplane has no Maglev: it picks a backend at random")
+@not_on(
+    NETFILTER,
+    "no Maglev: iptables picks at random, nftables by a flow hash, and both "
+    "masquerade external traffic",
+)
 def test_maglev_picks_the_same_backend_for_a_flow_on_either_node(ext: ExtLab) -> None:
     """An upstream load balancer may send one flow to any node (and to another one after
     a node fails): with Maglev, each node must hash it to the same backend. The same
@@ -352,8 +365,8 @@ def grown(before: dict, after: dict, *verdicts: str) -> int:
 
 def test_xdp_is_attached_as_reported_and_counts_its_verdicts(ext: ExtLab) -> None:
     node = ext.nodes["node-a"]
-    if ext.dataplane == "iptables":
-        # The iptables dataplane attaches nothing to the external interface.
+    if ext.dataplane in NETFILTER:
+        # The netfilter dataplanes attach nothing to the external interface.
         assert xdp_mode(ext, "node-a") is None
         assert our_tc_programs(node.ns, EXTERNAL_IFNAME) == []
         return
@@ -420,6 +433,7 @@ def test_cleanup_leaves_nothing_behind(ext: ExtLab) -> None:
         for save in ("iptables-save", "ip6tables-save"):
             rules = node.run(save)
             assert "KBP-" not in rules, (name, save, rules)
+        assert "kube-bpf-proxy" not in node.run("nft", "list", "tables"), name
         shown = node.run("bpftool", "--json", "cgroup", "show", str(node.cgroup)).strip()
         attached = json.loads(shown or "[]")
         assert attached == [], (name, attached)

@@ -2,7 +2,7 @@
 pins.py): the shapes derived from the map declarations are the shapes bcc creates;
 someone else's map pinned at one of our paths is named in one line and kept, by the
 loader, `cleanup`, `--dataplane ebpf` (which does not start) and `--dataplane auto`
-(which falls back to iptables); and a changed --map-size-* moves the maps' contents into
+(which falls back to nftables); and a changed --map-size-* moves the maps' contents into
 maps of the new size at the next start, with an established connection through tc
 surviving it.
 
@@ -31,7 +31,7 @@ from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.maps import MapSizes
 from agent.lab.nodelab import Lab
 
-from ..conftest import BPFFS, require_iptables
+from ..conftest import BPFFS, require_nftables
 from .agentproc import AgentProcess, run_argv, service_manifest, web_lab
 from .agentproc import cli as agent_cli
 
@@ -136,17 +136,17 @@ def test_dataplane_ebpf_does_not_start_and_names_the_foreign_pin(
     assert_foreign_map_intact(path)
 
 
-def test_dataplane_auto_falls_back_to_iptables_and_leaves_the_foreign_pin(
+def test_dataplane_auto_falls_back_to_nftables_and_leaves_the_foreign_pin(
     lab_setup: tuple[Lab, Path], pin_dir: Path
 ) -> None:
     lab, manifests = lab_setup
-    require_iptables(lab.node_ns)
+    require_nftables(lab.node_ns)
     path = pin_dir / versioned("kbp_ct")
     make_foreign_map(path)
     argv = run_argv(manifests, "node-a", "auto", "--bpffs", str(pin_dir))
     agent = AgentProcess(lab.node_ns, argv, "node-a")
     try:
-        fallback = agent.lines[agent.wait_for_line("falling back to iptables")]
+        fallback = agent.lines[agent.wait_for_line("falling back to nftables")]
         assert f"pins: pin {path} is a hash" in fallback, fallback
         agent.wait_for_line("sync: applied revision")  # then the leftovers of eBPF go
         kept = agent.wait_for_line(f"pin {path} is a hash")  # and this one is said to stay

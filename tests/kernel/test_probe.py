@@ -291,6 +291,13 @@ KBP_CHAINS_ONLY = """\
 -A KBP-SERVICES -j KBP-SVC-TEST
 COMMIT
 """
+# What an nftables agent left, next to another program's table that must stay.
+NFTABLES_LEFTOVERS = """\
+add table ip kube-bpf-proxy
+add chain ip kube-bpf-proxy nat-prerouting { type nat hook prerouting priority dstnat ; }
+add table ip other-program
+add chain ip other-program input { type filter hook input priority filter ; }
+"""
 IP6TABLES_LEFTOVERS = """\
 *nat
 :KBP-SERVICES - [0:0]
@@ -307,6 +314,8 @@ def test_cleanup_removes_what_either_dataplane_installed(
     assert restored.returncode == 0, restored.stderr
     restored = in_netns(node, "ip6tables-restore", "--noflush", stdin=IP6TABLES_LEFTOVERS)
     assert restored.returncode == 0, restored.stderr
+    restored = in_netns(node, "nft", "-f", "-", stdin=NFTABLES_LEFTOVERS)
+    assert restored.returncode == 0, restored.stderr
     # What an eBPF agent leaves: a kbp_ filter on an interface and a kbp_ pin.
     fd = probe.load_trivial_program()
     try:
@@ -322,9 +331,12 @@ def test_cleanup_removes_what_either_dataplane_installed(
         done.stdout
     )
     assert "iptables (nft): removed" in done.stdout
+    assert "nftables: removed table ip kube-bpf-proxy" in done.stdout
     for save in ("iptables-save", "ip6tables-save"):
         rules = in_netns(node, save).stdout
         assert "KBP-" not in rules, f"{save}:\n{rules}"
+    tables = in_netns(node, "nft", "list", "tables").stdout
+    assert "kube-bpf-proxy" not in tables and "table ip other-program" in tables, tables
     others = in_netns(node, "iptables-save", "-t", "nat").stdout
     assert "-A PREROUTING -j OTHER-CHAIN" in others and "OTHER-CHAIN -d 192.0.2.1" in others
     assert "kbp_" not in in_netns(node, "tc", "filter", "show", "dev", "lo", "ingress").stdout

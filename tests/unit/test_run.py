@@ -197,6 +197,7 @@ class FakeKernel:
     bcc_compile: str | None = None  # the eBPF build raises DataplaneError("load", this)
     iptables: str | None = None  # unavailable_reason()
     iptables_importable: bool = True
+    nftables: str | None = None  # the nftables dataplane's unavailable_reason()
     leftovers_fail: bool = False  # removing the other dataplane's leftovers raises
     calls: list[str] = field(default_factory=list)
 
@@ -246,6 +247,21 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
             BackendError=BackendError,
         )
 
+    def nftables_cleanup(netns: str | None = None) -> list[str]:
+        fake.calls.append("remove nftables leftovers")
+        return ["table ip kube-bpf-proxy"]
+
+    def nftables_dataplane(pod_interfaces: list[str]) -> FakeKernelDataplane:
+        fake.calls.append("build nftables")
+        return FakeKernelDataplane("nftables")
+
+    def nftables_module() -> SimpleNamespace:
+        return SimpleNamespace(
+            NftablesDataplane=nftables_dataplane,
+            unavailable_reason=lambda netns=None: fake.nftables,
+            cleanup=nftables_cleanup,
+        )
+
     def remove_ebpf_leftovers(settings: Settings) -> list[str]:
         fake.calls.append(f"remove ebpf leftovers under {settings.bpffs}")
         if fake.leftovers_fail:
@@ -259,6 +275,7 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
                         lambda pin_dir: probe_result(probe.BPFFS, fake.bpffs))  # fmt: skip
     monkeypatch.setattr(select, "build_ebpf", build_ebpf)
     monkeypatch.setattr(select, "iptables_module", iptables_module)
+    monkeypatch.setattr(select, "nftables_module", nftables_module)
     monkeypatch.setattr(select, "remove_ebpf_leftovers", remove_ebpf_leftovers)
     return fake
 
@@ -276,56 +293,73 @@ class SelectionCase:
     calls: list[str]
 
 
+NO_NFT = "nft not found (install the nftables package)"
+WITHOUT_EBPF = [f"remove ebpf leftovers under {PIN_DIR}"]
 SELECTION_CASES = {
-    "auto uses eBPF when every probe passes and removes iptables leftovers": SelectionCase(
-        "auto", {}, "ebpf", "eBPF probes passed",
-        [*EBPF_PROBES, "remove iptables leftovers"],
-    ),
-    "auto falls back to iptables when the bpf syscall is refused, naming the probe": (
+    "auto uses eBPF when every probe passes and removes nftables and iptables leftovers": (
         SelectionCase(
-            "auto", {"bpf_syscall": EPERM}, "iptables", f"eBPF unavailable: bpf-syscall: {EPERM}",
-            ["probe bpf-syscall", "build iptables (nft)", f"remove ebpf leftovers under {PIN_DIR}"],
+            "auto", {}, "ebpf", "eBPF probes passed",
+            [*EBPF_PROBES, "remove nftables leftovers", "remove iptables leftovers"],
         )
     ),
-    "auto falls back to iptables when clsact cannot be created": SelectionCase(
-        "auto", {"clsact": "cannot attach kbp_probe to ingress of interface lo: EOPNOTSUPP"},
-        "iptables",
-        "eBPF unavailable: clsact: cannot attach kbp_probe to ingress of interface lo: EOPNOTSUPP",
-        ["probe bpf-syscall", "probe clsact", "build iptables (nft)",
-         f"remove ebpf leftovers under {PIN_DIR}"],
+    "auto falls back to nftables when the bpf syscall is refused, naming the probe": (
+        SelectionCase(
+            "auto", {"bpf_syscall": EPERM}, "nftables", f"eBPF unavailable: bpf-syscall: {EPERM}",
+            ["probe bpf-syscall", "build nftables", *WITHOUT_EBPF, "remove iptables leftovers"],
+        )
     ),
-    "auto falls back to iptables when no bpffs is there and none can be mounted": (
+    "auto falls back to iptables when neither eBPF nor nftables works, naming both": (
+        SelectionCase(
+            "auto", {"bpf_syscall": EPERM, "nftables": NO_NFT}, "iptables",
+            f"eBPF unavailable: bpf-syscall: {EPERM}; nftables unavailable: {NO_NFT}",
+            ["probe bpf-syscall", "build iptables (nft)", *WITHOUT_EBPF,
+             "remove nftables leftovers"],
+        )
+    ),
+    "auto falls back to nftables when clsact cannot be created": SelectionCase(
+        "auto", {"clsact": "cannot attach kbp_probe to ingress of interface lo: EOPNOTSUPP"},
+        "nftables",
+        "eBPF unavailable: clsact: cannot attach kbp_probe to ingress of interface lo: EOPNOTSUPP",
+        ["probe bpf-syscall", "probe clsact", "build nftables", *WITHOUT_EBPF,
+         "remove iptables leftovers"],
+    ),
+    "auto falls back to nftables when no bpffs is there and none can be mounted": (
         SelectionCase(
             "auto", {"bpffs": "/sys/fs/bpf is not a BPF filesystem (it is sysfs mounted at "
                               "/sys) and mounting one there failed with EPERM"},
-            "iptables", "eBPF unavailable: bpffs: /sys/fs/bpf is not a BPF filesystem (it is "
+            "nftables", "eBPF unavailable: bpffs: /sys/fs/bpf is not a BPF filesystem (it is "
                         "sysfs mounted at /sys) and mounting one there failed with EPERM",
-            ["probe bpf-syscall", "probe clsact", "probe bpffs", "build iptables (nft)",
-             f"remove ebpf leftovers under {PIN_DIR}"],
+            ["probe bpf-syscall", "probe clsact", "probe bpffs", "build nftables",
+             *WITHOUT_EBPF, "remove iptables leftovers"],
         )
     ),
-    "auto falls back to iptables when bcc cannot compile, with the first line of why": (
+    "auto falls back to nftables when bcc cannot compile, with the first line of why": (
         SelectionCase(
             "auto", {"bcc_compile": "compiling tc_from_pod.c: error: no kernel headers\n"
                                     "  #include <linux/bpf.h>\n  ^"},
-            "iptables", "eBPF unavailable: bcc-compile: load: compiling tc_from_pod.c: error: "
+            "nftables", "eBPF unavailable: bcc-compile: load: compiling tc_from_pod.c: error: "
                         "no kernel headers",
-            [*EBPF_PROBES, "build iptables (nft)", f"remove ebpf leftovers under {PIN_DIR}"],
+            [*EBPF_PROBES, "build nftables", *WITHOUT_EBPF, "remove iptables leftovers"],
         )
     ),
     "ebpf when requested and the probes pass": SelectionCase(
-        "ebpf", {}, "ebpf", "requested", [*EBPF_PROBES, "remove iptables leftovers"],
+        "ebpf", {}, "ebpf", "requested",
+        [*EBPF_PROBES, "remove nftables leftovers", "remove iptables leftovers"],
     ),
     "iptables when requested and available, without probing eBPF": SelectionCase(
         "iptables", {}, "iptables", "requested",
-        ["build iptables (nft)", f"remove ebpf leftovers under {PIN_DIR}"],
+        ["build iptables (nft)", *WITHOUT_EBPF, "remove nftables leftovers"],
+    ),
+    "nftables when requested and available, without probing eBPF": SelectionCase(
+        "nftables", {}, "nftables", "requested",
+        ["build nftables", *WITHOUT_EBPF, "remove iptables leftovers"],
     ),
     "none when requested: nothing probed, nothing removed": SelectionCase(
         "none", {"bpf_syscall": EPERM}, "none", "requested", [],
     ),
     "a leftover that cannot be removed does not stop the chosen dataplane": SelectionCase(
         "auto", {"leftovers_fail": True}, "ebpf", "eBPF probes passed",
-        [*EBPF_PROBES, "remove iptables leftovers"],
+        [*EBPF_PROBES, "remove nftables leftovers", "remove iptables leftovers"],
     ),
 }  # fmt: skip
 
@@ -349,11 +383,15 @@ def test_a_fallback_is_a_logged_warning_naming_the_failed_probe(
     kernel.clsact = "cannot add clsact: EPERM"
     with caplog.at_level(logging.WARNING, logger="agent.dataplane.select"):
         select.select_dataplane(Settings(dataplane="auto", bpffs=PIN_DIR))
-    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warning == (
+        kernel.nftables = NO_NFT
+        select.select_dataplane(Settings(dataplane="auto", bpffs=PIN_DIR))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
         "--dataplane auto: eBPF unavailable: clsact: cannot add clsact: EPERM; "
-        "falling back to iptables"
-    )
+        "falling back to nftables",
+        "--dataplane auto: eBPF unavailable: clsact: cannot add clsact: EPERM; "
+        f"nftables unavailable: {NO_NFT}; falling back to iptables",
+    ]
 
 
 START_ERRORS = {
@@ -365,18 +403,23 @@ START_ERRORS = {
         "ebpf", {"bcc_compile": "compiling: error\n  line 2"},
         "--dataplane ebpf: bcc-compile: load: compiling: error\n  line 2", EBPF_PROBES,
     ),
-    "auto, when neither dataplane can run: both reasons, not a dry run that looks ready": (
-        "auto", {"bpf_syscall": EPERM, "iptables": "iptables-restore not found"},
-        f"--dataplane auto: neither dataplane can run here: eBPF unavailable: bpf-syscall: "
-        f"{EPERM}; iptables unavailable: iptables-restore not found",
+    "auto, when no dataplane can run: every reason, not a dry run that looks ready": (
+        "auto", {"bpf_syscall": EPERM, "nftables": NO_NFT,
+                 "iptables": "iptables-restore not found"},
+        f"--dataplane auto: no dataplane can run here: eBPF unavailable: bpf-syscall: "
+        f"{EPERM}; nftables unavailable: {NO_NFT}; iptables unavailable: iptables-restore "
+        "not found",
         ["probe bpf-syscall"],
     ),
     "auto, when the iptables dataplane cannot even be imported": (
-        "auto", {"clsact": "no clsact", "iptables_importable": False},
-        "--dataplane auto: neither dataplane can run here: eBPF unavailable: clsact: no "
-        "clsact; iptables unavailable: cannot import the iptables dataplane: No module named "
-        "'agent.dataplane.iptables'",
+        "auto", {"clsact": "no clsact", "iptables_importable": False, "nftables": NO_NFT},
+        "--dataplane auto: no dataplane can run here: eBPF unavailable: clsact: no "
+        f"clsact; nftables unavailable: {NO_NFT}; iptables unavailable: cannot import the "
+        "iptables dataplane: No module named 'agent.dataplane.iptables'",
         ["probe bpf-syscall", "probe clsact"],
+    ),
+    "nftables requested but unavailable": (
+        "nftables", {"nftables": NO_NFT}, f"--dataplane nftables: {NO_NFT}", [],
     ),
     "iptables requested but unavailable": (
         "iptables", {"iptables": "iptables-restore not found (install the iptables package)"},
@@ -405,7 +448,7 @@ def test_the_agent_publishes_the_reason_in_the_metric_and_state(kernel: FakeKern
     try:
         reason = f"eBPF unavailable: bpf-syscall: {EPERM}"
         assert agent.status.snapshot().to_dict()["dataplaneReason"] == reason
-        labels = {"dataplane": "iptables", "reason": reason}
+        labels = {"dataplane": "nftables", "reason": reason}
         assert agent.metrics.registry.get_sample_value("kbp_dataplane_info", labels) == 1.0
     finally:
         agent.stop()
@@ -443,9 +486,15 @@ def test_an_agent_whose_api_server_does_not_answer_applies_nothing(tmp_path: Pat
 
 @pytest.fixture
 def cleanups(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Both dataplanes' cleanup functions faked; set "ebpf"/"iptables" to an exception to
-    make that part fail."""
-    outcome: dict[str, Any] = {"ebpf": None, "iptables": None, "calls": []}
+    """Every dataplane's cleanup function faked; set "ebpf"/"nftables"/"iptables" to an
+    exception to make that part fail."""
+    outcome: dict[str, Any] = {"ebpf": None, "nftables": None, "iptables": None, "calls": []}
+
+    def nftables_cleanup(netns: str | None = None) -> list[str]:
+        outcome["calls"].append("nftables")
+        if outcome["nftables"] is not None:
+            raise outcome["nftables"]
+        return ["table ip kube-bpf-proxy", "table ip6 kube-bpf-proxy"]
 
     def ebpf_cleanup(pin_dir: Path) -> tuple[list[str], list[str]]:
         outcome["calls"].append(f"ebpf {pin_dir}")
@@ -470,6 +519,8 @@ def cleanups(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setitem(sys.modules, "agent.dataplane.iptables.dataplane",
                         SimpleNamespace(cleanup=iptables_cleanup,
                                         installed_backends=installed_backends))  # fmt: skip
+    monkeypatch.setitem(sys.modules, "agent.dataplane.nftables.dataplane",
+                        SimpleNamespace(cleanup=nftables_cleanup))  # fmt: skip
     return outcome
 
 
@@ -480,6 +531,7 @@ def test_cleanup_removes_what_either_dataplane_installed(
     out = capsys.readouterr().out.splitlines()
     assert out == [  # counts per kind: a node's cleanup removes thousands of chains
         f"ebpf: detached from 1 interface(s); removed 2 pin(s) under {PIN_DIR}",
+        "nftables: removed table ip kube-bpf-proxy, table ip6 kube-bpf-proxy",
         "iptables (nft): removed IPv4 nat: 1 jump rule(s), 1 chain(s)",
         "iptables (legacy): removed nothing",
     ]
@@ -489,6 +541,7 @@ def test_cleanup_removes_what_either_dataplane_installed(
         "  interface vethkbp1",
         "  pin kbp_services_v1",
         "  pin kbp_backends_v1",
+        "nftables: removed table ip kube-bpf-proxy, table ip6 kube-bpf-proxy",
         "iptables (nft): removed IPv4 nat: 1 jump rule(s), 1 chain(s)",
         "  IPv4 nat PREROUTING -j KBP-SERVICES",
         "  IPv4 nat KBP-SERVICES",
@@ -496,22 +549,20 @@ def test_cleanup_removes_what_either_dataplane_installed(
     ]
 
 
-@pytest.mark.parametrize("failing", ["ebpf", "iptables"])
+@pytest.mark.parametrize("failing", ["ebpf", "nftables", "iptables"])
 def test_cleanup_does_the_other_part_when_one_fails_and_exits_1(
     cleanups: dict[str, Any], capsys: pytest.CaptureFixture[str], failing: str
 ) -> None:
     cleanups[failing] = DataplaneError("broken", f"{failing} is broken")
     assert main(["cleanup", "--bpffs", PIN_DIR]) == 1
-    assert cleanups["calls"] == [f"ebpf {PIN_DIR}", "iptables nft", "iptables legacy"]
+    calls = [f"ebpf {PIN_DIR}", "nftables", "iptables nft", "iptables legacy"]
+    assert cleanups["calls"] == calls
     captured = capsys.readouterr()
     part = "iptables (nft)" if failing == "iptables" else failing
     assert captured.err == f"kube-bpf-proxy cleanup: {part}: {failing} is broken\n"
-    # the rest still ran: the other dataplane, and the other iptables backend
-    others = (
-        ["iptables (nft)", "iptables (legacy)"]
-        if failing == "ebpf"
-        else ["ebpf", "iptables (legacy)"]
-    )
+    # the rest still ran: the other dataplanes, and the other iptables backend
+    parts = ["ebpf", "nftables", "iptables (nft)", "iptables (legacy)"]
+    others = [p for p in parts if p != part]
     assert [line.split(":")[0] for line in captured.out.splitlines()] == others
 
 
@@ -537,7 +588,8 @@ def test_cleanup_refuses_while_an_agent_holds_the_node_and_removes_nothing(
                              "or --force)"), line  # fmt: skip
 
         assert main(["cleanup", "--bpffs", PIN_DIR, "--force"]) == 0
-        assert cleanups["calls"] == [f"ebpf {PIN_DIR}", "iptables nft", "iptables legacy"]
+        assert cleanups["calls"] == [f"ebpf {PIN_DIR}", "nftables", "iptables nft",
+                                     "iptables legacy"]  # fmt: skip
         out = capsys.readouterr().out.splitlines()
         assert out[0].startswith("ebpf: detached from 1 interface(s)"), out
         assert out[-1] == (f"--force: removed while the agent (pid {os.getpid()}) still runs "

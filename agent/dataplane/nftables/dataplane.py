@@ -1,0 +1,485 @@
+"""`--dataplane nftables`: the NodeState applied as `nft -f` transactions, one table of ours
+per family (`ip kube-bpf-proxy`, `ip6 kube-bpf-proxy`; see render.py for its structure).
+
+Every apply is one transaction for both families: the kernel switches from the old rules
+to the new ones at once, or refuses all of it. The first apply (and a rewrite after an
+error or a table found changed) replaces each table whole: `delete table` and the new
+content in the same transaction. After that a sync writes only what changed: the map
+elements of the changed entries' frontends, their chains (created, flushed and refilled,
+or deleted), their affinity sets, and the hairpin set's elements of endpoints that came or
+went (kube-proxy's nftables mode does the same). Nothing of it grows with the number of
+Services that did not change.
+
+Every transaction ends with the family's marker (the `state` set's comments): the
+revision written and a digest of everything in the table. A restarted agent reports the
+marker's revision as held until it applies, and its first apply writes nothing when the
+state it would write has the digest the kernel's marker names. A periodic full sync
+(`full`) reads the markers back: a table someone deleted or rewrote is written again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ...config import DEFAULT_POD_INTERFACES
+from ...model.ip import ip_family
+from ...model.nodestate import NodeState, ServiceEntry
+from ..base import DataplaneError, QuietDataplane
+from ..iptables.backend import run_command
+from .render import (
+    FAMILIES,
+    FILTER_IPS,
+    HAIRPIN,
+    IPV6,
+    NFT_FAMILY,
+    SERVICE_IPS,
+    STATE,
+    TABLE,
+    EntryNft,
+    RenderOptions,
+    base_digest,
+    chain_commands,
+    element_commands,
+    entry_nft,
+    full_table,
+    hairpin_element,
+    interface_patterns,
+    marker_commands,
+    parse_marker,
+    set_command,
+)
+
+log = logging.getLogger(__name__)
+
+NFT = "nft"
+Runner = Callable[[str | None, Sequence[str], str | None], subprocess.CompletedProcess[str]]
+
+
+def _digest_value(digest: bytes) -> int:
+    return int.from_bytes(digest, "big")
+
+
+def family_digest(base: bytes, total: int) -> str:
+    """What one family's table holds, as 32 hex digits, from the base chains' digest and
+    the sum (mod 2^256) of its entries' digests: independent of the entries' order, so a
+    partial sync keeps it up to date by adding the new digest and taking off the old."""
+    import hashlib
+
+    h = hashlib.sha256(base)
+    h.update((total % (1 << 256)).to_bytes(32, "big"))
+    return h.hexdigest()[:32]
+
+
+def unavailable_reason(netns: str | None = None, run: Runner = run_command) -> str | None:
+    """Why this dataplane cannot work here (None: it can): no `nft`, or a kernel without
+    nf_tables or its nat support. Checked with `nft -c`, which the kernel validates and
+    then aborts: nothing is created."""
+    if shutil.which(NFT) is None:
+        return "nft not found (install the nftables package)"
+    probe = (f"add table ip {TABLE}-probe\n"
+             f"add chain ip {TABLE}-probe p {{ type nat hook prerouting priority dstnat ; }}\n"
+             f"add rule ip {TABLE}-probe p numgen random mod 2 0 meta l4proto tcp "
+             "dnat to 127.0.0.1:1\n")  # fmt: skip
+    try:
+        proc = run(netns, [NFT, "-c", "-f", "-"], probe)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"nft: {err}"
+    if proc.returncode != 0:
+        message = " ".join((proc.stderr or proc.stdout).split())
+        return f"the kernel refuses an nftables nat table: {message}"
+    return None
+
+
+def _list(netns: str | None, run: Runner, *what: str) -> list[dict] | None:
+    """`nft -j list ...` as its list of objects; None when nft says it does not exist."""
+    proc = run(netns, [NFT, "-j", "list", *what], None)
+    if proc.returncode != 0:
+        return None
+    try:
+        return json.loads(proc.stdout)["nftables"]
+    except (ValueError, KeyError) as err:
+        raise DataplaneError("nft", f"nft -j list {' '.join(what)}: {err}") from err
+
+
+def kernel_marker(
+    family: str, netns: str | None = None, run: Runner = run_command
+) -> tuple[str, str, int] | None:
+    """(revision, digest, written at in Unix ns) of the marker in a family's table; None
+    when there is no table or no marker."""
+    found = _list(netns, run, "set", NFT_FAMILY[family], TABLE, STATE)
+    if found is None:
+        return None
+    comments: dict[str, str] = {}
+    for item in found:
+        for element in item.get("set", {}).get("elem", []):
+            inner = element.get("elem", {}) if isinstance(element, dict) else {}
+            if isinstance(inner.get("val"), str):
+                comments[inner["val"]] = inner.get("comment", "")
+    return parse_marker(comments)
+
+
+def cleanup(netns: str | None = None, run: Runner = run_command) -> list[str]:
+    """Delete our tables in this namespace; return which went. Safe when nothing is
+    installed or nft is absent (nothing of ours can be there then). Each table is deleted
+    by name: `nft list tables` reads every rule of every table first (seconds at 10k
+    Services), a delete of a table that is not there only fails."""
+    if shutil.which(NFT) is None:
+        return []
+    removed = []
+    for family in FAMILIES:
+        table = f"{NFT_FAMILY[family]} {TABLE}"
+        proc = run(netns, [NFT, "delete", "table", *table.split()], None)
+        message = proc.stderr or proc.stdout
+        if proc.returncode == 0:
+            removed.append(f"table {table}")
+        elif "No such file or directory" in message or "not supported" in message:
+            continue  # not there, or a kernel without nf_tables: nothing of ours can be
+        else:
+            raise DataplaneError("nft", f"nft delete table {table}: "
+                                 f"{(proc.stderr or proc.stdout).strip()}")  # fmt: skip
+    return removed
+
+
+@dataclass
+class _Held:
+    """What one family's table holds, as far as this process wrote it."""
+
+    options: RenderOptions
+    entries: dict[tuple[str, ...], ServiceEntry]
+    made: dict[tuple[str, ...], EntryNft]
+    # element key → {entry sort key: verdict}: every entry that claims the frontend; the
+    # first in document order (the least sort key) holds it
+    dispatch: dict[str, dict[tuple[str, ...], str]] = field(default_factory=dict)
+    filter: dict[str, dict[tuple[str, ...], str]] = field(default_factory=dict)
+    hairpin: dict[str, int] = field(default_factory=dict)  # endpoint → entries using it
+    total: int = 0  # sum of the entries' digests
+    digest: str = ""  # the marker's digest of this content
+
+
+def _held_from(options: RenderOptions, entries: dict, made: dict) -> _Held:
+    held = _Held(options, entries, made)
+    for key, m in made.items():
+        _claim(held, key, m, +1)
+    held.digest = family_digest(base_digest(options), held.total)
+    return held
+
+
+def _claim(held: _Held, key: tuple[str, ...], made: EntryNft, sign: int) -> None:
+    """Add (+1) or take off (-1) an entry's claims, hairpin uses and digest."""
+    for claims, elements in ((held.dispatch, made.dispatch), (held.filter, made.filter)):
+        for element, verdict in elements:
+            if sign > 0:
+                claims.setdefault(element, {})[key] = verdict
+            else:
+                owners = claims[element]
+                del owners[key]
+                if not owners:
+                    del claims[element]
+    for ip in made.endpoints:
+        count = held.hairpin.get(ip, 0) + sign
+        if count:
+            held.hairpin[ip] = count
+        else:
+            del held.hairpin[ip]
+    held.total += sign * _digest_value(made.digest)
+
+
+def _winner(owners: dict[tuple[str, ...], str] | None) -> str | None:
+    return None if not owners else owners[min(owners)]
+
+
+class NftablesDataplane(QuietDataplane):
+    name = "nftables"
+
+    def __init__(
+        self,
+        pod_interfaces: Sequence[str] = DEFAULT_POD_INTERFACES,
+        *,
+        netns: str | None = None,
+        run: Runner = run_command,
+    ) -> None:
+        self.netns = netns
+        self._run = run
+        self._patterns = interface_patterns(pod_interfaces)
+        self._held: dict[str, _Held] = {}
+        self._revision: str | None = None
+        self._services: tuple[ServiceEntry, ...] = ()
+        self._needs_full = True
+        self._conntrack = shutil.which("conntrack")
+        self.last_writes = 0  # of the last apply (benchmarks, tests)
+        self._found: dict[str, tuple[str, str, int]] = {}
+        for family in FAMILIES:
+            found = kernel_marker(family, netns, run)
+            if found is not None:
+                self._found[family] = found
+        # Held: the newest marker's revision, but only when both families have one (a
+        # family unchanged by later applies keeps an older marker that still describes it).
+        if len(self._found) == len(FAMILIES):
+            self._revision = max(self._found.values(), key=lambda f: f[2])[0]
+
+    @property
+    def held_revision(self) -> str | None:
+        return self._revision
+
+    def status_details(self) -> dict[str, object]:
+        """/state's status.nftables: the tables the rules are in."""
+        return {"nftables": {"tables": [f"{NFT_FAMILY[f]} {TABLE}" for f in FAMILIES]}}
+
+    def cleanup(self) -> None:
+        cleanup(self.netns, self._run)
+        self._held.clear()
+        self._revision = None
+        self._needs_full = True
+
+    def _options(self, state: NodeState, family: str) -> RenderOptions:
+        cidrs = tuple(c for c in state.node.cluster_cidrs if ip_family(c.split("/")[0]) == family)
+        return RenderOptions(family, cidrs, self._patterns)
+
+    def apply(self, state: NodeState, full: bool = False) -> int:
+        by_family: dict[str, list[ServiceEntry]] = {family: [] for family in FAMILIES}
+        for entry in state.services:
+            by_family[entry.ip_family].append(entry)
+        rendered: dict[str, _Held] | None = None
+        if self._found:
+            found, self._found = self._found, {}  # adopted once, at the first apply
+            rendered = self._render(state, by_family)
+            if all(found.get(f, ("", "", 0))[1] == h.digest for f, h in rendered.items()):
+                self._held = rendered
+                self._needs_full = False
+                self._revision, self._services = state.revision, state.services
+                self.last_writes = 0
+                log.info("nftables: the tables already hold revision %s (written by an earlier "
+                         "agent): nothing to write", state.revision[:19])  # fmt: skip
+                return 0
+        rewrite = self._needs_full
+        if full and not rewrite and self._tables_changed():
+            log.warning("nftables: a table of ours was changed or removed; rewriting all")
+            rewrite = True
+        changed = None if rewrite else self._changed_keys(state)
+        commands: list[str] = []
+        new_held: dict[str, _Held] = {}
+        removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
+        stamp = time.time_ns()
+        for family in FAMILIES:
+            options = self._options(state, family)
+            held = self._held.get(family)
+            if rewrite or held is None or held.options != options:
+                fresh = (rendered or {}).get(family)
+                if fresh is None or fresh.options != options:
+                    fresh = self._render_family(options, by_family[family])
+                marker = marker_commands(family, state.revision, fresh.digest, stamp)
+                commands += full_table(options, fresh.made.values(), marker)
+                new_held[family] = fresh
+                if held is not None:
+                    removed_udp += self._udp_changes(held, fresh.entries, None)
+                continue
+            family_commands, updated = self._partial(held, by_family[family], changed,
+                                                     removed_udp)  # fmt: skip
+            if family_commands:
+                family_commands += marker_commands(family, state.revision, updated.digest, stamp)
+                commands += family_commands
+            new_held[family] = updated
+        writes = sum(
+            1 for c in commands if not c.startswith(("flush ", "add table", "delete table"))
+        )
+        if commands:
+            proc = self._run(self.netns, [NFT, "-f", "-"], "\n".join(commands) + "\n")
+            if proc.returncode != 0:
+                self._needs_full = True
+                raise DataplaneError("nft", _nft_error(proc, commands))
+        self._held = new_held
+        self._needs_full = False
+        self._revision, self._services = state.revision, state.services
+        self.last_writes = writes
+        self._clear_udp_conntrack(removed_udp)
+        return writes
+
+    def _tables_changed(self) -> bool:
+        """Does a family's marker differ from what this agent wrote last (the table gone,
+        or rewritten by another agent)?"""
+        try:
+            return any(
+                (found := kernel_marker(family, self.netns, self._run)) is None
+                or found[1] != held.digest
+                for family, held in self._held.items()
+            )
+        except DataplaneError:
+            return True
+
+    def _changed_keys(self, state: NodeState) -> set[tuple[str, ...]] | None:
+        """The sort keys of the entries `state`'s Changes name, when they start from the
+        state these tables hold; None: compare every entry."""
+        changes = state.changes
+        if changes is None or changes.base != self._revision or not self._held:
+            return None
+        went, came = changes.between(self._services, state.services)
+        return {e.sort_key for e in (*went, *came)}
+
+    def _render(
+        self, state: NodeState, by_family: dict[str, list[ServiceEntry]]
+    ) -> dict[str, _Held]:
+        return {f: self._render_family(self._options(state, f), by_family[f]) for f in FAMILIES}
+
+    @staticmethod
+    def _render_family(options: RenderOptions, entries: list[ServiceEntry]) -> _Held:
+        by_key = {e.sort_key: e for e in entries}
+        made = {key: entry_nft(e, options) for key, e in by_key.items()}
+        return _held_from(options, by_key, made)
+
+    def _partial(
+        self,
+        held: _Held,
+        entries: list[ServiceEntry],
+        changed: set[tuple[str, ...]] | None,
+        removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]],
+    ) -> tuple[list[str], _Held]:
+        """The commands that bring one family's table from `held` to `entries`; `held`
+        is updated in place to what the table holds after them (a failed write makes the
+        next apply rewrite everything, which does not read it)."""
+        family, options = held.options.family, held.options
+        if changed is None:
+            new_entries = {e.sort_key: e for e in entries}
+            keys: Iterable[tuple[str, ...]] = list(dict.fromkeys([*held.entries, *new_entries]))
+        else:
+            new_entries = {e.sort_key: e for e in entries if e.sort_key in changed}
+            keys = sorted(changed)
+        touched: list[tuple[tuple[str, ...], EntryNft | None, EntryNft | None]] = []
+        for key in keys:
+            old_entry, new_entry = held.entries.get(key), new_entries.get(key)
+            if old_entry is new_entry or (
+                old_entry is not None and new_entry is not None
+                and old_entry.digest and old_entry.digest == new_entry.digest
+            ):  # fmt: skip
+                continue
+            if old_entry is not None and old_entry.protocol == "UDP":
+                removed_udp.append((old_entry, new_entry))
+            old = held.made.pop(key, None)
+            held.entries.pop(key, None)
+            new = None
+            if new_entry is not None:
+                new = entry_nft(new_entry, options)
+                held.entries[key], held.made[key] = new_entry, new
+            if old is None or new is None or old.digest != new.digest:
+                touched.append((key, old, new))
+        if not touched:
+            return [], held
+        create_sets: list[str] = []
+        create_chains: list[str] = []
+        rewrite_chains: list[str] = []
+        delete_chains: list[str] = []
+        delete_sets: list[str] = []
+        elements: set[tuple[str, str]] = set()  # (map, element key) whose holder may change
+        for _key, old, new in touched:
+            old_chains = old.chains if old is not None else {}
+            new_chains = new.chains if new is not None else {}
+            old_sets = old.sets if old is not None else {}
+            new_sets = new.sets if new is not None else {}
+            create_sets += [
+                set_command(family, name, timeout)
+                for name, timeout in new_sets.items()
+                if name not in old_sets
+            ]
+            delete_sets += [name for name in old_sets if name not in new_sets]
+            for name, (comment, rules) in new_chains.items():
+                if name not in old_chains:
+                    create_chains += chain_commands(family, name, comment, rules, new=True)
+                elif old_chains[name] != (comment, rules):
+                    rewrite_chains += chain_commands(family, name, comment, rules, new=False)
+            delete_chains += [name for name in old_chains if name not in new_chains]
+            for made in (old, new):
+                if made is not None:
+                    elements.update((SERVICE_IPS, k) for k, _ in made.dispatch)
+                    elements.update((FILTER_IPS, k) for k, _ in made.filter)
+        claims = {SERVICE_IPS: held.dispatch, FILTER_IPS: held.filter}
+        holders_before = {(m, k): _winner(claims[m].get(k)) for m, k in elements}
+        ips = {ip for _, old, new in touched for m in (old, new) if m is not None
+               for ip in m.endpoints}  # fmt: skip
+        present_before = {ip for ip in ips if ip in held.hairpin}
+        for key, old, new in touched:
+            if old is not None:
+                _claim(held, key, old, -1)
+            if new is not None:
+                _claim(held, key, new, +1)
+        held.digest = family_digest(base_digest(options), held.total)
+        delete_elements: dict[str, list[str]] = {SERVICE_IPS: [], FILTER_IPS: []}
+        add_elements: dict[str, list[str]] = {SERVICE_IPS: [], FILTER_IPS: []}
+        for (m, k), was in sorted(holders_before.items()):
+            now = _winner(claims[m].get(k))
+            if now == was:
+                continue
+            if was is not None:
+                delete_elements[m].append(k)
+            if now is not None:
+                add_elements[m].append(f"{k} : {now}")
+        present_after = {ip for ip in ips if ip in held.hairpin}
+        gone_ips, came_ips = present_before - present_after, present_after - present_before
+        delete_elements[HAIRPIN] = [hairpin_element(i) for i in sorted(gone_ips)]
+        add_elements[HAIRPIN] = [hairpin_element(i) for i in sorted(came_ips)]
+        t = f"{NFT_FAMILY[family]} {TABLE}"
+        commands: list[str] = [*create_sets, *create_chains]
+        for m, items in delete_elements.items():
+            commands += element_commands("delete", family, m, items)
+        commands += rewrite_chains
+        for m, items in add_elements.items():
+            commands += element_commands("add", family, m, items)
+        # every chain that goes is emptied before any is deleted: they jump to each other
+        commands += [f"flush chain {t} {name}" for name in delete_chains]
+        commands += [f"delete chain {t} {name}" for name in delete_chains]
+        commands += [f"delete set {t} {name}" for name in delete_sets]
+        return commands, held
+
+    def _udp_changes(
+        self, held: _Held, new_entries: dict, _: object
+    ) -> list[tuple[ServiceEntry, ServiceEntry | None]]:
+        """Every UDP entry held, with its successor: a rewrite may drop any endpoint."""
+        return [(e, new_entries.get(k)) for k, e in held.entries.items() if e.protocol == "UDP"]
+
+    def _clear_udp_conntrack(
+        self, changes: Iterable[tuple[ServiceEntry, ServiceEntry | None]]
+    ) -> None:
+        """UDP has no end: conntrack keeps sending a flow to an endpoint that left until
+        the entry times out. Delete the entries of endpoints that left (as kube-proxy
+        does with conntrack -D)."""
+        for old, new in changes:
+            kept: set[tuple[str, int]] = set()
+            if new is not None:
+                kept = {(b.ip, b.port) for b in (*(new.cluster_backends or ()),
+                                                 *(new.local_backends or ()))}  # fmt: skip
+            left = {(b.ip, b.port) for b in (*(old.cluster_backends or ()),
+                                             *(old.local_backends or ()))} - kept  # fmt: skip
+            if not left:
+                continue
+            if self._conntrack is None:
+                log.warning("conntrack not found: UDP flows to endpoints that left %s/%s keep "
+                            "going there until they time out", old.namespace, old.name)  # fmt: skip
+                return
+            family = "ipv6" if old.ip_family == IPV6 else "ipv4"
+            for frontend in old.frontends:
+                for ip, port in sorted(left):
+                    self._run(self.netns, ["conntrack", "-D", "-f", family, "-p", "udp",
+                                           "--orig-dst", frontend.ip, "--orig-port-dst",
+                                           str(frontend.port), "--reply-src", ip,
+                                           "--reply-port-src", str(port)], None)  # fmt: skip
+
+
+def _nft_error(proc: subprocess.CompletedProcess[str], commands: Sequence[str]) -> str:
+    """nft's first errors, each with the input line it names."""
+    found = []
+    for line in (proc.stderr or proc.stdout).strip().splitlines():
+        if "Error:" not in line:
+            continue
+        where = line.split(":")
+        number = int(where[1]) if len(where) > 2 and where[1].isdigit() else 0
+        quoted = (
+            f" (line {number}: {commands[number - 1][:200]})" if 0 < number <= len(commands) else ""
+        )
+        found.append(line.split("Error:", 1)[1].strip() + quoted)
+        if len(found) == 3:
+            break
+    return "nft -f: " + ("; ".join(found) or f"exit {proc.returncode}")

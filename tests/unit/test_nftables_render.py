@@ -1,0 +1,335 @@
+"""The nftables renderer and the dataplane's partial sync, without a kernel: NodeStates
+compiled from Kubernetes objects are rendered and the elements, chains and commands
+checked against docs/nodestate.md's "which set a packet uses"; the dataplane runs with a
+fake command runner that records what it would send to nft. (tests/kernel/test_nftables.py
+and the scenario suites run the same against the real nft.)
+
+Address plan (tests/builders.py): node-a 192.0.2.10; pods of node-a 10.244.1.<n>, node-b
+10.244.2.<n>, on 8080; pod CIDR 10.244.0.0/16. Service "svc": ClusterIP 10.96.0.1:80,
+NodePort 30080, ExternalIP 203.0.113.7, LoadBalancer VIP 203.0.113.9.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from agent.dataplane.base import DataplaneError
+from agent.dataplane.nftables.dataplane import NftablesDataplane
+from agent.dataplane.nftables.render import (
+    IPV4,
+    IPV6,
+    REJECT,
+    RenderOptions,
+    entry_nft,
+    full_table,
+    marker_commands,
+    parse_marker,
+    service_chain,
+)
+from agent.model.compile import CompileOptions, compile
+from agent.model.nodestate import NodeState, ServiceEntry
+
+from ..builders import Obj, default_nodes, ep, make_service, make_slice, spec, state_of
+
+V4 = RenderOptions(IPV4, ("10.244.0.0/16",), ("veth*",))
+V6 = RenderOptions(IPV6, ("fd00:244::/32",), ("veth*",))
+Mutator = Callable[[Obj], None]
+
+
+def compiled(*objects: Obj) -> NodeState:
+    options = CompileOptions(cluster_cidrs=("10.244.0.0/16", "fd00:244::/32"))
+    return compile(state_of(*default_nodes(), *objects), "node-a", options)
+
+
+def svc(endpoints: list[Obj], *mutators: Mutator, name: str = "svc", ip: str = "10.96.0.1"
+        ) -> list[Obj]:  # fmt: skip
+    def mutate(obj: Obj) -> None:
+        obj["spec"].update(clusterIP=ip, clusterIPs=[ip])
+        for m in mutators:
+            m(obj)
+
+    return [make_service(name=name, mutate=mutate),
+            make_slice(name=f"{name}-1", service=name, endpoints=endpoints)]  # fmt: skip
+
+
+def load_balancer(etp: str = "Cluster", ranges: tuple[str, ...] = ()) -> Mutator:
+    def mutate(obj: Obj) -> None:
+        obj["spec"].update(type="LoadBalancer", externalTrafficPolicy=etp,
+                           externalIPs=["203.0.113.7"])  # fmt: skip
+        obj["spec"]["ports"][0]["nodePort"] = 30080
+        if ranges:
+            obj["spec"]["loadBalancerSourceRanges"] = list(ranges)
+        obj["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}
+
+    return mutate
+
+
+def entry(state: NodeState, name: str = "svc", family: str = IPV4) -> ServiceEntry:
+    return next(e for e in state.services if e.name == name and e.ip_family == family)
+
+
+def test_a_service_without_endpoints_is_rejected_at_every_frontend() -> None:
+    made = entry_nft(entry(compiled(*svc([], load_balancer()))), V4)
+    assert made.dispatch == ()
+    assert dict(made.filter) == {
+        "10.96.0.1 . tcp . 80": f"goto {REJECT}",
+        "192.0.2.10 . tcp . 30080": f"goto {REJECT}",
+        "203.0.113.7 . tcp . 80": f"goto {REJECT}",
+        "203.0.113.9 . tcp . 80": f"goto {REJECT}",
+    }
+    assert made.chains == {}
+
+
+def test_internal_policy_local_without_local_endpoints_drops() -> None:
+    made = entry_nft(entry(compiled(*svc([ep(5)], spec(internalTrafficPolicy="Local")))), V4)
+    assert made.dispatch == () and dict(made.filter) == {"10.96.0.1 . tcp . 80": "drop"}
+
+
+def test_external_policy_local_sends_outsiders_to_local_endpoints_and_the_rest_to_all() -> None:
+    state = compiled(*svc([ep(3, "node-a"), ep(5)],
+                          load_balancer("Local", ("198.51.100.0/24",))))  # fmt: skip
+    e = entry(state)
+    made = entry_nft(e, V4)
+    svc_, svl, ext, fw = (service_chain(k, e) for k in ("svc", "svl", "ext", "fw"))
+    assert dict(made.dispatch) == {
+        "10.96.0.1 . tcp . 80": f"goto {svc_}",
+        "192.0.2.10 . tcp . 30080": f"goto {ext}",
+        "203.0.113.7 . tcp . 80": f"goto {ext}",
+        "203.0.113.9 . tcp . 80": f"goto {fw}",  # the source range first
+    }
+    assert dict(made.filter) == {"203.0.113.9 . tcp . 80": "drop"}  # what fw leaves
+    assert made.chains[ext][1] == (
+        f"ip saddr 10.244.0.0/16 goto {svc_}",  # pods: clusterBackends
+        "fib saddr type local jump mark-for-masquerade",  # the node: masqueraded
+        f"fib saddr type local goto {svc_}",
+        f"goto {svl}",  # outsiders keep their address, local endpoints only
+    )
+    assert made.chains[fw][1] == (f"ip daddr 203.0.113.9 ip saddr 198.51.100.0/24 goto {ext}",)
+    assert made.chains[svl][1] == ("meta l4proto tcp dnat to 10.244.1.3:8080",)
+    assert made.endpoints == ("10.244.1.3", "10.244.2.5")
+
+
+def test_external_policy_cluster_masquerades_and_uses_every_endpoint() -> None:
+    e = entry(compiled(*svc([ep(5), ep(6)], load_balancer())))
+    made = entry_nft(e, V4)
+    assert made.chains[service_chain("ext", e)][1] == (
+        "jump mark-for-masquerade", f"goto {service_chain('svc', e)}")  # fmt: skip
+
+
+def test_the_split_is_a_flow_hash_by_default_and_numgen_for_random() -> None:
+    hashed = entry_nft(entry(compiled(*svc([ep(5), ep(6), ep(7)]))), V4)
+    rules = next(iter(hashed.chains.values()))[1]
+    assert rules[0] == "ip daddr 10.96.0.1 th dport 80 jump masq-non-pod"
+    assert rules[1].startswith("jhash ip saddr . th sport . ip daddr . th dport mod 3 seed ")
+    assert rules[1].endswith(" 0 meta l4proto tcp dnat to 10.244.2.5:8080")
+    assert rules[2].endswith(" 1 meta l4proto tcp dnat to 10.244.2.6:8080")
+    assert rules[3] == "meta l4proto tcp dnat to 10.244.2.7:8080"
+
+    def random(obj: Obj) -> None:
+        obj["metadata"]["annotations"] = {"kube-bpf-proxy.io/lb-algorithm": "random"}
+
+    picked = entry_nft(entry(compiled(*svc([ep(5), ep(6)], random))), V4)
+    rules = next(iter(picked.chains.values()))[1]
+    assert rules[1:] == ("numgen random mod 2 0 meta l4proto tcp dnat to 10.244.2.5:8080",
+                         "meta l4proto tcp dnat to 10.244.2.6:8080")  # fmt: skip
+
+
+def test_affinity_remembers_each_client_per_endpoint() -> None:
+    affinity = spec(sessionAffinity="ClientIP",
+                    sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}})  # fmt: skip
+    made = entry_nft(entry(compiled(*svc([ep(5), ep(6)], affinity))), V4)
+    assert list(made.sets.values()) == [60, 60]
+    first, second = made.sets
+    rules = next(iter(made.chains.values()))[1]
+    assert rules[1] == (f"ip saddr @{first} update @{first} {{ ip saddr }} "
+                        "meta l4proto tcp dnat to 10.244.2.5:8080")  # fmt: skip
+    assert rules[-1] == f"update @{second} {{ ip saddr }} meta l4proto tcp dnat to 10.244.2.6:8080"
+
+
+def test_ipv6_targets_are_bracketed() -> None:
+    def dual(obj: Obj) -> None:
+        obj["spec"].update(
+            clusterIPs=["10.96.0.1", "fd00:96::1"], ipFamilyPolicy="RequireDualStack"
+        )
+
+    objects = [*svc([ep(5)], dual),
+               make_slice(name="svc-6", service="svc", family="IPv6",
+                          endpoints=[{"addresses": ["fd00:244:2::5"], "nodeName": "node-b",
+                                      "conditions": {"ready": True}}])]  # fmt: skip
+    made = entry_nft(entry(compiled(*objects), family=IPV6), V6)
+    assert next(iter(made.chains.values()))[1][-1] == (
+        "meta l4proto tcp dnat to [fd00:244:2::5]:8080")  # fmt: skip
+    assert dict(made.dispatch) == {"fd00:96::1 . tcp . 80": f"goto {next(iter(made.chains))}"}
+
+
+def test_the_first_entry_claiming_a_frontend_holds_it() -> None:
+    shared = spec(externalIPs=["203.0.113.50"])
+    state = compiled(*svc([ep(5)], shared, name="a", ip="10.96.0.1"),
+                     *svc([ep(6)], shared, name="b", ip="10.96.0.2"))  # fmt: skip
+    text = "\n".join(full_table(V4, [entry_nft(e, V4) for e in state.services]))
+    [line] = [x for x in text.splitlines() if "service-ips {" in x and "add element" in x]
+    assert f"203.0.113.50 . tcp . 80 : goto {service_chain('ext', entry(state, 'a'))}" in line
+    assert service_chain("ext", entry(state, "b")) not in line.split("203.0.113.50")[1][:60]
+
+
+def test_the_marker_says_revision_digest_and_time() -> None:
+    flush, add = marker_commands(IPV4, "sha256:" + "a" * 64, "b" * 32, 1234)
+    assert flush == "flush set ip kube-bpf-proxy state"
+    comments = dict(part.split(" comment ") for part in
+                    add.split("{ ", 1)[1].rstrip(" }").split(", "))  # fmt: skip
+    parsed = parse_marker({k.strip('"'): v.strip('"') for k, v in comments.items()})
+    assert parsed == ("sha256:" + "a" * 64, "b" * 32, 1234)
+    assert parse_marker({"revision": "something else"}) is None
+
+
+# --- the dataplane with a fake nft ------------------------------------------------------
+
+
+class FakeNft:
+    """Records `nft -f` inputs; the kernel holds no table of ours (no marker), and a
+    transaction fails while `fail` is set."""
+
+    def __init__(self) -> None:
+        self.inputs: list[str] = []
+        self.fail: str | None = None
+
+    def __call__(self, netns: str | None, argv: Sequence[str], stdin: str | None = None
+                 ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        if list(argv[:2]) == ["nft", "-j"]:
+            return subprocess.CompletedProcess(list(argv), 1, "", "Error: No such file")
+        if stdin is not None:
+            self.inputs.append(stdin)
+            if self.fail is not None:
+                return subprocess.CompletedProcess(list(argv), 1, "", self.fail)
+        return subprocess.CompletedProcess(list(argv), 0, "", "")
+
+    def take(self) -> list[str]:
+        out, self.inputs = self.inputs, []
+        return out
+
+
+def lines_of(text: str) -> list[str]:
+    return [line for line in text.splitlines() if " state" not in line]
+
+
+def test_a_partial_sync_writes_only_what_changed() -> None:
+    nft = FakeNft()
+    dataplane = NftablesDataplane(("veth*",), run=nft)
+    assert dataplane.held_revision is None
+    before = compiled(*svc([ep(5), ep(6)]), *svc([ep(7)], name="other", ip="10.96.0.2"))
+    dataplane.apply(before)
+    [first] = nft.take()
+    assert "delete table ip kube-bpf-proxy" in first and "delete table ip6 kube-bpf-proxy" in first
+    assert dataplane.apply(before) == 0 and nft.take() == []
+
+    after = compiled(*svc([ep(5), ep(8)]), *svc([ep(7)], name="other", ip="10.96.0.2"))
+    dataplane.apply(after)
+    [second] = nft.take()
+    chain = service_chain("svc", entry(after))
+    assert lines_of(second) == [
+        "delete element ip kube-bpf-proxy hairpin { 10.244.2.6 . 10.244.2.6 }",
+        f"flush chain ip kube-bpf-proxy {chain}",
+        f"add rule ip kube-bpf-proxy {chain} ip daddr 10.96.0.1 th dport 80 jump masq-non-pod",
+        *[line for line in second.splitlines() if line.startswith(f"add rule ip kube-bpf-proxy "
+                                                                  f"{chain} jhash")],
+        f"add rule ip kube-bpf-proxy {chain} meta l4proto tcp dnat to 10.244.2.8:8080",
+        "add element ip kube-bpf-proxy hairpin { 10.244.2.8 . 10.244.2.8 }",
+    ]  # fmt: skip
+    assert "ip6" not in second  # the other family did not change: its marker stays
+
+    gone = compiled(*svc([ep(5), ep(8)]))
+    dataplane.apply(gone)
+    [third] = nft.take()
+    other = service_chain("svc", entry(after, "other"))
+    assert lines_of(third) == [
+        "delete element ip kube-bpf-proxy service-ips { 10.96.0.2 . tcp . 80 }",
+        "delete element ip kube-bpf-proxy hairpin { 10.244.2.7 . 10.244.2.7 }",
+        f"flush chain ip kube-bpf-proxy {other}",
+        f"delete chain ip kube-bpf-proxy {other}",
+    ]
+
+
+def test_the_next_claimant_takes_a_frontend_its_holder_gives_up() -> None:
+    nft = FakeNft()
+    dataplane = NftablesDataplane(("veth*",), run=nft)
+    shared = spec(externalIPs=["203.0.113.50"])
+    both = compiled(*svc([ep(5)], shared, name="a", ip="10.96.0.1"),
+                    *svc([ep(6)], shared, name="b", ip="10.96.0.2"))  # fmt: skip
+    dataplane.apply(both)
+    nft.take()
+    only_b = compiled(*svc([ep(6)], shared, name="b", ip="10.96.0.2"))
+    dataplane.apply(only_b)
+    [written] = nft.take()
+    ext_b = service_chain("ext", entry(only_b, "b"))
+    deleted = next(line for line in written.splitlines()
+                   if line.startswith("delete element ip kube-bpf-proxy service-ips"))  # fmt: skip
+    assert deleted == ("delete element ip kube-bpf-proxy service-ips { 10.96.0.1 . tcp . 80, "
+                       "203.0.113.50 . tcp . 80 }")  # fmt: skip
+    assert (f"add element ip kube-bpf-proxy service-ips {{ 203.0.113.50 . tcp . 80 : "
+            f"goto {ext_b} }}") in written  # fmt: skip
+
+
+def test_a_failed_transaction_raises_and_the_next_apply_rewrites_all() -> None:
+    nft = FakeNft()
+    dataplane = NftablesDataplane(("veth*",), run=nft)
+    state = compiled(*svc([ep(5)]))
+    dataplane.apply(state)
+    nft.take()
+    nft.fail = "/dev/stdin:3:1-10: Error: Could not process rule: No such file or directory"
+    changed = compiled(*svc([ep(6)]))
+    with pytest.raises(DataplaneError) as raised:
+        dataplane.apply(changed)
+    assert "Could not process rule" in str(raised.value) and "(line 3: " in str(raised.value)
+    assert dataplane.held_revision == state.revision
+    nft.fail = None
+    nft.take()
+    dataplane.apply(changed)
+    [written] = nft.take()
+    assert "delete table ip kube-bpf-proxy" in written
+    assert dataplane.held_revision == changed.revision
+
+
+NO_NF_TABLES = "Error: Could not process rule: Operation not supported"
+
+
+@pytest.mark.parametrize(
+    ("answers", "expected"),
+    [
+        ({"ip": (0, ""), "ip6": (0, "")}, ["table ip kube-bpf-proxy", "table ip6 kube-bpf-proxy"]),
+        ({"ip": (1, "Error: No such file or directory"), "ip6": (0, "")},
+         ["table ip6 kube-bpf-proxy"]),
+        ({"ip": (1, NO_NF_TABLES), "ip6": (1, NO_NF_TABLES)}, []),
+    ],
+    ids=["both there", "one there", "no nf_tables in the kernel"],
+)  # fmt: skip
+def test_cleanup_deletes_each_table_by_name(
+    monkeypatch: pytest.MonkeyPatch, answers: dict, expected: list[str]
+) -> None:
+    from agent.dataplane.nftables import dataplane as module
+
+    monkeypatch.setattr(module.shutil, "which", lambda name: f"/usr/sbin/{name}")
+    calls: list[list[str]] = []
+
+    def run(netns, argv, stdin=None):  # type: ignore[no-untyped-def]
+        calls.append(list(argv))
+        code, err = answers[argv[3]]
+        return subprocess.CompletedProcess(list(argv), code, "", err)
+
+    assert module.cleanup(None, run) == expected
+    assert calls == [["nft", "delete", "table", "ip", "kube-bpf-proxy"],
+                     ["nft", "delete", "table", "ip6", "kube-bpf-proxy"]]  # fmt: skip
+
+
+def test_cleanup_names_any_other_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.dataplane.nftables import dataplane as module
+
+    monkeypatch.setattr(module.shutil, "which", lambda name: f"/usr/sbin/{name}")
+
+    def run(netns, argv, stdin=None):  # type: ignore[no-untyped-def]
+        return subprocess.CompletedProcess(list(argv), 1, "", "Error: Operation not permitted")
+
+    with pytest.raises(DataplaneError, match="ip kube-bpf-proxy: Error: Operation not permitted"):
+        module.cleanup(None, run)
