@@ -96,7 +96,7 @@ def unavailable_reason(netns: str | None = None, run: Runner = run_command) -> s
     return None
 
 
-def _list(netns: str | None, run: Runner, *what: str) -> list[dict] | None:
+def list_object(netns: str | None, run: Runner, *what: str) -> list[dict] | None:
     """`nft -j list ...` as its list of objects; None when nft says it does not exist."""
     proc = run(netns, [NFT, "-j", "list", *what], None)
     if proc.returncode != 0:
@@ -112,7 +112,7 @@ def kernel_marker(
 ) -> tuple[str, str, int] | None:
     """(revision, digest, written at in Unix ns) of the marker in a family's table; None
     when there is no table or no marker."""
-    found = _list(netns, run, "set", NFT_FAMILY[family], TABLE, STATE)
+    found = list_object(netns, run, "set", NFT_FAMILY[family], TABLE, STATE)
     if found is None:
         return None
     comments: dict[str, str] = {}

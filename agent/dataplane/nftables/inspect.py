@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from ..iptables.backend import run_command
-from .dataplane import Runner, _list, kernel_marker
+from .dataplane import Runner, kernel_marker, list_object
 from .render import FAMILIES, FILTER_IPS, NFT_FAMILY, SERVICE_IPS, TABLE
 
 
@@ -23,7 +23,7 @@ def _verdict(value: Any) -> str:
 
 
 def _elements(family: str, where: str, netns: str | None, run: Runner) -> dict[tuple, str]:
-    found = _list(netns, run, "map", NFT_FAMILY[family], TABLE, where) or []
+    found = list_object(netns, run, "map", NFT_FAMILY[family], TABLE, where) or []
     out: dict[tuple, str] = {}
     for item in found:
         for key, value in item.get("map", {}).get("elem", []):
