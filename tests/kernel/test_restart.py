@@ -23,6 +23,7 @@ import kmock
 import pytest
 
 from agent.dataplane.ebpf import abi
+from agent.dataplane.select import KERNEL_DATAPLANES
 from agent.lab.nodelab import Lab, Stream
 
 from ..api.conftest import SERVICES, KmockApi
@@ -245,7 +246,10 @@ def test_switching_dataplanes_during_an_outage_keeps_the_old_one_serving(
     assert_left_behind(node, before, present=True)
     node.api.start()
     second.wait_for_line("sync: applied revision")
-    second.wait_for_line(f"removed what the {before} dataplane left behind")
+    # the new dataplane removes every other kernel dataplane's leftovers (the old one's)
+    others = " and ".join(name for name in KERNEL_DATAPLANES if name != after)
+    assert before in others
+    second.wait_for_line(f"removed what the {others} dataplane left behind")
     assert_left_behind(node, before, present=False)
     new_connections_work(node)
 
