@@ -148,9 +148,17 @@ def pin(pid: int, cpu: int | None) -> None:
         os.sched_setaffinity(pid, {cpu})
 
 
-def pod_connect(ip: str, port: int, count: int, warmup: int, cpu: int | None) -> dict[str, Any]:
+def pod_connect(
+    ip: str,
+    port: int,
+    count: int,
+    warmup: int,
+    cpu: int | None,
+    source_port: Callable[[int], int] | None = None,
+) -> dict[str, Any]:
     """Time `count` sequential connect() calls (after `warmup` untimed ones) on `cpu`; each
-    socket is closed with a RST (SO_LINGER 0)."""
+    socket is closed with a RST (SO_LINGER 0). `source_port(k)`: the port the k-th socket
+    binds first (SO_REUSEADDR), outside the timed part; None: the kernel picks one."""
     pin(0, cpu)
     linger = struct.pack("ii", 1, 0)
     timeout = struct.pack("ll", 2, 0)  # SO_SNDTIMEO bounds a blocking connect()
@@ -163,6 +171,9 @@ def pod_connect(ip: str, port: int, count: int, warmup: int, cpu: int | None) ->
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
         try:
+            if source_port is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("0.0.0.0", source_port(k)))
             start = clock()
             sock.connect((ip, port))
             elapsed = clock() - start

@@ -79,7 +79,6 @@ BOUND_KINDS = ("bound", "taken")  # measured against floor_bound too
 # Source ports bound on purpose, from the lab's reserved range (agent/lab/toolkit.py).
 BOUND_FIRST, BOUND_SPAN = 40000, 1000
 TAKEN_PORT = 41999
-MAX_FAILURES = 20  # a set stops after this many failed connects
 # The hook timed, the one at close(), and the tc programs on the pods' veths.
 PROGRAMS = ("kbp_connect4", "kbp_release", "kbp_from_pod", "kbp_to_pod")
 BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
@@ -113,45 +112,25 @@ def pod_bound_connect(
     port bound first (SO_REUSEADDR), closed with a RST. Without `hold` the ports cycle
     through BOUND_FIRST.. (a tuple no socket holds); with it every socket binds TAKEN_PORT,
     of which a first socket, connected to `hold`:port and held open, takes the tuple."""
-    from bench.connect import pin
+    from bench.connect import pin, pod_connect
 
     pin(0, cpu)
-    linger = struct.pack("ii", 1, 0)
-    timeout = struct.pack("ll", 2, 0)  # SO_SNDTIMEO bounds a blocking connect()
     held = None
     if hold:
         held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         held.bind(("0.0.0.0", TAKEN_PORT))
         held.connect((hold, port))
-    samples: list[int] = []
-    errors = 0
-    first_error = ""
-    clock = time.perf_counter_ns
-    for k in range(warmup + count):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
-        try:
-            sock.bind(("0.0.0.0", TAKEN_PORT if held else BOUND_FIRST + k % BOUND_SPAN))
-            start = clock()
-            sock.connect((ip, port))
-            elapsed = clock() - start
-        except OSError as exc:
-            errors += 1
-            first_error = first_error or f"{type(exc).__name__}: {exc}"
-            if errors >= MAX_FAILURES:
-                break
-        else:
-            if k >= warmup:
-                samples.append(elapsed)
-        finally:
-            sock.close()
-    if held is not None:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-        held.close()
-    return {"ns": samples, "errors": errors, "first_error": first_error}
+
+    def source_port(k: int) -> int:
+        return TAKEN_PORT if held else BOUND_FIRST + k % BOUND_SPAN
+
+    try:
+        return pod_connect(ip, port, count, warmup, cpu, source_port)
+    finally:
+        if held is not None:
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            held.close()
 
 
 def run_in_pod(

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -164,11 +165,13 @@ class Agent(AgentProcess):
         Agent.started.append(self)
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path]]:
-    """The lab (client, be1-be3 serving TCP 8080), the Service's manifest and a pin dir."""
+@contextmanager
+def node_lab(tmp_path: Path, cgroup: bool) -> Iterator[tuple[Lab, Path, Path]]:
+    """The lab (client, be1-be3 serving TCP 8080; `cgroup`: the pods' processes in a
+    cgroup of the lab's), the Service's manifest and a pin dir; every agent started is
+    stopped and cleanup run afterwards, also when the test failed."""
     pin_dir = BPFFS / f"kbp-test-kp-{os.getpid()}-{time.monotonic_ns()}"
-    with Lab() as lab:
+    with Lab(cgroup=cgroup) as lab:
         lab.add_pod("client")
         for name in BACKENDS:
             lab.add_pod(name).serve([8080], protos=("tcp",))
@@ -182,6 +185,12 @@ def node(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path]]:
                 Agent.started.pop().stop(signal.SIGKILL)
             cli(lab.node_ns, "cleanup", "--bpffs", str(pin_dir))
     assert not pin_dir.exists()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path]]:
+    with node_lab(tmp_path, cgroup=False) as made:
+        yield made
 
 
 def saved(lab: Lab, backend: str) -> str:
@@ -335,21 +344,8 @@ def _run_stdin(lab: Lab, argv: list[str], text: str) -> None:
 @pytest.fixture
 def cgroup_node(tmp_path: Path) -> Iterator[tuple[Lab, Path, Path]]:
     """As `node`, with the pods' processes in a cgroup of the lab's (--cgroup-root)."""
-    pin_dir = BPFFS / f"kbp-test-kpback-{os.getpid()}-{time.monotonic_ns()}"
-    with Lab(cgroup=True) as lab:
-        lab.add_pod("client")
-        for name in BACKENDS:
-            lab.add_pod(name).serve([8080], protos=("tcp",))
-        manifests = tmp_path / "web.yaml"
-        manifests.write_text(service_manifest(
-            "web", CLUSTER_IP, [lab.pods[name].ipv4 for name in BACKENDS]))  # fmt: skip
-        try:
-            yield lab, manifests, pin_dir
-        finally:
-            while Agent.started:
-                Agent.started.pop().stop(signal.SIGKILL)
-            cli(lab.node_ns, "cleanup", "--bpffs", str(pin_dir))
-    assert not pin_dir.exists()
+    with node_lab(tmp_path, cgroup=True) as made:
+        yield made
 
 
 @pytest.mark.parametrize("dataplane", ["ebpf", "iptables"])
