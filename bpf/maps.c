@@ -70,6 +70,18 @@ static __always_inline struct kbp_backend *map_lookup_backend(__u32 *backend_id)
 	return kbp_backends.lookup(backend_id);
 }
 
+_Static_assert((KBP_HOP_SLOTS & (KBP_HOP_SLOTS - 1)) == 0, "KBP_HOP_SLOTS: a power of two");
+
+static __always_inline struct kbp_hop *map_hop(const __be32 *addr)
+{
+	__u32 h = kbp_addr_fold(addr) * 0x9e3779b1U;
+	__u32 index = (h ^ (h >> 16)) & (KBP_HOP_SLOTS - 1);
+
+	if (__explain_dry())
+		return NULL;
+	return kbp_hops.lookup(&index);
+}
+
 /* A dry run gets a copy, so that touching the flow changes nothing live. */
 static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key)
 {

@@ -20,7 +20,7 @@
 #ifndef KBP_ABI_H
 #define KBP_ABI_H
 
-#define KBP_ABI_VERSION 4
+#define KBP_ABI_VERSION 5
 
 #define KBP_FAMILY_IPV4 4
 #define KBP_FAMILY_IPV6 6
@@ -179,6 +179,24 @@ struct kbp_backend {
 	__u8 family;    /* KBP_FAMILY_* */
 	__u8 flags;     /* KBP_BE_F_* */
 	__u32 service_id;
+};
+
+/* kbp_hops (array of KBP_HOP_SLOTS, index a hash of the destination address): the next
+ * hop toward an address a forwarded packet was sent to (a backend on another node, a
+ * client outside), as the last FIB lookup for it found it, so that the flows after it skip
+ * the lookup while the answer is younger than KBP_HOP_CACHE_NS (lib/ext.h). Addresses
+ * that share a slot take it in turn; the answer depends on the interface the packet
+ * arrived on, so both are checked. */
+#define KBP_HOP_SLOTS 4096
+
+struct kbp_hop {
+	__u64 time;         /* CLOCK_MONOTONIC ns (coarse) of the lookup; 0: none yet */
+	__be32 addr[4];     /* the destination address the lookup was for */
+	__u32 in_ifindex;   /* the interface the packet was taken as arriving on */
+	__u32 ifindex;      /* the next hop's interface */
+	__u8 dmac[6];       /* the next hop's MAC address */
+	__u8 smac[6];       /* ifindex's own MAC address */
+	__u32 pad;
 };
 
 /* kbp_conntrack (LRU): one entry per direction of a translated flow. The key is the

@@ -78,6 +78,10 @@ BPF_TABLE_PINNED("hash", struct kbp_slot_key, struct kbp_slot, kbp_slots, KBP_MA
 BPF_TABLE_PINNED("hash", __u32, struct kbp_backend, kbp_backends, KBP_MAX_BACKENDS,
 		 KBP_PIN(kbp_backends));
 
+/* Destination address (hashed) -> its next hop (struct kbp_hop): a cache, written by the
+ * programs only. */
+BPF_TABLE_PINNED("array", __u32, struct kbp_hop, kbp_hops, KBP_HOP_SLOTS, KBP_PIN(kbp_hops));
+
 /* Translated flows, both directions; LRU so the oldest idle flows make room. */
 BPF_TABLE_PINNED("lru_hash", struct kbp_ct_key, struct kbp_ct_entry, kbp_ct, KBP_MAX_CT,
 		 KBP_PIN(kbp_ct));

@@ -206,27 +206,61 @@ static __always_inline void ext_fib_params(const struct kbp_tuple *t,
 	}
 }
 
+/* A next hop remembered (a flow's or an address's) for `ifindex`, when younger than
+ * KBP_HOP_CACHE_NS: fib->ifindex, smac and dmac set, 1; else 0. */
+static __always_inline int __ext_hop_fresh(__u64 time, __u32 out_ifindex, const __u8 *smac,
+					   const __u8 *dmac, __u64 now,
+					   struct bpf_fib_lookup *fib)
+{
+	if (!time || now - time >= KBP_HOP_CACHE_NS)
+		return 0;
+	fib->ifindex = out_ifindex;
+	__builtin_memcpy(fib->smac, smac, ETH_ALEN);
+	__builtin_memcpy(fib->dmac, dmac, ETH_ALEN);
+	return 1;
+}
+
 /* The next hop of a packet rewritten to `to`, as if it arrived on `ifindex`: the one the
- * flow's conntrack entry remembers while younger than KBP_HOP_CACHE_NS, else the FIB's,
- * which a successful lookup leaves in the entry (`flow` NULL: a new flow, ask the FIB).
- * Returns BPF_FIB_LKUP_RET_*, with fib->ifindex, smac and dmac set on success. Entries are
- * shared by all CPUs: two CPUs refreshing one at once write the same answer. */
+ * flow's conntrack entry remembers, else the one kbp_hops remembers for the destination
+ * address, each while younger than KBP_HOP_CACHE_NS; else the FIB's, which a successful
+ * lookup leaves in both (`flow` NULL: a new flow). So a new flow to a backend that another
+ * flow reached within that time skips the FIB lookup (about as costly as the rest of its
+ * path; bench/datapath.py), and a route or neighbour change reaches new and established
+ * flows alike within it. With equal-cost routes the flows to one address follow one path
+ * for that time. Returns BPF_FIB_LKUP_RET_*, with fib->ifindex, smac and dmac set on
+ * success. Entries are shared by all CPUs: two CPUs refreshing one at once write the same
+ * answer. */
 static __always_inline int ext_next_hop(void *ctx, const struct kbp_tuple *t,
 					const struct kbp_nat_target *to, __u32 ifindex,
 					struct kbp_ct_entry *flow, __u64 now,
 					struct bpf_fib_lookup *fib)
 {
+	struct kbp_hop *hop;
 	int rc;
 
-	if (flow && flow->hop_time && now - flow->hop_time < KBP_HOP_CACHE_NS) {
-		fib->ifindex = flow->hop_ifindex;
-		__builtin_memcpy(fib->smac, flow->hop_smac, ETH_ALEN);
-		__builtin_memcpy(fib->dmac, flow->hop_dmac, ETH_ALEN);
+	if (flow && __ext_hop_fresh(flow->hop_time, flow->hop_ifindex, flow->hop_smac,
+				    flow->hop_dmac, now, fib))
 		return BPF_FIB_LKUP_RET_SUCCESS;
+	hop = map_hop(to->daddr);
+	if (hop && hop->in_ifindex == ifindex && lb_addr_equal(hop->addr, to->daddr) &&
+	    __ext_hop_fresh(hop->time, hop->ifindex, hop->smac, hop->dmac, now, fib)) {
+		rc = BPF_FIB_LKUP_RET_SUCCESS;
+	} else {
+		ext_fib_params(t, to, ifindex, fib);
+		rc = bpf_fib_lookup(ctx, fib, sizeof(*fib), 0);
+		if (rc != BPF_FIB_LKUP_RET_SUCCESS)
+			return rc;
+		if (hop) {
+			hop->time = 0; /* a reader in between sees no answer, not half of one */
+			__builtin_memcpy(hop->addr, to->daddr, sizeof(hop->addr));
+			hop->in_ifindex = ifindex;
+			hop->ifindex = fib->ifindex;
+			__builtin_memcpy(hop->smac, fib->smac, ETH_ALEN);
+			__builtin_memcpy(hop->dmac, fib->dmac, ETH_ALEN);
+			hop->time = now;
+		}
 	}
-	ext_fib_params(t, to, ifindex, fib);
-	rc = bpf_fib_lookup(ctx, fib, sizeof(*fib), 0);
-	if (rc == BPF_FIB_LKUP_RET_SUCCESS && flow) {
+	if (flow) {
 		flow->hop_ifindex = fib->ifindex;
 		__builtin_memcpy(flow->hop_smac, fib->smac, ETH_ALEN);
 		__builtin_memcpy(flow->hop_dmac, fib->dmac, ETH_ALEN);

@@ -15,6 +15,9 @@ static __always_inline struct kbp_service *map_lookup_service(struct kbp_fronten
 static __always_inline struct kbp_slot *map_lookup_slot(struct kbp_slot_key *key);
 static __always_inline struct kbp_backend *map_lookup_backend(__u32 *backend_id);
 static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key);
+/* The next-hop cache slot of a destination address (kbp_hops), to read and write in
+ * place; NULL in explain's dry runs (which then ask the FIB). */
+static __always_inline struct kbp_hop *map_hop(const __be32 *addr);
 static __always_inline int map_update_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry);
 static __always_inline int map_delete_ct(struct kbp_ct_key *key);
 /* May kbp_ct hold a reply entry from `backend`:`port` to `client` (addresses folded by

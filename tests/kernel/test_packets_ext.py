@@ -690,6 +690,39 @@ def test_a_snated_flows_reply_remembers_the_next_hop_to_the_client(node):
     assert (reply.hop_ifindex, bytes(reply.hop_dmac)) == (node.ext0, ROUTER_MAC)
 
 
+def _hop_slot(addr: str) -> bytes:
+    """The kbp_hops index of an address (bpf/maps.c map_hop)."""
+    words = struct.unpack("=4I", abi.addr_bytes(addr))
+    h = ((words[0] ^ words[1] ^ words[2] ^ words[3]) * 0x9E3779B1) & 0xFFFFFFFF
+    return struct.pack("=I", (h ^ (h >> 16)) & (C.KBP_HOP_SLOTS - 1))
+
+
+def test_a_new_flow_to_a_backend_reuses_the_next_hop_an_earlier_flow_found(node):
+    node.service_to(REMOTE_BACKEND[4], local=False)
+    hops = node.loaded.map("kbp_hops")
+    node.from_ext(to_node_port(4))
+    hop = abi.from_bytes("kbp_hop", hops.lookup(_hop_slot(REMOTE_BACKEND[4])))
+    assert abi.get_addr(hop.addr, 4) == REMOTE_BACKEND[4]
+    assert (hop.in_ifindex, hop.ifindex, bytes(hop.dmac)) == (node.ext0, node.ext0, PEER_MAC)
+    assert hop.time > 0
+    # A remembered answer is used as it stands: a MAC planted in it is where the next new
+    # flow to that backend goes, without a FIB lookup.
+    planted = bytes.fromhex("02aabbccddee")
+    hop.dmac = list(planted)
+    hops.update(_hop_slot(REMOTE_BACKEND[4]), abi.to_bytes(hop))
+
+    out = P.parse(node.from_ext(to_node_port(4, client=OUTSIDER[4])).data_out)
+
+    assert (out.dst, out.eth_dst) == (REMOTE_BACKEND[4], planted)
+    # One found for packets that arrived on another interface is not: the FIB answers.
+    hop.in_ifindex = node.ext0 + 1000
+    hops.update(_hop_slot(REMOTE_BACKEND[4]), abi.to_bytes(hop))
+    out = P.parse(node.from_ext(to_node_port(4, sport=CLIENT_PORT + 1)).data_out)
+    assert out.eth_dst == PEER_MAC
+    hop = abi.from_bytes("kbp_hop", hops.lookup(_hop_slot(REMOTE_BACKEND[4])))
+    assert (hop.in_ifindex, bytes(hop.dmac)) == (node.ext0, PEER_MAC)
+
+
 def test_xdp_passes_a_syn_to_a_backend_without_a_route_untouched_for_tc(node):
     node.service_to(UNROUTED_BACKEND[4], local=False)
     syn = to_node_port(4)
