@@ -639,7 +639,7 @@ def katran_fill(count: int, vips: int, real_ids: Sequence[Sequence[int]], templa
     keys[1::40] = bytes(((low >> 16) & 255) | (b & 63) for b in rand(count))
     keys[2::40], keys[3::40] = rand(count), rand(count)
     chosen = [rng.randrange(vips) for _ in range(count)]
-    vip_base = int(ipaddress.IPv4Address("198.18.0.0"))
+    vip_base = int(ipaddress.IPv4Address(lb_vip_of(0)))
     for lane, shift in enumerate((24, 16, 8, 0)):
         keys[16 + lane :: 40] = bytes(((vip_base + v) >> shift) & 255 for v in chosen)
     keys[32::40] = bytes(4 + b % 252 for b in rand(count))  # source port ≥ 1024
