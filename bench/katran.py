@@ -85,7 +85,15 @@ from bench.common.nodestates import (
     nodestate_of,
     synthetic_entries,
 )
-from bench.common.pb1 import XDP_PASS, XDP_REDIRECT, XDP_TX, expect, frame, xdp_frames
+from bench.common.pb1 import (
+    XDP_PASS,
+    XDP_REDIRECT,
+    XDP_TX,
+    XdpFrames,
+    expect,
+    frame,
+    xdp_frames,
+)
 from bench.common.report import (
     header,
     machine,
@@ -690,13 +698,188 @@ class FillResult:
     katran_rate_max: int | None
 
 
+@dataclass
+class Loaded:
+    """One size's programs, loaded, filled and checked: what every fill level measures."""
+
+    services: int
+    xdp: int  # kbp_xdp_ext
+    ct: Any  # our kbp_ct
+    floor_fd: int  # our bench's empty XDP program
+    katran: Katran | None
+    cpu: int  # the CPU this thread runs on: Katran's LRU of it is the one in use
+    frames: XdpFrames  # PB-1's checked frames (hot SYN and ACK of the hot VIP)
+    miss: bytes
+    rng: random.Random
+    clients: Clients = field(default_factory=Clients)
+
+    @property
+    def hot(self) -> int:
+        return self.services // 2
+
+    @staticmethod
+    def backends(vip: int) -> set[str]:
+        return {backend_ip_of(vip, j, REALS_PER_VIP) for j in range(REALS_PER_VIP)}
+
+    def ours_ok(self, vip_of: Callable[[int], int]) -> Callable[[int, bytes, Any], str | None]:
+        """A check of our output: rewritten to a backend of the VIP, from the SNAT
+        address, to the next hop's MAC."""
+        next_hop = bytes.fromhex(NEXT_HOP_MAC.replace(":", ""))
+
+        def check(k: int, data: bytes, run: Any) -> str | None:
+            s = P.parse(run.data_out)
+            if (s.dst not in self.backends(vip_of(k)) or s.dport != BACKEND_PORT
+                    or s.src != NODE_ADDRESS or s.eth_dst != next_hop):  # fmt: skip
+                return f"rewritten to {s.src}:{s.sport} -> {s.dst}:{s.dport}"
+            return None
+
+        return check
+
+    def katran_ok(self, vip_of: Callable[[int], int]) -> Callable[[int, bytes, Any], str | None]:
+        katran = self.katran
+        assert katran is not None
+        return lambda k, data, run: katran.check(data, run.retval, run.data_out, vip_of(k))
+
+    def variants(self, new_vip: int, new: list[bytes], spread: list[bytes],
+                 spread_vips: list[int]) -> list[Variant]:  # fmt: skip
+        """Both programs' variants of one round (ours alone without Katran)."""
+        x, hot, xdp = self.frames, self.hot, self.xdp
+        out = [
+            Variant("p_floor", self.floor_fd, [x.hot], XDP_PASS),
+            Variant("p_ack", xdp, [x.ack], XDP_REDIRECT, self.ours_ok(lambda k: hot)),
+            Variant("p_syn", xdp, [x.hot], XDP_REDIRECT, self.ours_ok(lambda k: hot)),
+            Variant("p_miss", xdp, [self.miss], XDP_PASS),
+            Variant("p_new", xdp, new, XDP_REDIRECT, self.ours_ok(lambda k: new_vip)),
+            Variant("p_spread", xdp, spread, XDP_REDIRECT,
+                    self.ours_ok(lambda k: spread_vips[k])),
+        ]  # fmt: skip
+        if self.katran is not None:
+            fd = self.katran.fd
+            out += [
+                Variant("k_floor", self.katran.floor_fd, [x.hot], XDP_PASS),
+                Variant("k_ack", fd, [x.ack], XDP_TX, self.katran_ok(lambda k: hot)),
+                Variant("k_syn", fd, [x.hot], XDP_TX, self.katran_ok(lambda k: hot)),
+                Variant("k_miss", fd, [self.miss], XDP_PASS),
+                Variant("k_new", fd, new, XDP_TX, self.katran_ok(lambda k: new_vip)),
+                Variant("k_spread", fd, spread, XDP_TX,
+                        self.katran_ok(lambda k: spread_vips[k])),
+            ]  # fmt: skip
+        return out
+
+
+def check_katran(b: Loaded) -> None:
+    """Katran's paths once before the rounds: the hot SYN and ACK encapsulated to a real
+    of the hot VIP, the miss passed, its floor passing, new flows to VIPs across the
+    range, each found in the LRU of this CPU under the key the fill writes (its value
+    becomes the fill's template)."""
+    katran, x = b.katran, b.frames
+    assert katran is not None
+    for what, data in (("hot SYN", x.hot), ("ACK", x.ack)):
+        run = libbpf.prog_test_run(katran.fd, data)
+        err = katran.check(data, run.retval, run.data_out, b.hot)
+        expect(err is None, f"Katran {what}: {err}")
+    out = libbpf.prog_test_run(katran.fd, b.miss)
+    expect(out.retval == XDP_PASS and out.data_out[: len(b.miss)] == b.miss, "Katran: miss")
+    expect(libbpf.prog_test_run(katran.floor_fd, x.hot).retval == XDP_PASS, "Katran's floor")
+    for v in sorted({0, 1, b.services // 3, b.services - 1}):
+        f = frame(lb_vip_of(v), 12345, src="198.51.100.78")
+        run = libbpf.prog_test_run(katran.fd, f)
+        err = katran.check(f, run.retval, run.data_out, v)
+        expect(err is None, f"Katran VIP {v}: {err}")
+        got = katran.lrus[b.cpu].lookup(katran_flow_key(f))
+        expect(got is not None, f"Katran's LRU of CPU {b.cpu}: no entry for a new flow under "
+               "the flow_key layout this bench writes")  # fmt: skip
+        assert got is not None
+        real = struct.unpack_from("=I", got)[0]
+        expect(real in katran.real_ids[v], f"Katran's LRU entry names real {real}")
+        katran.lru_template = got
+
+
+def run_level(b: Loaded, level: str, rounds: int, calls: int, chunk: int) -> FillResult:
+    """The rounds of one fill level: the fill first (half), each round's new flows out of
+    both tables after it, the fill out again at the end."""
+    katran, ct = b.katran, b.ct
+    print(f"\n  -- {b.services} Services/VIPs, tables {level} --", flush=True)
+    fill: dict[str, Any] = {}
+    ours_fill: list[bytes] = []
+    katran_fill_keys = b""
+    if level == "half":
+        ours_fill, fill["ours"] = fill_ours(b)
+        if katran is not None:
+            katran_fill_keys, fill["katran"] = fill_katran(katran, b.cpu, b.rng)
+    else:
+        fill["ours"] = {"entries": len(ct.keys()), "max": ct.info.max_entries}
+        if katran is not None:
+            lru = katran.lrus[b.cpu]
+            fill["katran"] = {"entries": count_entries(lru), "max": lru.info.max_entries}
+    print("  fill: " + "; ".join(f"{who} {f['entries']:,} of {f['max']:,} entries"
+                                 for who, f in fill.items()), flush=True)  # fmt: skip
+    base = set(ct.keys())
+    per_round: list[dict[str, Any]] = []
+    bad: dict[str, list[str]] = {}
+    rate_max = 0
+
+    def track(var: Variant) -> None:
+        nonlocal rate_max
+        if katran is not None and var.name in ("k_new", "k_spread"):
+            rate_max = max(rate_max, katran.new_conn_rate())
+
+    for rnd in range(rounds):
+        load = os.getloadavg()[0]
+        new_vip = (b.hot + 2 + rnd) % b.services  # another VIP each round
+        new, spread, spread_vips = [], [], []
+        for _ in range(calls):
+            ip, port = b.clients.take()
+            new.append(frame(lb_vip_of(new_vip), port, src=ip))
+            v = b.rng.randrange(b.services)
+            ip, port = b.clients.take()
+            spread.append(frame(lb_vip_of(v), port, src=ip))
+            spread_vips.append(v)
+        variants = b.variants(new_vip, new, spread, spread_vips)
+        started = time.perf_counter()
+        interleave(variants, calls, chunk, b.rng, track)
+        seconds = time.perf_counter() - started
+        medians = {v.name: statistics.median(v.samples) for v in variants}
+        for v in variants:
+            if v.bad:
+                bad.setdefault(v.name, []).extend(v.bad)
+        # The round's new flows leave both tables again.
+        now_in = ct.keys()
+        extra = [k for k in now_in if k not in base]
+        ct.delete_keys(extra)
+        if katran is not None:
+            katran.lrus[b.cpu].delete_keys([katran_flow_key(f) for f in new + spread])
+        per_round.append({"round": rnd, "seconds": round(seconds, 2), "load_start": load,
+                          "load_end": os.getloadavg()[0], "new_vip": new_vip,
+                          "median_ns": medians, "our_ct_entries_deleted": len(extra)})  # fmt: skip
+        floors = ", ".join(f"{n} {m:.0f}" for n, m in medians.items() if n.endswith("_floor"))
+        nets = ", ".join(f"{n} {m - medians[floor_of(n)]:+.0f}" for n, m in medians.items()
+                         if not n.endswith("_floor"))  # fmt: skip
+        print(f"  round {rnd}: {seconds:.1f} s, load {load:.2f}; floors {floors}; {nets}",
+              flush=True)  # fmt: skip
+    # The fill as the rounds left it, then out again for the next level.
+    fill["ours_after"] = len(ct.keys())
+    if katran is not None:
+        fill["katran_after"] = count_entries(katran.lrus[b.cpu])
+    ct.delete_keys(ours_fill)
+    if katran is not None and katran_fill_keys:
+        katran.lrus[b.cpu].delete_batch(katran_fill_keys, len(katran_fill_keys) // 40)
+    medians_only = [r["median_ns"] for r in per_round]
+    rows = [judge(r, b.services) for r in aggregate(medians_only)]
+    floors_over = {p: Spread.of([r[f"{p}_floor"] for r in medians_only])
+                   for p in ("k", "p") if f"{p}_floor" in medians_only[0]}  # fmt: skip
+    return FillResult(level, per_round, rows, floors_over, fill, bad,
+                      rate_max if katran is not None else None)  # fmt: skip
+
+
 def measure_size(services: int, fills: Sequence[str], rounds: int, calls: int, chunk: int,
                  katran_dir: Path | None, netns: str, floor_fd: int, cpu: int,
                  seed: int) -> tuple[list[FillResult], dict[str, Any]]:  # fmt: skip
+    """Katran (when its objects are there) and ours loaded for `services` VIPs, checked,
+    then every fill level's rounds."""
     info: dict[str, Any] = {"services": services}
     katran = None
     build = build_for(services) if katran_dir is not None else None
-    rng = random.Random(seed + services)
     try:
         if build is not None and katran_dir is not None:
             pin = BPFFS / f"{BENCH_PREFIX}{os.getpid()}-katran-{services}"
@@ -717,192 +900,40 @@ def measure_size(services: int, fills: Sequence[str], rounds: int, calls: int, c
             print(f"  ours: {writes} map writes in {time.perf_counter() - began:.1f} s "
                   f"(maps {sizes})", flush=True)  # fmt: skip
             xdp = dp.programs.fd("kbp_xdp_ext")
-            ct = dp.programs.map("kbp_ct")
             hot = services // 2
-
-            def backends(v: int) -> set[str]:
-                return {backend_ip_of(v, j, REALS_PER_VIP) for j in range(REALS_PER_VIP)}
-
-            x = xdp_frames(xdp, dp.pin_dir, services, hot, backends(hot))  # PB-1's checks
+            x = xdp_frames(xdp, dp.pin_dir, services, hot, Loaded.backends(hot))  # PB-1's
             miss = frame(MISS_ADDR, 40002, src=EXTERNAL_CLIENT)
             out = libbpf.prog_test_run(xdp, miss)
             expect(out.retval == XDP_PASS and out.data_out[: len(miss)] == miss, "ours: miss")
             expect(libbpf.prog_test_run(floor_fd, x.hot).retval == XDP_PASS, "our floor")
-            next_hop = bytes.fromhex(NEXT_HOP_MAC.replace(":", ""))
-
-            def ours_ok(vip_of: Callable[[int], int]) -> Callable[[int, bytes, Any], str | None]:
-                def check(k: int, data: bytes, run: Any) -> str | None:
-                    s = P.parse(run.data_out)
-                    if (s.dst not in backends(vip_of(k)) or s.dport != BACKEND_PORT
-                            or s.src != NODE_ADDRESS or s.eth_dst != next_hop):  # fmt: skip
-                        return f"rewritten to {s.src}:{s.sport} -> {s.dst}:{s.dport}"
-                    return None
-
-                return check
-
-            def katran_ok(vip_of: Callable[[int], int]) -> Callable[[int, bytes, Any], str | None]:
-                def check(k: int, data: bytes, run: Any) -> str | None:
-                    assert katran is not None
-                    return katran.check(data, run.retval, run.data_out, vip_of(k))
-
-                return check
-
+            loaded = Loaded(services, xdp, dp.programs.map("kbp_ct"), floor_fd, katran, cpu,
+                            x, miss, random.Random(seed + services))  # fmt: skip
             if katran is not None:
-                for what, data in (("hot SYN", x.hot), ("ACK", x.ack)):
-                    run = libbpf.prog_test_run(katran.fd, data)
-                    err = katran.check(data, run.retval, run.data_out, hot)
-                    expect(err is None, f"Katran {what}: {err}")
-                out = libbpf.prog_test_run(katran.fd, miss)
-                expect(out.retval == XDP_PASS and out.data_out[: len(miss)] == miss,
-                       "Katran: miss")  # fmt: skip
-                expect(libbpf.prog_test_run(katran.floor_fd, x.hot).retval == XDP_PASS,
-                       "Katran's floor")  # fmt: skip
-                for v in sorted({0, 1, services // 3, services - 1}):
-                    f = frame(lb_vip_of(v), 12345, src="198.51.100.78")
-                    run = libbpf.prog_test_run(katran.fd, f)
-                    err = katran.check(f, run.retval, run.data_out, v)
-                    expect(err is None, f"Katran VIP {v}: {err}")
-                    # The LRU of this CPU holds the flow under the key katran_fill writes.
-                    got = katran.lrus[cpu].lookup(katran_flow_key(f))
-                    expect(got is not None, f"Katran's LRU of CPU {cpu}: no entry for a new "
-                           "flow under the flow_key layout this bench writes")  # fmt: skip
-                    assert got is not None
-                    real = struct.unpack_from("=I", got)[0]
-                    expect(real in katran.real_ids[v], f"Katran's LRU entry names real {real}")
-                katran.lru_template = got
-            results = []
-            clients = Clients()
-            for level in fills:
-                print(f"\n  -- {services} Services/VIPs, tables {level} --", flush=True)
-                fill: dict[str, Any] = {}
-                ours_fill: list[bytes] = []
-                katran_fill_keys = b""
-                if level == "half":
-                    ours_fill, fill["ours"] = fill_ours(ct, xdp, services, rng, ours_ok,
-                                                        DEFAULT_SNAT_PORTS)  # fmt: skip
-                    if katran is not None:
-                        katran_fill_keys, fill["katran"] = fill_katran(katran, cpu, rng)
-                else:
-                    fill["ours"] = {"entries": len(ct.keys()), "max": ct.info.max_entries}
-                    if katran is not None:
-                        fill["katran"] = {"entries": count_entries(katran.lrus[cpu]),
-                                          "max": katran.lrus[cpu].info.max_entries}  # fmt: skip
-                print("  fill: " + "; ".join(f"{who} {f['entries']:,} of {f['max']:,} entries"
-                                             for who, f in fill.items()), flush=True)  # fmt: skip
-                base = set(ct.keys())
-                per_round: list[dict[str, Any]] = []
-                variants_all: list[Variant] = []
-                rate_max = 0
-                for rnd in range(rounds):
-                    load = os.getloadavg()[0]
-                    new_vip = (hot + 2 + rnd) % services
-                    new_frames, spread_frames, spread_vips = [], [], []
-                    for _ in range(calls):
-                        ip, port = clients.take()
-                        new_frames.append(frame(lb_vip_of(new_vip), port, src=ip))
-                        v = rng.randrange(services)
-                        ip, port = clients.take()
-                        spread_frames.append(frame(lb_vip_of(v), port, src=ip))
-                        spread_vips.append(v)
-                    variants = [
-                        Variant("p_floor", floor_fd, [x.hot], XDP_PASS),
-                        Variant("p_ack", xdp, [x.ack], XDP_REDIRECT, ours_ok(lambda k: hot)),
-                        Variant("p_syn", xdp, [x.hot], XDP_REDIRECT, ours_ok(lambda k: hot)),
-                        Variant("p_miss", xdp, [miss], XDP_PASS),
-                        Variant("p_new", xdp, new_frames, XDP_REDIRECT,
-                                ours_ok(lambda k: new_vip)),  # noqa: B023
-                        Variant("p_spread", xdp, spread_frames, XDP_REDIRECT,
-                                ours_ok(lambda k: spread_vips[k])),  # noqa: B023
-                    ]  # fmt: skip
-                    if katran is not None:
-                        variants += [
-                            Variant("k_floor", katran.floor_fd, [x.hot], XDP_PASS),
-                            Variant("k_ack", katran.fd, [x.ack], XDP_TX, katran_ok(lambda k: hot)),
-                            Variant("k_syn", katran.fd, [x.hot], XDP_TX, katran_ok(lambda k: hot)),
-                            Variant("k_miss", katran.fd, [miss], XDP_PASS),
-                            Variant("k_new", katran.fd, new_frames, XDP_TX,
-                                    katran_ok(lambda k: new_vip)),  # noqa: B023
-                            Variant("k_spread", katran.fd, spread_frames, XDP_TX,
-                                    katran_ok(lambda k: spread_vips[k])),  # noqa: B023
-                        ]  # fmt: skip
-
-                    def track(var: Variant) -> None:
-                        nonlocal rate_max
-                        if katran is not None and var.name in ("k_new", "k_spread"):
-                            rate_max = max(rate_max, katran.new_conn_rate())
-
-                    started = time.perf_counter()
-                    interleave(variants, calls, chunk, rng, track)
-                    seconds = time.perf_counter() - started
-                    medians = {v.name: statistics.median(v.samples) for v in variants}
-                    # The round's new flows leave both tables again.
-                    now_in = ct.keys()
-                    extra = [k for k in now_in if k not in base]
-                    ct.delete_keys(extra)
-                    if katran is not None:
-                        katran.lrus[cpu].delete_keys(
-                            [katran_flow_key(f) for f in new_frames + spread_frames]
-                        )
-                    per_round.append({"round": rnd, "seconds": round(seconds, 2),
-                                      "load_start": load, "load_end": os.getloadavg()[0],
-                                      "new_vip": new_vip, "median_ns": medians,
-                                      "our_ct_entries_deleted": len(extra)})  # fmt: skip
-                    variants_all += variants
-                    net = {n: medians[n] - medians[floor_of(n)] for n in medians
-                           if not n.endswith("_floor")}  # fmt: skip
-                    print(f"  round {rnd}: {seconds:.1f} s, load {load:.2f}; floors "
-                          + ", ".join(f"{n} {medians[n]:.0f}" for n in medians
-                                      if n.endswith("_floor"))
-                          + "; " + ", ".join(f"{n} {v:+.0f}" for n, v in net.items()),
-                          flush=True)  # fmt: skip
-                # The fill as the rounds left it, then out again for the next level.
-                fill["ours_after"] = len(ct.keys())
-                if katran is not None:
-                    fill["katran_after"] = count_entries(katran.lrus[cpu])
-                if ours_fill:
-                    ct.delete_keys(ours_fill)
-                if katran is not None and katran_fill_keys:
-                    katran.lrus[cpu].delete_batch(katran_fill_keys, len(katran_fill_keys) // 40)
-                bad: dict[str, list[str]] = {}
-                for v in variants_all:
-                    if v.bad:
-                        bad.setdefault(v.name, []).extend(v.bad)
-                medians_only = [r["median_ns"] for r in per_round]
-                rows = [judge(r, services) for r in aggregate(medians_only)]
-                floors = {p: Spread.of([r[f"{p}_floor"] for r in medians_only])
-                          for p in ("k", "p") if f"{p}_floor" in medians_only[0]}  # fmt: skip
-                results.append(FillResult(level, per_round, rows, floors, fill, bad,
-                                          rate_max if katran is not None else None))  # fmt: skip
-        return results, info
+                check_katran(loaded)
+            return [run_level(loaded, level, rounds, calls, chunk) for level in fills], info
     finally:
         if katran is not None:
             katran.close()
 
 
-def fill_ours(
-    ct: Any,
-    xdp: int,
-    services: int,
-    rng: random.Random,
-    ours_ok: Callable[..., Any],
-    snat_ports: tuple[int, int],
-) -> tuple[list[bytes], dict[str, Any]]:
+def fill_ours(b: Loaded) -> tuple[list[bytes], dict[str, Any]]:
     """kbp_ct to half its max_entries: first real SYNs of other clients to distinct VIPs
     through kbp_xdp_ext (the templates: the program's own forward and reply entries),
     then clones of them for other clients, written in batches. Returns the keys written
     (the templates' included) and the fill counted."""
     began = time.perf_counter()
+    ct, rng = b.ct, b.rng
     layout = CtLayout()
     target = ct.info.max_entries // 2
     stride = ct.value_size // (libbpf.possible_cpus() if ct.info.percpu else 1)
     templates: list[FlowTemplate] = []
     taken: set[tuple[int, int]] = set()
-    vips = rng.sample(range(services), min(services, 4096))
+    vips = rng.sample(range(b.services), min(b.services, 4096))
     for v, (address, port) in zip(vips, fill_clients(len(vips), rng, taken), strict=True):
         client = str(ipaddress.IPv4Address(address))
         data = frame(lb_vip_of(v), port, src=client)
-        run = libbpf.prog_test_run(xdp, data)
-        err = (ours_ok(lambda k, v=v: v)(0, data, run) if run.retval == XDP_REDIRECT
+        run = libbpf.prog_test_run(b.xdp, data)
+        err = (b.ours_ok(lambda k, v=v: v)(0, data, run) if run.retval == XDP_REDIRECT
                else f"verdict {run.retval}")  # fmt: skip
         expect(err is None, f"ours: fill template SYN to VIP {v}: {err}")
         fkey = layout.forward_key(client, lb_vip_of(v), port, 80)
@@ -918,7 +949,8 @@ def fill_ours(
         templates.append(FlowTemplate(fkey, forward, rkey, reply))
     existing = set(ct.keys())
     pairs = max(0, (target - len(existing)) // 2)
-    keys, values = clone_pairs(templates, layout, pairs, rng, snat_ports, stride, existing)
+    keys, values = clone_pairs(templates, layout, pairs, rng, DEFAULT_SNAT_PORTS, stride,
+                               existing)  # fmt: skip
     ct.update_batch(b"".join(keys), b"".join(values), len(keys))
     written = keys + [t.forward_key for t in templates] + [t.reply_key for t in templates]
     entries = len(ct.keys())
