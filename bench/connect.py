@@ -2,7 +2,7 @@
 through the iptables fallback, with 1 to 30k Services loaded, beside a direct connection
 between two pods without programs or rules (the floor), all measured in turn in one run.
 
-Two namespace labs (agent/lab/nodelab.py), so the iptables rules never sit on the eBPF or
+Two namespace labs (tests/lab/nodelab.py), so the iptables rules never sit on the eBPF or
 floor paths (netfilter hooks are per namespace). The eBPF lab has one node namespace and
 seven pods on veth pairs: `client`, `client3` and `server` have the tc programs on their
 host veths; `client0` and `server0` have none (the floor); `client2` and `server2` have an
@@ -83,9 +83,9 @@ if not __package__:  # run as a script: bench/ is on sys.path, the checkout is n
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 if TYPE_CHECKING:
-    from agent.lab.nodelab import Pod
     from agent.model.nodestate import NodeState, ServiceEntry
     from bench.common.report import Summary
+    from tests.lab.nodelab import Pod
 
 # The pod side (modes --pod-connect / --pod-rr) runs in a fresh interpreter in the client
 # pod: keep module-level imports to the standard library so it starts quickly.
@@ -116,7 +116,7 @@ TARGET_IPS = {"first": "10.96.255.252", "middle": "10.96.255.253", "last": TARGE
 BACKEND_PORTS = {"first": 8082, "middle": 8083, "last": PORT}
 SERVER_PORTS = sorted({PORT, DIRECT_PORT, *BACKEND_PORTS.values()})
 DATAPLANES = ("ebpf", "iptables")
-IPTABLES_POD_INTERFACES = ("vethkbp*",)  # the lab's host veths (agent/lab/nodelab.py)
+IPTABLES_POD_INTERFACES = ("vethkbp*",)  # the lab's host veths (tests/lab/nodelab.py)
 # The iptables dataplane's tools may run this long here: iptables-nft 1.8.9 needs more
 # than the module's COMMAND_TIMEOUT (300 s) to restore 10k Services x 10 endpoints.
 IPTABLES_TIMEOUT = 3600.0
@@ -317,7 +317,8 @@ def run_in_pod(
 ) -> dict[str, Any]:
     """connect() timed in `pod` on `cpu` (and in `cgroup`, where the socket hooks are, if
     given)."""
-    from agent.lab.toolkit import in_cgroup, in_netns
+    from agent.lab.toolkit import in_netns
+    from tests.lab.kit import in_cgroup
 
     argv = [sys.executable, str(THIS_FILE), "--pod-connect", ip, str(port), str(count),
             "-" if cpu is None else str(cpu)]  # fmt: skip
@@ -331,7 +332,8 @@ def run_in_pod(
 def start_server(listen: list[tuple[Pod, list[int]]], cgroup: Path | None) -> subprocess.Popen:
     """The one server process (serve) for the pods in `listen`, in `cgroup` as a pod's
     processes are; returns once every socket listens."""
-    from agent.lab.toolkit import LabError, in_cgroup, read_line, stop_process
+    from agent.lab.toolkit import LabError
+    from tests.lab.kit import in_cgroup, read_line, stop_process
 
     spec = [f"/run/netns/{pod.ns}={','.join(map(str, ports))}" for pod, ports in listen]
     argv = in_cgroup(cgroup, [sys.executable, str(THIS_FILE), "--serve", *spec])
@@ -487,8 +489,6 @@ def run(args: argparse.Namespace) -> int:
     from agent.dataplane.ebpf.netlink import TcAttacher
     from agent.dataplane.iptables import backend as iptables_module  # its COMMAND_TIMEOUT
     from agent.dataplane.iptables.dataplane import IptablesDataplane, unavailable_reason
-    from agent.lab.nodelab import Lab
-    from agent.lab.toolkit import stop_process
     from bench.common.kernel import bench_dataplane, calibration_programs, leftovers, map_sizes_for
     from bench.common.nodestates import synthetic_entries
     from bench.common.report import (
@@ -499,6 +499,8 @@ def run(args: argparse.Namespace) -> int:
         terminate_as_interrupt,
         write_results,
     )
+    from tests.lab.kit import stop_process
+    from tests.lab.nodelab import Lab
 
     dataplanes = [d for d in DATAPLANES if d in args.dataplanes.split(",")]
     ebpf, iptables = "ebpf" in dataplanes, "iptables" in dataplanes

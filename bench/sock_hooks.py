@@ -4,7 +4,7 @@ run_time_ns / run_cnt of this run's kbp_connect4 and kbp_release only, whatever 
 programs the machine runs), beside the connect() p50 of the same sets against the floor,
 with N ClusterIP Services programmed (--services; the measured ones among them).
 
-One namespace lab (agent/lab/nodelab.py) with its cgroup: `client0` → `server0` with no
+One namespace lab (tests/lab/nodelab.py) with its cgroup: `client0` → `server0` with no
 program and outside the cgroup (the floor), and `client` (in the cgroup, the dataplane on
 its veth, --socket-lb all) → ClusterIPs served by `server`:
 
@@ -65,7 +65,7 @@ if not __package__:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 if TYPE_CHECKING:
-    from agent.lab.nodelab import Pod
+    from tests.lab.nodelab import Pod
 
 THIS_FILE = Path(__file__).resolve()
 PORT = 8080
@@ -138,7 +138,8 @@ def run_in_pod(
     cgroup: Path | None, hold: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The pod side of this file in `pod` (and in `cgroup`, where the hooks are)."""
-    from agent.lab.toolkit import in_cgroup, in_netns
+    from agent.lab.toolkit import in_netns
+    from tests.lab.kit import in_cgroup
 
     argv = [sys.executable, str(THIS_FILE), mode, ip, str(port), str(count),
             "-" if cpu is None else str(cpu), hold or "-"]  # fmt: skip
@@ -353,8 +354,6 @@ def report_rebased(report: dict[str, Any], sizes_n: list[int]) -> dict[str, Any]
 
 def run(args: argparse.Namespace) -> int:
     from agent.dataplane.ebpf.cgroup import netns_cookie
-    from agent.lab.nodelab import Lab
-    from agent.lab.toolkit import stop_process
     from bench.common.kernel import bench_dataplane, leftovers, map_sizes_for
     from bench.common.nodestates import nodestate_of, synthetic_entries
     from bench.common.report import (
@@ -365,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
         write_results,
     )
     from bench.connect import pin, placements, set_socket_lb, start_server
+    from tests.lab.kit import stop_process
+    from tests.lab.nodelab import Lab
 
     sizes_n = sorted({int(x) for x in args.services.split(",") if x.strip()})
     wanted = set(args.kinds.split(",")) if args.kinds else set(KINDS)

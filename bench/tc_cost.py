@@ -9,7 +9,7 @@ caches; real packets differ in what made kbp_from_pod cost 128-160 ns a run here
 segment a TCP socket sends is a cloned skb with its payload in pages, and the caches are
 cold after the stack and the application ran. This measures that case.
 
-One namespace lab (agent/lab/nodelab.py) with its cgroup and one server process for all
+One namespace lab (tests/lab/nodelab.py) with its cgroup and one server process for all
 pods (connect.py's serve), client and server on CPU 0. Paths, each a set of 1-byte
 exchanges on one connection, in rotating order for `--rounds` rounds:
 
@@ -73,8 +73,7 @@ def pod_echo(ip: str, port: int, count: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from agent.dataplane.ebpf.netlink import TcAttacher
-    from agent.lab.nodelab import Lab
-    from agent.lab.toolkit import in_cgroup, in_netns, stop_process
+    from agent.lab.toolkit import in_netns
     from bench.common.kernel import bench_dataplane, calibration_programs, map_sizes_for
     from bench.common.nodestates import synthetic_entries
     from bench.common.report import Summary, header, machine, terminate_as_interrupt
@@ -91,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         target_entries,
     )
     from bench.sock_hooks import ProgramStats, enable_stats
+    from tests.lab.kit import in_cgroup, stop_process
+    from tests.lab.nodelab import Lab
 
     terminate_as_interrupt()
     header("bench/tc_cost.py (PB-2, tc on packets it leaves alone)", machine(), "")
