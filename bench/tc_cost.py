@@ -54,7 +54,7 @@ PROGRAMS = ("kbp_from_pod", "kbp_to_pod", "kbp_bench_empty")
 def pod_echo(ip: str, port: int, count: int) -> None:
     """The pod side: connect, say `ready`, wait for a line on stdin, then `count` timed
     1-byte exchanges on CPU; prints the p50 in ns."""
-    from bench.connect import echo_connection
+    from bench.common.connects import echo_connection
 
     os.sched_setaffinity(0, {CPU})
     sock = echo_connection(ip, port, f"{ip}:{port}")
@@ -74,10 +74,7 @@ def pod_echo(ip: str, port: int, count: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from agent.dataplane.ebpf.netlink import TcAttacher
     from agent.lab.toolkit import in_netns
-    from bench.common.kernel import bench_dataplane, calibration_programs, map_sizes_for
-    from bench.common.nodestates import synthetic_entries
-    from bench.common.report import Summary, header, machine, terminate_as_interrupt
-    from bench.connect import (
+    from bench.common.connects import (
         DIRECT_PORT,
         PORT,
         SERVER_PORTS,
@@ -89,7 +86,10 @@ def run(args: argparse.Namespace) -> int:
         state_with_targets,
         target_entries,
     )
-    from bench.sock_hooks import ProgramStats, enable_stats
+    from bench.common.kernel import bench_dataplane, calibration_programs, map_sizes_for
+    from bench.common.nodestates import synthetic_entries
+    from bench.common.progstats import ProgramStats, enable_stats
+    from bench.common.report import Summary, header, machine, terminate_as_interrupt
     from tests.lab.kit import in_cgroup, stop_process
     from tests.lab.nodelab import Lab
 

@@ -1,6 +1,6 @@
 """Where things live: the lab and explain ask the model's outcome oracle and import neither
 each other nor anything that climbs back up; the shipped package holds no test or bench
-scaffolding."""
+scaffolding; no bench script imports another (shared parts live in bench/common/)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 AGENT = ROOT / "agent"
+BENCH = ROOT / "bench"
 
 
 def absolute_imports(path: Path) -> set[str]:
@@ -61,3 +62,24 @@ def test_the_shipped_package_imports_no_test_or_bench_module() -> None:
 def test_the_test_only_lab_is_outside_the_shipped_package() -> None:
     assert not (AGENT / "lab" / "nodelab.py").exists()
     assert (ROOT / "tests" / "lab" / "nodelab.py").exists()
+
+
+# The lead's issue-34 scripts (the new-flow path) are his to change.
+NOT_YET = {"bench/datapath.py", "bench/newflow_parts.py"}
+
+
+def test_no_bench_script_imports_another() -> None:
+    scripts = {p.stem for p in BENCH.glob("*.py") if p.stem != "__init__"}
+    found = {}
+    for path in [*BENCH.glob("*.py"), *(BENCH / "common").glob("*.py")]:
+        name = str(path.relative_to(ROOT))
+        if name in NOT_YET:
+            continue
+        others = sorted(
+            m
+            for m in absolute_imports(path)
+            if m.startswith("bench.") and m.split(".")[1] in scripts
+        )
+        if others:
+            found[name] = others
+    assert found == {}
