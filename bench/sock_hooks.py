@@ -166,7 +166,7 @@ def forget_flows(dp: Any) -> int:
     hooks' flows write none). Each connect() of a taken set leaves its remapped flow's
     reply entry behind once the next one, on the same tuple, rewrites the forward entry;
     the collector keeps such a reply entry as an established flow, so the claimed SNAT
-    ports would add up from set to set (see bench/README.md, issue 31) and the sets would
+    ports would add up from set to set (see bench/notes/connect.md, issue 31) and the sets would
     measure the fill of the range instead of the path. Returns the entries removed."""
     removed = 0
     for name in ("kbp_ct", "kbp_ct_remap"):

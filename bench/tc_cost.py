@@ -5,7 +5,7 @@ tc program and no program at all.
 
 BPF_PROG_TEST_RUN (datapath.py) times a program on a linear, unshared skb with warm
 caches; real packets differ in what made kbp_from_pod cost 128-160 ns a run here against
-37 for an empty program (see bench/README.md, "tc on packets it leaves alone"): a data
+37 for an empty program (see bench/notes/connect.md, "tc on packets it leaves alone"): a data
 segment a TCP socket sends is a cloned skb with its payload in pages, and the caches are
 cold after the stack and the application ran. This measures that case.
 
