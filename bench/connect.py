@@ -2,7 +2,7 @@
 through the iptables fallback, with 1 to 30k Services loaded, beside a direct connection
 between two pods without programs or rules (the floor), all measured in turn in one run.
 
-Two namespace labs (agent/lab/nodelab.py), so the iptables rules never sit on the eBPF or
+Two namespace labs (tests/lab/nodelab.py), so the iptables rules never sit on the eBPF or
 floor paths (netfilter hooks are per namespace). The eBPF lab has one node namespace and
 seven pods on veth pairs: `client`, `client3` and `server` have the tc programs on their
 host veths; `client0` and `server0` have none (the floor); `client2` and `server2` have an
@@ -70,7 +70,6 @@ import contextlib
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -82,41 +81,41 @@ from typing import TYPE_CHECKING, Any
 if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common.connects import (
+    DIRECT_PORT,
+    PORT,
+    POSITIONS,
+    SERVER_PORTS,
+    TARGET_IPS,
+    TARGET_PORT,
+    WARMUP,
+    echo_connection,
+    enter,
+    pin,
+    placements,
+    pod_connect,
+    set_socket_lb,
+    slope_ns_per_service,
+    start_server,
+    state_with_targets,
+    target_entries,
+)
+
 if TYPE_CHECKING:
-    from agent.lab.nodelab import Pod
-    from agent.model.nodestate import NodeState, ServiceEntry
     from bench.common.report import Summary
+    from tests.lab.nodelab import Pod
 
 # The pod side (modes --pod-connect / --pod-rr) runs in a fresh interpreter in the client
 # pod: keep module-level imports to the standard library so it starts quickly.
 
 THIS_FILE = Path(__file__).resolve()
-PORT = 8080
-# The pod-IP set through the programs uses its own port: a direct connection whose tuple
-# equals the reply side of an earlier ClusterIP flow (same client port, backend IP and
-# port) is hijacked by that flow's stale conntrack reply entry (see the report), which
-# would time this set out instead of measuring the miss path.
-DIRECT_PORT = 8081
 # The pod the sock:* sets connect from. tc's flows of the ebpf:* sets (from `client`, to
 # the same backends) keep their conntrack entries for the time-wait after each set, and
 # kbp_ct_gate lets tc skip its lookups only for (backend, client) pairs no such entry
 # names: with --socket-lb all a pod's flows are the hooks', so its own pod measures that.
 SOCK_CLIENT = "client3"
-MAX_FAILURES = 20  # a set stops after this many failed connects (each waits 2 s)
-TARGET_IP = "10.96.255.254"  # the target that sorts last (also the only one below N = 3)
-TARGET_PORT = 80
-WARMUP = 20  # untimed connections first: neighbour resolution, caches
-CLONE_NEWNET = 0x40000000
-POSITIONS = ("first", "middle", "last")  # of the target Service in NodeState order
-TARGET_IPS = {"first": "10.96.255.252", "middle": "10.96.255.253", "last": TARGET_IP}
-# Each target has its own backend port, for the reason DIRECT_PORT has one: with a shared
-# backend, a connect() to one ClusterIP from a source port an earlier flow to another used
-# gets its SYN-ACK reverse-translated by that flow's stale eBPF conntrack entry (the reply
-# key names the backend and the client, not the ClusterIP), and times out.
-BACKEND_PORTS = {"first": 8082, "middle": 8083, "last": PORT}
-SERVER_PORTS = sorted({PORT, DIRECT_PORT, *BACKEND_PORTS.values()})
 DATAPLANES = ("ebpf", "iptables")
-IPTABLES_POD_INTERFACES = ("vethkbp*",)  # the lab's host veths (agent/lab/nodelab.py)
+IPTABLES_POD_INTERFACES = ("vethkbp*",)  # the lab's host veths (tests/lab/nodelab.py)
 # The iptables dataplane's tools may run this long here: iptables-nft 1.8.9 needs more
 # than the module's COMMAND_TIMEOUT (300 s) to restore 10k Services x 10 endpoints.
 IPTABLES_TIMEOUT = 3600.0
@@ -140,132 +139,6 @@ REF_PB2 = (
 
 
 # --- pod side ------------------------------------------------------------------------------
-
-
-def pin(pid: int, cpu: int | None) -> None:
-    """Keep process `pid` (0: this one) on `cpu` (None: leave it where it is)."""
-    if cpu is not None:
-        os.sched_setaffinity(pid, {cpu})
-
-
-def pod_connect(
-    ip: str,
-    port: int,
-    count: int,
-    warmup: int,
-    cpu: int | None,
-    source_port: Callable[[int], int] | None = None,
-) -> dict[str, Any]:
-    """Time `count` sequential connect() calls (after `warmup` untimed ones) on `cpu`; each
-    socket is closed with a RST (SO_LINGER 0). `source_port(k)`: the port the k-th socket
-    binds first (SO_REUSEADDR), outside the timed part; None: the kernel picks one."""
-    pin(0, cpu)
-    linger = struct.pack("ii", 1, 0)
-    timeout = struct.pack("ll", 2, 0)  # SO_SNDTIMEO bounds a blocking connect()
-    samples: list[int] = []
-    errors = 0
-    first_error = ""
-    clock = time.perf_counter_ns
-    for k in range(warmup + count):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
-        try:
-            if source_port is not None:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind(("0.0.0.0", source_port(k)))
-            start = clock()
-            sock.connect((ip, port))
-            elapsed = clock() - start
-        except OSError as exc:
-            errors += 1
-            first_error = first_error or f"{type(exc).__name__}: {exc}"
-            if errors >= MAX_FAILURES:
-                break
-        else:
-            if k >= warmup:
-                samples.append(elapsed)
-        finally:
-            sock.close()
-    return {"ns": samples, "errors": errors, "first_error": first_error}
-
-
-def enter(netns: str, cgroup: str | None) -> None:
-    """Move this process into `cgroup` (if given) and its network namespace to `netns` (a
-    /run/netns path): sockets made afterwards belong to that pod (and that cgroup's hooks)."""
-    import ctypes
-
-    if cgroup:
-        Path(cgroup, "cgroup.procs").write_text(str(os.getpid()))
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(netns, os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"setns({netns}): {os.strerror(errno)}")
-    finally:
-        os.close(fd)
-
-
-def serve(listen: list[str]) -> None:
-    """Every pod's server in one process: for each NETNS=PORT,PORT... a listening TCP socket
-    per port made in that network namespace; each connection gets a greeting line, then its
-    bytes echoed until the peer closes. One plain selector loop, so every path the bench
-    measures ends in the same process and code (the path, not the server, must differ)."""
-    import selectors
-
-    selector = selectors.DefaultSelector()
-    for item in listen:
-        netns, _, ports = item.partition("=")
-        enter(netns, None)
-        for port in ports.split(","):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("0.0.0.0", int(port)))
-            sock.listen(512)
-            sock.setblocking(False)
-            selector.register(sock, selectors.EVENT_READ, None)
-    print("ready", flush=True)
-    while True:
-        for key, _ in selector.select():
-            sock = key.fileobj  # type: ignore[assignment]
-            if key.data is None:  # a listener: take what is queued
-                while True:
-                    try:
-                        conn, _ = sock.accept()
-                    except OSError:
-                        break
-                    conn.setblocking(False)
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    try:
-                        conn.send(b"echo\n")
-                    except OSError:  # reset already (connect() sets close with RST)
-                        conn.close()
-                        continue
-                    selector.register(conn, selectors.EVENT_READ, True)
-                continue
-            try:
-                data = sock.recv(65536)
-                if data:
-                    sock.sendall(data)
-            except OSError:
-                data = b""
-            if not data:
-                selector.unregister(sock)
-                sock.close()
-
-
-def echo_connection(ip: str, port: int, what: str) -> socket.socket:
-    """A TCP connection to serve's echo at ip:port, Nagle off, its greeting line read."""
-    sock = socket.create_connection((ip, port), timeout=5)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    greeting = b""
-    while not greeting.endswith(b"\n"):  # serve sends its name first
-        data = sock.recv(256)
-        if not data:
-            raise EOFError(f"{what}: the server closed the connection")
-        greeting += data
-    return sock
 
 
 def pod_request_response(cpu: int | None, count: int, warmup: int) -> dict[str, Any]:
@@ -317,7 +190,8 @@ def run_in_pod(
 ) -> dict[str, Any]:
     """connect() timed in `pod` on `cpu` (and in `cgroup`, where the socket hooks are, if
     given)."""
-    from agent.lab.toolkit import in_cgroup, in_netns
+    from agent.lab.toolkit import in_netns
+    from tests.lab.kit import in_cgroup
 
     argv = [sys.executable, str(THIS_FILE), "--pod-connect", ip, str(port), str(count),
             "-" if cpu is None else str(cpu)]  # fmt: skip
@@ -326,21 +200,6 @@ def run_in_pod(
     if proc.returncode != 0:
         raise RuntimeError(f"connect() in {pod.name} exited {proc.returncode}: {proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def start_server(listen: list[tuple[Pod, list[int]]], cgroup: Path | None) -> subprocess.Popen:
-    """The one server process (serve) for the pods in `listen`, in `cgroup` as a pod's
-    processes are; returns once every socket listens."""
-    from agent.lab.toolkit import LabError, in_cgroup, read_line, stop_process
-
-    spec = [f"/run/netns/{pod.ns}={','.join(map(str, ports))}" for pod, ports in listen]
-    argv = in_cgroup(cgroup, [sys.executable, str(THIS_FILE), "--serve", *spec])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)  # stderr: the bench's
-    line = read_line(proc, timeout=10).strip()
-    if line != "ready":
-        stop_process(proc)
-        raise LabError(f"the bench's server did not start ({line!r})")
-    return proc
 
 
 @dataclass
@@ -394,27 +253,6 @@ def request_response_round(
     return json.loads(out.strip().splitlines()[-1])["ns"]
 
 
-def placements(rounds: int) -> list[tuple[int | None, int | None]]:
-    """(client CPU, servers' CPU) per round for the connect() sets: the client on one CPU and
-    every server on another, alternating which is which, so every path is measured with the
-    same placement in each round (left to itself the scheduler puts a path's client and
-    server on one CPU in one set and on two in the next). None: one CPU, nothing to place."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return [(None, None)] * rounds
-    return [(cpus[r % 2], cpus[(r + 1) % 2]) for r in range(rounds)]
-
-
-def slope_ns_per_service(points: list[tuple[int, float]]) -> float:
-    """Least-squares slope of (N, ns) points."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    sxx = sum((x - mean_x) ** 2 for x, _ in points)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
-    return sxy / sxx if sxx else 0.0
-
-
 def us(ns: float) -> str:
     return f"{ns / 1000:.1f}"
 
@@ -427,57 +265,12 @@ def row(label: str, s: Summary, extra: str = "") -> str:
     )
 
 
-def set_socket_lb(dataplane: Any, mode: str) -> None:
-    """Write --socket-lb `mode` into the dataplane's kbp_config, as an agent started with
-    it would (the hooks read it at each connect())."""
-    from agent.dataplane.ebpf.abi import from_bytes, to_bytes
-    from agent.dataplane.ebpf.external import SOCKET_LB_BITS
-
-    table = dataplane.programs.map("kbp_config")
-    config = from_bytes("kbp_config", table.lookup(bytes(4)))
-    if config.sock_lb != SOCKET_LB_BITS[mode]:
-        config.sock_lb = SOCKET_LB_BITS[mode]
-        table.update(bytes(4), to_bytes(config))
-
-
 def iptables_backend() -> str:
     try:
         out = subprocess.run(["iptables", "--version"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         return "iptables not found"
     return out.stdout.strip() or out.stderr.strip()
-
-
-def target_entries(n: int, server_ip: str) -> dict[str, ServiceEntry]:
-    """The target Services of a lab for N Services in all: named to sort first, in the
-    middle and last among bench/common/nodestates.py's synthetic `svc-NNNNNN` (one below N = 3)."""
-    from bench.common.nodestates import service_entry
-
-    if n < len(POSITIONS):
-        backends = [(server_ip, BACKEND_PORTS["last"])]
-        return {"last": service_entry("zz-target", TARGET_IP, backends, local=True)}
-    synthetic = n - len(POSITIONS)
-    # "svc-000499-target" sorts right after svc-000499: half the synthetic ones before it
-    middle = f"svc-{synthetic // 2 - 1:06d}-target" if synthetic >= 2 else "m-target"
-    names = {"first": "aa-target", "middle": middle, "last": "zz-target"}
-    return {
-        pos: service_entry(
-            names[pos], TARGET_IPS[pos], [(server_ip, BACKEND_PORTS[pos])], local=True
-        )
-        for pos in POSITIONS
-    }
-
-
-def state_with_targets(
-    others: list[ServiceEntry], targets: dict[str, ServiceEntry], n: int
-) -> tuple[NodeState, dict[str, int]]:
-    """The NodeState of N Services and each target's 1-based place in it (= its rule's
-    place in KBP-SERVICES: every synthetic entry has one ClusterIP frontend)."""
-    from bench.common.nodestates import nodestate_of
-
-    state = nodestate_of([*others[: n - len(targets)], *targets.values()])
-    place = {e.sort_key: i + 1 for i, e in enumerate(state.services)}
-    return state, {pos: place[t.sort_key] for pos, t in targets.items()}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -487,8 +280,6 @@ def run(args: argparse.Namespace) -> int:
     from agent.dataplane.ebpf.netlink import TcAttacher
     from agent.dataplane.iptables import backend as iptables_module  # its COMMAND_TIMEOUT
     from agent.dataplane.iptables.dataplane import IptablesDataplane, unavailable_reason
-    from agent.lab.nodelab import Lab
-    from agent.lab.toolkit import stop_process
     from bench.common.kernel import bench_dataplane, calibration_programs, leftovers, map_sizes_for
     from bench.common.nodestates import synthetic_entries
     from bench.common.report import (
@@ -499,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
         terminate_as_interrupt,
         write_results,
     )
+    from tests.lab.kit import stop_process
+    from tests.lab.nodelab import Lab
 
     dataplanes = [d for d in DATAPLANES if d in args.dataplanes.split(",")]
     ebpf, iptables = "ebpf" in dataplanes, "iptables" in dataplanes
@@ -899,9 +692,6 @@ def main(argv: list[str] | None = None) -> int:
         cpu = None if argv[4] == "-" else int(argv[4])
         print(json.dumps(pod_connect(argv[1], int(argv[2]), int(argv[3]), WARMUP, cpu)),
               flush=True)  # fmt: skip
-        return 0
-    if argv and argv[0] == "--serve":  # NETNS=PORT,PORT ...
-        serve(argv[1:])
         return 0
     if argv and argv[0] == "--pod-rr":  # cpu|- count; the paths on stdin
         cpu = None if argv[1] == "-" else int(argv[1])

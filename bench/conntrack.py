@@ -1,6 +1,6 @@
 """PB-10: conntrack under pressure, the eBPF and the iptables dataplane side by side.
 
-Per dataplane, one namespace lab (agent/lab/nodelab.py): a client pod and three backend
+Per dataplane, one namespace lab (tests/lab/nodelab.py): a client pod and three backend
 pods (lab podserver, TCP 8080) behind one ClusterIP (10.96.0.10:80). The client opens
 N idle connections, then makes short connections (connect, read the greeting, close) at
 a steady rate for a fixed time, then sends a line on every idle connection. The eBPF
@@ -93,11 +93,12 @@ class FillSampler:
 def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
     from agent.dataplane.ebpf.conntrack import Timeouts
     from agent.dataplane.ebpf.maps import MapSizes
-    from agent.lab.nodelab import Lab
-    from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
+    from agent.lab.toolkit import PODCLIENT, in_netns
     from agent.model.compile import compile
     from bench.common.kernel import BENCH_PREFIX, BPFFS
     from tests.builders import default_nodes, make_endpoint, make_service, make_slice, state_of
+    from tests.lab.kit import read_line, stop_process
+    from tests.lab.nodelab import Lab
 
     ct_entries = max(256, flows * 2 // args.ct_fraction)
     lost = None

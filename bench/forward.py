@@ -84,7 +84,7 @@ from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.inspect import XDP_VERDICTS
 from agent.dataplane.ebpf.netlink import TcAttacher
 from agent.dataplane.iptables.dataplane import IptablesDataplane
-from agent.lab.toolkit import NO_RP_FILTER, Cleanup, in_netns, ip_batch, link_index, run, sysctl
+from agent.lab.toolkit import NO_RP_FILTER, in_netns, ip_batch, run, sysctl
 from agent.model.nodestate import (
     CLUSTER_IP,
     LOAD_BALANCER,
@@ -113,6 +113,7 @@ from bench.common.report import (
     terminate_as_interrupt,
     write_results,
 )
+from tests.lab.kit import Cleanup, link_index
 
 PREFIX = f"{BENCH_PREFIX}pb3-"  # namespaces and pin directories of this benchmark
 

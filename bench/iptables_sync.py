@@ -35,7 +35,8 @@ ours is given the backend as `--iptables-backend` would):
               `Compiler.update`, applied by ours and by the floor's partial restore, each
               in its namespace; rules written (`dp.last_writes`) and whether the restore
               input declared only the changed Services' chains (plus the dispatch chains)
-    check     the kernel's KBP- chains and rules per chain equal a fresh render
+    check     the kernel's KBP- chains and rules per chain equal a fresh render (with the
+              KBP-STATE marker chain a full sync writes), the marker naming the revision
     cleanup   the module's `cleanup()`: every KBP- chain and jump removed
 
 `--profile` adds a cProfile of the Python side of one full sync (subprocesses stubbed) per
@@ -53,7 +54,6 @@ import cProfile
 import gc
 import hashlib
 import io
-import json
 import os
 import pstats
 import subprocess
@@ -69,15 +69,11 @@ from unittest import mock
 if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.config import DEFAULT_POD_INTERFACES
-from agent.dataplane.iptables import backend as iptables_backend
 from agent.dataplane.iptables import dataplane as iptables_module
 from agent.dataplane.iptables import render as iptables_render
 from agent.dataplane.iptables.backend import find_backend
 from agent.dataplane.iptables.dataplane import IptablesDataplane
 from agent.lab.toolkit import in_netns
-from agent.model.compile import CompileOptions, Compiler
-from agent.model.decode import decode_object
 from agent.model.nodestate import (
     CLUSTER_IP,
     EXTERNAL_IP,
@@ -87,7 +83,7 @@ from agent.model.nodestate import (
     ServiceEntry,
 )
 from agent.sources.manifests import load_manifests
-from bench.common.kernel import bench_netns, leftovers
+from bench.common.kernel import leftovers
 from bench.common.report import (
     RESULTS,
     Summary,
@@ -99,13 +95,18 @@ from bench.common.report import (
     terminate_as_interrupt,
     write_results,
 )
-from bench.common.workload import ENDPOINTS, THIS_NODE, Change, generate, make_changes
-
-POD_CIDR = "10.128.0.0/9"  # the generator's pod addresses (bench/compile.py)
-LOCK_WAIT = "5"
-# Seconds one iptables tool may run, ours and the floor's alike: an nft restore at 10k x 10
-# takes longer than the dataplane's own COMMAND_TIMEOUT (300 s), which would stop it.
-TOOL_TIMEOUT = 3600.0
+from bench.common.rulesets import (
+    BACKENDS,
+    LOCK_WAIT,
+    POD_CIDR,
+    TOOL_TIMEOUT,
+    Backend,
+    Workload,
+    recompile,
+    scratch_netns,
+    workload,
+)
+from bench.common.workload import ENDPOINTS, make_changes
 
 # Target and anchors (bench/README.md, PB-9, PB-4, PB-5).
 TARGET_RATIO = 1.2  # ours ≤ 1.2 x the equivalent restore, full and partial
@@ -120,53 +121,6 @@ REF_PB9 = (
 
 
 # --- backends ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One `iptables` implementation: its tools per family (the dataplane's tables)."""
-
-    name: str
-    restore: dict[str, str]
-    save: dict[str, str]
-    iptables: dict[str, str]
-
-    def version(self) -> str:
-        try:
-            proc = subprocess.run([self.iptables["IPv4"], "--version"], capture_output=True,
-                                  text=True, timeout=10, check=False)  # fmt: skip
-        except (OSError, subprocess.SubprocessError) as err:
-            return f"unavailable: {err}"
-        return (proc.stdout or proc.stderr).strip()
-
-    @contextlib.contextmanager
-    def for_dataplane(self) -> Iterator[None]:
-        """Point agent/dataplane/iptables at this backend's tools while inside, with the
-        bench's command timeout (the module's 300 s is shorter than an nft restore at 10k)."""
-        tools = find_backend(self.name)
-        assert tools is not None, f"iptables-{self.name} is not installed"
-        with (
-            mock.patch.object(iptables_module, "choose_backend",
-                              lambda requested, netns=None: (tools, "the bench's")),
-            mock.patch.object(iptables_backend, "COMMAND_TIMEOUT", TOOL_TIMEOUT),
-        ):  # fmt: skip
-            yield
-
-
-BACKENDS = {
-    "nft": Backend(
-        "nft",
-        {"IPv4": "iptables-nft-restore", "IPv6": "ip6tables-nft-restore"},
-        {"IPv4": "iptables-nft-save", "IPv6": "ip6tables-nft-save"},
-        {"IPv4": "iptables-nft", "IPv6": "ip6tables-nft"},
-    ),
-    "legacy": Backend(
-        "legacy",
-        {"IPv4": "iptables-legacy-restore", "IPv6": "ip6tables-legacy-restore"},
-        {"IPv4": "iptables-legacy-save", "IPv6": "ip6tables-legacy-save"},
-        {"IPv4": "iptables-legacy", "IPv6": "ip6tables-legacy"},
-    ),
-}
 
 
 def run_tool(ns: str, argv: Sequence[str], stdin: str | None = None) -> tuple[float, str]:
@@ -184,27 +138,6 @@ def restore(ns: str, backend: Backend, text: str) -> float:
     """The floor's operation: one `iptables-restore --noflush` of `text`, as ours runs it."""
     took, _ = run_tool(ns, [backend.restore["IPv4"], "-w", LOCK_WAIT, "--noflush"], text)
     return took
-
-
-def flush_tables(ns: str, backend: Backend) -> None:
-    """Empty nat and filter of both families synchronously, so the namespace's deletion
-    (asynchronous in the kernel) does not tear down 100k rules behind the next figure."""
-    for family in ("IPv4", "IPv6"):
-        for table in ("nat", "filter"):
-            for flag in ("-F", "-X"):
-                subprocess.run(in_netns(ns, [backend.iptables[family], "-w", LOCK_WAIT, "-t",
-                                          table, flag]),
-                               capture_output=True, timeout=TOOL_TIMEOUT, check=False)  # fmt: skip
-
-
-@contextlib.contextmanager
-def scratch_netns(backend: Backend) -> Iterator[str]:
-    """A fresh namespace (bench.datapath's, deleted on exit), emptied before deletion."""
-    with bench_netns() as ns:
-        try:
-            yield ns
-        finally:
-            flush_tables(ns, backend)
 
 
 # --- the floor: what kube-proxy's iptables mode writes for the same NodeState ------------
@@ -633,6 +566,15 @@ def rules_per_chain(text: str, prefix: str = "") -> dict[str, dict[str, int]]:
     return out
 
 
+def rendered_with_marker(state: NodeState, options: iptables_render.RenderOptions) -> str:
+    """A fresh render of every entry of one family, as a full sync writes it: with the
+    KBP-STATE marker rule (its words do not matter here, only that the chain has one)."""
+    rules = [iptables_render.entry_rules(e, options) for e in state.services
+             if e.ip_family == options.family]  # fmt: skip
+    marker = iptables_render.marker(state.revision, "-", 0)
+    return iptables_render.assemble(options, rules, rules, (), state_marker=marker).text
+
+
 def kernel_rules_per_chain(ns: str, backend: Backend) -> dict[str, dict[str, int]]:
     """table → KBP- chain → its rule count, as the kernel reports them (iptables-save)."""
     out: dict[str, dict[str, int]] = {}
@@ -643,29 +585,6 @@ def kernel_rules_per_chain(ns: str, backend: Backend) -> dict[str, dict[str, int
 
 
 # --- one size, one backend ----------------------------------------------------------------
-
-
-@dataclass
-class Workload:
-    services: int
-    cluster: Any  # bench.common.workload.Cluster
-    state: Any  # ClusterState, advanced by each change
-    compiler: Compiler
-    nodestate: NodeState
-    options: iptables_render.RenderOptions
-
-
-def workload(services: int, directory: Path) -> Workload:
-    cluster = generate(services, directory)
-    state, _ = load_manifests([cluster.path])
-    state.take_changes()
-    compiler = Compiler(THIS_NODE, CompileOptions(cluster_cidrs=(POD_CIDR,)))
-    nodestate = compiler.full(state)
-    # What the dataplane derives for IPv4 from the NodeState and its default interfaces.
-    options = iptables_render.RenderOptions(
-        "IPv4", (POD_CIDR,), iptables_render.interface_patterns(DEFAULT_POD_INTERFACES)
-    )
-    return Workload(services, cluster, state, compiler, nodestate, options)
 
 
 @dataclass
@@ -834,10 +753,15 @@ def measure(w: Workload, backend: Backend, repeat: int, per_kind: int,
                       flush=True)  # fmt: skip
             w.nodestate = current
 
-        # The kernel holds what a fresh render of the final state says, chain by chain.
+        # The kernel holds what a fresh render of the final state says, chain by chain,
+        # the KBP-STATE marker chain (one rule) included, and that marker names the final
+        # state's revision.
         kernel = kernel_rules_per_chain(ours_ns, backend)
-        rendered = rules_per_chain(iptables_render.render(current.services, w.options))
-        consistent = all(kernel[t] == rendered.get(t) for t in ("nat", "filter"))
+        rendered = rules_per_chain(rendered_with_marker(current, w.options))
+        held = iptables_module.kernel_marker("IPv4", ours_ns, find_backend(backend.name))
+        consistent = held is not None and held[0] == current.revision and all(
+            kernel[t] == rendered.get(t) for t in ("nat", "filter")
+        )
         if "cleanup" in steps:  # `kube-bpf-proxy cleanup` on this node: every KBP- chain
             gc.collect()
             start = time.perf_counter()
@@ -851,14 +775,6 @@ def measure(w: Workload, backend: Backend, repeat: int, per_kind: int,
         {k: Summary(v) for k, v in resync.items() if v},
         partial, full_rules, consistent, save_seconds, kube_proxy_order, cleanup_seconds,
     )  # fmt: skip
-
-
-def recompile(w: Workload, change: Change) -> tuple[NodeState, float]:
-    start = time.perf_counter()
-    values = [decode_object(json.loads(text)).value for text in change.texts]
-    change.apply_to_state(w.state, values)
-    new = w.compiler.update(w.state)
-    return new, time.perf_counter() - start
 
 
 def profile_full(w: Workload, out: Path) -> None:
@@ -959,7 +875,8 @@ def print_result(r: Result) -> dict[str, Any]:
         print(f"{label:<50} {fmt_s(r.cleanup_seconds):>9}")
     if r.partial:
         report.update(print_partial(r))
-    print(f"kernel chains and rules per chain equal a fresh render of the final state: "
+    print(f"kernel chains and rules per chain equal a fresh render of the final state, its "
+          f"KBP-STATE marker naming its revision: "
           f"{'yes' if r.consistent else 'NO'}")  # fmt: skip
     return report
 

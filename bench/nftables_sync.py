@@ -57,8 +57,8 @@ from bench.common.report import (
     terminate_as_interrupt,
     write_results,
 )
+from bench.common.rulesets import BACKENDS, POD_CIDR, recompile, scratch_netns, workload
 from bench.common.workload import ENDPOINTS, make_changes
-from bench.iptables_sync import BACKENDS, POD_CIDR, recompile, scratch_netns, workload
 
 # Targets (issue 36): the eBPF full-sync budget, and one change from event to last write.
 FULL_TARGET_S = 3.0  # at 10k x 10

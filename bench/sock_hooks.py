@@ -4,7 +4,7 @@ run_time_ns / run_cnt of this run's kbp_connect4 and kbp_release only, whatever 
 programs the machine runs), beside the connect() p50 of the same sets against the floor,
 with N ClusterIP Services programmed (--services; the measured ones among them).
 
-One namespace lab (agent/lab/nodelab.py) with its cgroup: `client0` → `server0` with no
+One namespace lab (tests/lab/nodelab.py) with its cgroup: `client0` → `server0` with no
 program and outside the cgroup (the floor), and `client` (in the cgroup, the dataplane on
 its veth, --socket-lb all) → ClusterIPs served by `server`:
 
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import json
 import os
@@ -65,7 +64,7 @@ if not __package__:  # run as a script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 if TYPE_CHECKING:
-    from agent.lab.nodelab import Pod
+    from tests.lab.nodelab import Pod
 
 THIS_FILE = Path(__file__).resolve()
 PORT = 8080
@@ -81,9 +80,6 @@ BOUND_FIRST, BOUND_SPAN = 40000, 1000
 TAKEN_PORT = 41999
 # The hook timed, the one at close(), and the tc programs on the pods' veths.
 PROGRAMS = ("kbp_connect4", "kbp_release", "kbp_from_pod", "kbp_to_pod")
-BPF_STATS_RUN_TIME = 0  # enum bpf_stats_type
-PROG_INFO_SIZE = 224  # struct bpf_prog_info up to verified_insns
-RUN_TIME_AT, RUN_CNT_AT, XLATED_LEN_AT, JITED_LEN_AT, VERIFIED_AT = 192, 200, 20, 16, 216
 # Targets (bench/README.md, PB-2 re-based for issue 31): the connect hook's own cost.
 TARGET_HOOK_NS = 300  # kbp_connect4 ns per TCP connect() to a ClusterIP at 10k Services
 TARGET_HOOK_AT = 10_000
@@ -92,7 +88,7 @@ TARGET_FLAT = 1.2  # flat from 1 to 30k: the largest size's figure ≤ 1.2x the 
 
 def pod_udp_connect(ip: str, port: int, count: int, cpu: int | None) -> dict[str, Any]:
     """`count` UDP sockets connect()ed to ip:port (no datagram), each timed."""
-    from bench.connect import pin
+    from bench.common.connects import pin
 
     pin(0, cpu)
     samples: list[int] = []
@@ -112,7 +108,7 @@ def pod_bound_connect(
     port bound first (SO_REUSEADDR), closed with a RST. Without `hold` the ports cycle
     through BOUND_FIRST.. (a tuple no socket holds); with it every socket binds TAKEN_PORT,
     of which a first socket, connected to `hold`:port and held open, takes the tuple."""
-    from bench.connect import pin, pod_connect
+    from bench.common.connects import pin, pod_connect
 
     pin(0, cpu)
     held = None
@@ -138,7 +134,8 @@ def run_in_pod(
     cgroup: Path | None, hold: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The pod side of this file in `pod` (and in `cgroup`, where the hooks are)."""
-    from agent.lab.toolkit import in_cgroup, in_netns
+    from agent.lab.toolkit import in_netns
+    from tests.lab.kit import in_cgroup
 
     argv = [sys.executable, str(THIS_FILE), mode, ip, str(port), str(count),
             "-" if cpu is None else str(cpu), hold or "-"]  # fmt: skip
@@ -147,45 +144,6 @@ def run_in_pod(
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} in {pod.name} exited {proc.returncode}: {proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-class ProgramStats:
-    """Run time and count of one loaded program (by fd), while statistics are enabled."""
-
-    def __init__(self, prog_fd: int) -> None:
-        self._lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
-        self._fd = prog_fd
-
-    def info(self) -> bytes:
-        buf = ctypes.create_string_buffer(PROG_INFO_SIZE)
-        size = ctypes.c_uint32(PROG_INFO_SIZE)
-        rc = self._lib.bpf_obj_get_info_by_fd(self._fd, buf, ctypes.byref(size))
-        if rc < 0:
-            raise OSError(-rc, "bpf_obj_get_info_by_fd")
-        return buf.raw
-
-    def sample(self) -> tuple[int, int]:
-        raw = self.info()
-        return (int.from_bytes(raw[RUN_TIME_AT : RUN_TIME_AT + 8], "little"),
-                int.from_bytes(raw[RUN_CNT_AT : RUN_CNT_AT + 8], "little"))  # fmt: skip
-
-    def sizes(self) -> dict[str, int]:
-        raw = self.info()
-
-        def u32(at: int) -> int:
-            return int.from_bytes(raw[at : at + 4], "little")
-
-        return {"xlated_insns": u32(XLATED_LEN_AT) // 8, "jited_bytes": u32(JITED_LEN_AT),
-                "verified_insns": u32(VERIFIED_AT)}  # fmt: skip
-
-
-def enable_stats() -> int:
-    """An fd that keeps the kernel's program statistics on while it is open (refcounted:
-    another user's sysctl or fd is not disturbed)."""
-    fd = ctypes.CDLL("libbpf.so.1", use_errno=True).bpf_enable_stats(BPF_STATS_RUN_TIME)
-    if fd < 0:
-        raise OSError(-fd, "bpf_enable_stats")
-    return fd
 
 
 def measured_entries(server_ip: str) -> list[Any]:
@@ -208,7 +166,7 @@ def forget_flows(dp: Any) -> int:
     hooks' flows write none). Each connect() of a taken set leaves its remapped flow's
     reply entry behind once the next one, on the same tuple, rewrites the forward entry;
     the collector keeps such a reply entry as an established flow, so the claimed SNAT
-    ports would add up from set to set (see bench/README.md, issue 31) and the sets would
+    ports would add up from set to set (see bench/notes/connect.md, issue 31) and the sets would
     measure the fill of the range instead of the path. Returns the entries removed."""
     removed = 0
     for name in ("kbp_ct", "kbp_ct_remap"):
@@ -305,8 +263,8 @@ def report_size(
 def report_rebased(report: dict[str, Any], sizes_n: list[int]) -> dict[str, Any]:
     """PB-2 as re-based in issue 31: (a) the hook's ns per connect() by size, its slope and
     targets; (c) connect() p50 net of the floor beside the floor's A/A spread."""
+    from bench.common.connects import slope_ns_per_service
     from bench.common.report import mark
-    from bench.connect import slope_ns_per_service
 
     print("\n## PB-2 re-based (bench/README.md): (a) the connect hook's ns per connect(), "
           "(c) connect() p50 net of the floor with the floor's A/A spread")  # fmt: skip
@@ -353,10 +311,10 @@ def report_rebased(report: dict[str, Any], sizes_n: list[int]) -> dict[str, Any]
 
 def run(args: argparse.Namespace) -> int:
     from agent.dataplane.ebpf.cgroup import netns_cookie
-    from agent.lab.nodelab import Lab
-    from agent.lab.toolkit import stop_process
+    from bench.common.connects import pin, placements, set_socket_lb, start_server
     from bench.common.kernel import bench_dataplane, leftovers, map_sizes_for
     from bench.common.nodestates import nodestate_of, synthetic_entries
+    from bench.common.progstats import ProgramStats, enable_stats
     from bench.common.report import (
         header,
         machine,
@@ -364,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
         terminate_as_interrupt,
         write_results,
     )
-    from bench.connect import pin, placements, set_socket_lb, start_server
+    from tests.lab.kit import stop_process
+    from tests.lab.nodelab import Lab
 
     sizes_n = sorted({int(x) for x in args.services.split(",") if x.strip()})
     wanted = set(args.kinds.split(",")) if args.kinds else set(KINDS)
@@ -488,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("--pod-connect", "--pod-udp", "--pod-bound"):
-        from bench.connect import WARMUP, pod_connect
+        from bench.common.connects import WARMUP, pod_connect
 
         ip, port, count = argv[1], int(argv[2]), int(argv[3])
         cpu = None if argv[4] == "-" else int(argv[4])

@@ -5,11 +5,11 @@ tc program and no program at all.
 
 BPF_PROG_TEST_RUN (datapath.py) times a program on a linear, unshared skb with warm
 caches; real packets differ in what made kbp_from_pod cost 128-160 ns a run here against
-37 for an empty program (see bench/README.md, "tc on packets it leaves alone"): a data
+37 for an empty program (see bench/notes/connect.md, "tc on packets it leaves alone"): a data
 segment a TCP socket sends is a cloned skb with its payload in pages, and the caches are
 cold after the stack and the application ran. This measures that case.
 
-One namespace lab (agent/lab/nodelab.py) with its cgroup and one server process for all
+One namespace lab (tests/lab/nodelab.py) with its cgroup and one server process for all
 pods (connect.py's serve), client and server on CPU 0. Paths, each a set of 1-byte
 exchanges on one connection, in rotating order for `--rounds` rounds:
 
@@ -54,7 +54,7 @@ PROGRAMS = ("kbp_from_pod", "kbp_to_pod", "kbp_bench_empty")
 def pod_echo(ip: str, port: int, count: int) -> None:
     """The pod side: connect, say `ready`, wait for a line on stdin, then `count` timed
     1-byte exchanges on CPU; prints the p50 in ns."""
-    from bench.connect import echo_connection
+    from bench.common.connects import echo_connection
 
     os.sched_setaffinity(0, {CPU})
     sock = echo_connection(ip, port, f"{ip}:{port}")
@@ -73,12 +73,8 @@ def pod_echo(ip: str, port: int, count: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from agent.dataplane.ebpf.netlink import TcAttacher
-    from agent.lab.nodelab import Lab
-    from agent.lab.toolkit import in_cgroup, in_netns, stop_process
-    from bench.common.kernel import bench_dataplane, calibration_programs, map_sizes_for
-    from bench.common.nodestates import synthetic_entries
-    from bench.common.report import Summary, header, machine, terminate_as_interrupt
-    from bench.connect import (
+    from agent.lab.toolkit import in_netns
+    from bench.common.connects import (
         DIRECT_PORT,
         PORT,
         SERVER_PORTS,
@@ -90,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
         state_with_targets,
         target_entries,
     )
-    from bench.sock_hooks import ProgramStats, enable_stats
+    from bench.common.kernel import bench_dataplane, calibration_programs, map_sizes_for
+    from bench.common.nodestates import synthetic_entries
+    from bench.common.progstats import ProgramStats, enable_stats
+    from bench.common.report import Summary, header, machine, terminate_as_interrupt
+    from tests.lab.kit import in_cgroup, stop_process
+    from tests.lab.nodelab import Lab
 
     terminate_as_interrupt()
     header("bench/tc_cost.py (PB-2, tc on packets it leaves alone)", machine(), "")

@@ -21,16 +21,21 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import sys
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..dataplane.ebpf import abi, codec, frames, libbpf
-from ..dataplane.ebpf.abi import DROP_REASONS, PROTOCOLS, const, packer, versioned
-from ..dataplane.ebpf.inspect import BACKEND_FLAGS, SERVICE_FLAGS, flag_names
+from ..dataplane.ebpf.abi import DROP_REASONS, PROTOCOLS, const, versioned
+from ..dataplane.ebpf.inspect import (
+    BACKEND_FLAGS,
+    SERVICE_FLAGS,
+    InspectError,
+    PinnedMaps,
+    flag_names,
+)
 from ..dataplane.ebpf.libbpf import Map
 from ..dataplane.ebpf.maps import FrontendKey
 from ..model.nodestate import CLUSTER_IP, Backend, NodeState
@@ -66,19 +71,13 @@ class RunResult:
 
 
 @contextmanager
-def _maps(pin_dir: Path) -> Iterator[dict[str, Map]]:
-    with ExitStack() as stack:
-        opened = {}
-        for name in MAPS:
-            path = pin_dir / versioned(name)
-            try:
-                opened[name] = stack.enter_context(Map.pinned(str(path)))
-            except OSError as err:
-                raise KernelError(
-                    f"{path}: {os.strerror(err.errno or 0)}; is the eBPF "
-                    f"dataplane running with --bpffs {pin_dir}?"
-                ) from err
-        yield opened
+def _maps(pin_dir: Path) -> Iterator[PinnedMaps]:
+    """The pinned maps through inspect's reader, every one explain reads opened first."""
+    try:
+        with PinnedMaps(pin_dir) as pinned:
+            yield pinned.open(*MAPS)
+    except InspectError as err:
+        raise KernelError(str(err)) from err
 
 
 def _u32(value: int) -> bytes:
@@ -99,7 +98,7 @@ def explain_ebpf(
     lines: list[str] = []
     disagree: list[str] = []
     with _maps(pin_dir) as maps:
-        held = codec.meta_revision(maps["kbp_meta"].lookup(_u32(0)))
+        held = maps.revision()
         if held is None:
             disagree.append(
                 "the maps name no NodeState revision: no apply completed since "
@@ -111,9 +110,7 @@ def explain_ebpf(
                 f"{state.revision[:19]}…: the agent is behind or the pins are "
                 "stale (another agent's, or left from an earlier run)"
             )
-        key = FrontendKey(dst_ip, dst_port, proto, abi.family_of(dst_ip))
-        raw = maps["kbp_services"].lookup(codec.frontend_key(key))
-        svc = codec.decode_service(raw) if raw else None
+        svc = maps.service(FrontendKey(dst_ip, dst_port, proto, abi.family_of(dst_ip)))
         if svc is None:
             lines.append(
                 f"frontend:  {address(dst_ip, dst_port)}/{ex.protocol} not in kbp_services"
@@ -180,7 +177,7 @@ def explain_ebpf(
 # --- the socket hooks ----------------------------------------------------------------------
 
 
-def _translating_hook(maps: dict[str, Map], pin_dir: Path, ip: str) -> int | None:
+def _translating_hook(maps: PinnedMaps, pin_dir: Path, ip: str) -> int | None:
     """The network namespace cookie of the pod with address `ip` when the socket hooks
     translate its connect()s: the connect hook of the address's family is attached (its
     link pinned), kbp_config says the pods' sockets are translated (--socket-lb all) and
@@ -191,20 +188,15 @@ def _translating_hook(maps: dict[str, Map], pin_dir: Path, ip: str) -> int | Non
     hook = "connect4" if family == const.KBP_FAMILY_IPV4 else "connect6"
     if hook not in socket_hooks_pinned(pin_dir):
         return None
-    raw = maps["kbp_config"].lookup(_u32(0))
-    if raw is None or not abi.from_bytes("kbp_config", raw).sock_lb & const.KBP_SOCK_LB_PODS:
+    config = maps.config()
+    if config is None or not config.sock_lb & const.KBP_SOCK_LB_PODS:
         return None
-    want = abi.addr_bytes(ip)
-    at = 0 if family == const.KBP_FAMILY_IPV4 else 16
-    for key, value in maps["kbp_pods"].items():
-        if value[at : at + 16] == want:
-            return int.from_bytes(key, sys.byteorder)
-    return None
+    return maps.pod_cookie(ip)
 
 
 def _through_the_hook(
     section: dict[str, Any],
-    maps: dict[str, Map],
+    maps: PinnedMaps,
     netns_cookie: int,
     src: str,
     sport: int | None,
@@ -251,7 +243,7 @@ def _through_the_hook(
 
 
 def _tuple_holders(
-    maps: dict[str, Map], netns_cookie: int, src: str, sport: int, chosen: Backend, protocol: str
+    maps: PinnedMaps, netns_cookie: int, src: str, sport: int, chosen: Backend, protocol: str
 ) -> list[str]:
     """Who holds src:sport -> chosen as its tuple, as the hook asks (sock_tuple_taken): a
     socket of the pod's namespace (by sock_diag in it), a flow in tc's conntrack (a reply
@@ -273,23 +265,13 @@ def _tuple_holders(
     if states:
         kind = "TCP" if proto == socket.IPPROTO_TCP else "connected UDP"
         found.append(f"a {kind} socket of the pod ({', '.join(sorted(set(states)))})")
-    family = abi.family_of(src)
-    key = packer("kbp_ct_key").pack(
-        abi.addr_bytes(chosen.ip),
-        abi.addr_bytes(src),
-        abi.port_bytes(chosen.port),
-        abi.port_bytes(sport),
-        proto,
-        family,
-        const.KBP_CT_REPLY,
-    )
-    if maps["kbp_ct"].lookup(key) is not None:
+    if maps.flow(chosen.ip, src, chosen.port, sport, proto, const.KBP_CT_REPLY) is not None:
         found.append("a flow in tc's conntrack")
     return found
 
 
 def _service_lines(
-    maps: dict[str, Map], svc: Any, ex: Explanation, source: Any, disagree: list[str]
+    maps: PinnedMaps, svc: Any, ex: Explanation, source: Any, disagree: list[str]
 ) -> list[str]:
     lines = [
         f"frontend:  service id {svc.service_id}, flags "
@@ -304,20 +286,20 @@ def _service_lines(
     members: list[int] = []
     copies: dict[int, set[bytes]] = {}  # backend id -> the copies its slots carry
     for index in range(count if set_id else 0):
-        slot = maps["kbp_slots"].lookup(codec.slot_key(set_id, index))
+        slot = maps.slot(set_id, index)
         if slot is None:
             disagree.append(f"set {set_id} lacks slot {index} of {count}: a half-written set")
             break
-        backend_id = codec.slot_backend_id(slot)
+        backend_id, copy = slot
         members.append(backend_id)
-        copies.setdefault(backend_id, set()).add(codec.slot_backend_copy(slot))
+        copies.setdefault(backend_id, set()).add(copy)
     lines.append(f"set:       {which} {set_id}, {count} slot{'s' if count != 1 else ''}")
     shares: dict[int, int] = {}
     for backend_id in members:
         shares[backend_id] = shares.get(backend_id, 0) + 1
     seen: set[tuple[str, int]] = set()
     for backend_id, held in shares.items():
-        raw = maps["kbp_backends"].lookup(_u32(backend_id))
+        raw = maps.backend(backend_id)
         if raw is None:
             lines.append(f"  slot -> backend id {backend_id}: missing from kbp_backends")
             disagree.append(
@@ -357,35 +339,21 @@ def _service_lines(
 
 
 def _live_lines(
-    maps: dict[str, Map], src: str, sport: int, dst: str, dport: int, proto: int, svc: Any
+    maps: PinnedMaps, src: str, sport: int, dst: str, dport: int, proto: int, svc: Any
 ) -> list[str]:
     """The live conntrack entry of this very tuple and the client's affinity entry."""
-    family = abi.family_of(src)
-    key = packer("kbp_ct_key").pack(
-        abi.addr_bytes(src),
-        abi.addr_bytes(dst),
-        abi.port_bytes(sport),
-        abi.port_bytes(dport),
-        proto,
-        family,
-        const.KBP_CT_FORWARD,
-    )
     lines = []
-    raw = maps["kbp_ct"].lookup(key)
-    if raw is None:
+    entry = maps.flow(src, dst, sport, dport, proto, const.KBP_CT_FORWARD)
+    if entry is None:
         lines.append(f"conntrack: no entry for {address(src, sport)} -> {address(dst, dport)}")
     else:
-        entry = abi.from_bytes("kbp_ct_entry", raw)
-        lines.append(
-            f"conntrack: live flow to {_ct_target(entry, family)} (backend id {entry.backend_id})"
-        )
+        target = _ct_target(entry, abi.family_of(src))
+        lines.append(f"conntrack: live flow to {target} (backend id {entry.backend_id})")
     if svc is not None and svc.flags & const.KBP_SVC_F_AFFINITY:
-        akey = packer("kbp_affinity_key").pack(abi.addr_bytes(src), svc.service_id, family)
-        raw = maps["kbp_affinity"].lookup(akey)
-        if raw is None:
+        backend_id = maps.affinity(src, svc.service_id)
+        if backend_id is None:
             lines.append(f"affinity:  none for {src}")
         else:
-            _last, backend_id = packer("kbp_affinity").unpack(raw)
             lines.append(f"affinity:  {src} -> backend id {backend_id}")
     return lines
 

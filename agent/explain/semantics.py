@@ -2,8 +2,8 @@
 the endpoints the compiler chose from), which frontend a query names, which backend set
 its packets use and why, each backend of that set, the endpoints left out and why. Pure.
 
-The set a packet uses is decided by the lab's rules (agent/lab/expect.py), which are the
-dataplanes' (docs/nodestate.md); this module only names the reasons.
+The set a packet uses and what it meets are the model's answer (agent/model/outcome.py,
+the dataplanes' rules of docs/nodestate.md); this module only names the reasons.
 """
 
 from __future__ import annotations
@@ -13,28 +13,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..lab.expect import (
-    BACKENDS,
-    CLUSTER_BACKENDS,
-    DROPPED,
-    REFUSED,
-    expect,
-    expect_from_outside,
-    source_allowed,
-    used_set,
-    used_set_from_outside,
-)
 from ..model.compile import (
     ANY_CLUSTER,
     LOCAL_CLUSTER,
     NO_MATCH,
-    NO_TOPOLOGY,
     PREFER_SAME_NODE,
     PREFER_SAME_ZONE,
 )
 from ..model.conventions import TOPOLOGY_KEY_ANY
 from ..model.ip import in_networks
 from ..model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, Frontend, NodeState, ServiceEntry
+from ..model.outcome import (
+    BACKENDS,
+    CLUSTER_BACKENDS,
+    DROPPED,
+    REFUSED,
+    SOURCE_NOT_ALLOWED,
+    outcome,
+    source_allowed,
+    topology_tiers,
+)
 from ..model.types import Endpoint
 
 # Where a packet comes from.
@@ -45,7 +43,7 @@ OUTSIDE = "outside"
 # range, which no example or cluster uses.
 DEFAULT_OUTSIDE_IP = "198.18.0.1"
 
-# Outcomes beyond expect.py's BACKENDS / REFUSED / DROPPED.
+# Outcomes beyond the model's BACKENDS / REFUSED / DROPPED (agent/model/outcome.py).
 NOT_A_SERVICE = "not-a-service"
 
 PROTOCOLS = ("TCP", "UDP", "SCTP")
@@ -265,22 +263,18 @@ def explain(
             "frontend of this node: the packet passes untranslated",
         )  # fmt: skip
     entry, frontend = found
-    pick = expect_from_outside if source.kind == OUTSIDE else expect
-    # expect() names backends by the lab pod answering; here each is its address.
-    expectation = pick(entry, frontend, source.ip, "ebpf",
-                       lambda b: (address(b.ip, b.port), ""))  # fmt: skip
-    choose = used_set_from_outside if source.kind == OUTSIDE else used_set
-    set_name, used = choose(entry, frontend)
-    out = Explanation(source, frontend, entry.protocol, entry, expectation.kind, set_name)
+    result = outcome(entry, frontend, source.ip, from_outside=source.kind == OUTSIDE)
+    set_name, used = result.set_name, result.backends
+    out = Explanation(source, frontend, entry.protocol, entry, result.kind, set_name)
     out.why = _why(entry, frontend, source, set_name, used)
     out.backends = list(used)
-    if expectation.kind == DROPPED and not source_allowed(source.ip, frontend):
+    if result.reason == SOURCE_NOT_ALLOWED:
         out.note = f"loadBalancerSourceRanges {', '.join(frontend.source_ranges)} do not " \
             f"admit {source.ip}"  # fmt: skip
         return out
-    if expectation.kind == REFUSED:
+    if result.kind == REFUSED:
         out.note = "no endpoints: the Service has no usable endpoint anywhere"
-    elif expectation.kind == DROPPED:
+    elif result.kind == DROPPED:
         out.note = _dropped_note(entry, set_name)
     if candidates is None:
         out.left_out = _left_out_from_state(entry, set_name, used)
@@ -338,10 +332,6 @@ def _algorithm_why(algorithm: str) -> str:
         return "lbAlgorithm random: each new connection takes a random slot"
     return "lbAlgorithm hash: the hash of the 5-tuple picks the slot (the same source " \
         "port gives the same backend while the set is unchanged)"  # fmt: skip
-
-
-def topology_tiers(topology: str) -> list[str]:
-    return [] if topology == NO_TOPOLOGY else topology.split("+")
 
 
 # Why each topology tier of a NodeState entry (compile's `topology` field) took its set.

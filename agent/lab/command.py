@@ -23,14 +23,12 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ..dataplane.ebpf.abi import versioned
-from ..explain.semantics import topology_tiers
 from ..model.compile import ANY_CLUSTER, LOCAL_CLUSTER, NO_TOPOLOGY, CompileOptions, compile
 from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry
+from ..model.outcome import BACKENDS, KEPT, topology_tiers
 from ..sources.manifests import load_manifests, manifest_files, read_objects
 from .expect import (
-    BACKENDS,
     COVERAGE_MAX_SET,
-    KEPT,
     TIMES,
     Expectation,
     Verdict,
@@ -187,7 +185,10 @@ def _lab(manifests: Sequence[str], dataplane: str, keep: bool, requests: int, sa
         for _, obj in read_objects(path, [])
         if isinstance(obj, dict) and obj.get("kind") == "EndpointSlice"
     ]
-    plan = plan_lab(slices, state)
+    # Every Node's NodeState: the lab's agents program those of its nodes, and their
+    # frontends are the Service addresses the lab routes.
+    states = {name: compile(state, name, CompileOptions()) for name in sorted(state.nodes)}
+    plan = plan_lab(slices, state, states.values())
     if not plan.nodes:
         print(
             "kube-bpf-proxy lab: no endpoint of the manifests is on a Node they define: "
@@ -212,7 +213,6 @@ def _lab(manifests: Sequence[str], dataplane: str, keep: bool, requests: int, sa
         cluster.write_record()
         build(cluster, say)
         agents = start_agents(cluster, paths, dataplane, say)
-        states = {node.name: compile(state, node.name, CompileOptions()) for node in plan.nodes}
         for agent in agents.values():
             ours = states[agent.node].revision
             if agent.revision and not ours.startswith(agent.revision):

@@ -1,46 +1,29 @@
 """What a lab client pod, or the client outside the cluster, should see at each frontend of
 a NodeState, and whether the answers it got keep that promise (pure).
 
-The set a packet uses is docs/nodestate.md's. From a pod: to a ClusterIP, `localBackends` under
-internalTrafficPolicy Local, else `clusterBackends`; to a NodePort, ExternalIP or
-LoadBalancer frontend, `clusterBackends`. From outside the cluster (to those external
-frontends): `localBackends` under externalTrafficPolicy Local, else `clusterBackends`.
-loadBalancerSourceRanges that do not admit the client drop it at a LoadBalancer frontend,
-never at a NodePort. An empty set answers like kube-proxy: refused (TCP RST, ICMP port
-unreachable) when the Service has no endpoints at all, a silent drop (the client times
-out) when endpoints exist elsewhere. Backends the lab has no pod for (other clusters,
-unknown nodes) are left out of the promise and listed instead.
-
-For the outside client the promise also says which source address each backend sees:
-the client's own under externalTrafficPolicy Local; under Cluster, the entry node's (SNAT)
-when the backend is on another node, so that replies come back through it to be
-untranslated. For a backend on the entry node under Cluster the dataplanes differ on
-purpose: eBPF translates only the destination (the pod sees the client), the iptables
-dataplane masquerades all of it as kube-proxy does (the pod sees a node address).
+Which set a packet uses, whether it is refused or dropped and which source address a
+backend sees are the model's answer (agent/model/outcome.py); here they become a promise
+about lab pods: backends the lab has no pod for (other clusters, unknown nodes) are left
+out of the promise and listed instead, and the answers are judged against it.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, Frontend, ServiceEntry
-
-IPTABLES = "iptables"
-
-CLUSTER_BACKENDS = "clusterBackends"
-LOCAL_BACKENDS = "localBackends"
-
-BACKENDS = "backends"  # answers come from the expected pods
-REFUSED = "refused"  # every request is refused at once
-DROPPED = "dropped"  # every request times out
-
-
-# The source address a backend sees for an outside client's request.
-KEPT = "client"  # the client's own address
-SNAT = "node"  # an address of the node the request entered
+from ..model.nodestate import CLUSTER_IP, Backend, Frontend, ServiceEntry
+from ..model.outcome import (
+    BACKENDS,
+    DROPPED,
+    KEPT,
+    REFUSED,
+    SOURCE_NOT_ALLOWED,
+    Outcome,
+    outcome,
+    source_seen,
+)
 
 TIMES = "\N{MULTIPLICATION SIGN}"  # between a pod and its count of answers
 
@@ -77,59 +60,16 @@ class Verdict:
     note: str = ""
 
 
-def used_set(entry: ServiceEntry, frontend: Frontend) -> tuple[str, tuple[Backend, ...]]:
-    """The backend set a packet from a pod to this frontend uses, and its name."""
-    return _named(entry, frontend, from_outside=False)
-
-
-def used_set_from_outside(
-    entry: ServiceEntry, frontend: Frontend
-) -> tuple[str, tuple[Backend, ...]]:
-    """The backend set a packet from outside the cluster to this frontend uses, and its
-    name. A ClusterIP has one set whoever sends (the ClusterIP rule)."""
-    return _named(entry, frontend, from_outside=True)
-
-
-def _named(
-    entry: ServiceEntry, frontend: Frontend, from_outside: bool
-) -> tuple[str, tuple[Backend, ...]]:
-    name = LOCAL_BACKENDS if entry.uses_local(frontend.type, from_outside) else CLUSTER_BACKENDS
-    return name, entry.backends_for(frontend.type, from_outside)
-
-
-def source_seen(entry: ServiceEntry, backend: Backend, dataplane: str) -> str:
-    """KEPT or SNAT: the source address backend sees for an outside client's request to
-    an external frontend of entry (see the module docstring)."""
-    if entry.external_traffic_policy == "Local":
-        return KEPT
-    if not backend.local or dataplane == IPTABLES:
-        return SNAT
-    return KEPT
-
-
-def source_allowed(client_ip: str, frontend: Frontend) -> bool:
-    """Whether the frontend's loadBalancerSourceRanges (if any) admit client_ip."""
-    if frontend.type != LOAD_BALANCER or not frontend.source_ranges:
-        return True
-    address = ipaddress.ip_address(client_ip)  # never in a network of the other family
-    return any(address in ipaddress.ip_network(cidr) for cidr in frontend.source_ranges)
-
-
-def _without_backends(
-    entry: ServiceEntry, frontend: Frontend, client_ip: str, set_name: str, empty: bool
-) -> Expectation | None:
-    """A drop or refusal that comes before any backend: loadBalancerSourceRanges that
-    do not admit client_ip (both dataplanes apply them to pods at the VIP too, as
-    kube-proxy: iptables in KBP-FW, eBPF in lb_source_admitted), or an empty set."""
-    if not source_allowed(client_ip, frontend):
+def _without_backends(result: Outcome) -> Expectation | None:
+    """The promise of a packet that meets no backend: dropped by loadBalancerSourceRanges,
+    or an empty set (refused without endpoints, dropped with endpoints elsewhere)."""
+    if result.kind == BACKENDS:
+        return None
+    if result.reason == SOURCE_NOT_ALLOWED:
         return Expectation(
             DROPPED, "loadBalancerSourceRanges", note="source not allowed, as kube-proxy"
         )
-    if not empty:
-        return None
-    if entry.has_endpoints:
-        return Expectation(DROPPED, f"{set_name} (empty)", note="endpoints elsewhere")
-    return Expectation(REFUSED, f"{set_name} (empty)", note="no endpoints")
+    return Expectation(result.kind, f"{result.set_name} (empty)", note=result.reason)
 
 
 def _located(
@@ -157,12 +97,13 @@ def expect(
 ) -> Expectation:
     """What client_ip (a pod) should see at frontend. locate(backend) gives the name of
     the lab pod answering for a backend, or (None, why the lab cannot reach it)."""
-    set_name, backends = used_set(entry, frontend)
-    uses = set_name if frontend.type == CLUSTER_IP else f"{set_name} (from a pod)"
-    refused = _without_backends(entry, frontend, client_ip, set_name, not backends)
+    result = outcome(entry, frontend, client_ip)
+    name = result.set_name
+    uses = name if frontend.type == CLUSTER_IP else f"{name} (from a pod)"
+    refused = _without_backends(result)
     if refused is not None:
         return refused
-    pods, excluded = _located(backends, locate)
+    pods, excluded = _located(result.backends, locate)
     return Expectation(
         BACKENDS,
         uses,
@@ -181,14 +122,14 @@ def expect_from_outside(
 ) -> Expectation:
     """What client_ip, a host outside the cluster, should see at an external frontend,
     the source address each backend sees included. locate as for `expect`."""
-    set_name, backends = used_set_from_outside(entry, frontend)
-    refused = _without_backends(entry, frontend, client_ip, set_name, not backends)
+    result = outcome(entry, frontend, client_ip, from_outside=True)
+    refused = _without_backends(result)
     if refused is not None:
         return refused
-    pods, excluded = _located(backends, locate)
+    pods, excluded = _located(result.backends, locate)
     return Expectation(
         BACKENDS,
-        f"{set_name} (from outside)",
+        f"{result.set_name} (from outside)",
         tuple(sorted(pods)),
         tuple(excluded),
         affinity=entry.affinity_timeout is not None,

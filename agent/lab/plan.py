@@ -21,6 +21,7 @@ from typing import Any
 from ..model import conventions as c
 from ..model.compile import is_programmed, slice_cluster
 from ..model.ip import parse_ip
+from ..model.nodestate import CLUSTER_IP, NODE_PORT, NodeState
 from ..model.types import ClusterState, EndpointSlice
 
 IPV4 = "IPv4"
@@ -159,9 +160,12 @@ class _Record:
     cluster: str | None  # None for this cluster
 
 
-def plan_lab(slices: Iterable[Mapping[str, Any]], state: ClusterState) -> LabPlan:
-    """The lab for these raw EndpointSlice objects (headless ones included) and the
-    decoded cluster (Services for addresses, Nodes for names, addresses and labels)."""
+def plan_lab(
+    slices: Iterable[Mapping[str, Any]], state: ClusterState, node_states: Iterable[NodeState]
+) -> LabPlan:
+    """The lab for these raw EndpointSlice objects (headless ones included), the decoded
+    cluster (Nodes for names, addresses and labels; Services for what is not proxied) and
+    the NodeStates compiled from it (their frontends: the Service addresses)."""
     records = [r for obj in slices for r in _records(obj)]
     unreachable: dict[str, tuple[set[str], str]] = {}
     usable: list[_Record] = []
@@ -195,7 +199,8 @@ def plan_lab(slices: Iterable[Mapping[str, Any]], state: ClusterState) -> LabPla
     taken = {r.ip for r in records}
     clients = [_client(node, taken) for node in nodes]
     all_pods = tuple(pods) + tuple(c for c in clients if c is not None)
-    service_addresses = _service_addresses(state)
+    frontends = [fe for ns in node_states for entry in ns.services for fe in entry.frontends]
+    service_addresses = _addresses(fe.ip for fe in frontends if fe.type != NODE_PORT)
     return LabPlan(
         nodes=tuple(nodes),
         pods=all_pods,
@@ -205,7 +210,9 @@ def plan_lab(slices: Iterable[Mapping[str, Any]], state: ClusterState) -> LabPla
         ),
         service_addresses=service_addresses,
         not_proxied=_not_proxied(state),
-        external_addresses=_external_addresses(state),
+        external_addresses=_addresses(
+            fe.ip for fe in frontends if fe.type not in (CLUSTER_IP, NODE_PORT)
+        ),
         outside=_outside(nodes, all_pods, taken | set(service_addresses)),
     )
 
@@ -498,18 +505,9 @@ def routes(plan: LabPlan, node_name: str) -> list[tuple[str, str]]:
     return out
 
 
-def _service_addresses(state: ClusterState) -> tuple[str, ...]:
-    addresses: set[str] = set()
-    for service in state.services.values():
-        addresses.update(service.cluster_ips, service.external_ips, service.load_balancer_ips)
-    return tuple(sorted(addresses, key=_ip_key))
-
-
-def _external_addresses(state: ClusterState) -> tuple[str, ...]:
-    addresses: set[str] = set()
-    for service in state.services.values():
-        addresses.update(service.external_ips, service.load_balancer_ips)
-    return tuple(sorted(addresses, key=_ip_key))
+def _addresses(ips: Iterable[str]) -> tuple[str, ...]:
+    """The Service addresses of these frontends, each once, in address order."""
+    return tuple(sorted(set(ips), key=_ip_key))
 
 
 def _not_proxied(state: ClusterState) -> tuple[tuple[str, str], ...]:

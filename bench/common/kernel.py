@@ -18,16 +18,8 @@ from pathlib import Path
 
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.maps import MapSizes
-from agent.lab.toolkit import (
-    BPFFS,
-    Cleanup,
-    LabError,
-    alive,
-    delete_namespace,
-    ip_batch,
-    namespaces_with,
-    sysctl,
-)
+from agent.lab.toolkit import BPFFS, LabError, alive, ip_batch, namespaces_with, sysctl
+from tests.lab.kit import Cleanup, delete_namespace
 
 BENCH_PREFIX = "kbp-bench-"
 NO_INTERFACES = "kbpbench-none"  # a --pod-interfaces glob that matches nothing

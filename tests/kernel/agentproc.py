@@ -16,11 +16,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from agent.lab.nodelab import Lab
 from agent.lab.toolkit import LabError, in_netns, run
+from tests.lab.nodelab import Lab
 
 ROOT = Path(__file__).parents[2]
-POD_INTERFACES = "vethkbp*"  # the lab's host veths (agent/lab/nodelab.py HOST_VETH_PREFIX)
+POD_INTERFACES = "vethkbp*"  # the lab's host veths (tests/lab/nodelab.py HOST_VETH_PREFIX)
 # Small maps: the labs hold a handful of Services, and every map is allocated in full.
 MAP_SIZES = (
     "--map-size-services", "1024", "--map-size-slots", "4096",

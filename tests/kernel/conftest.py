@@ -1,4 +1,4 @@
-"""Fixtures for kernel tests: the namespace lab (agent/lab/nodelab.py)."""
+"""Fixtures for kernel tests: the namespace lab (tests/lab/nodelab.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.lab.nodelab import Lab
+from tests.lab.nodelab import Lab
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""A two-node namespace lab for external traffic: two node namespaces (agent/lab/nodelab.py
+"""A two-node namespace lab for external traffic: two node namespaces (tests/lab/nodelab.py
 nodes with their pods) and outside clients on one bridged segment, an agent per node, and
 clients that run outside, in a pod, or as the node itself.
 
@@ -10,7 +10,7 @@ addresses and routes are never touched). NAME is kbp-lab-<pid>-ext<k>, so the le
                                             bridge ends of every eth0 below; those of the
                                             nodes carry a native XDP_PASS program (see
                                             ExtLab._attach_xdp_pass)
-    node-a     a agent/lab/nodelab.py node (node 1), plus
+    node-a     a tests/lab/nodelab.py node (node 1), plus
                eth0: 192.0.2.10/24, 2001:db8::10/64 (nodad)     its external interface
                10.244.2.0/24 via 192.0.2.11, fd00:244:2::/64 via 2001:db8::11
                203.0.113.0/24 dev kbpsink   (see below)
@@ -55,22 +55,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.lab.nodelab import NAMESPACE_PREFIX, Lab, Pod, Result, client_argv, client_result
 from agent.lab.toolkit import (
     BPFFS,
     FIXED_CLIENT_PORTS,
     NO_DAD,
-    Built,
     addresses,
     bridge,
-    cgroup2_mount,
-    in_cgroup,
     in_netns,
     ip_batch,
     run,
     sink_route,
     wire,
 )
+from tests.lab.kit import Built, cgroup2_mount, in_cgroup
+from tests.lab.nodelab import NAMESPACE_PREFIX, Lab, Pod, Result, client_argv, client_result
 
 from .agentproc import AgentProcess, run_argv
 from .agentproc import cli as agent_cli
@@ -97,7 +95,7 @@ class NodePlan:
     """One node's place in the address plan."""
 
     name: str  # the Node object's name (--node)
-    number: int  # agent/lab/nodelab.py node number: pods are 10.244.<number>.<n>
+    number: int  # tests/lab/nodelab.py node number: pods are 10.244.<number>.<n>
     ipv4: str
     ipv6: str
 
@@ -128,7 +126,7 @@ def answers(result: Result) -> Counter[tuple[str, str]]:
 
 @dataclass
 class Node:
-    """One node: a agent/lab/nodelab.py Lab whose namespace also has eth0 on the bridge."""
+    """One node: a tests/lab/nodelab.py Lab whose namespace also has eth0 on the bridge."""
 
     plan: NodePlan
     lab: Lab

@@ -54,13 +54,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.dataplane.ebpf import codec
-from agent.dataplane.ebpf.abi import MAP_NAMES, versioned
+from agent.dataplane.ebpf.abi import versioned
+from agent.dataplane.ebpf.inspect import PinnedMaps
 from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.maps import FrontendKey, KernelContent, MapSizes
 from agent.dataplane.ebpf.translate import translate
@@ -229,23 +228,10 @@ def expected(state: NodeState, sizes: MapSizes) -> dict[FrontendKey, View]:
     return resolved.views
 
 
-@contextlib.contextmanager
-def pinned_maps(pin_dir: Path) -> Iterator[dict[str, Map]]:
-    maps: dict[str, Map] = {}
-    try:
-        for name in MAP_NAMES:
-            maps[name] = Map.pinned(str(pin_dir / versioned(name)))
-        yield maps
-    finally:
-        for m in maps.values():
-            m.close()
-
-
 def read_maps(pin_dir: Path) -> tuple[KernelContent, str | None]:
-    """What the pinned maps hold, and the revision kbp_meta names."""
-    with pinned_maps(pin_dir) as m:
-        content = codec.read_content(m["kbp_services"], m["kbp_slots"], m["kbp_backends"])
-        return content, codec.meta_revision(m["kbp_meta"].lookup(bytes(4)))
+    """What the pinned maps hold, and the revision kbp_meta names (inspect's reader)."""
+    with PinnedMaps(pin_dir) as pinned:
+        return pinned.content(), pinned.revision()
 
 
 @dataclass

@@ -2,7 +2,7 @@
 on manifest files, then `inspect`, `bpftool`, a restart under a live connection, a file
 change, SIGTERM leaving the dataplane in place, and `cleanup` removing it.
 
-Address plan (agent/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1,
+Address plan (tests/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1,
 be1 10.244.1.2, be2 10.244.1.3 serving TCP/UDP 8080; Service web 10.96.0.80:80.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from agent.dataplane.ebpf import abi
-from agent.lab.nodelab import Lab
+from tests.lab.nodelab import Lab
 
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv, service_manifest

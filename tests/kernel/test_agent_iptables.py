@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import time
 
-from agent.lab.nodelab import Lab
+from tests.lab.nodelab import Lab
 
 from .tchooks import our_tc_programs
 from .test_agent_cli import CLUSTER_IP, Agent, cli, setup, write_manifest

@@ -2,7 +2,7 @@
 outlive a conntrack map far too small for the traffic around them, one client port used
 for two Services that share their only backend, and a flow whose entries were deleted.
 
-Address plan (agent/lab/nodelab.py, as tests/kernel/test_dataplane.py): one node namespace
+Address plan (tests/lab/nodelab.py, as tests/kernel/test_dataplane.py): one node namespace
 with pods client1 10.244.1.1, be1 10.244.1.2, be2 10.244.1.3, be3 10.244.1.4, every
 backend serving TCP on 8080 (the greeting is its pod name, then it echoes lines).
 Services get fresh ClusterIPs 10.96.0.x on port 80. The eBPF dataplane's conntrack map
@@ -23,7 +23,8 @@ import pytest
 
 from agent.dataplane.ebpf.abi import const
 from agent.dataplane.ebpf.maps import MapSizes
-from agent.lab.toolkit import PODCLIENT, in_netns, read_line, stop_process
+from agent.lab.toolkit import PODCLIENT, in_netns
+from tests.lab.kit import read_line, stop_process
 
 from .test_dataplane import (
     BACKENDS,

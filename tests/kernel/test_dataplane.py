@@ -2,7 +2,7 @@
 objects, programmed by the eBPF and by the iptables dataplane, and ordinary TCP/UDP
 clients in lab pods connecting to ClusterIPs.
 
-Address plan (agent/lab/nodelab.py): one node namespace (this is node-a) with pods
+Address plan (tests/lab/nodelab.py): one node namespace (this is node-a) with pods
     client1 10.244.1.1   client2 10.244.1.2
     be1 10.244.1.3       be2 10.244.1.4       be3 10.244.1.5     (fd00:244:1::N too)
 every backend serving TCP and UDP on 8080 and answering with its pod name.
@@ -41,10 +41,10 @@ from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.maps import MapSizes
 from agent.dataplane.ebpf.pods import cookie_key
-from agent.lab.nodelab import Lab, Pod, Stream
 from agent.lab.toolkit import PODCLIENT
 from agent.model.compile import compile
 from agent.model.nodestate import NodeState
+from tests.lab.nodelab import Lab, Pod, Stream
 
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
 from .tchooks import our_tc_programs

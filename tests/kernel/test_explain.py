@@ -3,7 +3,7 @@ it names for a fixed source port is the one that answers a real connection from 
 port; the dry runs leave every map byte for byte as they were; a refused and a dropped
 Service are reported as such; stale maps are reported as a disagreement first.
 
-Address plan (agent/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1 and
+Address plan (tests/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1 and
 be1..be3 10.244.1.2-4 serving TCP 8080. Services: web 10.96.0.80:80 (be1..be3), empty
 10.96.0.81:80 (no endpoints: refused), away 10.96.0.82:80 (internalTrafficPolicy Local,
 its one endpoint on node-b: dropped).
@@ -26,7 +26,7 @@ import pytest
 
 from agent.dataplane.ebpf import abi
 from agent.dataplane.ebpf.libbpf import Map
-from agent.lab.nodelab import Lab
+from tests.lab.nodelab import Lab
 
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, cli, run_argv, service_manifest

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.lab.nodelab import Result
+from tests.lab.nodelab import Result
 
 from .extlab import (
     DATAPLANES,

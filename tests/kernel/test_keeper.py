@@ -5,7 +5,7 @@ cannot put back makes /readyz 503; programs of an earlier agent with another pin
 directory do not keep serving beside the new agent's; the self-test asks the attached
 program what it does with a new connection and compares it with the NodeState.
 
-Address plan (agent/lab/nodelab.py): node namespace = the lab's; pods client 10.244.1.1,
+Address plan (tests/lab/nodelab.py): node namespace = the lab's; pods client 10.244.1.1,
 be1 10.244.1.2, be2 10.244.1.3 serving TCP 8080; Service web 10.96.0.80:80 → both.
 Each test pins under its own /sys/fs/bpf/kbp-test-keeper-* directories, removed at the
 end with `cleanup`, also when it failed.
@@ -28,10 +28,10 @@ from agent.dataplane.ebpf import abi
 from agent.dataplane.ebpf import cgroup as sockhooks
 from agent.dataplane.ebpf.netlink import FILTER_PRIORITY, run_in_netns
 from agent.explain.selftest import self_test
-from agent.lab.nodelab import Lab, Stream
 from agent.lab.toolkit import in_netns
 from agent.model.compile import CompileOptions, compile
 from agent.sources.manifests import load_manifests
+from tests.lab.nodelab import Lab, Stream
 
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv, service_manifest, web_lab

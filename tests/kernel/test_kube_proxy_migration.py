@@ -10,7 +10,7 @@ connection may fail, every held connection must keep echoing, kube-proxy's chain
 table must be gone afterwards (kubelet's KUBE- chains kept) and /state must say
 `removed`.
 
-Address plan (agent/lab/nodelab.py): client 10.244.1.1, be1-be3 10.244.1.2-4 serving
+Address plan (tests/lab/nodelab.py): client 10.244.1.1, be1-be3 10.244.1.2-4 serving
 TCP 8080; Service web 10.96.0.80:80.
 """
 
@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 
 from agent.dataplane.iptables.backend import find_backend
-from agent.lab.nodelab import Lab, Stream
 from agent.lab.toolkit import in_netns
+from tests.lab.nodelab import Lab, Stream
 
 from ..conftest import BPFFS, skip_or_fail
 from .agentproc import AgentProcess, cli, run_argv, service_manifest

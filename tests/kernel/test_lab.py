@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from agent.lab.nodelab import Lab, lab_namespaces
 from agent.lab.toolkit import LabError
+from tests.lab.nodelab import Lab, lab_namespaces
 
 PORT = 8080
 CONNECTIONS = 10

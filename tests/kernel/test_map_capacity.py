@@ -2,7 +2,7 @@
 30): the 903-of-1,024-slots case, on real maps through EbpfDataplane, with real
 connections to every Service afterwards.
 
-Address plan (agent/lab/nodelab.py): one node namespace (node-a) with pods client1
+Address plan (tests/lab/nodelab.py): one node namespace (node-a) with pods client1
 10.244.1.1 and be1..be3 10.244.1.2-4, each backend serving TCP on 8080-8086 and
 answering with its pod name. Services s0..s42 get ClusterIPs 10.96.1.1-43 port 80.
 Before: each Service has 21 endpoints "elsewhere" (10.244.2.1-21:8080 on node-b, which

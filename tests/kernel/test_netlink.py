@@ -23,8 +23,8 @@ from agent.dataplane.ebpf.netlink import (
     PodInterfaces,
     TcAttacher,
 )
-from agent.lab.nodelab import Lab
 from agent.lab.toolkit import SINK
+from tests.lab.nodelab import Lab
 
 PORT = 8080
 CONNECTIONS = 5

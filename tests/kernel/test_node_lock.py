@@ -3,7 +3,7 @@
 view of the cluster waiting without writing while a client keeps connecting, and
 SIGTERM during a slow apply waiting for it.
 
-Address plan (agent/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1,
+Address plan (tests/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1,
 be1 10.244.1.2, be2 10.244.1.3 serving TCP 8080; Services web 10.96.0.80:80 (be1, be2)
 and other 10.96.0.81:80 (be2), which only the first agent's manifests hold.
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from agent.dataplane.ebpf.maps import MapSizes
-from agent.lab.nodelab import Lab
 from agent.nodelock import lock_path
+from tests.lab.nodelab import Lab
 
 from ..conftest import BPFFS
 from .agentproc import AgentProcess, run_argv, service_manifest, web_lab

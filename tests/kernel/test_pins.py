@@ -6,7 +6,7 @@ loader, `cleanup`, `--dataplane ebpf` (which does not start) and `--dataplane au
 maps of the new size at the next start, with an established connection through tc
 surviving it.
 
-Address plan (agent/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1,
+Address plan (tests/lab/nodelab.py): node namespace = node-a; pods client 10.244.1.1,
 be1 10.244.1.2, be2 10.244.1.3 serving TCP 8080; Service web 10.96.0.80:80.
 """
 
@@ -29,7 +29,7 @@ from agent.dataplane.ebpf.dataplane import remove_pins
 from agent.dataplane.ebpf.kernel import LoadError, load_programs
 from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.maps import MapSizes
-from agent.lab.nodelab import Lab
+from tests.lab.nodelab import Lab
 
 from ..conftest import BPFFS, require_nftables
 from .agentproc import AgentProcess, run_argv, service_manifest, web_lab

@@ -24,7 +24,7 @@ import pytest
 
 from agent.dataplane.ebpf import abi
 from agent.dataplane.select import KERNEL_DATAPLANES
-from agent.lab.nodelab import Lab, Stream
+from tests.lab.nodelab import Lab, Stream
 
 from ..api.conftest import SERVICES, KmockApi
 from ..builders import make_endpoint, make_node, make_service, make_slice, write_kubeconfig

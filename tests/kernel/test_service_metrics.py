@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.lab.nodelab import Lab
+from tests.lab.nodelab import Lab
 
 from .agentproc import AgentProcess
 from .test_explain import AWAY, EMPTY, WEB, agent_lab

@@ -3,7 +3,7 @@ agent/dataplane/ebpf/cgroup.py): real clients in the node's network namespace an
 test cgroup connect to ClusterIPs and to the node's own NodePorts, and see the frontend
 they asked for in getpeername() and recvfrom().
 
-Address plan (agent/lab/nodelab.py, plus what this module adds inside the lab's node):
+Address plan (tests/lab/nodelab.py, plus what this module adds inside the lab's node):
     node ns     this is node-a: lo 192.0.2.10/32, 2001:db8::10/128, the Node's addresses
                 (tests/builders.py), so NodePorts are the node's own
     pods        be1 10.244.1.1, be2 10.244.1.2, be3 10.244.1.3 (fd00:244:1::N), each
@@ -50,9 +50,10 @@ from agent.dataplane.ebpf.abi import (
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.maps import FrontendKey, MapSizes
-from agent.lab.nodelab import Lab
-from agent.lab.toolkit import LabError, in_netns, remove_cgroup
+from agent.lab.toolkit import LabError, in_netns
 from agent.model.compile import compile
+from tests.lab.kit import remove_cgroup
+from tests.lab.nodelab import Lab
 
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, state_of
 

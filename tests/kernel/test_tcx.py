@@ -30,7 +30,7 @@ from agent.dataplane.ebpf.netlink import (
     run_in_netns,
     tcx_supported,
 )
-from agent.lab.nodelab import Lab, Pod
+from tests.lab.nodelab import Lab, Pod
 
 from ..conftest import kernel_required
 from .test_netlink import has_clsact, tc_filters

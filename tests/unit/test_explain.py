@@ -22,8 +22,8 @@ from agent.explain.semantics import (
     Target,
     parse_target,
 )
-from agent.lab.expect import BACKENDS, DROPPED, REFUSED
 from agent.model.compile import CompileOptions
+from agent.model.outcome import BACKENDS, DROPPED, REFUSED
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = [str(ROOT / "examples"), str(ROOT / "tests" / "data" / "explain")]

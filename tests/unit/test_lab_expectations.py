@@ -16,13 +16,6 @@ from pathlib import Path
 import pytest
 
 from agent.lab.expect import (
-    BACKENDS,
-    CLUSTER_BACKENDS,
-    DROPPED,
-    KEPT,
-    LOCAL_BACKENDS,
-    REFUSED,
-    SNAT,
     Expectation,
     coverage_required,
     coverage_sample,
@@ -31,12 +24,21 @@ from agent.lab.expect import (
     judge,
     judge_sources,
     missing,
-    used_set,
-    used_set_from_outside,
 )
 from agent.lab.plan import LabOutside, backend_pod, outside_routes, plan_lab, routes
 from agent.model.compile import compile
-from agent.model.nodestate import Backend, Frontend, ServiceEntry
+from agent.model.nodestate import Backend, Frontend, NodeState, ServiceEntry
+from agent.model.outcome import (
+    BACKENDS,
+    CLUSTER_BACKENDS,
+    DROPPED,
+    KEPT,
+    LOCAL_BACKENDS,
+    REFUSED,
+    SNAT,
+    used_set,
+)
+from agent.model.types import ClusterState
 from agent.sources.manifests import load_manifests, manifest_files, read_objects
 
 from ..builders import default_nodes, make_endpoint, make_service, make_slice, spec, state_of
@@ -45,6 +47,11 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 CLIENT = "10.244.1.254"
 OUTSIDE = "192.0.2.100"
 NODE_A = "192.0.2.10"
+
+
+def node_states(state: ClusterState) -> list[NodeState]:
+    """Every Node's NodeState: where the lab takes the Service addresses from."""
+    return [compile(state, name) for name in sorted(state.nodes)]
 
 
 def entry_of(*objects, node: str = "node-a") -> ServiceEntry:
@@ -182,7 +189,7 @@ REMOTE_ONLY = (make_endpoint("10.244.2.7", "node-b"),)
 )  # fmt: skip
 def test_the_set_an_outside_client_uses(etp, endpoints, kind, expected_set) -> None:
     entry = entry_of(*web(*endpoints, mutate=external(etp)))
-    name, _ = used_set_from_outside(entry, frontend(entry, kind))
+    name, _ = used_set(entry, frontend(entry, kind), from_outside=True)
     assert name == expected_set
 
 
@@ -290,7 +297,7 @@ def examples_plan():
         obj for path in manifest_files([EXAMPLES]) for _, obj in read_objects(path, [])
         if obj.get("kind") == "EndpointSlice"
     ]  # fmt: skip
-    return plan_lab(slices, state), state
+    return plan_lab(slices, state, node_states(state)), state
 
 
 def test_the_examples_plan_three_nodes_with_pods_and_leaves_out_the_remote_cluster() -> None:
@@ -354,16 +361,38 @@ def test_the_outside_client_is_outside_every_range_and_routes_external_addresses
 def test_the_outside_client_skips_service_addresses_and_pod_prefixes() -> None:
     pods = [make_endpoint("10.244.1.5", "node-a")]
     in_use = spec(externalIPs=["192.0.2.100", "192.0.2.101"])
-    plan = plan_lab([make_slice(service="web", endpoints=pods)],
-                    state_of(*default_nodes(), *web(*pods, mutate=in_use)))  # fmt: skip
+    state = state_of(*default_nodes(), *web(*pods, mutate=in_use))
+    plan = plan_lab([make_slice(service="web", endpoints=pods)], state, node_states(state))
     assert plan.outside is not None and plan.outside.ipv4 == "192.0.2.102"
 
     # Pods in 192.0.2.0/24 would make any address there pass for a pod: none is taken.
     pods = [make_endpoint("192.0.2.50", "node-a")]
-    plan = plan_lab([make_slice(service="web", endpoints=pods)],
-                    state_of(*default_nodes(), *web(*pods)))  # fmt: skip
+    state = state_of(*default_nodes(), *web(*pods))
+    plan = plan_lab([make_slice(service="web", endpoints=pods)], state, node_states(state))
     assert plan.outside is not None and plan.outside.ipv4 is None
     assert plan.outside.ipv6 == "2001:db8::100"  # node-a has IPv6, no pod prefix holds it
+
+
+def test_the_service_addresses_are_the_frontends_the_agents_program() -> None:
+    """The lab routes the addresses of the NodeStates' frontends: an ExternalIP of a family
+    the Service has no ClusterIP in is no frontend, so neither a Service address nor
+    taken from the outside client."""
+    pods = [make_endpoint("10.244.1.5", "node-a")]
+    other_family = spec(externalIPs=["192.0.2.100", "2001:db8::100"])
+    state = state_of(*default_nodes(), *web(*pods, mutate=other_family))
+    plan = plan_lab([make_slice(service="web", endpoints=pods)], state, node_states(state))
+    frontends = {
+        fe.ip
+        for node_state in node_states(state)
+        for entry in node_state.services
+        for fe in entry.frontends
+        if fe.type != "NodePort"
+    }
+    assert set(plan.service_addresses) == frontends
+    assert "2001:db8::100" not in plan.service_addresses
+    assert plan.external_addresses == ("192.0.2.100",)
+    assert plan.outside is not None
+    assert (plan.outside.ipv4, plan.outside.ipv6) == ("192.0.2.101", "2001:db8::100")
 
 
 def test_the_outside_client_reaches_backends_through_its_entry_node() -> None:

@@ -1,6 +1,9 @@
 """`kube-bpf-proxy inspect`: the pinned maps decoded into readable rows (frontends with
 their backends, backends, conntrack, affinity, counters), read straight from bpffs so it
-works beside a running agent, after it stopped, and without compiling anything."""
+works beside a running agent, after it stopped, and without compiling anything.
+
+`PinnedMaps` is the one reader of the pinned maps: these views and `explain`'s kernel
+half (agent/explain/ebpf.py) open and look up through it."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from . import codec
 from .abi import (
@@ -20,14 +24,17 @@ from .abi import (
     addr_bytes,
     addr_text,
     const,
+    family_of,
+    from_bytes,
     named,
     packer,
+    port_bytes,
     versioned,
 )
 from .conntrack import Timeouts, seconds_left
 from .conntrack import flows_of as conntrack_flows
 from .libbpf import Map
-from .maps import FrontendKey
+from .maps import FrontendKey, KernelContent, ServiceValue
 
 Row = dict[str, Any]
 
@@ -38,15 +45,112 @@ class InspectError(Exception):
     """A map is not there or not readable; the message names it."""
 
 
-def _open(pin_dir: Path, name: str) -> Map:
-    path = pin_dir / versioned(name)
-    try:
-        return Map.pinned(str(path))
-    except OSError as err:
-        raise InspectError(
-            f"{path}: {os.strerror(err.errno or 0)}; is the eBPF dataplane running with "
-            f"--bpffs {pin_dir}?"
-        ) from err
+class PinnedMaps:
+    """The pinned maps of one --bpffs directory, each opened on first use (or by `open`)
+    and all closed with the reader; lookups decode keys and values the way the programs
+    write them."""
+
+    def __init__(self, pin_dir: Path) -> None:
+        self.pin_dir = pin_dir
+        self._maps: dict[str, Map] = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        while self._maps:
+            self._maps.popitem()[1].close()
+
+    def open(self, *names: str) -> Self:
+        """Open these maps now (InspectError naming the first that is not there)."""
+        for name in names:
+            self.map(name)
+        return self
+
+    def map(self, name: str) -> Map:
+        """The pinned map `name` (unversioned: kbp_services); InspectError when it is not
+        there or not readable."""
+        found = self._maps.get(name)
+        if found is not None:
+            return found
+        path = self.pin_dir / versioned(name)
+        try:
+            found = Map.pinned(str(path))
+        except OSError as err:
+            raise InspectError(
+                f"{path}: {os.strerror(err.errno or 0)}; is the eBPF dataplane running with "
+                f"--bpffs {self.pin_dir}?"
+            ) from err
+        self._maps[name] = found
+        return found
+
+    def revision(self) -> str | None:
+        """The NodeState revision kbp_meta names; None when it names none."""
+        return codec.meta_revision(self.map("kbp_meta").lookup(_u32(0)))
+
+    def content(self) -> KernelContent:
+        """Frontends, sets and backends as the planner reads them (codec.read_content)."""
+        return codec.read_content(
+            self.map("kbp_services"), self.map("kbp_slots"), self.map("kbp_backends")
+        )
+
+    def service(self, key: FrontendKey) -> ServiceValue | None:
+        raw = self.map("kbp_services").lookup(codec.frontend_key(key))
+        return codec.decode_service(raw) if raw else None
+
+    def slot(self, set_id: int, index: int) -> tuple[int, bytes] | None:
+        """(backend id, the copy of its kbp_backends value) of one slot; None if absent."""
+        raw = self.map("kbp_slots").lookup(codec.slot_key(set_id, index))
+        if raw is None:
+            return None
+        return codec.slot_backend_id(raw), codec.slot_backend_copy(raw)
+
+    def backend(self, backend_id: int) -> bytes | None:
+        """The raw kbp_backends value (codec.decode_backend reads it); None if absent."""
+        return self.map("kbp_backends").lookup(_u32(backend_id))
+
+    def flow(
+        self, src: str, dst: str, sport: int, dport: int, proto: int, direction: int
+    ) -> Any | None:
+        """The kbp_ct entry (struct kbp_ct_entry) of this tuple and direction, if any."""
+        key = packer("kbp_ct_key").pack(
+            addr_bytes(src), addr_bytes(dst), port_bytes(sport), port_bytes(dport), proto,
+            family_of(src), direction,
+        )  # fmt: skip
+        raw = self.map("kbp_ct").lookup(key)
+        return None if raw is None else from_bytes("kbp_ct_entry", raw)
+
+    def affinity(self, client: str, service_id: int) -> int | None:
+        """The backend id client's affinity entry for the service names, if any."""
+        key = packer("kbp_affinity_key").pack(addr_bytes(client), service_id, family_of(client))
+        raw = self.map("kbp_affinity").lookup(key)
+        return None if raw is None else packer("kbp_affinity").unpack(raw)[1]
+
+    def config(self) -> Any | None:
+        """struct kbp_config as the agent wrote it; None before it did."""
+        raw = self.map("kbp_config").lookup(_u32(0))
+        return None if raw is None else from_bytes("kbp_config", raw)
+
+    def pod_cookie(self, ip: str) -> int | None:
+        """The network namespace cookie kbp_pods lists for a pod address, if any."""
+        want = addr_bytes(ip)
+        at = 0 if family_of(ip) == const.KBP_FAMILY_IPV4 else 16
+        for key, value in self.map("kbp_pods").items():
+            if value[at : at + 16] == want:
+                return int.from_bytes(key, sys.byteorder)
+        return None
+
+
+def _u32(value: int) -> bytes:
+    return value.to_bytes(4, sys.byteorder)
 
 
 def flag_names(value: int, names: dict[int, str]) -> str:
@@ -79,12 +183,8 @@ XDP_VERDICTS = named("KBP_XDP_", "KBP_XDP_VERDICTS")
 
 
 def frontends(pin_dir: Path) -> list[Row]:
-    with (
-        _open(pin_dir, "kbp_services") as services,
-        _open(pin_dir, "kbp_slots") as slots,
-        _open(pin_dir, "kbp_backends") as backends,
-    ):
-        content = codec.read_content(services, slots, backends)
+    with PinnedMaps(pin_dir) as pinned:
+        content = pinned.content()
     rows = []
     for key, value in sorted(content.services.items(), key=lambda kv: _frontend_order(kv[0])):
         members = content.slots.get(value.set_id, ()) if value.count else ()
@@ -126,7 +226,8 @@ def _frontend_order(key: FrontendKey) -> tuple[int, bytes, int, int]:
 
 
 def backends(pin_dir: Path) -> list[Row]:
-    with _open(pin_dir, "kbp_backends") as table:
+    with PinnedMaps(pin_dir) as pinned:
+        table = pinned.map("kbp_backends")
         items = [
             (int.from_bytes(k, sys.byteorder), codec.decode_backend(v)) for k, v in table.items()
         ]
@@ -152,8 +253,8 @@ def conntrack(pin_dir: Path, timeouts: Timeouts | None = None) -> list[Row]:
     timeouts = timeouts or Timeouts()
     now = time.monotonic_ns()  # bpf_ktime_get_ns() is CLOCK_MONOTONIC
     rows = []
-    with _open(pin_dir, "kbp_ct") as table:
-        items = table.items()
+    with PinnedMaps(pin_dir) as pinned:
+        items = pinned.map("kbp_ct").items()
         flow_of = {key: flow for flow in conntrack_flows(items) for key in flow.keys}
         for k, v in items:
             saddr, daddr, sport, dport, proto, family, direction = key_format.unpack(k)
@@ -211,8 +312,8 @@ def affinity(pin_dir: Path) -> list[Row]:
     key_format, value_format = packer("kbp_affinity_key"), packer("kbp_affinity")
     now = time.monotonic_ns()
     rows = []
-    with _open(pin_dir, "kbp_affinity") as table:
-        for k, v in table.items():
+    with PinnedMaps(pin_dir) as pinned:
+        for k, v in pinned.map("kbp_affinity").items():
             client, service_id, family = key_format.unpack(k)
             last_used, backend_id = value_format.unpack(v)
             rows.append(
@@ -233,27 +334,18 @@ def _percpu_sums(table: Map, struct: str) -> list[tuple[int, tuple[int, ...]]]:
 
 
 def counters(pin_dir: Path) -> list[Row]:
-    rows: list[Row] = []
-    with _open(pin_dir, "kbp_counters") as table:
-        for service_id, (packets, size, new_flows, drops) in _percpu_sums(table, "kbp_counters"):
-            rows.append(
-                {
-                    "serviceId": service_id,
-                    "packets": packets,
-                    "bytes": size,
-                    "newFlows": new_flows,
-                    "drops": drops,
-                }
-            )
-    with _open(pin_dir, "kbp_drops") as table:
-        for reason, (packets, size) in _percpu_sums(table, "kbp_drop_counters"):
-            rows.append(
-                {
-                    "dropReason": DROP_REASONS.get(reason, str(reason)),
-                    "packets": packets,
-                    "bytes": size,
-                }
-            )
+    with PinnedMaps(pin_dir) as pinned:
+        counted = _percpu_sums(pinned.map("kbp_counters"), "kbp_counters")
+        dropped = _percpu_sums(pinned.map("kbp_drops"), "kbp_drop_counters")
+    rows: list[Row] = [
+        {"serviceId": service_id, "packets": packets, "bytes": size, "newFlows": new_flows,
+         "drops": drops}
+        for service_id, (packets, size, new_flows, drops) in counted
+    ]  # fmt: skip
+    rows += [
+        {"dropReason": DROP_REASONS.get(reason, str(reason)), "packets": packets, "bytes": size}
+        for reason, (packets, size) in dropped
+    ]
     return rows
 
 
@@ -271,8 +363,9 @@ def xdp(pin_dir: Path) -> dict[str, Any]:
                     {"name": attached.ifname, "ifindex": attached.index, "mode": attached.mode}
                 )
     verdicts = {name: {"packets": 0, "bytes": 0} for name in XDP_VERDICTS.values()}
-    with _open(pin_dir, "kbp_xdp_stats") as table:
-        for index, (packets, size) in codec.percpu_sums(table, "kbp_drop_counters").items():
+    with PinnedMaps(pin_dir) as pinned:
+        sums = codec.percpu_sums(pinned.map("kbp_xdp_stats"), "kbp_drop_counters")
+        for index, (packets, size) in sums.items():
             name = XDP_VERDICTS.get(index, str(index))
             verdicts[name] = {"packets": packets, "bytes": size}
     return {"interfaces": sorted(interfaces, key=lambda i: i["name"]), "verdicts": verdicts}

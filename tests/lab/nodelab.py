@@ -54,26 +54,22 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .toolkit import (
+from agent.lab.toolkit import (
     NODE_SYSCTLS,
     POD_SYSCTLS,
     PODCLIENT,
     PODSERVER,
-    Built,
     LabError,
-    cgroup2_mount,
-    in_cgroup,
     in_netns,
     ip_batch,
-    link_index,
     namespaces_with,
     node_base,
     plug_pod,
-    read_line,
     run,
     sink_route,
-    stop_process,
 )
+
+from .kit import Built, cgroup2_mount, in_cgroup, link_index, read_line, stop_process
 
 log = logging.getLogger(__name__)
 
