@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from ..model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, Frontend, ServiceEntry
 
 IPTABLES = "iptables"
+NFTABLES = "nftables"
+NETFILTER = (IPTABLES, NFTABLES)  # both masquerade every outsider of an eTP Cluster Service
 
 CLUSTER_BACKENDS = "clusterBackends"
 LOCAL_BACKENDS = "localBackends"
@@ -102,7 +104,7 @@ def source_seen(entry: ServiceEntry, backend: Backend, dataplane: str) -> str:
     an external frontend of entry (see the module docstring)."""
     if entry.external_traffic_policy == "Local":
         return KEPT
-    if not backend.local or dataplane == IPTABLES:
+    if not backend.local or dataplane in NETFILTER:
         return SNAT
     return KEPT
 
