@@ -21,16 +21,17 @@ Per size, in a fresh network namespace:
                 DNAT rule          `meta l4proto tcp dnat to ...` in that chain (validation)
                 goto element       a service-ips element `goto` that chain (validation)
               and the dataplane's own one-change transactions for the workload's changes
-              (bench.common.workload.make_changes), replayed with `nft -f`
+              (bench.common.workload.make_changes), timed as the dataplane runs them
     data-only a layout whose changes are elements only (a prototype, not the dataplane):
               fixed chains `pick-<alg>-<n>` (one per algorithm and endpoint count) that DNAT
               with `ip daddr . meta l4proto . th dport . (jhash ... | numgen random) mod n
               map @endpoints`; a set per chain names its frontends; `services` tests the
               sets in turn. Every ClusterIP/external frontend of the IPv4 entries with
               clusterBackends; the same changes written as element deletes and adds. The
-              pick chains for 1..64 endpoints (both algorithms) are made with the table
-              (nft 1.0.6 cannot add a rule using the map later, see PICK_MAX), so a new
-              connection tests up to 128 sets: a real layout would order or nest them
+              pick chains for 1..64 endpoints (both algorithms) are made with the table, so
+              a new connection tests up to 128 sets: a real layout would make them as
+              counts appear and nest them. Without traffic policy, masquerading, affinity
+              or source ranges: a lower bound of what such a layout costs
 
     .venv/bin/python -m bench.nftables_changes [--services N ...] [--repeat R]
 """
@@ -216,14 +217,15 @@ def measure_data_only(n: int, w: Any, ns: str, per_kind: int) -> dict[str, Any]:
     for entry in by_key.values():
         layout.update(_slots(entry))
     # Every count up to PICK_MAX (or the largest seen) for both algorithms, made with the
-    # table: nft 1.0.6 cannot add a rule using the endpoints map once it exists (it reads
-    # the map's `typeof ... th dport` back as "conflicting protocols specified: ip vs. th")
+    # table. (The map's typeof says `tcp dport`: with `th dport` nft 1.0.6 cannot read the
+    # map back, "conflicting protocols specified: ip vs. th", and refuses any later rule
+    # that uses it; the key's type is the same for UDP and SCTP.)
     most = max([PICK_MAX, *(len(t) for _, t in layout.values())])
     picks = [f"pick-{alg}-{k}" for alg in "hr" for k in range(1, most + 1)]
     members, slots = _elements(layout)
     text = [f"add table {PROTO}", f"delete table {PROTO}", f"add table {PROTO}",
-            f"add map {PROTO} endpoints {{ typeof ip daddr . meta l4proto . th dport . "
-            "numgen random mod 2 : ip daddr . th dport ; }",
+            f"add map {PROTO} endpoints {{ typeof ip daddr . meta l4proto . tcp dport . "
+            "numgen random mod 2 : ip daddr . tcp dport ; }",
             f"add chain {PROTO} services",
             f"add chain {PROTO} nat-prerouting {{ type nat hook prerouting priority dstnat ; }}",
             f"add rule {PROTO} nat-prerouting jump services",
