@@ -14,8 +14,10 @@ namespace of its own. Steps per size:
     partial   single changes (bench.common.workload.make_changes: an endpoint not ready,
               an endpoint added, a Service added, one deleted), each recompiled once with
               `Compiler.update` and applied by every dataplane in turn; per dataplane the
-              apply's time and its writes, and "event to last write": the recompile plus
-              the apply (the sync loop's own wait, --min-sync-period, not counted)
+              apply's time, its CPU (user + system of the agent's process and of the nft
+              or iptables-restore it runs: less sensitive to a busy machine than the wall
+              clock) and its writes, and "event to last write": the recompile plus the
+              apply (the sync loop's own wait, --min-sync-period, not counted)
     check     nftables: the digest of what the partial syncs left (kept by the dataplane
               and named by the kernel's markers) equals a fresh render's
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -75,6 +78,7 @@ class Row:
     resync: float | None = None
     apply: list[float] = field(default_factory=list)  # partial applies
     event: list[float] = field(default_factory=list)  # recompile + apply
+    cpu: list[float] = field(default_factory=list)  # partial applies: CPU of ours + children
     writes: list[int] = field(default_factory=list)
     consistent: bool | None = None
 
@@ -85,12 +89,27 @@ class Subject:
     def __init__(self, name: str, ns: str, make: Callable[[], Any], remove: Callable[[], Any]):
         self.name, self.ns, self.make, self.remove = name, ns, make, remove
         self.dp: Any = None
+        self.cpu = 0.0  # of the last timed apply
         self.row = Row(name)
 
     def timed(self, state: NodeState, full: bool = False) -> tuple[float, int]:
         start = time.perf_counter()
+        before = cpu_seconds()
         writes = self.dp.apply(state, full=full)
-        return time.perf_counter() - start, writes
+        took = time.perf_counter() - start
+        self.cpu = cpu_seconds() - before
+        return took, writes
+
+
+def cpu_seconds() -> float:
+    """User and system CPU of this process and its waited-for children (nft,
+    iptables-restore): what an apply costs whatever else runs on the machine (in
+    scheduler ticks, 4 ms here: meaningful as a mean over many applies)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 @contextlib.contextmanager
@@ -133,6 +152,7 @@ def measure(n: int, w: Any, iptables: list[str], repeat: int, per_kind: int) -> 
             for s in made:
                 took, writes = s.timed(new)
                 s.row.apply.append(took)
+                s.row.cpu.append(s.cpu)
                 s.row.event.append(compile_s + took)
                 s.row.writes.append(writes)
             state = new
@@ -154,19 +174,22 @@ def print_rows(n: int, rows: list[Row]) -> list[dict[str, Any]]:
     out = []
     print(
         f"\n  {'dataplane':<16} {'full (median)':>14} {'restart':>9} {'resync':>9} "
-        f"{'partial apply p50/p99':>22} {'event→write p99':>16} {'writes/change':>14}"
+        f"{'partial apply p50/p99':>22} {'event→write p99':>16} {'apply CPU mean':>15} "
+        f"{'writes/change':>14}"
     )
     for r in rows:
         full, apply, event = Summary(r.full), Summary(r.apply), Summary(r.event)
         writes = Summary([float(x) for x in r.writes])
         print(f"  {r.name:<16} {fmt_s(full.median):>14} {fmt_s(r.restart or 0):>9} "
               f"{fmt_s(r.resync or 0):>9} {fmt_s(apply.median):>10} / {fmt_s(apply.p99):<9} "
-              f"{fmt_s(event.p99):>16} {writes.median:>8.0f} (max {max(r.writes)})")  # fmt: skip
+              f"{fmt_s(event.p99):>16} {fmt_s(Summary(r.cpu).mean):>15} "
+              f"{writes.median:>8.0f} (max {max(r.writes)})")  # fmt: skip
         out.append({
             "services": n, "dataplane": r.name, "full_s": full.to_json(),
             "restart_s": r.restart, "restart_writes": r.restart_writes, "resync_s": r.resync,
             "partial_apply_s": apply.to_json(), "event_to_last_write_s": event.to_json(),
             "writes_per_change": writes.to_json(), "consistent": r.consistent,
+            "partial_apply_cpu_s": Summary(r.cpu).to_json(),
         })  # fmt: skip
     return out
 

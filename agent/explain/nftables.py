@@ -32,7 +32,12 @@ _GOTO = re.compile(r"(?:goto|jump) (\S+)$")
 _SADDR = re.compile(r"ip6? saddr (\S+) ")
 _DADDR = re.compile(r"ip6? daddr (\S+) ")
 _IIFNAME = re.compile(r'iifname "([^"]+)"')
+# A flow-hash rule as nft lists it: `jhash ip saddr . th sport . ip daddr . th dport mod 3
+# seed 0x6b627031 0 ...` (the last endpoint's rule has no condition)
+_JHASH = re.compile(r"jhash ip6? saddr \. \S+ sport \. ip6? daddr \. \S+ dport "
+                    r"mod (\d+) seed (0x[0-9a-f]+) (\d+) ")  # fmt: skip
 MAX_HOPS = 8
+U32 = 0xFFFFFFFF
 
 
 def _nft(*argv: str) -> str | None:
@@ -67,11 +72,65 @@ def _in(ip: str, cidr: str) -> bool:
         return False
 
 
+def _rol(x: int, k: int) -> int:
+    return ((x << k) | (x >> (32 - k))) & U32
+
+
+def jhash(data: bytes, initval: int) -> int:
+    """The kernel's jhash() (Bob Jenkins' lookup3 as include/linux/jhash.h has it) of
+    data, read as little-endian 32-bit words as on x86 and arm64."""
+    a = b = c = (0xDEADBEEF + len(data) + initval) & U32
+    rest = data
+    while len(rest) > 12:
+        a = (a + int.from_bytes(rest[0:4], "little")) & U32
+        b = (b + int.from_bytes(rest[4:8], "little")) & U32
+        c = (c + int.from_bytes(rest[8:12], "little")) & U32
+        a = ((a - c) & U32) ^ _rol(c, 4)
+        c = (c + b) & U32
+        b = ((b - a) & U32) ^ _rol(a, 6)
+        a = (a + c) & U32
+        c = ((c - b) & U32) ^ _rol(b, 8)
+        b = (b + a) & U32
+        a = ((a - c) & U32) ^ _rol(c, 16)
+        c = (c + b) & U32
+        b = ((b - a) & U32) ^ _rol(a, 19)
+        a = (a + c) & U32
+        c = ((c - b) & U32) ^ _rol(b, 4)
+        b = (b + a) & U32
+        rest = rest[12:]
+    if not rest:
+        return c
+    tail = rest + bytes(12 - len(rest))  # the missing bytes add nothing
+    a = (a + int.from_bytes(tail[0:4], "little")) & U32
+    b = (b + int.from_bytes(tail[4:8], "little")) & U32
+    c = (c + int.from_bytes(tail[8:12], "little")) & U32
+    for x, y, k in ((2, 1, 14), (0, 2, 11), (1, 0, 25), (2, 1, 16), (0, 2, 4), (1, 0, 14),
+                    (2, 1, 24)):  # fmt: skip
+        v = [a, b, c]
+        v[x] = ((v[x] ^ v[y]) - _rol(v[y], k)) & U32
+        a, b, c = v
+    return c
+
+
+def flow_slot(src: str, sport: int, dst: str, dport: int, modulus: int, seed: int) -> int:
+    """What `jhash ip saddr . th sport . ip daddr . th dport mod <modulus> seed <seed>`
+    gives for a packet: the concatenation is 4-byte registers (a port in network order,
+    then two zero bytes), 16 bytes for IPv4 and 40 for IPv6; the hash is scaled to the
+    modulus as reciprocal_scale does."""
+
+    def port(p: int) -> bytes:
+        return p.to_bytes(2, "big") + b"\0\0"
+
+    data = ipaddress.ip_address(src).packed + port(sport) + ipaddress.ip_address(dst).packed
+    return (jhash(data + port(dport), seed) * modulus) >> 32
+
+
 def follow(
-    family: str, start: str, source: Any, dst_ip: str
+    family: str, start: str, source: Any, dst_ip: str, picks: list[tuple[str, str]] | None = None
 ) -> tuple[list[str], dict[str, float], bool, str]:
     """(chains passed, endpoints with their shares, masqueraded, how the last chain
-    chose) from `start`, evaluating the rule forms our renderer writes."""
+    chose) from `start`, evaluating the rule forms our renderer writes. `picks`, when
+    given, receives the last chain's endpoint rules in order: (endpoint, rule)."""
     path: list[str] = []
     masquerade = False
     chain: str | None = start
@@ -79,6 +138,8 @@ def follow(
         path.append(chain)
         rules, chain = chain_rules(family, chain), None
         targets: list[str] = []
+        if picks is not None:
+            picks.clear()
         how = "the flow hash (jhash of the 5-tuple)"
         for rule in rules:
             if (dnat := _DNAT.search(rule)) is not None:
@@ -89,6 +150,8 @@ def follow(
                 ):
                     continue  # affinity: only a client seen before takes it
                 targets.append(address(dnat.group(1).strip("[]"), int(dnat.group(2))))
+                if picks is not None:
+                    picks.append((targets[-1], rule))
                 if "numgen random" in rule:
                     how = "at random (numgen)"
                 continue
@@ -137,10 +200,16 @@ def explain_nftables(
     lines = [f"{SERVICE_IPS} {{ {key} }}: {dispatch or 'no element'}"]
     endpoints: dict[str, float] = {}
     masquerade = False
+    picks: list[tuple[str, str]] = []
+    chosen: str | None = None
     if dispatch is not None and dispatch.startswith("goto "):
-        path, endpoints, masquerade, how = follow(family, dispatch.split()[1], source, dst_ip)
+        path, endpoints, masquerade, how = follow(family, dispatch.split()[1], source, dst_ip,
+                                                  picks)  # fmt: skip
         lines.append(f"  {' > '.join(path)}" + (f": DNAT, picked by {how}" if endpoints else
                                                 ": falls through untranslated"))  # fmt: skip
+        if endpoints and sport is not None and "flow hash" in how:
+            chosen, line = _hash_pick(picks, source.ip, sport, dst_ip, dst_port)
+            lines.append(line)
     if not endpoints:
         lines.append(f"{FILTER_IPS} {{ {key} }}: {filtered or 'no element'}")
     if endpoints:
@@ -169,7 +238,29 @@ def explain_nftables(
         "lines": lines,
         "endpoints": endpoints,
     }
+    picked: Backend | None = None
     if outcome != ex.outcome:
         section["verdict"] = f"{outcome} by the table: {summary}"
-    del sport  # the flow hash is the kernel's jhash: not recomputed here
-    return section, None, disagree
+    elif chosen is not None:
+        picked = next((b for b in ex.backends if address(b.ip, b.port) == chosen), None)
+        section["chosen"] = chosen
+        section["note"] = f"; the flow hash picks it for source port {sport}"
+    return section, picked, disagree
+
+
+def _hash_pick(
+    picks: list[tuple[str, str]], src: str, sport: int, dst_ip: str, dst_port: int
+) -> tuple[str | None, str]:
+    """The endpoint whose rule the packet's flow hash matches (the first rule whose
+    `jhash ... mod n seed s i` equals i, else the last, unconditional one), and a line
+    saying so; affinity rules came first (a client they remember keeps its endpoint)."""
+    for endpoint, rule in picks:
+        found = _JHASH.search(rule)
+        if found is None:
+            return endpoint, f"  source port {sport}: the last rule takes it: {endpoint}"
+        modulus, seed, index = int(found.group(1)), int(found.group(2), 16), int(found.group(3))
+        slot = flow_slot(src, sport, dst_ip, dst_port, modulus, seed)
+        if slot == index:
+            return endpoint, (f"  source port {sport}: jhash(5-tuple) mod {modulus} = {slot}: "
+                              f"{endpoint}")  # fmt: skip
+    return None, f"  source port {sport}: no endpoint rule matches the flow hash"

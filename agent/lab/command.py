@@ -23,6 +23,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ..dataplane.ebpf.abi import versioned
+from ..dataplane.nftables.render import SERVICE_IPS as NFT_SERVICE_IPS
+from ..dataplane.nftables.render import TABLE as NFT_TABLE
 from ..model.compile import ANY_CLUSTER, LOCAL_CLUSTER, NO_TOPOLOGY, CompileOptions, compile
 from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry
 from ..model.outcome import BACKENDS, KEPT, topology_tiers
@@ -665,6 +667,18 @@ def show_dataplane(cluster: Cluster, agent: Agent, say: Printer) -> None:
             say("\n".join(line for line in lines if "KBP-SERVICES" in line))
         except LabError as err:
             say(f"  {err}")
+    elif agent.dataplane == "nftables":
+        # The frontends and the marker, then the map the kernel looks them up in.
+        shown = [("kube-bpf-proxy inspect nftables",
+                  [python_for_children(), "-m", "agent", "inspect", "nftables"]),
+                 (f"nft list map ip {NFT_TABLE} {NFT_SERVICE_IPS}",
+                  ["nft", "list", "map", "ip", NFT_TABLE, NFT_SERVICE_IPS])]  # fmt: skip
+        for text, argv in shown:
+            say(f"\n$ nsenter --net=/run/netns/{node_ns} {text}")
+            try:
+                say(run_command(in_netns(node_ns, argv)).rstrip())
+            except LabError as err:
+                say(f"  {err}")
 
 
 # `explain` once per policy kind, for the entry of the first node's NodeState that shows
@@ -684,7 +698,7 @@ def show_explains(
     """`kube-bpf-proxy explain` from the first node's client to one Service per policy
     kind: compiled from the lab's manifests (so the endpoints left out are listed too) and
     checked against the node's kernel."""
-    if agent.dataplane not in ("ebpf", "iptables"):
+    if agent.dataplane not in ("ebpf", "iptables", "nftables"):
         return
     node_ns = cluster.run.node_ns(agent.node)
     client = cluster.plan.client_of(agent.node)
@@ -770,6 +784,9 @@ def explore(cluster: Cluster, agents: dict[str, Agent], probes: list[Probe], say
         say(f"  nsenter --net=/run/netns/{node_ns} {cli} inspect --bpffs {pin_dir}")
         say(f"  nsenter --net=/run/netns/{node_ns} {cli} inspect conntrack --bpffs {pin_dir}")
         say(f"  bpftool map dump pinned {pin_dir / SERVICES_MAP}")
+    elif agents[first.name].dataplane == "nftables":
+        say(f"  nsenter --net=/run/netns/{node_ns} {cli} inspect nftables")
+        say(f"  nsenter --net=/run/netns/{node_ns} nft list table ip {NFT_TABLE}")
     else:
         say(f"  nsenter --net=/run/netns/{node_ns} iptables-save -t nat | grep KBP-")
     say(f"  less {run.workdir}/agent-{first.name}.log   # the agent's log")

@@ -46,6 +46,8 @@ SNAT = "node"  # an address of the node the request entered
 
 # The dataplane that masquerades an outside client's request to a local backend too.
 IPTABLES = "iptables"
+NFTABLES = "nftables"
+NETFILTER = (IPTABLES, NFTABLES)  # both masquerade every outsider of an eTP Cluster Service
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +100,7 @@ def source_seen(entry: ServiceEntry, backend: Backend, dataplane: str) -> str:
     docstring)."""
     if entry.external_traffic_policy == "Local":
         return KEPT
-    if not backend.local or dataplane == IPTABLES:
+    if not backend.local or dataplane in NETFILTER:
         return SNAT
     return KEPT
 

@@ -227,6 +227,26 @@ def test_nftables_explain_follows_the_live_table(setup_nftables) -> None:
         assert doc["disagreements"] == [], doc
 
 
+def test_nftables_explain_names_the_endpoint_the_flow_hash_picks(setup_nftables) -> None:
+    """With --sport, explain computes the rules' jhash for the 5-tuple: a real connection
+    from that source port reaches the endpoint it names."""
+    lab, _, pin_dir, agent = setup_nftables
+    client = lab.pods["client"]
+    by_ip = {lab.pods[n].ipv4: n for n in ("be1", "be2", "be3")}
+    reached = set()
+    for port in SOURCE_PORTS:
+        bound = explain(lab, *from_agent(agent, pin_dir), "--from", client.ipv4,
+                        "--to", f"{WEB}:80/TCP", "--sport", str(port))  # fmt: skip
+        assert bound["disagreements"] == [], bound
+        chosen = bound["kernel"]["chosen"]
+        assert bound["verdict"].startswith(f"goes to {chosen} "), bound
+        assert f"the flow hash picks it for source port {port}" in bound["verdict"], bound
+        done = client.connect_many(WEB, 80, "tcp", 1, source_port=port)
+        assert done.counts == {by_ip[chosen.split(":")[0]]: 1}, (port, bound, done)
+        reached.add(chosen)
+    assert len(reached) > 1, reached  # the ports spread over the endpoints
+
+
 # Holds one TCP connection from a bound source port to a Service open until stdin closes;
 # prints the backend's greeting (its pod name).
 HOLD = """

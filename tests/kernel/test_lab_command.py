@@ -106,7 +106,8 @@ def check_outside_rows(output: str, dataplane: str) -> None:
                      rf"{dataplane}\)", output, re.MULTILINE), output  # fmt: skip
     section = output[output.index("\nfrom outside (") :].split("\n\n", 1)[0]
     x = TIMES
-    # eBPF translates only the destination to a pod on node-a; iptables masquerades all.
+    # eBPF translates only the destination to a pod on node-a; iptables and nftables
+    # masquerade all.
     api_a = "client" if dataplane == "ebpf" else "node-a"
     rows = {
         "NodePort, Cluster policy, a backend on each node": (
@@ -169,6 +170,23 @@ def test_lab_with_iptables_checks_every_service_and_removes_everything(runs) -> 
                      done.stdout)  # fmt: skip
     assert "-A KBP-SERVICES -d 10.96.0.10/32" in done.stdout  # the iptables-save excerpt
     assert_explained(done.stdout, "iptables")
+    assert "removing the lab … done" in done.stdout
+    assert_nothing_left(run)
+
+
+def test_lab_with_nftables_checks_every_service_and_removes_everything(runs) -> None:
+    done = lab("--dataplane", "nftables", "--requests", "20")
+    runs.append(run := run_of(done.stdout))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert failed_rows(done.stdout) == [] and "✘" not in done.stdout
+    assert done.stdout.count("dataplane nftables (requested)") == 3
+    check_rows(done.stdout)
+    check_outside_rows(done.stdout, "nftables")
+    assert re.search(r"LoadBalancer 203\.0\.113\.9:443/TCP +loadBalancerSourceRanges +dropped",
+                     done.stdout)  # fmt: skip
+    assert "kube-bpf-proxy inspect nftables" in done.stdout
+    assert re.search(r"10\.96\.0\.10 \. tcp \. 80 : goto svc-[0-9a-f]{16}", done.stdout)  # the map
+    assert_explained(done.stdout, "nftables")
     assert "removing the lab … done" in done.stdout
     assert_nothing_left(run)
 
