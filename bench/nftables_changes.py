@@ -68,8 +68,8 @@ from bench.common.report import (
     terminate_as_interrupt,
     write_results,
 )
+from bench.common.rulesets import recompile, workload
 from bench.common.workload import ENDPOINTS, make_changes
-from bench.iptables_sync import recompile, workload
 
 T4 = "ip kube-bpf-proxy"
 PROTO = "ip kbp-data-only"

@@ -64,17 +64,11 @@ def test_the_test_only_lab_is_outside_the_shipped_package() -> None:
     assert (ROOT / "tests" / "lab" / "nodelab.py").exists()
 
 
-# The lead's issue-34 scripts (the new-flow path) are his to change.
-NOT_YET = {"bench/datapath.py", "bench/newflow_parts.py"}
-
-
 def test_no_bench_script_imports_another() -> None:
     scripts = {p.stem for p in BENCH.glob("*.py") if p.stem != "__init__"}
     found = {}
     for path in [*BENCH.glob("*.py"), *(BENCH / "common").glob("*.py")]:
         name = str(path.relative_to(ROOT))
-        if name in NOT_YET:
-            continue
         others = sorted(
             m
             for m in absolute_imports(path)
