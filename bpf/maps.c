@@ -21,37 +21,23 @@ _Static_assert(sizeof(((struct kbp_explain *)0)->ct) ==
 		       KBP_EXPLAIN_CT_COPIES * sizeof(struct kbp_ct_entry),
 	       "kbp_explain.ct");
 
-/* This CPU's scratch while a dry run executes on it, else NULL. */
+/* The scratch of a dry run: in explain's build of the programs (compiled with
+ * KBP_EXPLAIN, run only by BPF_PROG_TEST_RUN) every run is one, and this CPU's kbp_explain
+ * takes what it would write; in the programs that carry packets the accessors have no
+ * such branch at all (NULL is a constant, so the compiler drops the code). */
+#ifdef KBP_EXPLAIN
 static __always_inline struct kbp_explain *__explain_dry(void)
 {
 	__u32 zero = 0;
-	struct kbp_explain *x = kbp_explain.lookup(&zero);
 
-	return x && x->active ? x : NULL;
+	return kbp_explain.lookup(&zero);
 }
-
-static __always_inline void __explain_set(__u32 mark, __u32 active)
+#else
+static __always_inline struct kbp_explain *__explain_dry(void)
 {
-	__u32 zero = 0;
-	struct kbp_explain *x;
-
-	if (mark != KBP_EXPLAIN_MARK)
-		return;
-	x = kbp_explain.lookup(&zero);
-	if (x)
-		x->active = active;
+	return NULL;
 }
-
-static __always_inline void explain_begin(__u32 mark)
-{
-	__explain_set(mark, 1);
-}
-
-static __always_inline int explain_end(__u32 mark, int verdict)
-{
-	__explain_set(mark, 0);
-	return verdict;
-}
+#endif
 
 /* --- the accessors ---------------------------------------------------------------------- */
 

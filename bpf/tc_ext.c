@@ -101,13 +101,8 @@ int kbp_to_ext(struct __sk_buff *skb)
 	return translate_reply(skb, &t, reply, 0);
 }
 
-/* The entry: `explain` runs it with KBP_EXPLAIN_MARK (lib/maps.h). */
+/* The entry (`explain` runs its own build of it: lib/maps.h). */
 int kbp_from_ext(struct __sk_buff *skb)
 {
-	int verdict;
-
-	explain_begin(skb->mark);
-	verdict = __kbp_from_ext(skb);
-	/* The mark again rather than a saved flag: this program's stack is nearly full. */
-	return explain_end(skb->mark, verdict);
+	return __kbp_from_ext(skb);
 }

@@ -47,13 +47,8 @@ static __always_inline int __kbp_from_pod(struct __sk_buff *skb)
 	return translate_to_service(skb, &t, svc);
 }
 
-/* The entry: `explain` runs it with KBP_EXPLAIN_MARK (lib/maps.h). */
+/* The entry (`explain` runs its own build of it: lib/maps.h). */
 int kbp_from_pod(struct __sk_buff *skb)
 {
-	int verdict;
-
-	explain_begin(skb->mark);
-	verdict = __kbp_from_pod(skb);
-	/* The mark again rather than a saved flag, as kbp_from_ext (its stack is nearly full). */
-	return explain_end(skb->mark, verdict);
+	return __kbp_from_pod(skb);
 }

@@ -9,8 +9,9 @@ the socket's cookie otherwise. The report says which path the connection takes, 
 bound source port whose translated tuple is taken (by a socket of the pod's namespace, or
 a flow in tc's conntrack) that the hook leaves it to tc.
 
-The run carries KBP_EXPLAIN_MARK in its context, under which the programs write no
-conntrack, affinity or counter entry (bpf/maps.c): what they would have written lands in
+The run uses explain's build of the attached program (the same source compiled with
+KBP_EXPLAIN, which the agent pins beside the maps after its first apply): it writes no
+conntrack, affinity or counter entry (bpf/maps.c); what it would have written lands in
 the per-CPU scratch map kbp_explain, which this module clears before and reads after.
 Must run in the node's network namespace (the programs' FIB lookups and interfaces are
 that namespace's).
@@ -36,6 +37,7 @@ from ..dataplane.ebpf.inspect import (
     PinnedMaps,
     flag_names,
 )
+from ..dataplane.ebpf.kernel import LoadError, explain_build_fd
 from ..dataplane.ebpf.libbpf import Map
 from ..dataplane.ebpf.maps import FrontendKey
 from ..model.nodestate import CLUSTER_IP, Backend, NodeState
@@ -365,8 +367,8 @@ def _ct_target(entry: Any, family: int) -> str:
 # --- the dry run -------------------------------------------------------------------------
 
 
-def _program(source: Any) -> tuple[int, int, str]:
-    """(program fd, interface index, description) of the attached program that sees the
+def _program(source: Any) -> tuple[str, int, str]:
+    """(program name, interface index, description) of the attached program that sees the
     source's packets: kbp_from_pod on the pod's host veth, kbp_from_ext on the external
     interface toward an outside client. Another interface's copy of the same program when
     the route points at none (it decides alike)."""
@@ -388,7 +390,7 @@ def _program(source: Any) -> tuple[int, int, str]:
     where = f"{wanted} on {chosen.ifname} ingress (program id {chosen.prog_id})"
     if not on_route:
         where += f"; {source.ip} is not routed through an interface with it"
-    return libbpf.prog_fd_by_id(chosen.prog_id), chosen.index, where
+    return wanted, chosen.index, where
 
 
 def _frame(src: str, sport: int, dst: str, dport: int, protocol: str) -> bytes:
@@ -400,10 +402,9 @@ def _frame(src: str, sport: int, dst: str, dport: int, protocol: str) -> bytes:
 
 
 def skb_context(ifindex: int) -> bytes:
-    """struct __sk_buff up to `cb`: len and pkt_type zero, mark KBP_EXPLAIN_MARK, the
-    fields up to priority zero, then ingress_ifindex and ifindex."""
+    """struct __sk_buff up to `cb`: the fields up to priority zero, then ingress_ifindex
+    and ifindex."""
     words = [0] * 12
-    words[2] = const.KBP_EXPLAIN_MARK
     words[9] = words[10] = ifindex
     return struct.pack("=12I", *words)
 
@@ -411,7 +412,11 @@ def skb_context(ifindex: int) -> bytes:
 def _dry_run(
     pin_dir: Path, source: Any, sport: int, dst: str, dport: int, protocol: str
 ) -> RunResult:
-    fd, ifindex, where = _program(source)
+    program, ifindex, where = _program(source)
+    try:
+        fd = explain_build_fd(pin_dir, program)
+    except (LoadError, OSError) as err:
+        raise KernelError(f"explain's build of {program}: {err}") from err
     try:
         with Map.pinned(str(pin_dir / versioned(SCRATCH))) as scratch:
             zero = _u32(0)

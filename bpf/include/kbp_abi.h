@@ -378,23 +378,20 @@ struct kbp_svc_drop_key {
 	__u32 reason; /* KBP_DROP_* */
 };
 
-/* `explain` runs the attached programs on a packet it built (BPF_PROG_TEST_RUN against the
- * live maps) with this skb mark in the test context. Such a dry run writes no conntrack,
- * affinity or counter entry: lib/maps.h's accessors divert those to kbp_explain. Real
- * packets never carry it (a mark does not survive the veth between namespaces, and
- * external interfaces receive packets unmarked). "kbpx". */
-#define KBP_EXPLAIN_MARK 1801613432
+/* `explain` runs its own build of kbp_from_pod and kbp_from_ext (compiled with
+ * KBP_EXPLAIN, pinned by the agent beside the maps, never attached) on a packet it built,
+ * BPF_PROG_TEST_RUN against the live maps. That build writes no conntrack, affinity or
+ * counter entry: lib/maps.h's accessors divert those to kbp_explain. */
 #define KBP_EXPLAIN_CT_COPIES 4
 
 /* kbp_explain (per-CPU array, one entry): a dry run's scratch, read by `explain` after
  * the run. Array lengths are KBP_DROP_REASONS, KBP_XDP_VERDICTS, KBP_CT_STATS and
  * KBP_EXPLAIN_CT_COPIES (cffi reads no macros; maps.c asserts them). */
 struct kbp_explain {
-	__u32 active;      /* 1 while a dry run executes on this CPU (bottom halves are off
-			      during a test run, so no real packet runs in between) */
 	__u32 ct_next;     /* the ct[] copy the next conntrack lookup hands out */
 	__u32 ct_writes;   /* conntrack entries the run would have created or changed */
 	__u32 affinity_writes; /* affinity entries it would have written */
+	__u32 pad;
 	struct kbp_counters service;  /* what it would have counted for its service */
 	struct kbp_drop_counters drops[10];  /* and per drop reason */
 	struct kbp_drop_counters xdp[6];     /* and per XDP verdict */

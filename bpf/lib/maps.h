@@ -62,11 +62,8 @@ static __always_inline struct kbp_scratch *map_scratch(void);
 /* One more packet of `service_id` dropped for `reason` (kbp_svc_drops). */
 static __always_inline void map_count_service_drop(__u32 service_id, __u32 reason);
 
-/* `explain`'s dry runs (KBP_EXPLAIN_MARK): an entry point calls explain_begin(skb->mark)
- * first and returns through explain_end(skb->mark, verdict); in between, the accessors
- * above write nothing live. Real packets pay two comparisons here and one per-CPU read
- * per accessor that writes. */
-static __always_inline void explain_begin(__u32 mark);
-static __always_inline int explain_end(__u32 mark, int verdict);
+/* `explain`'s dry runs: the programs compiled once more with KBP_EXPLAIN, loaded beside
+ * the attached ones on the same pinned maps and run only by BPF_PROG_TEST_RUN, whose
+ * accessors above write nothing live (maps.c). The attached programs carry no check. */
 
 #endif /* KBP_LIB_MAPS_H */

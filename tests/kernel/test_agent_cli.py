@@ -155,12 +155,17 @@ def test_file_changes_are_applied_and_sigterm_leaves_the_dataplane(setup) -> Non
     hooks = our_tc_programs(lab.node_ns, lab.pods["client"].host_ifname, "ingress")
     assert [hook.rpartition(":")[2] for hook in hooks] == ["kbp_from_pod"], hooks
 
-    # The maps' pins, and with tcx one per tc link (each pod interface's two hooks).
+    # The maps' pins, explain's build of two programs (the agent pinned it after its
+    # first apply; stopping waits for it), and with tcx one per tc link (each pod
+    # interface's two hooks).
     links = [pin for pin in pin_dir.iterdir() if pin.name.startswith("kbp_tcx_")]
     assert len(links) == (2 * len(lab.pods) if "tcx" in hooks[0] else 0), links
+    explained = [pin_dir / abi.versioned(f"{p}_explain") for p in ("kbp_from_pod", "kbp_from_ext")]
+    assert all(pin.exists() for pin in explained), sorted(pin_dir.iterdir())
     done = cli(lab, "cleanup", "--bpffs", str(pin_dir))
     assert done.returncode == 0, done.stderr
-    assert f"removed {len(abi.MAP_NAMES) + len(links)} pin(s)" in done.stdout, done.stdout
+    pins = len(abi.MAP_NAMES) + len(explained) + len(links)
+    assert f"removed {pins} pin(s)" in done.stdout, done.stdout
     assert not pin_dir.exists()
     assert our_tc_programs(lab.node_ns, lab.pods["client"].host_ifname) == []
     gone = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 1, timeout=0.5)

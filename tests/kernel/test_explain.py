@@ -26,6 +26,7 @@ import pytest
 
 from agent.dataplane.ebpf import abi
 from agent.dataplane.ebpf.libbpf import Map
+from agent.dataplane.ebpf.netlink import TcAttacher, run_in_netns
 from tests.lab.nodelab import Lab
 
 from ..conftest import BPFFS
@@ -146,6 +147,40 @@ def test_the_backend_named_is_the_one_that_answers_and_nothing_changes(setup) ->
     for port, address in named.items():
         result = client.connect_many(WEB, 80, "tcp", 1, source_port=port)
         assert result.counts == {by_ip[address.split(":")[0]]: 1}, (port, address, result)
+
+
+def _prog(*argv: str) -> dict:
+    done = subprocess.run(["bpftool", "-j", "prog", "show", *argv], capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def test_explain_runs_its_own_build_and_the_attached_programs_carry_no_dry_run(setup) -> None:
+    lab, _, pin_dir, agent = setup
+    pins = {p: pin_dir / abi.versioned(f"{p}_explain") for p in ("kbp_from_pod", "kbp_from_ext")}
+    deadline = time.monotonic() + 90
+    while not all(pin.exists() for pin in pins.values()):
+        assert time.monotonic() < deadline, agent.log()
+        time.sleep(0.2)
+    with Map.pinned(str(pin_dir / abi.versioned(SCRATCH))) as scratch:
+        scratch_id = scratch.info.id
+    def attached() -> list:
+        with TcAttacher() as tc:
+            return tc.attached()
+
+    ids = {a.prog_id for a in run_in_netns(lab.node_ns, attached)
+           if a.name.startswith("kbp_from_pod")}  # fmt: skip
+    assert ids
+    for prog_id in ids:  # the programs that carry packets never touch explain's scratch
+        assert scratch_id not in _prog("id", str(prog_id)).get("map_ids", [])
+    for program, pin in pins.items():
+        built = _prog("pinned", str(pin))
+        assert built["name"] == program[:15] and built["id"] not in ids, built
+        assert scratch_id in built["map_ids"], built
+    # The dry run asks that build and changes nothing (the first test checks the maps).
+    doc = explain(lab, *from_agent(agent, pin_dir), "--from", lab.pods["client"].ipv4,
+                  "--to", f"{WEB}:80/TCP")  # fmt: skip
+    assert doc["kernel"]["outcome"] == "backends" and doc["disagreements"] == [], doc
 
 
 def test_refused_and_dropped_services_are_reported_as_the_kernel_does(setup) -> None:

@@ -33,7 +33,7 @@ from .conntrack import Timeouts, adopt_earlier_conntrack
 from .external import DEFAULT_SNAT_PORTS
 from .handoff import Handoff, describe, kernel_nat_flows, release_netfilter
 from .keeper import CHECK_PERIOD, REPAIRS, Keeper
-from .kernel import LoadError, load_programs
+from .kernel import EXPLAIN_PROGRAMS, ExplainBuild, LoadError, load_programs
 from .maps import MapSizes
 from .netlink import TcAttacher
 from .pins import not_ours
@@ -132,6 +132,10 @@ class EbpfDataplane:
         self._lock = threading.RLock()
         self.keeper = Keeper(self.programs, self.links, self._lock, check_period)
         self.keeper.start()
+        # explain's build, compiled once the first apply is done (kernel.ExplainBuild);
+        # the self-test asks it from then on, first for the state applied last.
+        self._applied: NodeState | None = None
+        self.explain_build = ExplainBuild(self.pin_dir, asdict(sizes), self._test_applied)
 
     @property
     def held_revision(self) -> str | None:
@@ -156,11 +160,25 @@ class EbpfDataplane:
             if self.links.take_over():  # else an earlier program may write reply entries
                 self.conntrack.use_gate(self.maps.gate)  # the gate misses
             self.programs.finish_moves()  # maps moved to a new size: their old users are gone
-            self.keeper.test_with(functools.partial(self_test, self.pin_dir, state))
+            self._applied = state
+            self.explain_build.start()
+            self._test_applied()
             self.links.follow_node(state.node, full)
             if full and self.keeper.period > 0:  # every resync checks the rest is there
                 self.keeper.check()
             return writes
+
+    def _test_applied(self) -> None:
+        """The self-test of the state applied last, due at the keeper's next check."""
+        if self._applied is not None:
+            self.keeper.test_with(functools.partial(self._self_test, self._applied))
+
+    def _self_test(self, state: NodeState, turn: int) -> SelfTest | None:
+        """The keeper's self-test (explain/selftest.py) once explain's build is pinned;
+        None (nothing asked) before."""
+        if not self.explain_build.ready.is_set():
+            return None
+        return self_test(self.pin_dir, state, turn)
 
     def _hand_off(self, state: NodeState) -> None:
         """After the first apply: seed the flows netfilter translated, then clear
@@ -181,6 +199,7 @@ class EbpfDataplane:
         self.keeper.stop()
         self.conntrack.stop()
         self.links.stop()
+        self.explain_build.stop()
         cleanup(self.pin_dir, self.links.tc)
         self.close()
         self.maps.held = None
@@ -188,6 +207,7 @@ class EbpfDataplane:
     def close(self) -> None:
         """Stop watching for interfaces; programs stay attached, maps stay pinned."""
         self.keeper.stop()  # after its pass in flight: nothing writes through closed fds
+        self.explain_build.stop()  # a compile under way pins, then ends
         self.conntrack.stop()
         self.links.stop()
         self.links.tc.close()
@@ -252,17 +272,19 @@ def cleanup(pin_dir: Path, attacher: TcAttacher | None = None) -> tuple[list[str
 
 
 def remove_stale_pins(pin_dir: Path) -> list[str]:
-    """Unlink the maps another ABI version pinned here (kbp_<map>_v<N>, N not ours): an
-    upgrade across a layout change leaves them behind. Safe at any time: a program of the
-    old version still attached somewhere keeps its maps alive by reference; the pins
-    only held them for inspection and reuse, which a new layout rules out."""
+    """Unlink the maps (and explain's programs) another ABI version pinned here
+    (kbp_<map>_v<N>, N not ours): an upgrade across a layout change leaves them behind.
+    Safe at any time: a program of the old version still attached somewhere keeps its
+    maps alive by reference; the pins only held them for inspection and reuse, which a new
+    layout rules out."""
     removed: list[str] = []
     if not pin_dir.is_dir():
         return removed
-    ours = {versioned(name) for name in MAP_NAMES}
+    bases = {*MAP_NAMES, *(f"{program}_explain" for program in EXPLAIN_PROGRAMS)}
+    ours = {versioned(name) for name in bases}
     for entry in sorted(pin_dir.iterdir()):
         base, _, version = entry.name.rpartition("_v")
-        stale = base in MAP_NAMES and version.isdigit() and entry.name not in ours
+        stale = base in bases and version.isdigit() and entry.name not in ours
         if stale and not _keep_foreign(entry):
             entry.unlink()
             removed.append(entry.name)

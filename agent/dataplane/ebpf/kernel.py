@@ -23,15 +23,17 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .abi import BPF_DIR, MAP_NAMES, versioned
-from .libbpf import Map, prog_id
-from .pins import ForeignPinError, Moves
+from .abi import BPF_DIR, MAP_NAMES, MAPS, versioned
+from .libbpf import Map, obj_pin, prog_id
+from .libbpf import obj_get as libbpf_obj_get
+from .pins import ForeignPinError, Moves, shape_of_pin
 
 log = logging.getLogger(__name__)
 
@@ -329,3 +331,120 @@ def _compile_and_load(text: str, flags: list[str], pin_dir: Path) -> LoadedProgr
         raise LoadError(f"loading the datapath: {err}") from err
     log.debug("datapath compiled and loaded in %.2fs", loaded.compile_seconds)
     return loaded
+
+
+# explain's build (bpf/maps.c __explain_dry): these programs compiled once more with
+# KBP_EXPLAIN, never attached, pinned beside the maps; `explain` (any process) and the
+# keeper's self-test run them with BPF_PROG_TEST_RUN on the live maps.
+EXPLAIN_PROGRAMS = ("kbp_from_pod", "kbp_from_ext")
+EXPLAIN_FLAG = "-DKBP_EXPLAIN"
+
+
+def explain_pin(pin_dir: Path, program: str) -> Path:
+    """Where explain's build of `program` is pinned: kbp_from_pod_explain_v<ABI>."""
+    return pin_dir / versioned(f"{program}_explain")
+
+
+def pin_explain_build(
+    pin_dir: Path, sizes: Mapping[str, int] | None = None, cflags: Sequence[str] = ()
+) -> list[Path]:
+    """Compile explain's build with the flags (map sizes) of the loaded programs, so it
+    opens the same pinned maps, and pin its EXPLAIN_PROGRAMS (each pin replaced whole: a
+    reader sees the old program or the new). Returns the pins."""
+    from bcc import BPF
+
+    text = entry_text()
+    flags = [*cflags_for(pin_dir, sizes), *cflags, EXPLAIN_FLAG]
+    trial_compile(text, flags)  # LoadError rather than this process ending
+    try:
+        bpf = BPF(text=text.encode(), cflags=flags)
+    except Exception as err:  # bcc raises bare Exception on compile/load failures
+        raise LoadError(f"compiling explain's build: {err}") from err
+    pins = []
+    try:
+        for program in EXPLAIN_PROGRAMS:
+            function = bpf.load_func(program.encode(), BPF.SCHED_CLS)
+            pin = explain_pin(pin_dir, program)
+            fresh = pin.with_name(pin.name + "-new")
+            fresh.unlink(missing_ok=True)
+            obj_pin(function.fd, str(fresh))
+            os.replace(fresh, pin)
+            pins.append(pin)
+    except Exception as err:
+        raise LoadError(f"loading explain's build: {err}") from err
+    finally:
+        bpf.cleanup()
+    return pins
+
+
+def sizes_of_pins(pin_dir: Path) -> dict[str, int]:
+    """The sizes (by KBP_MAX_<NAME>, as cflags_for takes them) the pinned maps were made
+    with: a build that opens them must be compiled with these."""
+    sizes: dict[str, int] = {}
+    for decl in MAPS.values():
+        name = decl.size.removeprefix("KBP_MAX_").lower()
+        if name == decl.size.lower() or name in sizes:
+            continue
+        with contextlib.suppress(OSError):
+            shape = shape_of_pin(pin_dir / versioned(decl.name))
+            if shape is not None:
+                sizes[name] = shape.max_entries
+    return sizes
+
+
+def explain_build_fd(pin_dir: Path, program: str) -> int:
+    """An fd of explain's build of `program`: the agent's pin, or, when there is none (no
+    agent, or one that has not pinned it yet), a build compiled here for the pinned maps'
+    sizes and pinned for the next explain."""
+    pin = explain_pin(pin_dir, program)
+    try:
+        return libbpf_obj_get(str(pin))
+    except FileNotFoundError:
+        log.info("compiling explain's build of the programs for %s (no agent pinned one)",
+                 pin_dir)  # fmt: skip
+        pin_explain_build(pin_dir, sizes_of_pins(pin_dir))
+        return libbpf_obj_get(str(pin))
+
+
+class ExplainBuild:
+    """explain's build, compiled and pinned in a thread once started (the agent starts it
+    after its first apply: a second compile costs seconds of CPU that readiness need not
+    wait for). `ready` is set when the pins are there; `error` says why they are not."""
+
+    def __init__(
+        self, pin_dir: Path, sizes: Mapping[str, int] | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.pin_dir = pin_dir
+        self.sizes = dict(sizes or {})
+        self.on_ready = on_ready  # called in the thread once the pins are there
+        self.ready = threading.Event()
+        self.error: str | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kbp-explain-build",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        try:
+            pin_explain_build(self.pin_dir, self.sizes)
+        except (LoadError, OSError) as err:
+            self.error = str(err)
+            log.warning("ebpf: explain's build of the programs did not load, so `explain` "
+                        "and the self-test cannot run: %s", err)  # fmt: skip
+            return
+        self.ready.set()
+        log.info("ebpf: explain's build of the programs pinned in %.1f s",
+                 time.perf_counter() - started)  # fmt: skip
+        if self.on_ready is not None:
+            self.on_ready()
+
+    def stop(self) -> None:
+        """Wait for a compile under way (its pins must not outlive a cleanup)."""
+        if self._thread is not None:
+            self._thread.join()
+
