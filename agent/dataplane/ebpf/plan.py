@@ -13,7 +13,7 @@ from itertools import compress
 from operator import not_
 from typing import Any
 
-from ...model.nodestate import NodeState, ServiceEntry
+from ...model.nodestate import Changes, NodeState, ServiceEntry
 from .maglev import DEFAULT_TABLE_SIZE, check_table_size
 from .maps import (
     MAPS,
@@ -160,12 +160,10 @@ class _Incremental:
         (of changed entries and of entries gone), and whether every entry that came (all
         when scanning) is sealed."""
         state, index = self.state, self.index
-        previous, changes = index.entries, state.changes
-        if previous is state.services:
-            return [], [], True
-        if previous is None or changes is None or changes.base != index.revision:
+        delta = Changes.since(index.revision, index.entries, state)
+        if delta.full:
             return self.changes_by_scan()
-        went, came = changes.between(previous, state.services)
+        went, came = delta.went, delta.came
         by_digest, by_key = index.by_digest, index.by_key
         came_digests = list(map(DIGEST, came))
         changed = list(compress(came, map(not_, map(by_digest.__contains__, came_digests))))
