@@ -1,7 +1,7 @@
 """The map writer of the eBPF dataplane: at each apply its planner (plan.py) turns the
-NodeState into map contents, it checks capacity and writes only the differences, in the order
-that keeps every intermediate state whole for packets; it owns the conntrack collector
-and reports the maps' fill and the datapath's counters on /metrics.
+NodeState into map contents; it checks capacity and writes only the differences, in the
+order that keeps every intermediate state whole for packets; it owns the conntrack
+collector and reports the maps' fill and the datapath's counters on /metrics.
 
 It knows nothing of interfaces: which programs run where is attach.py's.
 """
