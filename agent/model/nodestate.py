@@ -205,7 +205,7 @@ class Changes:
     """What `Compiler.update` recompiled or removed since the NodeState of revision
     `base`: the entries of `services` may differ, every other entry is the same object
     in both states (kube-proxy's UpdatedServices, kpng's Changed/Deleted). A consumer
-    that holds `base` looks only at these; any other uses the full path."""
+    that holds `base` looks only at these (`since` says what went and came)."""
 
     base: str
     services: frozenset[ServiceKey]

@@ -289,7 +289,7 @@ def test_an_update_that_raises_loses_no_other_change_of_its_batch(monkeypatch) -
 def test_the_changes_an_update_hands_over_cover_every_entry_that_differs(history) -> None:
     """Outside the Services an update's Changes name, the state before and after hold
     the same entry objects; a consumer that follows the Changes (the fake dataplane)
-    counts what the full path counts."""
+    counts what a resync counts."""
     cluster, steps = history
     objects = {object_key(o): o for o in cluster.objects}
     agent_state = cluster_state(objects)
