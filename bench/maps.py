@@ -12,19 +12,21 @@ floor), and the way the dataplane writes them (codec.py encodes each entry, join
 PB-4: bench/compile.py's generated cluster (N Services x 10 endpoints, no headless ones,
 nodePorts made unique) as one JSON LIST, synced into empty maps as the agent does at
 start: decode (`load_manifests`), compile, `EbpfDataplane.apply(full=True)` (read the
-maps, plan_change, writes) with its `_write` timed inside; plan (`translate`) and
-diff + capacity check also timed on their own. Floors: `json.loads` of the file with the
+maps, the planner's full plan, writes) with its `_write` timed inside; the plan (a
+`Planner`'s full pass from empty maps, its diff and capacity included) and diff +
+capacity check also timed on their own. Floors: `json.loads` of the file with the
 cyclic GC off, and a raw batch write of the same elements, pre-encoded. Also the restart
 path (read the maps back, plan and diff against them: no writes) and deleting everything.
 
 PB-5: from that full sync, single changes timed from the event's JSON text to
-`EbpfDataplane.apply` returning (decode → `Compiler.update` → apply: plan_change +
-writes): an endpoint turning not ready, an endpoint added, a Service added, a Service
-deleted; paced (20/s, 100/s with --quick), each after the previous one finished. Then a
-burst of 100 readiness changes coalesced into one apply, and the same undone one by one
-without pause. The floor of a change: decoding its event plus one batch write of as many
-pre-encoded elements as it wrote. At the end the kernel's maps, resolved to addresses,
-are compared with a fresh plan of the final state.
+`EbpfDataplane.apply` returning (decode → `Compiler.update` → apply: the planner's
+incremental plan + writes): an endpoint turning not ready, an endpoint added, a Service
+added, a Service deleted; paced (20/s, 100/s with --quick), each after the previous one
+finished. Then a burst of 100 readiness changes coalesced into one apply, and the same
+undone one by one without pause. The floor of a change: decoding its event plus one
+batch write of as many pre-encoded elements as it wrote. At the end the kernel's maps,
+resolved to addresses, are compared with the oracle's translation (`translate`) of the
+final state.
 
     .venv/bin/python -m bench.maps [--quick] [--services N ...] [--pb 4 5 8]
 """
@@ -58,6 +60,7 @@ from agent.dataplane.ebpf.maps import (
     check_capacity,
     diff,
 )
+from agent.dataplane.ebpf.plan import Planner
 from agent.dataplane.ebpf.translate import translate
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import decode_object
@@ -326,7 +329,7 @@ PHASES = (
     ("decode_floor", "floor: json.loads of the LIST, GC off"),
     ("decode", "decode: load_manifests → ClusterState"),
     ("compile", "compile → NodeState"),
-    ("plan", "  (plan alone: translate)"),
+    ("plan", "  (plan alone: Planner.plan, full)"),
     ("diff", "  (diff + capacity check alone)"),
     ("apply", "EbpfDataplane.apply(full=True), empty maps"),
     ("write_floor", "floor: raw batch write, pre-encoded"),
@@ -353,7 +356,7 @@ def pb4_once(
     dp: EbpfDataplane, cluster: Cluster, text: str, samples: dict[str, list[float]]
 ) -> FullSync:
     """One full sync into empty maps as the agent makes it at start (decode, compile,
-    `apply(full=True)`: read the empty maps, plan_change, writes), with plan and diff also
+    `apply(full=True)`: read the empty maps, plan, writes), with plan and diff also
     timed on their own; then the restart path, deleting everything, and the floor's raw
     batch write of the same elements (removed again)."""
     assert not dp.maps.current.services, "maps not empty"
@@ -362,9 +365,11 @@ def pb4_once(
     decode, (state, _) = seconds(lambda: load_manifests([cluster.path]))
     comp, nodestate = seconds(lambda: compile(state, THIS_NODE, CompileOptions()))
     empty = KernelContent()
-    plan_s, desired = seconds(lambda: translate(
-        nodestate, empty, maglev_table_size=dp.maps.maglev_table_size,
-        sizes=dp.maps.sizes))  # fmt: skip
+    planner = dp.maps.planner
+    plan_s, change = seconds(lambda: Planner(
+        empty, maglev_table_size=planner.maglev_table_size, sizes=planner.sizes,
+    ).plan(nodestate))  # fmt: skip
+    desired = change.content
 
     def diff_and_check() -> Writes:
         writes = diff(empty, desired)
@@ -572,7 +577,7 @@ def pb5(dp: EbpfDataplane, cluster: Cluster, per_kind: int, pause: float) -> Cha
             restore = Change("not_ready", [json.dumps(originals[name][0])], set_objects)
             timed_change(dp, state, compiler, restore, each)
         fresh = translate(compiler.full(state), KernelContent(),
-                          maglev_table_size=dp.maps.maglev_table_size,
+                          maglev_table_size=dp.maps.planner.maglev_table_size,
                           sizes=dp.maps.sizes)  # fmt: skip
         consistent = resolved(dp.maps._read_kernel()) == resolved(fresh)
     finally:

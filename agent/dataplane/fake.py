@@ -1,15 +1,15 @@
 """A recording dataplane for tests of the sync loop (no root, no kernel).
 
 It keeps every applied NodeState, counts the entries that differ from what it held
-as its "kernel writes" (looking only at the Services a state's Changes name when they
-start from the state it holds), and can be told to fail the next applies.
+as its "kernel writes" (applying `Changes.since` the state it holds: the entries that went
+and came), and can be told to fail the next applies.
 """
 
 from __future__ import annotations
 
 import threading
 
-from ..model.nodestate import NodeState
+from ..model.nodestate import Changes, NodeState
 from .base import DataplaneError, QuietDataplane
 
 
@@ -30,15 +30,13 @@ class FakeDataplane(QuietDataplane):
         if self.fail_next > 0:
             self.fail_next -= 1
             raise DataplaneError("injected", "fake dataplane told to fail")
-        held = self._held_digests
-        changes, before = state.changes, self._held
-        if changes is not None and before is not None and changes.base == before.revision:
-            went, came = changes.between(before.services, state.services)
-            wanted = {e.sort_key: e.digest for e in came}
-            gone = [e.sort_key for e in went if e.sort_key not in wanted]
-        else:  # the full path
-            wanted = {e.sort_key: e.digest for e in state.services}
-            gone = [k for k in held if k not in wanted]
+        held, before = self._held_digests, self._held
+        if before is None:
+            delta = Changes.since(None, None, state)
+        else:
+            delta = Changes.since(before.revision, before.services, state)
+        wanted = {e.sort_key: e.digest for e in delta.came}
+        gone = [e.sort_key for e in delta.went if e.sort_key not in wanted]
         writes = sum(1 for k, d in wanted.items() if held.get(k) != d) + len(gone)
         for key in gone:
             del held[key]

@@ -205,7 +205,7 @@ class Changes:
     """What `Compiler.update` recompiled or removed since the NodeState of revision
     `base`: the entries of `services` may differ, every other entry is the same object
     in both states (kube-proxy's UpdatedServices, kpng's Changed/Deleted). A consumer
-    that holds `base` looks only at these; any other uses the full path."""
+    that holds `base` looks only at these (`since` says what went and came)."""
 
     base: str
     services: frozenset[ServiceKey]
@@ -217,6 +217,38 @@ class Changes:
         the state at `base`) and in `new`, each in NodeState order."""
         keys = sorted(self.services)
         return entries_of(old, keys), entries_of(new, keys)
+
+    @staticmethod
+    def since(
+        revision: str | None, services: Sequence[ServiceEntry] | None, state: NodeState
+    ) -> Delta:
+        """What a consumer that holds `services` (the entries of the state of `revision`;
+        None: it holds nothing it can name) must apply to hold `state`: the one change
+        follower every dataplane uses. The entries of the Services `state`'s Changes name
+        when they start from `revision`; nothing when `services` are `state`'s own; else
+        a resync, every held entry gone and every entry of `state` come."""
+        if services is state.services:
+            return Delta((), (), False)
+        changes = state.changes
+        if services is None or changes is None or changes.base != revision:
+            return Delta(services or (), state.services, True)
+        went, came = changes.between(services, state.services)
+        return Delta(went, came, False)
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """`Changes.since`: the entries that went (of the held state) and that came (of the
+    new one), each in NodeState order. Outside them both states hold the same entry
+    objects, unless `full`: then `went` is every held entry and `came` every new one."""
+
+    went: Sequence[ServiceEntry]
+    came: Sequence[ServiceEntry]
+    full: bool  # a resync: the held state is not the base of the new state's Changes
+
+    @property
+    def empty(self) -> bool:
+        return not self.went and not self.came
 
 
 def _service_of(entry: ServiceEntry) -> ServiceKey:

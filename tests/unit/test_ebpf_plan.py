@@ -37,7 +37,7 @@ from agent.dataplane.ebpf.maps import (
     diff,
     required_capacity,
 )
-from agent.dataplane.ebpf.plan import plan_change
+from agent.dataplane.ebpf.plan import Planner
 from agent.dataplane.ebpf.translate import translate
 from agent.dataplane.ebpf.writer import MapWriter
 from agent.metrics import Metrics
@@ -120,6 +120,20 @@ def web(endpoints: list[Obj], mutate: Callable[[Obj], None] | None = None) -> No
 def bare(content: KernelContent) -> KernelContent:
     """The same content as the agent decodes it from the kernel after a restart."""
     return KernelContent(dict(content.services), dict(content.slots), dict(content.backends))
+
+
+def follow(*states: NodeState, **kw: Any) -> list[KernelContent]:
+    """What one planner holds after each of `states` in turn (copies: it changes its
+    content in place)."""
+    planner = Planner(**kw)
+    return [bare(planner.plan(state).commit()) for state in states]
+
+
+def planner_after(state: NodeState, **kw: Any) -> Planner:
+    """A planner that has planned and committed `state` from empty maps."""
+    planner = Planner(**kw)
+    planner.plan(state).commit()
+    return planner
 
 
 # --- reading contents back as text ----------------------------------------------------
@@ -358,10 +372,11 @@ def test_a_maglev_service_gets_a_full_table_over_its_backends() -> None:
 
 
 def test_removing_a_maglev_backend_writes_a_whole_new_table_then_flips() -> None:
-    before = translate(
-        web([ep(5, "node-a"), ep(5), ep(5, "node-c")], maglev), EMPTY, maglev_table_size=13
+    before, after = follow(
+        web([ep(5, "node-a"), ep(5), ep(5, "node-c")], maglev),
+        web([ep(5, "node-a"), ep(5)], maglev),
+        maglev_table_size=13,
     )
-    after = translate(web([ep(5, "node-a"), ep(5)], maglev), before, maglev_table_size=13)
     assert counts(diff(before, after)) == (0, 0, 13, 1, 0, 13, 1)
 
 
@@ -379,8 +394,10 @@ def test_changing_the_maglev_table_size_rewrites_only_maglev_sets() -> None:
     state = node_state(
         *svc([ep(5), ep(6)], maglev), *svc([ep(7)], name="other", cluster_ip="10.96.0.2")
     )
-    small = translate(state, EMPTY, maglev_table_size=13)
-    large = translate(state, small, maglev_table_size=17)
+    planner = planner_after(state, maglev_table_size=13)
+    small = bare(planner.content)
+    planner.maglev_table_size = 17
+    large = planner.plan(state).commit()
     assert counts(diff(small, large)) == (0, 0, 17, 1, 0, 13, 0)
 
 
@@ -389,8 +406,8 @@ def test_changing_the_maglev_table_size_rewrites_only_maglev_sets() -> None:
 
 def test_the_same_state_again_writes_nothing() -> None:
     endpoints = [ep(5, "node-a"), ep(5), ep(6)]
-    first = translate(web(endpoints, node_port(etp="Local")), EMPTY)
-    again = translate(web(endpoints, node_port(etp="Local")), first)  # a new compile
+    first, again = follow(web(endpoints, node_port(etp="Local")),
+                          web(endpoints, node_port(etp="Local")))  # a new compile  # fmt: skip
     assert again == first
     assert diff(first, again).empty
     assert diff(first, again).count == 0
@@ -401,11 +418,11 @@ def test_a_restart_adopts_every_id_from_the_kernel_and_writes_nothing() -> None:
         *svc([ep(5, "node-a"), ep(5)], both(node_port(etp="Local"), maglev)),
         *svc([ep(6), ep(7)], name="other", cluster_ip="10.96.0.2"),
     ]
-    before = translate(node_state(*objects), EMPTY, maglev_table_size=13)
+    (before,) = follow(node_state(*objects), maglev_table_size=13)
     kernel = bare(before)
-    after = translate(node_state(*objects), kernel, maglev_table_size=13)
-    assert after == before  # same ids everywhere
-    assert diff(kernel, after).empty
+    change = Planner(kernel, maglev_table_size=13).plan(node_state(*objects))
+    assert change.content == before  # same ids everywhere
+    assert change.writes.empty and diff(kernel, change.content).empty
 
 
 @dataclass
@@ -456,32 +473,34 @@ CHANGES = [
 @pytest.mark.parametrize("restart", [False, True], ids=["same agent", "after a restart"])
 @pytest.mark.parametrize("change", CHANGES, ids=lambda c: c.name)
 def test_one_change_writes_only_what_it_needs(change: Change, restart: bool) -> None:
-    before = translate(web(change.before), EMPTY)
-    current = bare(before) if restart else before
-    after = translate(web(change.after), current)
+    planner = planner_after(web(change.before))
+    if restart:
+        planner = Planner(bare(planner.content))
+    current = bare(planner.content)
+    after = planner.plan(web(change.after)).commit()
     writes = diff(current, after)
     assert counts(writes) == change.counts
     assert writes.count == sum(change.counts)
 
 
 def test_a_removed_backend_frees_its_id_and_a_new_one_does_not_take_it_at_once() -> None:
-    first = translate(web([ep(1), ep(2), ep(3)]), EMPTY)
+    first, second, third = follow(
+        web([ep(1), ep(2), ep(3)]), web([ep(1), ep(3)]), web([ep(1), ep(3), ep(4)])
+    )
     ids = {address(b.addr, b.port): i for i, b in first.backends.items()}
-    second = translate(web([ep(1), ep(3)]), first)
     assert diff(first, second).backends_to_delete == [ids["10.244.2.2:8080"]]
     assert ids["10.244.2.2:8080"] not in second.backends
-    third = translate(web([ep(1), ep(3), ep(4)]), second)
     (new_id,) = diff(second, third).backends_to_upsert
     assert new_id not in ids.values()
 
 
 def test_new_ids_wrap_within_the_map_size_and_skip_live_ones() -> None:
     sizes = MapSizes(services=4, slots=4, backends=5)  # backend ids 1..4
-    content = translate(web([ep(1), ep(2), ep(3)]), EMPTY, sizes=sizes)
-    seen_ids = set(content.backends)
+    planner = planner_after(web([ep(1), ep(2), ep(3)]), sizes=sizes)
+    seen_ids = set(planner.content.backends)
     for n in range(4, 12):  # replace the oldest endpoint, one at a time
         endpoints = [ep(n - 2), ep(n - 1), ep(n)]
-        content = translate(web(endpoints), content, sizes=sizes)
+        content = planner.plan(web(endpoints)).commit()
         assert all(0 < i < 5 for i in content.backends)
         assert all(0 < s < 4 for s in content.slots)
         seen_ids |= set(content.backends)
@@ -489,11 +508,11 @@ def test_new_ids_wrap_within_the_map_size_and_skip_live_ones() -> None:
 
 
 def test_a_new_service_gets_a_fresh_id_whose_counters_are_reset() -> None:
-    first = translate(web([ep(1)]), EMPTY)
-    (old_id,) = {v.service_id for v in first.services.values()}
-    second = translate(
-        node_state(*svc([ep(1)]), *svc([ep(2)], name="other", cluster_ip="10.96.0.2")), first
+    first, second = follow(
+        web([ep(1)]),
+        node_state(*svc([ep(1)]), *svc([ep(2)], name="other", cluster_ip="10.96.0.2")),
     )
+    (old_id,) = {v.service_id for v in first.services.values()}
     writes = diff(first, second)
     new_id = second.services[FrontendKey("10.96.0.2", 80, 6, 4)].service_id
     assert new_id != old_id
@@ -502,17 +521,18 @@ def test_a_new_service_gets_a_fresh_id_whose_counters_are_reset() -> None:
 
 
 def test_a_deleted_service_loses_its_frontends_sets_and_backends() -> None:
-    first = translate(
+    first, second = follow(
         node_state(*svc([ep(1)], node_port()), *svc([ep(2)], name="other", cluster_ip="10.96.0.2")),
-        EMPTY,
+        node_state(*svc([ep(2)], name="other", cluster_ip="10.96.0.2")),
     )  # fmt: skip
-    second = translate(node_state(*svc([ep(2)], name="other", cluster_ip="10.96.0.2")), first)
     assert counts(diff(first, second)) == (0, 0, 0, 0, 2, 1, 1)
 
 
 def test_a_service_flipping_policy_reuses_its_backends_and_points_at_a_new_set() -> None:
-    first = translate(web([ep(5, "node-a"), ep(5)]), EMPTY)
-    second = translate(web([ep(5, "node-a"), ep(5)], spec(internalTrafficPolicy="Local")), first)
+    first, second = follow(
+        web([ep(5, "node-a"), ep(5)]),
+        web([ep(5, "node-a"), ep(5)], spec(internalTrafficPolicy="Local")),
+    )
     # The one-backend local set is new; the cluster set and the remote backend go.
     assert counts(diff(first, second)) == (0, 0, 1, 1, 0, 2, 1)
     assert set(second.backends) < set(first.backends)
@@ -525,15 +545,14 @@ def test_a_frontend_two_services_claim_goes_to_the_first_and_passes_on() -> None
     a = svc([ep(1)], shared, name="a", cluster_ip="10.96.0.1")
     b = svc([ep(2)], shared, name="b", cluster_ip="10.96.0.2")
     key = FrontendKey("203.0.113.7", 80, 6, 4)
-    first = translate(node_state(*a, *b), EMPTY)
+    first, second, third = follow(node_state(*a, *b), node_state(*b), node_state(*a, *b))
     a_id = first.services[FrontendKey("10.96.0.1", 80, 6, 4)].service_id
     b_id = first.services[FrontendKey("10.96.0.2", 80, 6, 4)].service_id
     assert first.services[key].service_id == a_id
-    second = translate(node_state(*b), first)
     assert second.services[key].service_id == b_id
-    # The in-place path gives the same.
-    assert second == plan_change(node_state(*b), translate(node_state(*a, *b), EMPTY)).commit()
-    third = translate(node_state(*a, *b), second)
+    # The oracle, given what the planner held, gives the same.
+    planner = planner_after(node_state(*a, *b))
+    assert second == translate(node_state(*b), planner.content, built=planner.index)
     assert third.services[key].service_id != b_id  # "a" is back (with a new id)
 
 
@@ -623,7 +642,7 @@ def test_more_services_than_the_counters_array_holds_is_a_capacity_error() -> No
         check_capacity(EMPTY, desired, diff(EMPTY, desired), sizes)
     assert (raised.value.map, raised.value.needed, raised.value.size) == ("services", 4, 3)
     # No order of writes helps: the planner refuses it too, saying why.
-    change = plan_change(node_state(*objects), EMPTY, sizes=sizes)
+    change = Planner(sizes=sizes).plan(node_state(*objects))
     with pytest.raises(CapacityError) as raised:
         change.stages(sizes)
     assert "counting the service ids in use" in str(raised.value)
@@ -663,13 +682,14 @@ def fleet(sizes: list[int], first: int = 0) -> NodeState:
 
 
 def apply_staged(
-    kernel: Kernel, current: KernelContent, state: NodeState, sizes: MapSizes, **kw: Any
+    kernel: Kernel, planner: Planner, state: NodeState
 ) -> tuple[KernelContent, list[Writes]]:
-    """plan_change and its stages written one element at a time into `kernel` (which
-    checks, after every write, the datapath's invariants and that no map is past its
-    size), then committed; also: each frontend flips once, every frontend of a Service
-    in the same stage, and the kernel ends holding exactly the new content."""
-    change = plan_change(state, current, sizes=sizes, **kw)
+    """The planner's change and its stages written one element at a time into `kernel`
+    (which checks, after every write, the datapath's invariants and that no map is past
+    its size), then committed; also: each frontend flips once, every frontend of a
+    Service in the same stage, and the kernel ends holding exactly the new content."""
+    sizes = planner.sizes
+    change = planner.plan(state)
     try:
         stages = change.stages(sizes)
     except CapacityError:
@@ -684,7 +704,8 @@ def apply_staged(
             assert by_service[value.service_id] <= stage.services_to_upsert.keys()
     content = change.commit()
     assert kernel.content() == content
-    assert view(content) == view(translate(state, EMPTY, sizes=sizes, **kw))
+    oracle = translate(state, EMPTY, sizes=sizes, maglev_table_size=planner.maglev_table_size)
+    assert view(content) == view(oracle)
     return content, stages
 
 
@@ -699,30 +720,30 @@ def test_every_endpoint_replaced_at_88_percent_fill_is_applied_in_stages() -> No
     sizes = MapSizes(services=64, slots=1024, backends=1024)
     shape = [21] * 43  # 903 slots and backends
     before, after = fleet(shape), fleet(shape, first=10_000)
-    current = plan_change(before, EMPTY, sizes=sizes).commit()
-    kernel = Kernel(current, sizes)
-    change = plan_change(after, current, sizes=sizes)
+    planner = planner_after(before, sizes=sizes)
+    kernel = Kernel(planner.content, sizes)
+    change = planner.plan(after)
     need = change.required_capacity()
     assert need["slots"] == (903, 1806) and need["backends"] == (903, 1806)
     with pytest.raises(CapacityError):  # what used to refuse it forever
         change.check_capacity(sizes)
     change.rollback()
-    current, stages = apply_staged(kernel, current, after, sizes)
+    _, stages = apply_staged(kernel, planner, after)
     assert len(stages) > 1 and frontends_flipped_once(stages)
     assert kernel.peak["slots"] <= 1024 and kernel.peak["backends"] <= 1024
     # The next change (one unrelated Service added) is an ordinary one-stage apply.
     late = svc([ep(1)], name="late", cluster_ip="10.96.9.9")
     nxt = node_state(*fleet_objects(shape, first=10_000), *late)
-    current, stages = apply_staged(kernel, current, nxt, sizes)
+    _, stages = apply_staged(kernel, planner, nxt)
     assert len(stages) == 1
 
 
 def test_many_services_each_replaced_at_99_percent_fill() -> None:
     sizes = MapSizes(services=1024, slots=1024, backends=1024)
     shape = [3] * 338  # 1,014 of 1,024: ten free, three Services a stage
-    current = plan_change(fleet(shape), EMPTY, sizes=sizes).commit()
-    kernel = Kernel(current, sizes)
-    current, stages = apply_staged(kernel, current, fleet(shape, first=5000), sizes)
+    planner = planner_after(fleet(shape), sizes=sizes)
+    kernel = Kernel(planner.content, sizes)
+    _, stages = apply_staged(kernel, planner, fleet(shape, first=5000))
     assert len(stages) >= 338 // 3 and frontends_flipped_once(stages)
     assert kernel.peak["slots"] == 1014 + 9  # three Services of three slots a stage
 
@@ -734,10 +755,10 @@ def test_a_removal_and_an_addition_in_one_apply_free_before_they_take() -> None:
     before = node_state(*fleet_objects([600, 300]))
     after = node_state(*fleet_objects([300], first=600, names=range(1, 2)),
                        *fleet_objects([600], first=2000, names=range(2, 3)))  # fmt: skip
-    current = plan_change(before, EMPTY, sizes=sizes).commit()
-    kernel = Kernel(current, sizes)
-    s1 = {k: v for k, v in current.services.items() if k.addr == "10.96.0.2"}
-    current, stages = apply_staged(kernel, current, after, sizes)
+    planner = planner_after(before, sizes=sizes)
+    kernel = Kernel(planner.content, sizes)
+    s1 = {k: v for k, v in planner.content.services.items() if k.addr == "10.96.0.2"}
+    current, stages = apply_staged(kernel, planner, after)
     assert [bool(s.frontends_to_delete) for s in stages] == [True, False]
     assert all(current.services[k] == v for k, v in s1.items())
     assert kernel.peak["slots"] == 900
@@ -748,9 +769,9 @@ def test_one_service_too_big_to_sit_beside_its_old_self_switches_through_an_inte
     there at once whatever the order. It switches first to a part of its new backends
     (324: what is free), which frees the old 700, then to all of them."""
     sizes = MapSizes(services=64, slots=1024, backends=1024)
-    current = plan_change(fleet([700]), EMPTY, sizes=sizes).commit()
-    kernel = Kernel(current, sizes)
-    current, stages = apply_staged(kernel, current, fleet([700], first=3000), sizes)
+    planner = planner_after(fleet([700]), sizes=sizes)
+    kernel = Kernel(planner.content, sizes)
+    _, stages = apply_staged(kernel, planner, fleet([700], first=3000))
     assert len(stages) == 2
     ((key, interim),) = stages[0].services_to_upsert.items()
     assert interim.count == 324 and stages[0].sets_to_delete  # the old set goes at once
@@ -763,27 +784,28 @@ def test_a_maglev_service_too_big_for_two_tables_switches_through_an_interim_set
     sizes = MapSizes(services=64, slots=40, backends=1024)
     before = node_state(*svc([ep(1), ep(2), ep(3)], maglev))
     after = node_state(*svc([ep(4), ep(5), ep(6)], maglev))
-    current = plan_change(before, EMPTY, sizes=sizes, maglev_table_size=31).commit()
-    kernel = Kernel(current, sizes)
-    current, stages = apply_staged(kernel, current, after, sizes, maglev_table_size=31)
+    planner = planner_after(before, sizes=sizes, maglev_table_size=31)
+    kernel = Kernel(planner.content, sizes)
+    _, stages = apply_staged(kernel, planner, after)
     assert len(stages) == 2 and kernel.peak["slots"] <= 40
 
 
 def test_a_state_that_does_not_fit_is_still_refused_and_the_previous_stays() -> None:
     sizes = MapSizes(services=64, slots=1024, backends=1024)
     before, after = fleet([21] * 43), fleet([21] * 49, first=10_000)  # 1,029 slots
-    current = plan_change(before, EMPTY, sizes=sizes).commit()
+    planner = planner_after(before, sizes=sizes)
+    current = planner.content
     kernel = Kernel(current, sizes)
-    snapshot = Snapshot(current)
+    snapshot = Snapshot(planner)
     with pytest.raises(CapacityError) as raised:
-        apply_staged(kernel, current, after, sizes)
+        apply_staged(kernel, planner, after)
     assert (raised.value.map, raised.value.needed, raised.value.size) == ("slots", 1029, 1024)
     assert str(raised.value) == (
         f"map {versioned('kbp_slots')} needs 1029 entries but holds 1024 (5 short); the "
         "previous state keeps serving; raise --map-size-slots (takes effect at the next start)"
     )
-    snapshot.check(current)
-    assert kernel.content() == current
+    snapshot.check(planner)
+    assert planner.content is current and kernel.content() == current
 
 
 def test_the_map_writer_applies_a_full_replacement_in_stages_and_reports_the_need() -> None:
@@ -948,12 +970,12 @@ def check_stable(
         assert old_id is None or old_id == backend_id
 
 
-def sync(
-    kernel: Kernel, current: KernelContent, old: NodeState | None, state: NodeState
-) -> KernelContent:
-    """One sync from `current` (what `kernel` holds) to `state`, checked on the way."""
+def sync(kernel: Kernel, planner: Planner, old: NodeState | None, state: NodeState) -> None:
+    """One sync from the planner's content (what `kernel` holds) to `state`, checked on
+    the way."""
     sizes = MapSizes()
-    desired = translate(state, current, maglev_table_size=31)
+    current = planner.content
+    desired = translate(state, current, built=planner.index, maglev_table_size=31)
     check_ids(desired, sizes)
     # A restarted agent, adopting from the decoded maps, gets there consistently too...
     restarted = Kernel(current)
@@ -973,46 +995,50 @@ def sync(
     assert kernel.content() == desired
     if old is not None:
         check_stable(current, old, desired, state)
-    # Applied: the same state again is a no-op.
+    # Applied: the same state again is a no-op, also adopting from the maps.
     assert diff(desired, translate(state, desired, maglev_table_size=31)).empty
-    return in_place(current, state, desired, writes, need)
+    in_place(planner, state, desired, writes, need)
 
 
 def in_place(
-    current: KernelContent,
+    planner: Planner,
     state: NodeState,
     desired: KernelContent,
     writes: Writes,
     need: dict[str, tuple[int, int]],
-) -> KernelContent:
-    """plan_change on `current` (the incremental path) plans what the full path
-    (`translate`) did: the property that keeps the two equal; rolled back, `current`
-    is exactly as before (contents, ids to come, how it was built); committed, it is the
-    next current (so a history goes on from contents changed in place)."""
-    before = Snapshot(current)
-    change = plan_change(state, current, maglev_table_size=31)
+) -> None:
+    """The planner (incremental when it can) plans what the oracle (`translate`, every
+    entry) did: the property that keeps the two equal; rolled back, the planner is
+    exactly as before (contents, ids to come, how it was built); committed, it holds the
+    next content (so a history goes on from contents changed in place)."""
+    before = Snapshot(planner)
+    current = planner.content
+    change = planner.plan(state)
     assert change.content == desired
-    assert change.writes == writes
+    # The same writes, phase by phase (within a phase the order carries no meaning: the
+    # in-place path lists deletions in the order the plans that go name them).
+    assert in_any_order(change.writes) == in_any_order(writes)
+    assert change.writes.backends_changed == writes.backends_changed
+    assert change.writes.count == writes.count
     assert change.required_capacity() == need
     assert change.rollback() is current
-    before.check(current)
-    change = plan_change(state, current, maglev_table_size=31)
+    before.check(planner)
+    change = planner.plan(state)
     result = change.commit()
-    assert result == desired
+    assert result == desired and planner.content is result
     with pytest.raises(RuntimeError):
         change.rollback()
-    again = plan_change(state, result, maglev_table_size=31)
+    again = planner.plan(state)
     assert again.writes.empty
     assert again.commit() is result
-    return result
 
 
 class Snapshot:
-    """Everything about a content that a rollback must restore."""
+    """Everything about a planner that a rollback must restore."""
 
-    def __init__(self, content: KernelContent) -> None:
-        self.content = bare(content)
-        self.index = content._index
+    def __init__(self, planner: Planner) -> None:
+        self.content = bare(planner.content)
+        self.index = planner.index
         self.index_maps = None
         if self.index is not None:
             self.index_maps = (
@@ -1021,9 +1047,9 @@ class Snapshot:
                 dict(self.index.service_ids),
             )
 
-    def check(self, content: KernelContent) -> None:
-        assert content == self.content
-        assert content._index is self.index
+    def check(self, planner: Planner) -> None:
+        assert planner.content == self.content
+        assert planner.index is self.index
         if self.index is not None:
             maps = (self.index.by_key, self.index.by_digest, self.index.service_ids)
             assert maps == self.index_maps
@@ -1038,7 +1064,7 @@ def test_every_sync_keeps_every_intermediate_kernel_state_consistent(history) ->
     gets there too; and ids stay put for what did not change."""
     cluster, steps = history
     objects = {object_key(o): with_maglev_for_dns(o) for o in cluster.objects}
-    kernel, current, old = Kernel(EMPTY), EMPTY, None
+    kernel, planner, old = Kernel(EMPTY), Planner(maglev_table_size=31), None
     # Beside the full compile, the agent's incremental one: its NodeStates share the
     # entries of unchanged Services, which the in-place path skips by identity.
     agent_state = cluster_state(objects)
@@ -1050,7 +1076,8 @@ def test_every_sync_keeps_every_intermediate_kernel_state_consistent(history) ->
             state = compile(cluster_state(objects), THIS_NODE, cluster.options)
             incremental = compiler.update(agent_state)
             assert incremental == state
-            current, old = sync(kernel, current, old, incremental), incremental
+            sync(kernel, planner, old, incremental)
+            old = incremental
 
 
 def feed(state: ClusterState, obj: Obj) -> None:
@@ -1118,10 +1145,10 @@ def state_pairs(draw: st.DrawFn) -> tuple[NodeState, NodeState]:
 def test_any_change_between_two_states_keeps_every_kernel_state_consistent(pair) -> None:
     """As above, for two states further apart than one change: there and back again."""
     first, second = pair
-    kernel = Kernel(EMPTY)
-    current = sync(kernel, EMPTY, None, first)
-    current = sync(kernel, current, first, second)
-    sync(kernel, current, second, first)
+    kernel, planner = Kernel(EMPTY), Planner(maglev_table_size=31)
+    sync(kernel, planner, None, first)
+    sync(kernel, planner, first, second)
+    sync(kernel, planner, second, first)
 
 
 @SETTINGS
@@ -1140,11 +1167,12 @@ def test_any_change_between_states_that_fit_their_maps_is_applied_within_them(
         backends=max(len(a.backends), len(b.backends)) + slack,
     )
     kernel = Kernel(EMPTY, sizes)
-    current, _ = apply_staged(kernel, EMPTY, first, sizes, maglev_table_size=31)
-    current, _ = apply_staged(kernel, current, second, sizes, maglev_table_size=31)
-    current, _ = apply_staged(kernel, current, first, sizes, maglev_table_size=31)
-    # After a restart (content decoded from the kernel: the full path) too.
-    apply_staged(kernel, bare(current), second, sizes, maglev_table_size=31)
+    planner = Planner(sizes=sizes, maglev_table_size=31)
+    apply_staged(kernel, planner, first)
+    apply_staged(kernel, planner, second)
+    current, _ = apply_staged(kernel, planner, first)
+    # After a restart (content decoded from the kernel: a full plan) too.
+    apply_staged(kernel, Planner(bare(current), sizes=sizes, maglev_table_size=31), second)
 
 
 @st.composite
@@ -1200,18 +1228,19 @@ FITS = node_state(*svc([ep(1), ep(3)]), *svc([ep(4)], name="b", cluster_ip="10.9
 
 def test_a_change_refused_for_capacity_rolls_back_and_the_next_is_as_if_it_never_was() -> None:
     sizes = MapSizes(services=4)
-    current = plan_change(FIRST, EMPTY, sizes=sizes).commit()
-    never_refused = plan_change(FIRST, EMPTY, sizes=sizes).commit()
-    before = Snapshot(current)
-    change = plan_change(TOO_BIG, current, sizes=sizes)
+    planner = planner_after(FIRST, sizes=sizes)
+    never_refused = planner_after(FIRST, sizes=sizes)
+    current = planner.content
+    before = Snapshot(planner)
+    change = planner.plan(TOO_BIG)
     assert change.content is current and len(current.services) == 4  # changed in place
     with pytest.raises(CapacityError) as raised:
         change.check_capacity(sizes)
     assert (raised.value.map, raised.value.needed) == ("services", 5)
     assert change.rollback() is current
-    before.check(current)  # contents, the ids to hand out next, how it was built
-    expected = plan_change(FITS, never_refused, sizes=sizes)
-    change = plan_change(FITS, current, sizes=sizes)
+    before.check(planner)  # contents, the ids to hand out next, how it was built
+    expected = never_refused.plan(FITS)
+    change = planner.plan(FITS)
     change.check_capacity(sizes)
     assert change.writes == expected.writes
     assert change.commit() == expected.commit()
@@ -1221,25 +1250,26 @@ def test_a_change_refused_for_capacity_rolls_back_and_the_next_is_as_if_it_never
 def test_a_write_failing_half_way_rolls_back_and_a_sync_from_the_kernel_completes(
     fail_after: int,
 ) -> None:
-    current = plan_change(FIRST, EMPTY).commit()
+    planner = planner_after(FIRST)
+    current = planner.content
     kernel = Kernel(current)
-    before = Snapshot(current)
-    change = plan_change(FITS, current)
+    before = Snapshot(planner)
+    change = planner.plan(FITS)
     assert change.writes.count == 11
     kernel.fail_after = fail_after
     with pytest.raises(OSError):
         kernel.apply(change.writes)
     assert change.rollback() is current
-    before.check(current)
+    before.check(planner)
     # The kernel holds something in between: the dataplane reads it back and goes on.
-    decoded = kernel.content()
+    planner.reset(kernel.content())
     kernel.fail_after = None
-    change = plan_change(FITS, decoded)
+    change = planner.plan(FITS)
     kernel.apply(change.writes)
     result = change.commit()
     assert kernel.content() == result
     assert view(result) == view(translate(FITS, EMPTY))
-    assert plan_change(FITS, result).writes.empty
+    assert planner.plan(FITS).writes.empty
 
 
 class ModelWriter(MapWriter):
@@ -1248,12 +1278,11 @@ class ModelWriter(MapWriter):
 
     def __init__(self, sizes: MapSizes) -> None:
         self.sizes = sizes
-        self.maglev_table_size = 31
         self.lock = threading.Lock()
         self.held = None
         self._range_index = external.SourceRangeIndex()
         self.kernel = Kernel(EMPTY, sizes)
-        self.current = self._read_kernel()
+        self.planner = Planner(self._read_kernel(), maglev_table_size=31, sizes=sizes)
         self.needed = dict.fromkeys(("services", "slots", "backends", "src_ranges"), 0)
 
     def _write(self, w: Writes) -> None:
@@ -1355,27 +1384,32 @@ def test_the_fill_ratio_of_every_sized_map_counts_what_the_last_state_needs() ->
 
 
 def test_a_change_that_cannot_be_translated_leaves_current_as_it_was() -> None:
-    current = plan_change(web([ep(5)], maglev), EMPTY, maglev_table_size=3).commit()
-    before = Snapshot(current)
+    planner = planner_after(web([ep(5)], maglev), maglev_table_size=3)
+    before = Snapshot(planner)
     with pytest.raises(ValueError, match="too small for 3"):
-        plan_change(web([ep(5), ep(6), ep(7)], maglev), current, maglev_table_size=3)
-    before.check(current)
-    change = plan_change(web([ep(6)], maglev), current, maglev_table_size=3)
+        planner.plan(web([ep(5), ep(6), ep(7)], maglev))
+    before.check(planner)
+    change = planner.plan(web([ep(6)], maglev))
     assert counts(change.writes) == (0, 1, 3, 1, 0, 3, 1)
 
 
-def test_content_decoded_from_the_kernel_is_not_changed_in_place() -> None:
+def test_content_decoded_from_the_kernel_is_planned_afresh_and_not_changed() -> None:
     decoded = bare(translate(FIRST, EMPTY))
-    before = Snapshot(decoded)
-    change = plan_change(FITS, decoded)
+    planner = Planner(decoded)
+    before = Snapshot(planner)
+    change = planner.plan(FITS)
     assert change.content is not decoded
-    before.check(decoded)
+    before.check(planner)
     assert change.writes == diff(decoded, change.content)
     assert change.rollback() is decoded
+    before.check(planner)
+    change = planner.plan(FITS)
+    assert change.commit() is planner.content is not decoded
+    assert planner.index is not None  # the next plan follows the changes
 
 
 def test_a_change_ends_once() -> None:
-    change = plan_change(FIRST, EMPTY)
+    change = Planner().plan(FIRST)
     change.commit()
     with pytest.raises(RuntimeError, match="already committed or rolled back"):
         change.commit()
@@ -1401,18 +1435,18 @@ def unsealed(state: NodeState) -> NodeState:
 
 
 def test_entries_without_digests_are_compared_by_value_and_change_in_place_alike() -> None:
-    sealed = plan_change(FIRST, EMPTY).commit()
-    current = plan_change(unsealed(FIRST), EMPTY).commit()
-    assert plan_change(unsealed(FIRST), current).writes.empty
+    sealed = planner_after(FIRST)
+    planner = planner_after(unsealed(FIRST))
+    assert planner.plan(unsealed(FIRST)).writes.empty
     for state in (FITS, FIRST, web([ep(7)])):
-        expected = plan_change(state, sealed)
-        change = plan_change(unsealed(state), current)
+        expected = sealed.plan(state)
+        change = planner.plan(unsealed(state))
         assert in_any_order(change.writes) == in_any_order(expected.writes)
         assert change.commit() == expected.commit()
     # Sealed again: back on the path that skips the entries both states share.
-    change = plan_change(FITS, current)
-    assert change.commit() == plan_change(FITS, sealed).commit()
-    assert current._index is not None and current._index.entries is FITS.services
+    change = planner.plan(FITS)
+    assert change.commit() == sealed.plan(FITS).commit()
+    assert planner.index is not None and planner.index.entries is FITS.services
 
 
 def test_an_entry_swapped_for_an_equal_one_without_a_digest_still_goes_when_it_changes() -> None:
@@ -1422,23 +1456,25 @@ def test_an_entry_swapped_for_an_equal_one_without_a_digest_still_goes_when_it_c
     c = svc([ep(3)], name="c", cluster_ip="10.96.0.3")
     first = node_state(*a, *svc([ep(2)], name="b", cluster_ip="10.96.0.2"), *c)
     head, b, tail = first.services
-    current = plan_change(first, EMPTY).commit()
+    planner = planner_after(first)
+    current = planner.content
     twin = NodeState(first.node, first.revision, (head, dataclasses.replace(b, digest=b""), tail))
-    assert plan_change(twin, current).commit() is current
+    assert planner.plan(twin).commit() is current
     moved = node_state(*a, *svc([ep(2)], name="b", cluster_ip="10.96.0.12"), *c)
     moved_b = dataclasses.replace(moved.services[1], digest=b"")  # lacks one too
-    change = plan_change(NodeState(moved.node, moved.revision, (head, moved_b, tail)), current)
+    change = planner.plan(NodeState(moved.node, moved.revision, (head, moved_b, tail)))
     assert FrontendKey("10.96.0.2", 80, 6, 4) in change.writes.frontends_to_delete
-    assert change.commit() == plan_change(moved, plan_change(first, EMPTY).commit()).commit()
+    assert change.commit() == planner_after(first).plan(moved).commit()
 
 
 def test_a_state_compiled_afresh_with_equal_entries_writes_nothing() -> None:
-    current = plan_change(FITS, EMPTY).commit()
+    planner = planner_after(FITS)
     again = node_state(*svc([ep(1), ep(3)]), *svc([ep(4)], name="b", cluster_ip="10.96.0.2"))
     assert again.services[0] is not FITS.services[0]
-    change = plan_change(again, current)
+    change = planner.plan(again)
     assert change.writes.empty
-    assert change.commit()._index.entries is again.services
+    change.commit()
+    assert planner.index is not None and planner.index.entries is again.services
 
 
 def test_one_changed_service_among_many_is_the_only_one_translated(monkeypatch) -> None:
@@ -1451,7 +1487,7 @@ def test_one_changed_service_among_many_is_the_only_one_translated(monkeypatch) 
     changed = make_slice(name="s07-1", service="s07", endpoints=[ep(8), ep(99)])
     feed(cluster, changed)
     second = compiler.update(cluster)
-    current = plan_change(first, EMPTY).commit()
+    planner = planner_after(first)
 
     translated = []
     original = plan.EntryBuilder.translate
@@ -1461,7 +1497,7 @@ def test_one_changed_service_among_many_is_the_only_one_translated(monkeypatch) 
         return original(self, entry, *args)
 
     monkeypatch.setattr(plan.EntryBuilder, "translate", translate)
-    change = plan_change(second, current)
+    change = planner.plan(second)
     assert translated == ["s07"]
     assert counts(change.writes) == (0, 1, 2, 1, 0, 1, 0)
 

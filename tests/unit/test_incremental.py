@@ -12,7 +12,7 @@ from hypothesis import given
 from agent.dataplane.fake import FakeDataplane
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import Value, decode_object
-from agent.model.nodestate import NodeState, ServiceEntry
+from agent.model.nodestate import Changes, NodeState, ServiceEntry
 from agent.model.types import ClusterState
 
 from ..builders import (
@@ -72,6 +72,31 @@ def test_a_slice_change_recompiles_only_its_service() -> None:
     assert entry_of(after, "b") is entry_of(before, "b")  # untouched, not rebuilt
     assert entry_of(after, "a").cluster_backends == ()
     assert after == compile(state, "node-a")
+
+
+def test_changes_since_gives_what_went_and_came_or_a_resync() -> None:
+    """The one change follower: a consumer holding the base of a state's Changes gets the
+    entries of the Services they name; holding the state itself, nothing; holding any
+    other revision, nothing it can name or a state without Changes, everything went and
+    came."""
+    state, compiler, before = started()
+    state.set_slice(slice_of("a-1", "a", "10.244.1.6", "node-a"))
+    after = compiler.update(state)
+    delta = Changes.since(before.revision, before.services, after)
+    assert not delta.full
+    assert list(delta.went) == [entry_of(before, "a")]
+    assert list(delta.came) == [entry_of(after, "a")]
+    assert Changes.since(after.revision, after.services, after).empty
+    for revision, services, state_ in (
+        ("sha256:other", before.services, after),  # not the base: a resync
+        (before.revision, None, after),  # holds nothing it can name
+        (before.revision, before.services, dataclasses.replace(after, changes=None)),
+    ):
+        delta = Changes.since(revision, services, state_)
+        assert delta.full and delta.came is state_.services
+        assert tuple(delta.went) == (services or ())
+    first = Changes.since(None, None, before)  # the first compile has no Changes
+    assert first.full and first.went == () and first.came is before.services
 
 
 def test_a_no_op_update_keeps_the_revision_and_the_object() -> None:
@@ -264,7 +289,7 @@ def test_an_update_that_raises_loses_no_other_change_of_its_batch(monkeypatch) -
 def test_the_changes_an_update_hands_over_cover_every_entry_that_differs(history) -> None:
     """Outside the Services an update's Changes name, the state before and after hold
     the same entry objects; a consumer that follows the Changes (the fake dataplane)
-    counts what the full path counts."""
+    counts what a resync counts."""
     cluster, steps = history
     objects = {object_key(o): o for o in cluster.objects}
     agent_state = cluster_state(objects)

@@ -77,3 +77,82 @@ def test_no_module_in_agent_uses_another_modules_private_name() -> None:
     """A name shared between modules is public in the module that owns it."""
     found = {str(p.relative_to(AGENT)): private_imports(p) for p in AGENT.rglob("*.py")}
     assert {path: names for path, names in found.items() if names} == {}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(AGENT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def agent_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of agent/ that `path` imports anywhere: at the top, in a function or
+    under TYPE_CHECKING (a circle there still ties two modules into one)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            for alias in node.names:  # `from package import module` names a module
+                submodule = f"{target}.{alias.name}"
+                if submodule in modules:
+                    found.add(submodule)
+                elif target in modules:
+                    found.add(target)
+    found.discard(name)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            component = []
+            while True:
+                other = stack.pop()
+                component.append(other)
+                if other == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle_in_agent() -> None:
+    """Modules of agent/ import each other in one direction only: a circle makes two
+    modules one, which neither says."""
+    paths = {module_name(p): p for p in AGENT.rglob("*.py")}
+    modules = set(paths)
+    graph = {name: agent_imports(path, modules) for name, path in paths.items()}
+    assert graph["agent.dataplane.ebpf.plan"] >= {
+        "agent.dataplane.ebpf.maps", "agent.dataplane.ebpf.translate",
+    }  # fmt: skip
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]

@@ -11,7 +11,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ...model.nodestate import NodeState, ServiceEntry
+from ...model.nodestate import Changes, NodeState, ServiceEntry
 from .abi import addr_bytes, const, packer, port_bytes
 from .maps import FrontendKey
 from .translate import source_ranged_keys
@@ -85,10 +85,9 @@ def source_ranges(state: NodeState) -> set[SourceRange]:
 
 class SourceRangeIndex:
     """`source_ranges` of successive NodeStates at the cost of the entries that changed:
-    a state whose Changes start from the revision looked at last is followed through the
-    entries of the Services they name; any other state, and a change to a frontend that
-    more than one entry ranges (the first one wins, which depends on every entry's
-    order), rescans."""
+    the entries that went and came since the state looked at last (`Changes.since`) are
+    applied; a resync, and a change to a frontend that more than one entry ranges (the
+    first one wins, which depends on every entry's order), rescans."""
 
     # Above this share of changed entries a scan is as cheap as the bookkeeping.
     RESCAN_FRACTION = 0.25
@@ -117,17 +116,14 @@ class SourceRangeIndex:
                     self._ranges.update(SourceRange(key, n) for n in networks)
 
     def _incremental(self, state: NodeState) -> bool:
-        """Apply the entries of the Services that changed; False: rescan instead."""
-        changes, entries = state.changes, state.services
-        if entries is self._entries:
-            return True
-        if changes is None or changes.base != self._revision or not self._entries:
+        """Apply the entries that went and came (`Changes.since`); False: rescan instead."""
+        delta = Changes.since(self._revision, self._entries or None, state)
+        if delta.full:
             return False
-        went_entries, came_entries = changes.between(self._entries, entries)
-        if len(went_entries) + len(came_entries) > self.RESCAN_FRACTION * max(len(entries), 1):
+        if len(delta.went) + len(delta.came) > self.RESCAN_FRACTION * max(len(state.services), 1):
             return False
-        went = [source_ranged_keys(e) for e in went_entries]
-        came = [source_ranged_keys(e) for e in came_entries]
+        went = [source_ranged_keys(e) for e in delta.went]
+        came = [source_ranged_keys(e) for e in delta.came]
         owners = dict(self._owners)
         for ranged in went:
             for key in ranged:

@@ -1,19 +1,18 @@
 """The Python face of the maps a plan fills: their key and value types, `MapSizes`,
-`KernelContent`, the ordered `Writes` from one content to the next, `diff` and the
-capacity checks. Pure Python: no kernel, bcc or netlink here."""
+`KernelContent`, the ordered `Writes` from one content to the next, `diff`, the capacity
+checks and the staging of writes that do not fit at once. Values and functions of values
+only: how a content was built is the planner's (plan.py), not this module's. Pure Python:
+no kernel, bcc or netlink here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...config import FLAG_MAP_SIZES, MAP_SIZES
 from ..base import DataplaneError
-
-if TYPE_CHECKING:
-    from .translate import ContentIndex
 
 MAPS = ("services", "slots", "backends")  # the maps a plan fills, in capacity-check order
 
@@ -75,24 +74,22 @@ class MapSizes:
 
 @dataclass(slots=True)
 class KernelContent:
-    """What the services, slots and backends maps hold (or should hold).
-
-    Only this module changes it, through `plan_change`, which also keeps `_index`, how
-    the content was built, current: the next sync then translates only the entries that
-    changed. Content decoded from the kernel has no index and takes the full path. Not
-    hashable (it holds dicts).
+    """What the services, slots and backends maps hold (or should hold): a value. The
+    planner that owns one (plan.py's `Planner`) changes it in place and keeps, beside
+    it, how it was built. Not hashable (it holds dicts).
     """
 
     services: dict[FrontendKey, ServiceValue] = field(default_factory=dict)
     slots: dict[int, SetContent] = field(default_factory=dict)  # set id → backend ids
     backends: dict[int, BackendValue] = field(default_factory=dict)
-    _index: ContentIndex | None = field(default=None, init=False, compare=False, repr=False)
 
     def slot_count(self) -> int:
         """Slots over all sets (entries of the slots map)."""
-        if self._index is not None:
-            return self._index.slot_total
         return sum(map(len, self.slots.values()))
+
+    def service_ids(self) -> set[int]:
+        """The service ids the frontends use."""
+        return {v.service_id for v in self.services.values()}
 
 
 # --- errors ----------------------------------------------------------------------------
@@ -219,11 +216,7 @@ def diff(current: KernelContent, desired: KernelContent) -> Writes:
         (current.backends, desired.backends, backend_ids),
     )
     if writes.services_to_upsert:
-        if current._index is not None:
-            live: Mapping[int, Any] | set[int] = current._index.service_ids
-        else:
-            live = {v.service_id for v in current.services.values()}
-        reset_counters_of_new_ids(writes, live.__contains__)
+        reset_counters_of_new_ids(writes, current.service_ids().__contains__)
     return writes
 
 
@@ -276,37 +269,45 @@ def reset_counters_of_new_ids(writes: Writes, was_live: Callable[[int], bool]) -
 # --- capacity --------------------------------------------------------------------------
 
 
+def sizes_of(content: KernelContent) -> tuple[int, int, int]:
+    """Entries of the services, slots and backends maps."""
+    return len(content.services), content.slot_count(), len(content.backends)
+
+
 def required_capacity(
-    current: KernelContent, desired: KernelContent, writes: Writes
+    current: KernelContent, desired: KernelContent, writes: Writes, service_id_overflow: int = 0
 ) -> dict[str, tuple[int, int]]:
     """Entries each map needs: (steady, peak). The peak is during the apply, when the new
     sets, backends and frontends are written before the old ones are deleted. For
-    `services` it is also at least the highest service id + 1 (ids index the counters)."""
-    sizes_before = (len(current.services), current.slot_count(), len(current.backends))
+    `services` it is also at least `service_id_overflow` + 1, the highest service id
+    handed out past the map's size (ids index the counters; 0: none)."""
     return capacity_needed(
-        sizes_before, current.services.__contains__, current.backends.__contains__, desired, writes
-    )
+        sizes_of(current), current.services.__contains__, current.backends.__contains__,
+        sizes_of(desired), writes, service_id_overflow,
+    )  # fmt: skip
 
 
 def capacity_needed(
     sizes_before: tuple[int, int, int],
     had_frontend: Callable[[FrontendKey], bool],
     had_backend: Callable[[int], bool],
-    desired: KernelContent,
+    sizes_after: tuple[int, int, int],
     writes: Writes,
+    service_id_overflow: int = 0,
 ) -> dict[str, tuple[int, int]]:
+    """`required_capacity` from what it needs to know: the sizes before and after, and
+    whether a frontend or backend was there before."""
     services_before, slots_before, backends_before = sizes_before
     new_frontends = sum(1 for k in writes.services_to_upsert if not had_frontend(k))
     new_backends = sum(1 for b in writes.backends_to_upsert if not had_backend(b))
     new_slots = sum(map(len, writes.sets_to_write.values()))
     services_peak = services_before + new_frontends
-    index = desired._index
-    if index is not None and index.service_id_overflow:
-        services_peak = max(services_peak, index.service_id_overflow + 1)
+    if service_id_overflow:
+        services_peak = max(services_peak, service_id_overflow + 1)
     return {
-        "services": (len(desired.services), services_peak),
-        "slots": (desired.slot_count(), slots_before + new_slots),
-        "backends": (len(desired.backends), backends_before + new_backends),
+        "services": (sizes_after[0], services_peak),
+        "slots": (sizes_after[1], slots_before + new_slots),
+        "backends": (sizes_after[2], backends_before + new_backends),
     }
 
 
@@ -314,8 +315,11 @@ def check_capacity(
     current: KernelContent, desired: KernelContent, writes: Writes, sizes: MapSizes
 ) -> None:
     """Raise CapacityError for the first map (services, slots, backends) whose peak need
-    exceeds its size; call before writing anything."""
-    check_need(required_capacity(current, desired, writes), sizes)
+    exceeds its size, counting a service id past the services map's size as an entry
+    that map lacks; call before writing anything."""
+    highest = max(desired.service_ids(), default=0)
+    overflow = highest if highest >= sizes.services else 0
+    check_need(required_capacity(current, desired, writes, overflow), sizes)
 
 
 def check_need(need: dict[str, tuple[int, int]], sizes: MapSizes) -> None:

@@ -1,19 +1,29 @@
-"""The agent's planning path: `plan_change` turns the content the maps hold into the
-content for a new NodeState in place, translating only the entries that changed
-(translate.py's per-entry translation), and keeps journals to undo it, so one changed
-Service costs about the same at 1k as at 30k Services. Content without an index (decoded
-from the kernel), or a change of table or map sizes, takes the full path
-(`translate`). Pure Python: no kernel, bcc or netlink here.
+"""The eBPF dataplane's planner: a `Planner`, which the map writer owns, holds the content
+the maps hold and, beside it, how it was built (its plans per entry, the ids to come), and
+turns it into the content for a new NodeState in one pass over the entries that went and
+came (`Changes.since`), translating only the changed ones (translate.py's per-entry
+translation): one changed Service costs about the same at 1k as at 30k Services. The
+content is changed in place, with journals to undo it. A resync (the planner does not
+hold the base of the state's Changes) is the same pass over every entry, which keeps the
+plans of the entries whose digest it knows.
+
+A full plan is that pass from an empty content with every entry come (kube-proxy's one
+loop, with nothing skipped): after a restart or a failed write (the content read from the
+kernel, whose ids the entries adopt), when a change touches a frontend more than one
+entry asks for (the winner then depends on the order of all entries), or when the table
+or map sizes change. Pure Python: no kernel, bcc or netlink here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from itertools import compress
 from operator import not_
 from typing import Any
 
-from ...model.nodestate import NodeState, ServiceEntry
+from ...gcpause import gc_paused
+from ...model.nodestate import Changes, NodeState, ServiceEntry
 from .maglev import DEFAULT_TABLE_SIZE, check_table_size
 from .maps import (
     MAPS,
@@ -36,103 +46,107 @@ from .maps import (
 )
 from .translate import (
     DIGEST,
+    Adoption,
     ContentIndex,
     EntryBuilder,
     EntryPlan,
     Ids,
     entries_if_keyed,
-    translate,
+    full_allocators,
 )
 
 
-def plan_change(
-    state: NodeState,
-    current: KernelContent,
-    *,
-    maglev_table_size: int = DEFAULT_TABLE_SIZE,
-    sizes: MapSizes | None = None,
-) -> Change:
-    """`translate`, `diff` and `required_capacity` in one step that changes `current`
-    in place when it came from this module (translate or plan_change): the cost follows
-    the entries that changed, not the size of `current`.
+class Planner:
+    """The content the maps hold (`content`) and how it was built (`index`; None for a
+    content decoded from the kernel, whose next plan is full). Only a `Change` this
+    planner made changes either; `reset` replaces both."""
 
-    Until the returned Change is committed or rolled back, `current` may already hold the
-    new content: use it for nothing else. Content decoded from the kernel (or a change of
-    table or map sizes) is translated in full into a new content, leaving `current` as it
-    is. Raises like translate, with `current` unchanged.
-    """
-    sizes = sizes or MapSizes()
-    update = _update(state, current, maglev_table_size, sizes)
-    if update is not None:
-        return Change._in_place(current, update)
-    desired = translate(state, current, maglev_table_size=maglev_table_size, sizes=sizes)
-    writes = diff(current, desired)
-    return Change(current, desired, writes, required_capacity(current, desired, writes), None)
+    __slots__ = ("content", "index", "maglev_table_size", "sizes")
+
+    def __init__(
+        self,
+        content: KernelContent | None = None,
+        *,
+        maglev_table_size: int = DEFAULT_TABLE_SIZE,
+        sizes: MapSizes | None = None,
+    ) -> None:
+        self.content = content if content is not None else KernelContent()
+        self.index: ContentIndex | None = None
+        self.maglev_table_size = maglev_table_size
+        self.sizes = sizes or MapSizes()
+
+    def reset(self, content: KernelContent) -> None:
+        """Hold `content`, read from the kernel: how it was built is unknown."""
+        self.content, self.index = content, None
+
+    def plan(self, state: NodeState) -> Change:
+        """The writes from `content` to the content for `state`, the capacity they need and
+        that content, in a Change to commit (written) or roll back.
+
+        Until then `content` may already hold the new content: use it for nothing else.
+        Raises ValueError when the Maglev table size is not prime or too small for a
+        Service's backends, with the planner unchanged.
+        """
+        check_table_size(self.maglev_table_size)
+        index = self.index
+        if (
+            index is not None
+            and index.maglev_table_size == self.maglev_table_size
+            and index.sizes == self.sizes
+        ):
+            update = _Pass(self, state, index).run()
+            if update is not None:
+                return Change._in_place(self, update)
+        with gc_paused():  # ~10^5 acyclic values: generation-2 passes would double the time
+            update = _Pass(self, state, None).run()
+            assert update is not None, "a full pass always plans"
+            return Change._replacing(self, update)
 
 
-def _update(
-    state: NodeState, current: KernelContent, maglev_table_size: int, sizes: MapSizes
-) -> _Update | None:
-    """How to change `current` into the content for `state` by translating only what
-    changed, or None: translate everything."""
-    check_table_size(maglev_table_size)
-    index = current._index
-    if index is None or index.maglev_table_size != maglev_table_size or index.sizes != sizes:
-        return None
-    return _Incremental(state, current, index).run()
+class _Pass:
+    """One pass of the planner: the plans that go (of the entries that went) and the
+    entries that came, translated in NodeState order into dicts of their own beside the
+    content (which is only read): an `_Update`. With `index` None a full pass: every
+    entry came and every plan went, so the new content is those dicts alone. An
+    incremental pass returns None (make a full one) when a changed entry touches a
+    frontend that more than one entry wants."""
 
-
-class _Incremental:
-    """Translate only the entries whose digest changed, into dicts of their own beside
-    `current` (which is only read): an `_Update`. Returns None (take the full path) when
-    a changed entry touches a frontend that more than one entry wants, as the winner then
-    depends on the order of all entries."""
-
-    def __init__(self, state: NodeState, current: KernelContent, index: ContentIndex) -> None:
+    def __init__(self, planner: Planner, state: NodeState, index: ContentIndex | None) -> None:
+        self.planner = planner
         self.state = state
-        self.current = current
-        self.index = index
+        self.index = index  # None: full
+        self.built = planner.index  # whose plans give known ids (None: adopt from the maps)
+        current = planner.content
+        self.builder = EntryBuilder(current, planner.maglev_table_size, planner.sizes, {}, {}, {})
+        self.adoption = Adoption(current) if self.built is None else None
 
     def run(self) -> _Update | None:
-        state, current, index = self.state, self.current, self.index
-        changed, old_plans, sealed = self.changes()
-        contested = index.contested
-        if contested and any(k in contested for p in old_plans for k in p.frontends):
-            return None
-
-        sizes = index.sizes
-        builder = EntryBuilder(current, index.maglev_table_size, sizes, {}, {}, {})
-        builder.service_id_alloc = Ids(
-            sizes.services, index.cursors[0], (index.service_ids, builder.service_ids)
-        )
-        builder.set_id_alloc = Ids(sizes.slots, index.cursors[1], (current.slots, builder.slots))
-        builder.backend_id_alloc = Ids(
-            sizes.backends, index.cursors[2], (current.backends, builder.backends)
-        )
-        # Frontends stay taken by the entries that keep their plans.
-        services = current.services
-        freed = {key for plan in old_plans for key in plan.frontends}
-        by_key = index.by_key
-        new_plans = []
-        for entry in changed:
-            keys = builder.frontend_keys(entry)
-            if any(
-                k in builder.services or k in contested or (k in services and k not in freed)
-                for k in keys
-            ):
+        state, index, builder = self.state, self.index, self.builder
+        if index is None:
+            changed, old_plans = list(state.services), []  # the new content is made afresh
+            sealed = all(map(DIGEST, changed))
+            full_allocators(builder, self.planner.content, self.built, self.planner.sizes)
+            # Who answers each frontend: the first entry in NodeState order that asks.
+            keys_of = [builder.owned(builder.frontend_keys(e)) for e in changed]
+        else:
+            changed, old_plans, sealed = self.changes(index)
+            found = self.free_keys(index, changed, old_plans)
+            if found is None:
                 return None
-            old = by_key.get(entry.sort_key)
+            keys_of = found
+            self.allocators(index)
+        adopted = self.adoption.service_ids(keys_of) if self.adoption is not None else []
+        new_plans = []
+        for i, (entry, keys) in enumerate(zip(changed, keys_of, strict=True)):
             if not keys:
-                plan = EntryPlan(entry, 0, (), (), ())
-            elif old is not None and old.service_id:
-                known_backends, known_sets = builder.known_from_plan(old)
-                plan = builder.translate(entry, keys, old.service_id, known_backends, known_sets)
-            else:
+                new_plans.append(EntryPlan(entry, 0, (), (), ()))
+                continue
+            service_id, known_backends, known_sets = self.known(entry, keys, adopted, i)
+            if not service_id:
                 service_id = builder.service_id_alloc.take()
-                plan = builder.translate(entry, keys, service_id, {}, {})
-            new_plans.append(plan)
+            new_plans.append(builder.translate(entry, keys, service_id, known_backends, known_sets))
 
-        if not new_plans and not old_plans:
+        if index is not None and not new_plans and not old_plans:
             cursors, overflow = index.cursors, index.service_id_overflow
         else:
             cursors = (
@@ -151,21 +165,74 @@ class _Incremental:
             builder.slots,
             builder.backends,
             builder.service_ids,
+            frozenset(builder.contested),
+            builder.slot_total,
             cursors,
             overflow,
         )
 
-    def changes(self) -> tuple[list[ServiceEntry], list[EntryPlan], bool]:
-        """The entries to translate (new or changed, in NodeState order), the plans that go
-        (of changed entries and of entries gone), and whether every entry that came (all
-        when scanning) is sealed."""
-        state, index = self.state, self.index
-        previous, changes = index.entries, state.changes
-        if previous is state.services:
-            return [], [], True
-        if previous is None or changes is None or changes.base != index.revision:
-            return self.changes_by_scan()
-        went, came = changes.between(previous, state.services)
+    def free_keys(
+        self, index: ContentIndex, changed: list[ServiceEntry], old_plans: list[EntryPlan]
+    ) -> list[dict[FrontendKey, int]] | None:
+        """Each changed entry's frontends, or None when one is contested: wanted by
+        another changed entry, or by an entry that keeps its plan, or by more than one
+        entry before."""
+        contested = index.contested
+        if contested and any(k in contested for p in old_plans for k in p.frontends):
+            return None
+        services = self.planner.content.services
+        freed = {key for plan in old_plans for key in plan.frontends}  # the rest stay taken
+        claimed: set[FrontendKey] = set()
+        keys_of = []
+        for entry in changed:
+            keys = self.builder.frontend_keys(entry)
+            for k in keys:
+                if k in claimed or k in contested or (k in services and k not in freed):
+                    return None
+            claimed.update(keys)
+            keys_of.append(keys)
+        return keys_of
+
+    def allocators(self, index: ContentIndex) -> None:
+        """The id allocators of an incremental pass: they go on from the index's cursors
+        and skip every id the content holds (the ids of the plans that go included: an
+        id is not reused in the sync that frees it)."""
+        builder, current, sizes = self.builder, self.planner.content, self.planner.sizes
+        builder.service_id_alloc = Ids(
+            sizes.services, index.cursors[0], (index.service_ids, builder.service_ids)
+        )
+        builder.set_id_alloc = Ids(sizes.slots, index.cursors[1], (current.slots, builder.slots))
+        builder.backend_id_alloc = Ids(
+            sizes.backends, index.cursors[2], (current.backends, builder.backends)
+        )
+
+    def known(
+        self, entry: ServiceEntry, keys: dict[FrontendKey, int], adopted: list[int], i: int
+    ) -> tuple[int, Mapping[tuple[str, int], int], Mapping[SetContent, int]]:
+        """The service id `entry` keeps (0: a new one) and the backend and set ids it may
+        keep, by content: from its plan (known by its sort key), else adopted from the
+        maps (known by its frontends; `adopted[i]` its service id there)."""
+        if self.built is not None:
+            old = self.built.by_key.get(entry.sort_key)
+            if old is None or not old.service_id:
+                return 0, {}, {}
+            return (old.service_id, *self.builder.known_from_plan(old))
+        assert self.adoption is not None
+        service_id = adopted[i]
+        if not service_id:
+            return 0, {}, {}
+        adoption = self.adoption
+        return service_id, adoption.backends_of(service_id), adoption.sets_of(keys, service_id)
+
+    def changes(self, index: ContentIndex) -> tuple[list[ServiceEntry], list[EntryPlan], bool]:
+        """The delta since the state the plans are for (`Changes.since`), applied to the
+        plans: the entries to translate (new or changed, in NodeState order), the plans
+        that go (of changed entries and of entries gone), and whether every entry that
+        came is sealed."""
+        delta = Changes.since(index.revision, index.entries, self.state)
+        if delta.full:  # every entry came and every plan went: keep what is the same
+            return self.changes_of_all(index)
+        went, came = delta.went, delta.came
         by_digest, by_key = index.by_digest, index.by_key
         came_digests = list(map(DIGEST, came))
         changed = list(compress(came, map(not_, map(by_digest.__contains__, came_digests))))
@@ -180,9 +247,12 @@ class _Incremental:
                 old_plans.append(plan)
         return changed, old_plans, all(came_digests)
 
-    def changes_by_scan(self) -> tuple[list[ServiceEntry], list[EntryPlan], bool]:
-        """`changes` looking at every entry (and every plan when some went)."""
-        state, index = self.state, self.index
+    def changes_of_all(
+        self, index: ContentIndex
+    ) -> tuple[list[ServiceEntry], list[EntryPlan], bool]:
+        """`changes` of a resync (every entry came, every plan went), keeping the plans of
+        the entries that are the same: by digest, or by value for an entry without one."""
+        state = self.state
         by_digest, by_key = index.by_digest, index.by_key
         changed: list[ServiceEntry] = []
         hits = 0
@@ -224,8 +294,10 @@ class _Incremental:
 
 @dataclass(frozen=True, slots=True)
 class _Update:
-    """What `_Incremental` found: the plans that go, the plans that come with the entries
-    they write, and the index figures after. `apply` makes it so on a content."""
+    """What a `_Pass` found: the plans that go, the plans that come with the entries they
+    write, and the index figures after. `apply` makes an incremental pass's so on the
+    planner's content in place; a full pass's dicts are the new content alone, and
+    `index` is how it was built."""
 
     entries: tuple[ServiceEntry, ...]
     revision: str
@@ -236,15 +308,37 @@ class _Update:
     slots: dict[int, SetContent]
     backends: dict[int, BackendValue]
     service_ids: dict[int, SortKey]
+    contested: frozenset[FrontendKey]  # frontends more than one new plan asked for
+    slot_total: int  # slots of the new sets
     cursors: tuple[int, int, int]
     service_id_overflow: int
 
-    @property
-    def empty(self) -> bool:
-        return not self.old_plans and not self.new_plans
+    def index(self, maglev_table_size: int, sizes: MapSizes) -> ContentIndex:
+        """The index of a full pass's content."""
+        by_key: dict[SortKey, EntryPlan] = {}
+        by_digest: dict[bytes, EntryPlan] = {}
+        for plan in self.new_plans:
+            entry = plan.entry
+            by_key[entry.sort_key] = plan
+            if entry.digest:
+                by_digest[entry.digest] = plan
+        return ContentIndex(
+            maglev_table_size,
+            sizes,
+            by_key,
+            by_digest,
+            self.service_ids,
+            self.contested,
+            self.cursors,
+            self.slot_total,
+            self.service_id_overflow,
+            entries_if_keyed(self.entries, by_key, by_digest),
+            self.revision,
+        )
 
-    def apply(self, journals: _Journals) -> None:
-        """Change the journals' content (and its index) in place into the new content."""
+    def apply(self, journals: _Journals) -> ContentIndex:
+        """Change the journals' content and index in place into the new ones; returns the
+        new index."""
         index = journals.index
         services, slots, backends = journals.services, journals.slots, journals.backends
         by_key, by_digest, service_ids = journals.by_key, journals.by_digest, journals.service_ids
@@ -286,7 +380,8 @@ class _Update:
             entries=entries,
             revision=self.revision,
         )
-        journals.content._index = new_index
+        journals.planner.index = new_index
+        return new_index
 
 
 # --- changing a content in place -------------------------------------------------------
@@ -336,7 +431,7 @@ class _Journal:
 
 
 class _Journals:
-    """One in-place change of a content and of its index, and what it replaced."""
+    """One in-place change of a planner's content and index, and what it replaced."""
 
     __slots__ = (
         "backends",
@@ -344,16 +439,18 @@ class _Journals:
         "by_key",
         "content",
         "index",
+        "planner",
         "service_ids",
         "services",
         "sizes_before",
         "slots",
     )
 
-    def __init__(self, content: KernelContent) -> None:
-        index = content._index
-        assert index is not None, "only a content built here is changed in place"
-        self.sizes_before = (len(content.services), content.slot_count(), len(content.backends))
+    def __init__(self, planner: Planner) -> None:
+        content, index = planner.content, planner.index
+        assert index is not None, "only a content built by the planner is changed in place"
+        self.sizes_before = (len(content.services), index.slot_total, len(content.backends))
+        self.planner = planner
         self.content = content
         self.index = index
         self.services = _Journal(content.services)
@@ -386,50 +483,76 @@ class _Journals:
             self.service_ids,
         ):
             journal.undo()
-        self.content._index = self.index
+        self.planner.index = self.index
 
 
 class Change:
-    """One sync made by `plan_change`: the writes, the capacity they need and `content`,
-    what the maps hold once the writes are in. Exactly one of `commit()` (written) or
-    `rollback()` (refused, or a write failed) ends it; until then the `current` given to
-    plan_change may already be the new content."""
+    """One sync planned by `Planner.plan`: the writes, the capacity they need and
+    `content`, what the maps hold once the writes are in. Exactly one of `commit()`
+    (written), `rollback()` (refused, or a write failed) or the planner's `reset` (the
+    maps read back after a failed write) ends it; until then the planner's content may
+    already be the new content."""
 
-    __slots__ = ("_journals", "_need", "_open", "_previous", "_sizes_before", "content", "writes")
+    __slots__ = (
+        "_index",
+        "_journals",
+        "_need",
+        "_open",
+        "_planner",
+        "_previous",
+        "_sizes_before",
+        "content",
+        "writes",
+    )
 
     def __init__(
         self,
-        previous: KernelContent,
+        planner: Planner,
         content: KernelContent,
+        index: ContentIndex,
         writes: Writes,
         need: dict[str, tuple[int, int]],
         journals: _Journals | None,
+        sizes_before: tuple[int, int, int],
     ) -> None:
-        self._previous = previous
+        self._planner = planner
+        self._previous = planner.content
         self.content = content
+        self._index = index  # the planner's index once committed
         self.writes = writes
         self._need = need
         self._journals = journals
         self._open = True
-        self._sizes_before = (
-            (len(previous.services), previous.slot_count(), len(previous.backends))
-            if journals is None
-            else journals.sizes_before
-        )
+        self._sizes_before = sizes_before
 
     @classmethod
-    def _in_place(cls, current: KernelContent, update: _Update) -> Change:
-        journals = _Journals(current)
+    def _in_place(cls, planner: Planner, update: _Update) -> Change:
+        journals = _Journals(planner)
+        current = planner.content
         try:
-            update.apply(journals)
+            index = update.apply(journals)
             writes = journals.writes()
+            sizes_after = (len(current.services), index.slot_total, len(current.backends))
             need = capacity_needed(
-                journals.sizes_before, journals.services.had, journals.backends.had, current, writes
-            )
+                journals.sizes_before, journals.services.had, journals.backends.had,
+                sizes_after, writes, index.service_id_overflow,
+            )  # fmt: skip
         except BaseException:
             journals.undo()
             raise
-        return cls(current, current, writes, need, journals)
+        return cls(planner, current, index, writes, need, journals, journals.sizes_before)
+
+    @classmethod
+    def _replacing(cls, planner: Planner, update: _Update) -> Change:
+        """A full pass: the new content is the pass's own, the planner's stays as it is
+        until the commit."""
+        current = planner.content
+        content = KernelContent(update.services, update.slots, update.backends)
+        index = update.index(planner.maglev_table_size, planner.sizes)
+        writes = diff(current, content)
+        need = required_capacity(current, content, writes, index.service_id_overflow)
+        sizes_before = (len(current.services), current.slot_count(), len(current.backends))
+        return cls(planner, content, index, writes, need, None, sizes_before)
 
     def required_capacity(self) -> dict[str, tuple[int, int]]:
         """As `required_capacity` of the content before, `content` and `writes`."""
@@ -454,10 +577,10 @@ class Change:
                 raise CapacityError(name, steady, size)
         if all(need[name][1] <= getattr(sizes, name) for name in MAPS):
             return [self.writes]
-        index = self.content._index
-        if index is not None and index.service_id_overflow:
+        overflow = self._index.service_id_overflow
+        if overflow:
             raise CapacityError(
-                "services", index.service_id_overflow + 1, sizes.services,
+                "services", overflow + 1, sizes.services,
                 ", counting the service ids in use: new Services never take the id of one "
                 "removed in the same apply",
             )  # fmt: skip
@@ -482,14 +605,18 @@ class Change:
         )  # fmt: skip
 
     def commit(self) -> KernelContent:
-        """The writes are in the kernel: returns `content`, the new current."""
+        """The writes are in the kernel: the planner holds `content` (returned) and how it
+        was built."""
         self._end()
         self._journals = None
+        planner = self._planner
+        planner.content, planner.index = self.content, self._index
         return self.content
 
     def rollback(self) -> KernelContent:
-        """The writes were not made: returns the current given to plan_change, exactly as
-        it was (when a write failed half-way, the kernel holds something in between)."""
+        """The writes were not made: the planner holds its content exactly as it was
+        (returned; when a write failed half-way, the kernel holds something in between:
+        read it back and `reset` the planner instead)."""
         self._end()
         if self._journals is not None:
             self._journals.undo()

@@ -1,6 +1,8 @@
-"""NodeState → the contents of the kernel maps, every entry translated: the full path
-(`translate`, the oracle the incremental path in plan.py is tested against) and the
-per-entry translation both paths share. Pure Python: no kernel, bcc or netlink here.
+"""NodeState → the contents of the kernel maps: the per-entry translation the planner
+(plan.py) runs on the entries that changed, the adoption of ids from a content decoded
+from the kernel, and `translate`, every entry translated in one pass: the oracle the
+planner is tested against (the agent itself plans only through plan.py). Pure Python: no
+kernel, bcc or netlink here.
 
 Ids are stable: a ServiceEntry keeps its service id, a (service, endpoint) its backend id
 and an unchanged backend set its set id across syncs and agent restarts (adopted from
@@ -49,7 +51,7 @@ _LOCAL = const.KBP_BE_F_LOCAL
 _TERMINATING = const.KBP_BE_F_TERMINATING
 
 
-# --- how a content was built (kept beside it for the next sync) ------------------------
+# --- how a content was built (the planner keeps it beside the content) ----------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +67,8 @@ class EntryPlan:
 
 @dataclass(frozen=True, slots=True)
 class ContentIndex:
+    """How a planner built its content: its plans and the figures its next sync needs."""
+
     maglev_table_size: int
     sizes: MapSizes
     by_key: dict[SortKey, EntryPlan]
@@ -82,19 +86,21 @@ class ContentIndex:
     revision: str
 
 
-# --- the full path ---------------------------------------------------------------------
+# --- the oracle ------------------------------------------------------------------------
 
 
 def translate(
     state: NodeState,
     current: KernelContent,
     *,
+    built: ContentIndex | None = None,
     maglev_table_size: int = DEFAULT_TABLE_SIZE,
     sizes: MapSizes | None = None,
 ) -> KernelContent:
     """What the maps should hold for `state`, translating every entry and reusing the ids
-    of `current` (the content the kernel holds now: decoded from the maps, or built here),
-    which stays as it is: the full path.
+    of `current` (the content the kernel holds now: decoded from the maps, or a planner's
+    content, with `built` its planner's index), which stays as it is. The tests' oracle:
+    a `Planner` given the same must plan exactly this.
 
     Raises ValueError when the Maglev table size is not prime or too small for a
     Service's backends. Ids never exceed the map sizes unless the maps are too small:
@@ -102,7 +108,7 @@ def translate(
     """
     check_table_size(maglev_table_size)
     with gc_paused():  # ~10^5 acyclic values: generation-2 passes would double the time
-        return _Full(state, current, maglev_table_size, sizes or MapSizes()).run()
+        return _Full(state, current, built, maglev_table_size, sizes or MapSizes()).run()
 
 
 def _canonical(ip: str) -> str:
@@ -387,111 +393,50 @@ class EntryBuilder:
         return known_backends, known_sets
 
 
-class _Full:
-    """Translate every entry, adopting ids from `current` (and from how it was built, when
-    it was built here)."""
+def live_ids(current: KernelContent) -> tuple[set[int], set[int], set[int]]:
+    """The service, set and backend ids `current` uses in any way: they stay reserved
+    until it is gone, so a new id never names something a packet or a conntrack entry
+    may still find under it."""
+    live_services = current.service_ids()
+    live_services.update(b.service_id for b in current.backends.values())
+    live_sets = set(current.slots)
+    for v in current.services.values():
+        live_sets.add(v.set_id)
+        live_sets.add(v.internal_set_id)
+    live_backends = set(current.backends)
+    live_backends.update(chain.from_iterable(current.slots.values()))
+    return live_services, live_sets, live_backends
 
-    def __init__(
-        self, state: NodeState, current: KernelContent, maglev_table_size: int, sizes: MapSizes
-    ) -> None:
-        self.state = state
+
+def full_allocators(
+    builder: EntryBuilder, current: KernelContent, built: ContentIndex | None, sizes: MapSizes
+) -> None:
+    """The id allocators of a pass over every entry into `builder`'s (empty) maps: ids
+    `current` uses are taken; the cursors go on from `built`'s, else from the highest
+    live id."""
+    live_services, live_sets, live_backends = live_ids(current)
+    if built is not None and built.sizes == sizes:
+        cursors = built.cursors
+    else:
+        cursors = (
+            _cursor_after(live_services, sizes.services),
+            _cursor_after(live_sets, sizes.slots),
+            _cursor_after(live_backends, sizes.backends),
+        )
+    builder.service_id_alloc = Ids(sizes.services, cursors[0], (live_services, builder.service_ids))
+    builder.set_id_alloc = Ids(sizes.slots, cursors[1], (live_sets, builder.slots))
+    builder.backend_id_alloc = Ids(sizes.backends, cursors[2], (live_backends, builder.backends))
+
+
+class Adoption:
+    """The ids a content decoded from the kernel gives the entries, known there only by
+    their frontends: a restarted agent keeps every id an earlier one handed out."""
+
+    def __init__(self, current: KernelContent) -> None:
         self.current = current
-        self.index = current._index
-        self.maglev_table_size = maglev_table_size
-        self.sizes = sizes
         self._by_service: dict[int, dict[tuple[str, int], int]] | None = None
 
-    def backends_of(self, service_id: int) -> dict[tuple[str, int], int]:
-        if self._by_service is None:
-            by_service: dict[int, dict[tuple[str, int], int]] = {}
-            for backend_id, b in self.current.backends.items():
-                by_service.setdefault(b.service_id, {})[(b.addr, b.port)] = backend_id
-            self._by_service = by_service
-        return self._by_service.get(service_id, {})
-
-    def run(self) -> KernelContent:
-        current, sizes, index = self.current, self.sizes, self.index
-        out = KernelContent()
-        builder = EntryBuilder(
-            current, self.maglev_table_size, sizes, out.services, out.slots, out.backends
-        )
-        # Ids `current` uses in any way stay reserved until it is gone: a new id never
-        # names something a packet or a conntrack entry may still find under it.
-        live_services = {v.service_id for v in current.services.values()}
-        live_services.update(b.service_id for b in current.backends.values())
-        live_sets = set(current.slots)
-        for v in current.services.values():
-            live_sets.add(v.set_id)
-            live_sets.add(v.internal_set_id)
-        live_backends = set(current.backends)
-        live_backends.update(chain.from_iterable(current.slots.values()))
-        if index is not None and index.sizes == sizes:
-            cursors = index.cursors
-        else:
-            cursors = (
-                _cursor_after(live_services, sizes.services),
-                _cursor_after(live_sets, sizes.slots),
-                _cursor_after(live_backends, sizes.backends),
-            )
-        builder.service_id_alloc = Ids(
-            sizes.services, cursors[0], (live_services, builder.service_ids)
-        )
-        builder.set_id_alloc = Ids(sizes.slots, cursors[1], (live_sets, out.slots))
-        builder.backend_id_alloc = Ids(sizes.backends, cursors[2], (live_backends, out.backends))
-
-        entries = self.state.services
-        # Who answers each frontend: the first entry in NodeState order that asks for it.
-        owned = [builder.owned(builder.frontend_keys(e)) for e in entries]
-        if index is not None:  # built here: entries are known by their sort keys
-            service_ids = []
-            for entry in entries:
-                old = index.by_key.get(entry.sort_key)
-                service_ids.append(old.service_id if old is not None else 0)
-        else:  # decoded from the kernel: entries are known by their frontends
-            service_ids = self.adopt_service_ids(owned)
-
-        by_key: dict[SortKey, EntryPlan] = {}
-        by_digest: dict[bytes, EntryPlan] = {}
-        for entry, keys, service_id in zip(entries, owned, service_ids, strict=True):
-            if not keys:
-                plan = EntryPlan(entry, 0, (), (), ())
-            else:
-                known_backends: Mapping[tuple[str, int], int] = {}
-                known_sets: Mapping[SetContent, int] = {}
-                if not service_id:
-                    service_id = builder.service_id_alloc.take()
-                elif index is not None:
-                    known_backends, known_sets = builder.known_from_plan(
-                        index.by_key[entry.sort_key]
-                    )
-                else:
-                    known_backends = self.backends_of(service_id)
-                    known_sets = self.sets_of(keys, service_id)
-                plan = builder.translate(entry, keys, service_id, known_backends, known_sets)
-            by_key[entry.sort_key] = plan
-            if entry.digest:
-                by_digest[entry.digest] = plan
-        index = ContentIndex(
-            self.maglev_table_size,
-            sizes,
-            by_key,
-            by_digest,
-            builder.service_ids,
-            frozenset(builder.contested),
-            (
-                builder.service_id_alloc.cursor,
-                builder.set_id_alloc.cursor,
-                builder.backend_id_alloc.cursor,
-            ),
-            builder.slot_total,
-            builder.service_id_alloc.overflow,
-            entries_if_keyed(entries, by_key, by_digest),
-            self.state.revision,
-        )
-        out._index = index
-        return out
-
-    def adopt_service_ids(self, owned: list[dict[FrontendKey, int]]) -> list[int]:
+    def service_ids(self, owned: list[dict[FrontendKey, int]]) -> list[int]:
         """Per entry, the service id its frontends have in `current` (0: none). ClusterIPs
         are matched first: they are unique per Service, so a NodePort or ExternalIP that
         moved to another Service does not take the id of the Service it left."""
@@ -512,6 +457,14 @@ class _Full:
                         break
         return result
 
+    def backends_of(self, service_id: int) -> dict[tuple[str, int], int]:
+        if self._by_service is None:
+            by_service: dict[int, dict[tuple[str, int], int]] = {}
+            for backend_id, b in self.current.backends.items():
+                by_service.setdefault(b.service_id, {})[(b.addr, b.port)] = backend_id
+            self._by_service = by_service
+        return self._by_service.get(service_id, {})
+
     def sets_of(self, keys: Iterable[FrontendKey], service_id: int) -> dict[SetContent, int]:
         """Complete sets the entry's frontends point at in `current`, by content."""
         current = self.current
@@ -528,6 +481,59 @@ class _Full:
                 if content is not None and len(content) == count:
                     found[content] = set_id
         return found
+
+
+class _Full:
+    """Translate every entry, adopting ids from `current` (and from how it was built, when
+    `built` says)."""
+
+    def __init__(
+        self,
+        state: NodeState,
+        current: KernelContent,
+        built: ContentIndex | None,
+        maglev_table_size: int,
+        sizes: MapSizes,
+    ) -> None:
+        self.state = state
+        self.current = current
+        self.index = built
+        self.maglev_table_size = maglev_table_size
+        self.sizes = sizes
+
+    def run(self) -> KernelContent:
+        current, sizes, index = self.current, self.sizes, self.index
+        out = KernelContent()
+        builder = EntryBuilder(
+            current, self.maglev_table_size, sizes, out.services, out.slots, out.backends
+        )
+        full_allocators(builder, current, index, sizes)
+        entries = self.state.services
+        # Who answers each frontend: the first entry in NodeState order that asks for it.
+        owned = [builder.owned(builder.frontend_keys(e)) for e in entries]
+        adoption = Adoption(current)
+        if index is not None:  # built by a planner: entries are known by their sort keys
+            service_ids = []
+            for entry in entries:
+                old = index.by_key.get(entry.sort_key)
+                service_ids.append(old.service_id if old is not None else 0)
+        else:  # decoded from the kernel: entries are known by their frontends
+            service_ids = adoption.service_ids(owned)
+
+        for entry, keys, service_id in zip(entries, owned, service_ids, strict=True):
+            if not keys:
+                continue
+            known_backends: Mapping[tuple[str, int], int] = {}
+            known_sets: Mapping[SetContent, int] = {}
+            if not service_id:
+                service_id = builder.service_id_alloc.take()
+            elif index is not None:
+                known_backends, known_sets = builder.known_from_plan(index.by_key[entry.sort_key])
+            else:
+                known_backends = adoption.backends_of(service_id)
+                known_sets = adoption.sets_of(keys, service_id)
+            builder.translate(entry, keys, service_id, known_backends, known_sets)
+        return out
 
 
 DIGEST = attrgetter("digest")

@@ -1,7 +1,7 @@
-"""The map writer of the eBPF dataplane: at each apply it translates the NodeState to
-map contents (plan.py), checks capacity and writes only the differences, in the order
-that keeps every intermediate state whole for packets; it owns the conntrack collector
-and reports the maps' fill and the datapath's counters on /metrics.
+"""The map writer of the eBPF dataplane: at each apply its planner (plan.py) turns the
+NodeState into map contents; it checks capacity and writes only the differences, in the
+order that keeps every intermediate state whole for packets; it owns the conntrack
+collector and reports the maps' fill and the datapath's counters on /metrics.
 
 It knows nothing of interfaces: which programs run where is attach.py's.
 """
@@ -30,7 +30,7 @@ from .external import SourceRange
 from .kernel import LoadedPrograms
 from .libbpf import Map
 from .maps import CapacityError, KernelContent, MapSizes, Writes
-from .plan import plan_change
+from .plan import Planner
 
 # kbp_config.handoff's offset, and the struct's size (set_handoff).
 _HANDOFF = next(offset for name, offset, _ in layout("kbp_config") if name == "handoff")
@@ -54,14 +54,17 @@ class MapWriter:
         """`settings`: kbp_config's (netns cookie, SNAT ports, --socket-lb)."""
         self.programs = programs
         self.sizes = sizes
-        self.maglev_table_size = maglev_table_size
         self._settings = settings
         self.lock = threading.Lock()
         self.applied: NodeState | None = None  # the last state applied (metrics' labels)
         self._range_index = external.SourceRangeIndex()  # the applied state's, wanted
         self._ports: dict[int, int] = {}  # kbp_ports bits this agent knows are set
         self._check_pinned_sizes()
-        self.current = self._read_kernel()
+        # What the maps hold and how it was built: the first plan adopts the ids of what
+        # an earlier agent wrote.
+        self.planner = Planner(
+            self._read_kernel(), maglev_table_size=maglev_table_size, sizes=self.sizes
+        )
         self._target = self.current  # the content an apply writes towards (`_write`)
         # The first apply (a full one: the sync loop's first is) compares with what was
         # just read rather than read the maps again: at 10k Services x 10 a read takes
@@ -101,17 +104,20 @@ class MapWriter:
         self.meta_revision = codec.meta_revision(programs.map("kbp_meta").lookup(bytes(4)))
         self.held = self.meta_revision
 
+    @property
+    def current(self) -> KernelContent:
+        """What the maps hold, as this agent last wrote (or read) them."""
+        return self.planner.content
+
     def apply(self, state: NodeState, full: bool = False) -> tuple[int, bool]:
         """Write what differs from `state`: (writes made, whether backends were removed)."""
         with self.lock:
             if full and not self._just_read:
-                self.current = self._read_kernel()
+                self.planner.reset(self._read_kernel())
             self._just_read = False
-            # Changes self.current in place (cost: what changed): every way out below
-            # commits or rolls back.
-            change = plan_change(
-                state, self.current, maglev_table_size=self.maglev_table_size, sizes=self.sizes
-            )
+            # Changes the planner's content in place (cost: what changed): every way out
+            # below commits, rolls back or resets it.
+            change = self.planner.plan(state)
             ranges = self._range_index.update(state, rescan=full)
             w = change.writes
             need = change.required_capacity()
@@ -131,21 +137,21 @@ class MapWriter:
                     self._write(stage)
                 meta_writes += self._write_meta(state)
             except CapacityError as err:  # nothing was written
-                self.current = change.rollback()
+                change.rollback()
                 raise DataplaneError("capacity", str(err)) from err
             except BaseException as err:
                 # The kernel may hold something between the old and the new content: read
-                # it back (the next apply then compares in full) rather than trust either.
+                # it back (the next apply then plans in full) rather than trust either.
                 try:
-                    self.current = self._read_kernel()
+                    self.planner.reset(self._read_kernel())
                 except OSError:
                     log.exception("ebpf: cannot read the maps back after a failed write")
-                    self.current = change.rollback()
+                    change.rollback()
                 self._forget_external()
                 if isinstance(err, OSError):
                     raise DataplaneError("map_write", str(err)) from err
                 raise
-            self.current = change.commit()
+            change.commit()
             self.held = state.revision
             self.applied = state
             made = w.count if len(stages) == 1 else sum(s.count for s in stages)  # + interim

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ...config import DEFAULT_POD_INTERFACES
 from ...model.ip import ip_family
-from ...model.nodestate import NodeState, ServiceEntry
+from ...model.nodestate import Changes, NodeState, ServiceEntry
 from ..base import DataplaneError, QuietDataplane
 from ..iptables.backend import run_command
 from .render import (
@@ -313,13 +313,12 @@ class NftablesDataplane(QuietDataplane):
             return True
 
     def _changed_keys(self, state: NodeState) -> set[tuple[str, ...]] | None:
-        """The sort keys of the entries `state`'s Changes name, when they start from the
-        state these tables hold; None: compare every entry."""
-        changes = state.changes
-        if changes is None or changes.base != self._revision or not self._held:
+        """The sort keys of the entries that went or came since the state these tables
+        hold (`Changes.since`); None on a resync: compare every entry."""
+        delta = Changes.since(self._revision, self._services if self._held else None, state)
+        if delta.full:
             return None
-        went, came = changes.between(self._services, state.services)
-        return {e.sort_key for e in (*went, *came)}
+        return {e.sort_key for e in (*delta.went, *delta.came)}
 
     def _render(
         self, state: NodeState, by_family: dict[str, list[ServiceEntry]]
