@@ -118,7 +118,8 @@ SOCKET_STORAGE = frozenset({"kbp_sock_peer"})
 
 
 def versioned(name: str) -> str:
-    """`kbp_services` → `kbp_services_v1`: the map's name and pin file name."""
+    """`kbp_services` → `kbp_services_v<N>`, N being KBP_ABI_VERSION: the map's name and
+    pin file name."""
     return f"{name}_v{const.KBP_ABI_VERSION}"
 
 
