@@ -69,12 +69,12 @@ from unittest import mock
 if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.config import DEFAULT_POD_INTERFACES
 from agent.dataplane.iptables import backend as iptables_backend
 from agent.dataplane.iptables import dataplane as iptables_module
 from agent.dataplane.iptables import render as iptables_render
 from agent.dataplane.iptables.backend import find_backend
 from agent.dataplane.iptables.dataplane import IptablesDataplane
+from agent.dataplane.options import DEFAULT_POD_INTERFACES
 from agent.lab.toolkit import in_netns
 from agent.model.compile import CompileOptions, Compiler
 from agent.model.decode import decode_object

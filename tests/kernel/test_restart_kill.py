@@ -20,6 +20,7 @@ import pytest
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.maps import MapSizes
+from agent.dataplane.ebpf.options import EbpfOptions
 from agent.dataplane.iptables import dataplane as iptables_dataplane
 from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup
 from agent.dataplane.iptables.render import IPV4
@@ -168,12 +169,13 @@ def test_restarted_ebpf_agent_reads_the_maps_once_before_its_first_apply(
     ns = netns()
     state = nodestate("A", 50, 3)
     sizes = MapSizes(1024, 4096, 4096, 4096, 1024)
-    first = EbpfDataplane(pins, [NO_INTERFACES], sizes, netns=ns, watch=False)
+    options = EbpfOptions(pins, (NO_INTERFACES,), sizes, netns=ns, watch=False)
+    first = EbpfDataplane(options)
     try:
         assert first.apply(state) > 0
     finally:
         first.close()
-    restarted = EbpfDataplane(pins, [NO_INTERFACES], sizes, netns=ns, watch=False)
+    restarted = EbpfDataplane(options)
     try:
         reads = []
         read = restarted.maps._read_kernel
