@@ -38,6 +38,7 @@ from .model.ip import parse_cidr, parse_ip
 
 ENV_PREFIX = "KBP_"
 
+
 def default_node_name() -> str:
     """The hostname, lower-cased as kube-proxy does (Node names are lower-case)."""
     return socket.gethostname().lower()

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from ..dataplane.ebpf.abi import versioned
 from ..explain.semantics import topology_tiers
 from ..model.compile import ANY_CLUSTER, LOCAL_CLUSTER, NO_TOPOLOGY, CompileOptions, compile
-from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry
+from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry, is_external
 from ..sources.manifests import load_manifests, manifest_files, read_objects
 from .expect import (
     BACKENDS,
@@ -374,7 +374,7 @@ def plan_probes(
             if entry.ip_family == "IPv4" and not client.ipv4:
                 continue
             for frontend in entry.frontends:
-                if node.name != first and frontend.type != CLUSTER_IP:
+                if node.name != first and is_external(frontend.type):
                     continue
                 expectation = expect(
                     entry,
@@ -408,7 +408,7 @@ def outside_probes(
     for entry in states[outside.entry_node].services:
         for frontend in entry.frontends:
             client_ip = outside.ipv6 if ":" in frontend.ip else outside.ipv4
-            if frontend.type == CLUSTER_IP or client_ip is None:
+            if not is_external(frontend.type) or client_ip is None:
                 continue
             expectation = expect_from_outside(
                 entry, frontend, client_ip, dataplane,

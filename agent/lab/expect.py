@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, Frontend, ServiceEntry
+from ..model.nodestate import FRONTEND_KINDS, Backend, Frontend, ServiceEntry, is_external
 
 IPTABLES = "iptables"
 
@@ -109,7 +109,7 @@ def source_seen(entry: ServiceEntry, backend: Backend, dataplane: str) -> str:
 
 def source_allowed(client_ip: str, frontend: Frontend) -> bool:
     """Whether the frontend's loadBalancerSourceRanges (if any) admit client_ip."""
-    if frontend.type != LOAD_BALANCER or not frontend.source_ranges:
+    if not FRONTEND_KINDS[frontend.type].source_ranges or not frontend.source_ranges:
         return True
     address = ipaddress.ip_address(client_ip)  # never in a network of the other family
     return any(address in ipaddress.ip_network(cidr) for cidr in frontend.source_ranges)
@@ -158,7 +158,7 @@ def expect(
     """What client_ip (a pod) should see at frontend. locate(backend) gives the name of
     the lab pod answering for a backend, or (None, why the lab cannot reach it)."""
     set_name, backends = used_set(entry, frontend)
-    uses = set_name if frontend.type == CLUSTER_IP else f"{set_name} (from a pod)"
+    uses = f"{set_name} (from a pod)" if is_external(frontend.type) else set_name
     refused = _without_backends(entry, frontend, client_ip, set_name, not backends)
     if refused is not None:
         return refused

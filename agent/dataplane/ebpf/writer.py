@@ -22,7 +22,7 @@ from ...metrics import Metrics
 from ...model.nodestate import NodeState
 from ..base import DataplaneError
 from . import codec, external, service_metrics
-from .abi import DROP_REASONS, const, layout, packer, versioned
+from .abi import DROP_REASONS, FRONTEND_FLAGS, const, layout, packer, versioned
 from .conntrack import Collector
 from .ctgate import ReplyGate
 from .external import SourceRange
@@ -61,6 +61,7 @@ class MapWriter:
         self._ports: dict[int, int] = {}  # kbp_ports bits this agent knows are set
         self._check_pinned_sizes()
         self.current = self._read_kernel()
+        self._mark_frontend_types()
         self._target = self.current  # the content an apply writes towards (`_write`)
         # The first apply (a full one: the sync loop's first is) compares with what was
         # just read rather than read the maps again: at 10k Services x 10 a read takes
@@ -289,6 +290,25 @@ class MapWriter:
     def _read_kernel(self) -> KernelContent:
         m = self.programs.map
         return codec.read_content(m("kbp_services"), m("kbp_slots"), m("kbp_backends"))
+
+    def _mark_frontend_types(self) -> None:
+        """Give an earlier agent's frontends the flag bits their type gives
+        (abi.FRONTEND_FLAGS; a release before KBP_SVC_F_EXTERNAL wrote none) before any
+        program of ours reads them: the earlier programs, serving until the first apply,
+        ignore a bit they do not know."""
+        services = self.current.services
+        marked = {}
+        for key, value in services.items():
+            flags = value.flags | FRONTEND_FLAGS.get(value.type, 0)
+            if flags != value.flags:
+                marked[key] = replace(value, flags=flags)
+        if marked:
+            self.programs.map("kbp_services").update_items(
+                [(codec.frontend_key(k), codec.service_value(v)) for k, v in marked.items()]
+            )
+            services.update(marked)
+            log.info("ebpf: marked %d frontends of an earlier agent with their type's flags",
+                     len(marked))  # fmt: skip
 
     def _check_pinned_sizes(self) -> None:
         """Plan with the sizes the kernel really has. The loader moves a pinned map to a
