@@ -187,7 +187,7 @@ def entry_rules(entry: ServiceEntry, options: RenderOptions) -> EntryRules:
     internal = svl if entry.uses_local(CLUSTER_IP) else svc
     outsiders = tuple(
         f"-A {internal} {_dest(f, entry, family)} "
-        f"-m comment --comment {_quote(f'{name} cluster IP')} -j {MASQ_NON_POD}"
+        f"-m comment --comment {_quote(f'{name} {FRONTEND_TYPES[f.type]}')} -j {MASQ_NON_POD}"
         for f in entry.frontends
         if not is_external(f.type) and (options.pod_cidrs or options.pod_interface_patterns)
     )
