@@ -3,8 +3,9 @@ uses them, each field that a setting sets carrying that setting's flag, help, de
 written, range or choices and the conversion from the written value to the field's type
 (`option`). agent/config.py composes these declarations into the CLI flags, the KBP_*
 environment variables and the --config file, and builds the dataclasses from the checked
-settings (`build`); a dataplane never imports the settings module, and a new option is
-one field here plus its row in config.Settings.
+settings (`build`); a dataplane never imports the settings module. A new option is a
+field of its dataplane's options dataclass, its row in config.Settings (`_declared`) and
+its name in the settings lists of the commands that take it (cli.py).
 
 The options every kernel dataplane takes (their pod interfaces) are declared here too.
 """
