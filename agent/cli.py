@@ -76,7 +76,7 @@ RUN_SETTINGS = [
 ]
 
 # inspect conntrack shows each flow's time left by the same timeouts as the agent's.
-INSPECT_SETTINGS = ["bpffs", "inspect_output", *CONNTRACK_TIMEOUTS.values(), "log_level",
+INSPECT_SETTINGS = ["bpffs", "inspect_output", *CONNTRACK_TIMEOUTS, "log_level",
                     "config"]  # fmt: skip
 LAB_SETTINGS = ["manifests", "dataplane", "config"]
 # explain: the agent's /state (--metrics-bind-address), or --manifests compiled for --node.
@@ -373,12 +373,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.view == "nftables":
         return _inspect_nftables(settings.inspect_output)
     from .dataplane.ebpf import inspect  # cffi and libbpf only: no compiler needed
-    from .dataplane.ebpf.conntrack import Timeouts
 
     try:
         if args.view == "conntrack":
-            timeouts = Timeouts(**settings.conntrack_timeouts())
-            rows = inspect.conntrack(Path(settings.bpffs), timeouts)
+            rows = inspect.conntrack(Path(settings.bpffs), settings.conntrack_timeouts())
         else:
             rows = inspect.VIEWS[args.view](Path(settings.bpffs))
     except inspect.InspectError as err:

@@ -5,6 +5,11 @@ default. List-valued settings take comma-separated values in the environment. Ev
 setting has a type and a range, checked at start: a value that is out of range, or of
 another type (`true` or `1.9` for a number), stops the command with one line naming the
 setting and where the value came from. Nothing is coerced.
+
+The dataplanes' options are declared beside their code (agent/dataplane/options.py and
+each dataplane's options.py: default, range, flag and help); their rows here take all of
+that from the declaration (`_declared`), and `dataplane_options` builds the dataplanes'
+option objects from the checked settings. The dataplanes never import this module.
 """
 
 from __future__ import annotations
@@ -22,58 +27,21 @@ from typing import Any
 import yaml
 
 from . import kubeproxy
+from .dataplane.ebpf.options import EbpfOptions, MapSizes, Timeouts
+from .dataplane.iptables.options import IptablesOptions
+from .dataplane.options import between as _between
+from .dataplane.options import build, declared, format_duration
+from .dataplane.options import duration as _duration
+from .dataplane.select import DataplaneOptions
 from .model.compile import PRIMARY, CompileOptions
 from .model.ip import parse_cidr, parse_ip
 
 ENV_PREFIX = "KBP_"
 
-# Host-side names the common CNI plugins give the pod-facing end of a pod's veth pair:
-DEFAULT_POD_INTERFACES: tuple[str, ...] = (
-    "veth*",  # generic veth CNIs: bridge/ptp plugins, flannel, kindnet, Docker, Weave
-    "cali*",  # Calico
-    "lxc*",  # Cilium (lxc<hash>)
-    "eni*",  # AWS VPC CNI
-    "gke*",  # GKE's own dataplane
-)
-
 
 def default_node_name() -> str:
     """The hostname, lower-cased as kube-proxy does (Node names are lower-case)."""
     return socket.gethostname().lower()
-
-
-@dataclass(frozen=True)
-class MapSize:
-    """One eBPF map's max_entries setting: the default, the accepted range and the help
-    of its --map-size-NAME flag (None: no flag). The C defaults in
-    bpf/include/kbp_maps.h (KBP_MAX_NAME) are checked against these by a test; the
-    loader always passes every size with -D."""
-
-    default: int
-    low: int = 0  # the range, for a flag
-    high: int = 0
-    help: str | None = None
-
-
-# The floor is Cilium's smallest table (1024); the ceilings keep a map's memory within
-# what a node can give (a hash map preallocates every entry: 2^24 conntrack entries took
-# 3.1 GB here; the per-CPU counters hold one entry per service id on every CPU). BPF's
-# own limit, 2^32, is far beyond them. Keys: the map's name without `kbp_`.
-MAP_SIZES: dict[str, MapSize] = {
-    "services": MapSize(65536, 1024, 1 << 20, "frontend entries (and service ids)"),
-    "slots": MapSize(262144, 1024, 1 << 24, "backend slots over all Services, Maglev tables "
-                     "included"),
-    "backends": MapSize(262144, 1024, 1 << 24, "(Service port, endpoint) pairs"),
-    "ct": MapSize(262144, 1024, 1 << 24, "conntrack entries (two per connection, three with "
-                  "a reply entry's spare; LRU)"),
-    "affinity": MapSize(65536, 1024, 1 << 24, "sessionAffinity ClientIP entries (LRU)"),
-    "src_ranges": MapSize(16384),
-    "sock_rev": MapSize(65536),
-}  # fmt: skip
-# The sizes a flag sets, in flag order.
-FLAG_MAP_SIZES = tuple(name for name, size in MAP_SIZES.items() if size.help)
-# Cilium's choice of Maglev table sizes spans these primes (its default is ours, 16381).
-MAGLEV_TABLE_SIZE_RANGE = (251, 131071)
 
 
 def _setting(
@@ -101,30 +69,20 @@ def _setting(
     return field(default=default, metadata=metadata)
 
 
-def _map_size(name: str) -> Any:
-    """The Settings field of --map-size-NAME, from MAP_SIZES."""
-    size = MAP_SIZES[name]
-    flag = "--map-size-" + name.replace("_", "-")
-    return _setting(size.default, flag, size.help or "", "N", _between(size.low, size.high))
+def _declared(cls: type, name: str) -> Any:
+    """The Settings field of an option a dataplane declares (agent/dataplane/options.py):
+    its flag, help, default as written, check and choices, from the declaration."""
+    meta = dict(next(f for f in fields(cls) if f.name == name).metadata)
+    flag, help_text, written = meta.pop("flag"), meta.pop("help"), meta.pop("written")
+    metavar, check, choices = meta.pop("metavar"), meta.pop("check"), meta.pop("choices")
+    meta.pop("parse")
+    if choices is not None:
+        meta["choices"] = tuple(str(choice) for choice in choices)
+    return _setting(written, flag, help_text, metavar, check, **meta)
 
 
-def _between(low: float, high: float, *, duration: bool = False) -> Callable[[Any], None]:
-    """A check that a number lies within [low, high]."""
-
-    def check(value: float) -> None:
-        show = format_duration if duration else str
-        if not low <= value <= high:
-            raise ValueError(f"{show(value)} is out of range: {show(low)} to {show(high)}")
-
-    return check
-
-
-def _duration(low: float, high: float) -> Callable[[Any], None]:
-    """A check that a duration in seconds lies within [low, high]."""
-    return _between(low, high, duration=True)
-
-
-# A table: one setting a row, as _setting(default, flag, help, metavar, check, argparse...).
+# A table: one setting a row, as _setting(default, flag, help, metavar, check, argparse...)
+# or _declared(the options dataclass declaring it, its field).
 # fmt: off
 @dataclass
 class Settings:
@@ -159,99 +117,33 @@ class Settings:
         "kubeconfig file; default: in-cluster service account, else $KUBECONFIG, "
         "else ~/.kube/config",
         "FILE", lambda path: _nonempty(path))
-    dataplane: str = _setting("auto", "--dataplane",
-        "what programs the NodeState: auto picks the best available (eBPF, else nftables "
-        "where the kernel has nf_tables, else iptables) and says why; none compiles and "
-        "serves it without programming anything (a dry run)",
-        choices=("auto", "ebpf", "nftables", "iptables", "none"))
-    iptables_backend: str = _setting("auto", "--iptables-backend",
-        "which iptables the iptables dataplane writes to: auto uses the backend that "
-        "already holds the node's rules (kubelet's, the CNI's), nft when neither does",
-        choices=("auto", "nft", "legacy"))
-    bpffs: str = _setting("/sys/fs/bpf/kube-bpf-proxy", "--bpffs",
-        "directory on a bpffs where the eBPF dataplane pins its maps (kbp_*_v<N>)",
-        "DIR", lambda path: _absolute(path))
+    dataplane: str = _declared(DataplaneOptions, "dataplane")
+    iptables_backend: str = _declared(IptablesOptions, "backend")
+    bpffs: str = _declared(EbpfOptions, "pin_dir")
     lock_dir: str = _setting("/run/kube-bpf-proxy", "--lock-dir",
         "directory of the node's lock files (one per --bpffs): `run` holds its lock while "
         "it runs, a second `run` waits for it, `cleanup` refuses while it is held",
         "DIR", lambda path: _absolute(path))
-    pod_interfaces: list[str] = _setting(list(DEFAULT_POD_INTERFACES), "--pod-interfaces",
-        "globs of the host-side pod interfaces the eBPF dataplane attaches to "
-        f"(default: {','.join(DEFAULT_POD_INTERFACES)}, the common CNI prefixes)",
-        "GLOB,...", lambda globs: _interface_globs(globs, required=True), comma=True)
-    external_interfaces: list[str] = _setting([], "--external-interfaces",
-        "globs of the node's external interfaces, where the eBPF dataplane serves "
-        "NodePort, LoadBalancer and ExternalIP traffic from outside (tc, and XDP); "
-        "default: the interfaces that carry the node's --nodeport-addresses",
-        "GLOB,...", lambda globs: _interface_globs(globs, required=False), comma=True)
-    xdp: str = _setting("true", "--xdp",
-        "XDP on the external interfaces: true tries native mode, then generic; native "
-        "or generic insist on one; false leaves external traffic to tc alone",
-        choices=("true", "false", "native", "generic"))
-    cgroup_root: str = _setting("auto", "--cgroup-root",
-        "cgroup (v2) whose processes the eBPF dataplane's socket hooks serve: connect() "
-        "and sendmsg() of the node's own processes to a Service go straight to a "
-        "backend; auto: the cgroup2 mount's root (every process); none: off",
-        "DIR|auto|none", lambda path: None if path in ("auto", "none") else _absolute(path))
-    socket_lb: str = _setting("all", "--socket-lb",
-        "whose sockets the eBPF dataplane's socket hooks translate at connect()/sendmsg(): "
-        "all: the node's and every pod's (no per-packet NAT, no conntrack entry); host: "
-        "the node's only, pods go through tc (for service meshes whose sidecars must see "
-        "the ClusterIP); off: nobody's, pods go through tc and the node's own processes "
-        "reach no Service",
-        choices=("all", "host", "off"))
-    tc_attach: str = _setting("auto", "--tc-attach",
-        "how the eBPF dataplane attaches its tc programs: tcx, bpf_links pinned under "
-        "--bpffs that run without the clsact qdisc (kernel 6.6+); clsact, cls_bpf "
-        "filters; auto: tcx where the kernel has it, else clsact. Changing it moves "
-        "every interface at the next start without a gap",
-        choices=("auto", "tcx", "clsact"))
-    snat_port_range: str = _setting("61000-65535", "--snat-port-range",
-        "source ports for external flows the eBPF dataplane forwards to backends on "
-        "other nodes (SNAT to this node's address); keep it outside the node's "
-        "net.ipv4.ip_local_port_range and the NodePort range",
-        "LOW-HIGH", lambda text: parse_port_range(text))
-    maglev_table_size: int = _setting(16381, "--maglev-table-size",
-        "slots of each Maglev table (a prime larger than a Service's backend count; "
-        "more slots spread load more evenly and cost more map entries)",
-        "PRIME", lambda size: _maglev_table_size(size))
-    map_size_services: int = _map_size("services")
-    map_size_slots: int = _map_size("slots")
-    map_size_backends: int = _map_size("backends")
-    map_size_ct: int = _map_size("ct")
-    map_size_affinity: int = _map_size("affinity")
-    conntrack_tcp_timeout_syn: float = _setting(120.0, "--conntrack-tcp-timeout-syn",
-        "eBPF conntrack: idle timeout of a TCP flow whose SYN got no answer yet "
-        "(netfilter's SYN_SENT)",
-        "DURATION", _duration(1.0, 3600.0))
-    conntrack_tcp_timeout_established: float = _setting(
-        86400.0, "--conntrack-tcp-timeout-established",
-        "eBPF conntrack: idle timeout of an established TCP flow (kube-proxy's flag "
-        "and default)",
-        "DURATION", _duration(60.0, 7 * 86400.0))
-    conntrack_tcp_timeout_close_wait: float = _setting(
-        3600.0, "--conntrack-tcp-timeout-close-wait",
-        "eBPF conntrack: idle timeout of a TCP flow with a FIN seen one way (half "
-        "closed; kube-proxy's flag and default)",
-        "DURATION", _duration(1.0, 86400.0))
-    conntrack_tcp_timeout_time_wait: float = _setting(
-        10.0, "--conntrack-tcp-timeout-time-wait",
-        "eBPF conntrack: how long a TCP flow stays after FINs both ways or a RST "
-        "(the entries only translate: a late segment still reaches its backend by the "
-        "flow hash)",
-        "DURATION", _duration(1.0, 3600.0))
-    conntrack_udp_timeout: float = _setting(30.0, "--conntrack-udp-timeout",
-        "eBPF conntrack: idle timeout of a UDP flow that got no reply yet (kube-proxy's "
-        "flag; the kernel's default)",
-        "DURATION", _duration(1.0, 3600.0))
-    conntrack_udp_timeout_stream: float = _setting(120.0, "--conntrack-udp-timeout-stream",
-        "eBPF conntrack: idle timeout of a UDP flow that got a reply (kube-proxy's "
-        "flag; the kernel's default)",
-        "DURATION", _duration(1.0, 86400.0))
-    conntrack_sweep_interval: float = _setting(10.0, "--conntrack-sweep-interval",
-        "eBPF conntrack: how often the agent removes expired and closed flows from "
-        "kbp_ct (0: never; the LRU alone then makes room)",
-        "DURATION", _duration(0.0, 3600.0))
+    pod_interfaces: list[str] = _declared(EbpfOptions, "pod_interfaces")
+    external_interfaces: list[str] = _declared(EbpfOptions, "external_interfaces")
+    xdp: str = _declared(EbpfOptions, "xdp")
+    cgroup_root: str = _declared(DataplaneOptions, "cgroup_root")
+    socket_lb: str = _declared(EbpfOptions, "socket_lb")
+    tc_attach: str = _declared(EbpfOptions, "tc_attach")
+    snat_port_range: str = _declared(EbpfOptions, "snat_ports")
+    maglev_table_size: int = _declared(EbpfOptions, "maglev_table_size")
+    map_size_services: int = _declared(MapSizes, "services")
+    map_size_slots: int = _declared(MapSizes, "slots")
+    map_size_backends: int = _declared(MapSizes, "backends")
+    map_size_ct: int = _declared(MapSizes, "ct")
+    map_size_affinity: int = _declared(MapSizes, "affinity")
+    conntrack_tcp_timeout_syn: float = _declared(Timeouts, "tcp_syn")
+    conntrack_tcp_timeout_established: float = _declared(Timeouts, "tcp_established")
+    conntrack_tcp_timeout_close_wait: float = _declared(Timeouts, "tcp_close_wait")
+    conntrack_tcp_timeout_time_wait: float = _declared(Timeouts, "tcp_time_wait")
+    conntrack_udp_timeout: float = _declared(Timeouts, "udp")
+    conntrack_udp_timeout_stream: float = _declared(Timeouts, "udp_stream")
+    conntrack_sweep_interval: float = _declared(EbpfOptions, "ct_sweep_interval")
     remove_kube_proxy_rules: bool = _setting(False, "--remove-kube-proxy-rules",
         "remove kube-proxy's iptables chains, nftables tables and IPVS state from this node "
         "once this agent has programmed the cluster's state (and again whenever a full "
@@ -312,21 +204,17 @@ class Settings:
         choices=("debug", "info", "warning", "error"))
     # fmt: on
 
-    def map_sizes(self) -> dict[str, int]:
-        """Sizes of the eBPF maps the flags set, by map (FLAG_MAP_SIZES)."""
-        return {name: getattr(self, f"map_size_{name}") for name in FLAG_MAP_SIZES}
+    def dataplane_options(self) -> DataplaneOptions:
+        """The options of every dataplane (agent/dataplane/select.py), from these settings;
+        call after `settings_from` checked them."""
+        return build(DataplaneOptions, self._values())
 
-    def conntrack_timeouts(self) -> dict[str, float]:
-        """The eBPF conntrack's idle timeouts in seconds, by state (the fields of
-        agent.dataplane.ebpf.conntrack.Timeouts)."""
-        return {state: getattr(self, name) for state, name in CONNTRACK_TIMEOUTS.items()}
+    def conntrack_timeouts(self) -> Timeouts:
+        """The eBPF conntrack's idle timeouts (what `inspect conntrack` judges flows by)."""
+        return build(Timeouts, self._values())
 
-    def snat_ports(self) -> tuple[int, int]:
-        """--snat-port-range as (low, high); ValueError naming the flag."""
-        try:
-            return parse_port_range(self.snat_port_range)
-        except ValueError as err:
-            raise ValueError(f"--snat-port-range: {err}") from None
+    def _values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SETTINGS_FIELDS}
 
     def compile_options(self) -> CompileOptions:
         labels = {}
@@ -345,16 +233,9 @@ class Settings:
 
 SETTINGS_FIELDS = {f.name: f for f in fields(Settings)}
 
-# The eBPF conntrack's timeouts: Timeouts field -> setting.
-CONNTRACK_TIMEOUTS = {
-    "tcp_syn": "conntrack_tcp_timeout_syn",
-    "tcp_established": "conntrack_tcp_timeout_established",
-    "tcp_close_wait": "conntrack_tcp_timeout_close_wait",
-    "tcp_time_wait": "conntrack_tcp_timeout_time_wait",
-    "udp": "conntrack_udp_timeout",
-    "udp_stream": "conntrack_udp_timeout_stream",
-}
-CONNTRACK_SETTINGS = [*CONNTRACK_TIMEOUTS.values(), "conntrack_sweep_interval"]
+# The eBPF conntrack's settings: its timeouts (in Timeouts' order), then the sweep.
+CONNTRACK_TIMEOUTS = tuple(declared(Timeouts))
+CONNTRACK_SETTINGS = [*CONNTRACK_TIMEOUTS, "conntrack_sweep_interval"]
 
 
 def add_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:
@@ -488,21 +369,6 @@ def parse_duration(text: str | float) -> float:
     if seconds < 0:
         raise ValueError(f"{text!r} is negative")
     return seconds
-
-
-def format_duration(seconds: float) -> str:
-    """A duration as it is written in a flag: 0s, 500ms, 30s, 1m30s, 2h."""
-    if not math.isfinite(seconds):
-        return str(seconds)
-    if seconds and seconds < 1:
-        return f"{seconds * 1000:g}ms"
-    whole, rest = divmod(seconds, 1)
-    if rest:
-        return f"{seconds:g}s"
-    hours, remainder = divmod(int(whole), 3600)
-    minutes, secs = divmod(remainder, 60)
-    text = (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "")
-    return text + (f"{secs}s" if secs or not text else "")
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
@@ -682,33 +548,6 @@ def _nodeport_addresses(items: list[str]) -> None:
         return
     for item in items:
         parse_cidr(item)
-
-
-def _interface_globs(globs: list[str], *, required: bool) -> None:
-    if required and not globs:
-        raise ValueError("at least one glob is required")
-    for glob in globs:
-        if not glob or "/" in glob or any(c.isspace() for c in glob):
-            raise ValueError(f"{glob!r} is not an interface name glob")
-
-
-def parse_port_range(text: str) -> tuple[int, int]:
-    """LOW-HIGH (or one port) within 1024-65535 as (low, high)."""
-    low, sep, high = text.strip().partition("-")
-    if not _INTEGER.fullmatch(low) or (sep and not _INTEGER.fullmatch(high)):
-        raise ValueError(f"{text!r} is not LOW-HIGH")
-    first, last = int(low), int(high if sep else low)
-    if not 1024 <= first <= last <= 65535:
-        raise ValueError(f"{text!r} must lie within 1024-65535, low <= high")
-    return first, last
-
-
-def _maglev_table_size(size: int) -> None:
-    low, high = MAGLEV_TABLE_SIZE_RANGE
-    if not low <= size <= high:  # first: a large prime would take long to test
-        raise ValueError(f"{size} is out of range: {low} to {high}")
-    if any(size % d == 0 for d in range(2, math.isqrt(size) + 1)):
-        raise ValueError(f"{size} is not a prime")
 
 
 def _bind_address(bind: str) -> None:

@@ -84,7 +84,7 @@ class Agent:
     def _choose_dataplane(self) -> None:
         settings = self.settings
         try:
-            self.selection = select_dataplane(settings)
+            self.selection = select_dataplane(settings.dataplane_options())
         except DataplaneStartError as err:
             raise StartupError(str(err)) from err
         self.dataplane, reason = self.selection.dataplane, self.selection.reason

@@ -91,8 +91,8 @@ class FillSampler:
 
 
 def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
-    from agent.dataplane.ebpf.conntrack import Timeouts
     from agent.dataplane.ebpf.maps import MapSizes
+    from agent.dataplane.ebpf.options import EbpfOptions, Timeouts
     from agent.lab.toolkit import PODCLIENT, in_netns
     from agent.model.compile import compile
     from bench.common.kernel import BENCH_PREFIX, BPFFS
@@ -125,10 +125,10 @@ def run_one(kind: str, args: argparse.Namespace, flows: int) -> dict[str, Any]:
 
             sizes = MapSizes(4096, 65536, 4096, ct_entries, 1024)
             pin_dir = BPFFS / f"{BENCH_PREFIX}{os.getpid()}-ct"  # as bench.datapath names them
-            dataplane = EbpfDataplane(
+            dataplane = EbpfDataplane(EbpfOptions(
                 pin_dir, ("vethkbp*",), sizes, netns=lab.node_ns, ct_timeouts=Timeouts(),
                 ct_sweep_interval=args.sweep,
-            )  # fmt: skip
+            ))  # fmt: skip
             table = dataplane.programs.map("kbp_ct")
             sweeps: list[Any] = []
             collector = dataplane.conntrack

@@ -83,6 +83,7 @@ from agent.dataplane.ebpf import frames as P
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.inspect import XDP_VERDICTS
 from agent.dataplane.ebpf.netlink import TcAttacher
+from agent.dataplane.ebpf.options import EbpfOptions, TcAttach, Xdp
 from agent.dataplane.iptables.dataplane import IptablesDataplane
 from agent.lab.toolkit import NO_RP_FILTER, in_netns, ip_batch, run, sysctl
 from agent.model.nodestate import (
@@ -466,14 +467,16 @@ def ebpf_dataplane(topo: Topology, xdp: str, tc_attach: str = "auto") -> tuple[E
     pin_dir = BPFFS / f"{PREFIX}{os.getpid()}-{topo.variant}"
     try:
         dp = EbpfDataplane(
-            pin_dir,
-            [NO_INTERFACES],
-            map_sizes_for(1, 1),
-            netns=topo.node,
-            watch=False,
-            external_interfaces=["n0"],
-            xdp=xdp,
-            tc_attach=tc_attach,
+            EbpfOptions(
+                pin_dir,
+                (NO_INTERFACES,),
+                map_sizes_for(1, 1),
+                netns=topo.node,
+                watch=False,
+                external_interfaces=("n0",),
+                xdp=Xdp.parse(xdp),
+                tc_attach=TcAttach(tc_attach),
+            )
         )
     except BaseException:
         shutil.rmtree(pin_dir, ignore_errors=True)

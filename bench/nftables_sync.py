@@ -41,12 +41,12 @@ from typing import Any
 if not __package__:  # run as a script: bench/ is on sys.path, the checkout is not
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.config import DEFAULT_POD_INTERFACES
 from agent.dataplane.iptables.dataplane import IptablesDataplane
 from agent.dataplane.iptables.dataplane import cleanup as iptables_cleanup
 from agent.dataplane.nftables.dataplane import NftablesDataplane, kernel_marker
 from agent.dataplane.nftables.dataplane import cleanup as nftables_cleanup
 from agent.dataplane.nftables.render import FAMILIES
+from agent.dataplane.options import DEFAULT_POD_INTERFACES
 from agent.model.nodestate import NodeState
 from agent.sources.manifests import load_manifests
 from bench.common.kernel import leftovers

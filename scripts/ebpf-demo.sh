@@ -87,17 +87,39 @@ EOF
 echo "== kube-bpf-proxy run --dataplane ebpf (in $NODE)"
 cd "$ROOT"
 # nsenter execs the agent: $! is the agent itself, so the trap's kill (SIGTERM) stops it.
+# The node namespace is new: its loopback ports are free, so the health port is fixed.
+HEALTHZ=127.0.0.1:10256
 nsenter --net="/run/netns/$NODE" "$PYTHON" -m agent run --manifests "$WORK/web.yaml" --node node-a \
     --dataplane ebpf --pod-interfaces 'vethdemo*' --bpffs "$PIN" \
-    --metrics-bind-address 127.0.0.1:0 --healthz-bind-address 127.0.0.1:0 \
+    --metrics-bind-address 127.0.0.1:0 --healthz-bind-address "$HEALTHZ" \
     2>"$WORK/agent.log" &
-PIDS+=($!)
-for _ in $(seq 100); do
-    compgen -G "$PIN/kbp_services_v*" >/dev/null && break  # the ABI version is the suffix
+AGENT=$!
+PIDS+=("$AGENT")
+# Ready: the services map is pinned under the name this agent's ABI gives it, and
+# /readyz answers 200 (the first state is programmed).
+SERVICES_PIN=$PIN/$("$PYTHON" -c 'from agent.dataplane.ebpf.abi import versioned
+print(versioned("kbp_services"))')
+TIMEOUT=60  # seconds; bcc's compile of the programs takes most of it
+ready=
+for _ in $(seq $((TIMEOUT * 10))); do
+    if ! kill -0 "$AGENT" 2>/dev/null; then
+        sed 's/^/   agent: /' "$WORK/agent.log" >&2
+        echo "the agent exited before it was ready (log above)" >&2
+        exit 1
+    fi
+    if [[ -e $SERVICES_PIN ]] && in_node curl -sf -o /dev/null "http://$HEALTHZ/readyz"; then
+        ready=1
+        break
+    fi
     sleep 0.1
 done
-sleep 1
 sed 's/^/   agent: /' "$WORK/agent.log"
+if [[ -z $ready ]]; then
+    what="/readyz did not answer 200"
+    [[ -e $SERVICES_PIN ]] || what="$SERVICES_PIN was not pinned"
+    echo "the agent was not ready after ${TIMEOUT} s: $what (log above)" >&2
+    exit 1
+fi
 
 echo "== curl http://10.96.0.80/ from the client pod, 8 times"
 for _ in $(seq 8); do

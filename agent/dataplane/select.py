@@ -10,20 +10,50 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
-from ..config import Settings
 from . import probe
 from .base import Dataplane, DataplaneError
+from .ebpf.options import EbpfOptions
+from .iptables.options import IptablesOptions
 from .mounts import cgroup_for_hooks
+from .nftables.options import NftablesOptions
 from .none import NoneDataplane
+from .options import nested, option
 
 log = logging.getLogger(__name__)
 
 # `auto` chose eBPF: every probe passed.
 EBPF_PROBES_PASSED = "eBPF probes passed"
+
+
+# fmt: off
+@dataclass(frozen=True)
+class DataplaneOptions:
+    """What `select_dataplane` is told: which dataplane, and each one's options
+    (config.Settings.dataplane_options() composes them from the settings)."""
+
+    dataplane: str = option("auto", "--dataplane",
+        "what programs the NodeState: auto picks the best available (eBPF, else nftables "
+        "where the kernel has nf_tables, else iptables) and says why; none compiles and "
+        "serves it without programming anything (a dry run)",
+        choices=("auto", "ebpf", "nftables", "iptables", "none"))
+    cgroup_root: str = option("auto", "--cgroup-root",
+        "cgroup (v2) whose processes the eBPF dataplane's socket hooks serve: connect() "
+        "and sendmsg() of the node's own processes to a Service go straight to a "
+        "backend; auto: the cgroup2 mount's root (every process); none: off",
+        "DIR|auto|none", check=lambda path: _cgroup_root(path))
+    ebpf: EbpfOptions = nested(EbpfOptions)  # its cgroup: from cgroup_root (build_ebpf)
+    iptables: IptablesOptions = nested(IptablesOptions)
+    nftables: NftablesOptions = nested(NftablesOptions)
+# fmt: on
+
+
+def _cgroup_root(path: str) -> None:
+    if path not in ("auto", "none") and not path.startswith("/"):
+        raise ValueError(f"{path!r} is not an absolute path")
 
 
 class DataplaneStartError(Exception):
@@ -47,31 +77,16 @@ class Selection:
             remove_leftovers(self.other, remove)
 
 
-def build_ebpf(settings: Settings) -> Dataplane:
+def build_ebpf(options: DataplaneOptions) -> Dataplane:
     """The eBPF dataplane on this network namespace's pod interfaces."""
     try:
-        from .ebpf.conntrack import Timeouts
         from .ebpf.dataplane import EbpfDataplane
-        from .ebpf.maps import MapSizes
     except ImportError as err:  # bcc, cffi or pyroute2 missing
         raise DataplaneError("import", f"{err}; install python3-bpfcc and the agent") from err
-    cgroup, why = cgroup_for_hooks(settings.cgroup_root)
+    cgroup, why = cgroup_for_hooks(options.cgroup_root)
     if why:
         log.warning("ebpf: %s", why)
-    return EbpfDataplane(
-        settings.bpffs,
-        settings.pod_interfaces,
-        MapSizes(**settings.map_sizes()),
-        maglev_table_size=settings.maglev_table_size,
-        external_interfaces=settings.external_interfaces,
-        xdp=settings.xdp,
-        snat_ports=settings.snat_ports(),
-        cgroup=cgroup,
-        socket_lb=settings.socket_lb,
-        tc_attach=settings.tc_attach,
-        ct_timeouts=Timeouts(**settings.conntrack_timeouts()),
-        ct_sweep_interval=settings.conntrack_sweep_interval,
-    )
+    return EbpfDataplane(replace(options.ebpf, cgroup=cgroup))
 
 
 def iptables_module() -> ModuleType:
@@ -81,14 +96,14 @@ def iptables_module() -> ModuleType:
     return dataplane
 
 
-def build_iptables(settings: Settings) -> Dataplane:
+def build_iptables(options: DataplaneOptions) -> Dataplane:
     """The iptables dataplane in this network namespace; DataplaneError saying why not."""
     try:
         module = iptables_module()
     except ImportError as err:
         raise DataplaneError("import", f"cannot import the iptables dataplane: {err}") from err
     try:
-        backend, why = module.choose_backend(settings.iptables_backend)
+        backend, why = module.choose_backend(options.iptables.backend)
     except module.BackendError as err:
         raise DataplaneError("unavailable", str(err)) from err
     reason = module.unavailable_reason(backend=backend)
@@ -96,7 +111,7 @@ def build_iptables(settings: Settings) -> Dataplane:
         raise DataplaneError("unavailable", reason)
     log.info("iptables backend: %s (%s)", backend.name, why)
     try:
-        return module.IptablesDataplane(settings.pod_interfaces, backend=backend,
+        return module.IptablesDataplane(options.iptables.pod_interfaces, backend=backend,
                                         backend_reason=why)  # fmt: skip
     except OSError as err:
         raise DataplaneError("start", str(err)) from err
@@ -109,7 +124,7 @@ def nftables_module() -> ModuleType:
     return dataplane
 
 
-def build_nftables(settings: Settings) -> Dataplane:
+def build_nftables(options: DataplaneOptions) -> Dataplane:
     """The nftables dataplane in this network namespace; DataplaneError saying why not."""
     try:
         module = nftables_module()
@@ -119,7 +134,7 @@ def build_nftables(settings: Settings) -> Dataplane:
     if reason is not None:
         raise DataplaneError("unavailable", reason)
     try:
-        return module.NftablesDataplane(settings.pod_interfaces)
+        return module.NftablesDataplane(options.nftables.pod_interfaces)
     except (OSError, DataplaneError) as err:
         raise DataplaneError("start", str(err)) from err
 
@@ -127,10 +142,10 @@ def build_nftables(settings: Settings) -> Dataplane:
 KERNEL_DATAPLANES = ("ebpf", "nftables", "iptables")
 
 
-def _others(settings: Settings, chosen: str) -> tuple[str, Callable[[], list[str]]]:
+def _others(options: DataplaneOptions, chosen: str) -> tuple[str, Callable[[], list[str]]]:
     """Whose leftovers the `chosen` dataplane removes, and how."""
     removers: dict[str, Callable[[], list[str]]] = {
-        "ebpf": lambda: remove_ebpf_leftovers(settings),
+        "ebpf": lambda: remove_ebpf_leftovers(options.ebpf.pin_dir),
         "nftables": remove_nftables_leftovers,
         "iptables": remove_iptables_leftovers,
     }
@@ -148,27 +163,27 @@ def _others(settings: Settings, chosen: str) -> tuple[str, Callable[[], list[str
     return " and ".join(others), remove
 
 
-def select_dataplane(settings: Settings) -> Selection:
+def select_dataplane(options: DataplaneOptions) -> Selection:
     """The dataplane and the reason. `auto`: eBPF when every probe passes, else nftables
     where it works, else iptables, the reason naming what failed and why. Raises
     DataplaneStartError when an explicitly requested dataplane cannot start here, or with
     `auto` when none can."""
-    requested = settings.dataplane
+    requested = options.dataplane
 
     if requested == "none":
         return Selection(NoneDataplane(), "requested")
     if requested in ("iptables", "nftables"):
         build = build_iptables if requested == "iptables" else build_nftables
         try:
-            dataplane = build(settings)
+            dataplane = build(options)
         except DataplaneError as err:
             raise DataplaneStartError(f"--dataplane {requested}: {err}") from err
-        return Selection(dataplane, "requested", *_others(settings, requested))
+        return Selection(dataplane, "requested", *_others(options, requested))
 
-    ebpf, results = probe.probe_ebpf(lambda: build_ebpf(settings), Path(settings.bpffs))
+    ebpf, results = probe.probe_ebpf(lambda: build_ebpf(options), options.ebpf.pin_dir)
     if ebpf is not None:
         reason = "requested" if requested == "ebpf" else EBPF_PROBES_PASSED
-        return Selection(ebpf, reason, *_others(settings, "ebpf"))
+        return Selection(ebpf, reason, *_others(options, "ebpf"))
     failure = results[-1]
     if requested == "ebpf":
         raise DataplaneStartError(f"--dataplane ebpf: {failure.name}: {failure.detail}")
@@ -178,10 +193,10 @@ def select_dataplane(settings: Settings) -> Selection:
     # pin of someone else's is named with its path there.
     detail = " ".join(failure.detail.split()) or failure.failure
     try:
-        dataplane = build_nftables(settings)
+        dataplane = build_nftables(options)
     except DataplaneError as nft_err:
         try:
-            dataplane = build_iptables(settings)
+            dataplane = build_iptables(options)
         except DataplaneError as err:
             # Running as a dry run would program nothing while looking healthy and ready:
             # refuse to start, so the node's state shows it (use --dataplane none on purpose).
@@ -192,10 +207,10 @@ def select_dataplane(settings: Settings) -> Selection:
         log.warning("--dataplane auto: eBPF unavailable: %s: %s; nftables unavailable: %s; "
                     "falling back to iptables", failure.name, detail, nft_err)  # fmt: skip
         return Selection(dataplane, f"{ebpf_reason}; nftables unavailable: {nft_err}",
-                         *_others(settings, "iptables"))  # fmt: skip
+                         *_others(options, "iptables"))  # fmt: skip
     log.warning("--dataplane auto: eBPF unavailable: %s: %s; falling back to nftables",
                 failure.name, detail)  # fmt: skip
-    return Selection(dataplane, ebpf_reason, *_others(settings, "nftables"))
+    return Selection(dataplane, ebpf_reason, *_others(options, "nftables"))
 
 
 # Switching dataplanes leaves nothing of the other behind (as kube-proxy removes other
@@ -205,11 +220,11 @@ def select_dataplane(settings: Settings) -> Selection:
 # one's rules are what serves the node.
 
 
-def remove_ebpf_leftovers(settings: Settings) -> list[str]:
+def remove_ebpf_leftovers(pin_dir: Path) -> list[str]:
     """Our tc filters in this namespace and our pins under --bpffs; what was removed."""
     from .ebpf.dataplane import cleanup
 
-    interfaces, pins = cleanup(Path(settings.bpffs))
+    interfaces, pins = cleanup(pin_dir)
     return [*(f"tc filters on {name}" for name in interfaces), *(f"pin {pin}" for pin in pins)]
 
 

@@ -26,7 +26,7 @@ from ..dataplane.ebpf.abi import versioned
 from ..dataplane.nftables.render import SERVICE_IPS as NFT_SERVICE_IPS
 from ..dataplane.nftables.render import TABLE as NFT_TABLE
 from ..model.compile import ANY_CLUSTER, LOCAL_CLUSTER, NO_TOPOLOGY, CompileOptions, compile
-from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry
+from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry, is_external
 from ..model.outcome import BACKENDS, KEPT, topology_tiers
 from ..sources.manifests import load_manifests, manifest_files, read_objects
 from .expect import (
@@ -376,7 +376,7 @@ def plan_probes(
             if entry.ip_family == "IPv4" and not client.ipv4:
                 continue
             for frontend in entry.frontends:
-                if node.name != first and frontend.type != CLUSTER_IP:
+                if node.name != first and is_external(frontend.type):
                     continue
                 expectation = expect(
                     entry,
@@ -410,7 +410,7 @@ def outside_probes(
     for entry in states[outside.entry_node].services:
         for frontend in entry.frontends:
             client_ip = outside.ipv6 if ":" in frontend.ip else outside.ipv4
-            if frontend.type == CLUSTER_IP or client_ip is None:
+            if not is_external(frontend.type) or client_ip is None:
                 continue
             expectation = expect_from_outside(
                 entry, frontend, client_ip, dataplane,

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..model.nodestate import CLUSTER_IP, Backend, Frontend, ServiceEntry
+from ..model.nodestate import Backend, Frontend, ServiceEntry, is_external
 from ..model.outcome import (
     BACKENDS,
     DROPPED,
@@ -99,7 +99,7 @@ def expect(
     the lab pod answering for a backend, or (None, why the lab cannot reach it)."""
     result = outcome(entry, frontend, client_ip)
     name = result.set_name
-    uses = name if frontend.type == CLUSTER_IP else f"{name} (from a pod)"
+    uses = f"{name} (from a pod)" if is_external(frontend.type) else name
     refused = _without_backends(result)
     if refused is not None:
         return refused

@@ -35,6 +35,7 @@ from .nodestate import (
     NodeState,
     ServiceEntry,
     backends_of,
+    is_external,
     revision_of,
     uses_endpoints,
 )
@@ -305,10 +306,14 @@ def compile_service(
             frontends += [Frontend(LOAD_BALANCER, ip, port.port, ranges) for ip in lb_ips]
             frontends.sort(key=lambda f: (FRONTEND_ORDER[f.type], ip_sort_key(f.ip), f.port))
 
-            external = has_node_port or bool(external_ips) or bool(lb_ips)
+            # The types the Service asks for (a NodePort even where this node has no
+            # NodePort address): they decide the effective policy and the sets.
+            types = [CLUSTER_IP, *[NODE_PORT] * has_node_port, *[EXTERNAL_IP] * bool(external_ips),
+                     *[LOAD_BALANCER] * bool(lb_ips)]  # fmt: skip
+            external = any(map(is_external, types))
             etp = "Local" if external and service.external_traffic_policy == "Local" else "Cluster"
             itp = service.internal_traffic_policy
-            uses_cluster, uses_local = uses_endpoints(itp, etp, True, external)
+            uses_cluster, uses_local = uses_endpoints(itp, etp, types)
             candidates = merged.get((port.name, port.protocol), [])
             cluster, topology = (
                 _cluster_backends(candidates, service, ctx) if uses_cluster else (None, NO_TOPOLOGY)

@@ -20,15 +20,55 @@ from .types import ServiceKey
 API_VERSION = "kube-bpf-proxy/v1"
 KIND = "NodeState"
 
-# Frontend types in document order, each with its words in iptables rule comments
-# (kube-proxy's). The one table of them: the eBPF ABI's KBP_FE_* derive from it too.
 CLUSTER_IP = "ClusterIP"
 NODE_PORT = "NodePort"
 EXTERNAL_IP = "ExternalIP"
 LOAD_BALANCER = "LoadBalancer"
-FRONTEND_TYPES = {CLUSTER_IP: "cluster IP", NODE_PORT: "node port", EXTERNAL_IP: "external IP",
-                  LOAD_BALANCER: "loadbalancer IP"}  # fmt: skip
-FRONTEND_ORDER = {name: order for order, name in enumerate(FRONTEND_TYPES)}
+
+# The traffic policy that picks a frontend's backend set for a sender ("Which set a
+# packet uses" in docs/nodestate.md); None: clusterBackends whatever the policies say.
+INTERNAL_POLICY = "internalTrafficPolicy"
+EXTERNAL_POLICY = "externalTrafficPolicy"
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendType:
+    """What a frontend type means to every consumer: compile, the dataplanes (the eBPF
+    programs get it as flag bits of the frontend's value), the lab's expectations. A new
+    type is a row of FRONTEND_KINDS and the compile lines that make its frontends."""
+
+    name: str
+    words: str  # in iptables rule comments (kube-proxy's)
+    # Reached from outside the cluster: its address may be one of the node's own, and
+    # externalTrafficPolicy applies (docs/semantics.md); a ClusterIP is not.
+    external: bool
+    from_inside: str | None  # the policy picking the set for pods and the node
+    from_outside: str | None  # ... for clients outside the cluster
+    source_ranges: bool = False  # loadBalancerSourceRanges admit its clients
+    # Its address belongs to one Service (the API server allocates it): a restarted
+    # agent matches the Service's earlier id by it first.
+    unique: bool = False
+
+
+# The one table of frontend types, in document order. The eBPF ABI's KBP_FE_* derive
+# from the names, its flag bits from the columns (abi.FRONTEND_TYPES, frontend_flags).
+FRONTEND_KINDS: dict[str, FrontendType] = {t.name: t for t in (
+    FrontendType(CLUSTER_IP, "cluster IP", external=False, from_inside=INTERNAL_POLICY,
+                 from_outside=INTERNAL_POLICY, unique=True),
+    FrontendType(NODE_PORT, "node port", external=True, from_inside=None,
+                 from_outside=EXTERNAL_POLICY),
+    FrontendType(EXTERNAL_IP, "external IP", external=True, from_inside=None,
+                 from_outside=EXTERNAL_POLICY),
+    FrontendType(LOAD_BALANCER, "loadbalancer IP", external=True, from_inside=None,
+                 from_outside=EXTERNAL_POLICY, source_ranges=True),
+)}  # fmt: skip
+FRONTEND_TYPES = {name: kind.words for name, kind in FRONTEND_KINDS.items()}
+FRONTEND_ORDER = {name: order for order, name in enumerate(FRONTEND_KINDS)}
+
+
+def is_external(frontend_type: str) -> bool:
+    """Whether frontends of this type are reached from outside the cluster."""
+    return FRONTEND_KINDS[frontend_type].external
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +80,7 @@ class Frontend:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type, "ip": self.ip, "port": self.port}
-        if self.type == LOAD_BALANCER:
+        if FRONTEND_KINDS[self.type].source_ranges:
             out["sourceRanges"] = list(self.source_ranges)
         return out
 
@@ -101,12 +141,13 @@ class ServiceEntry:
 
     def uses_local(self, frontend_type: str, from_outside: bool = True) -> bool:
         """Whether a packet to a frontend of this type uses localBackends (else
-        clusterBackends): a ClusterIP follows internalTrafficPolicy whoever sends; an
-        external frontend follows externalTrafficPolicy from outside and uses
-        clusterBackends from a pod or the node."""
-        if frontend_type == CLUSTER_IP:
-            return self.internal_traffic_policy == "Local"
-        return from_outside and self.external_traffic_policy == "Local"
+        clusterBackends), by the type's row of FRONTEND_KINDS: a ClusterIP follows
+        internalTrafficPolicy whoever sends; an external frontend follows
+        externalTrafficPolicy from outside and uses clusterBackends from a pod or the
+        node."""
+        kind = FRONTEND_KINDS[frontend_type]
+        return _is_local(kind.from_outside if from_outside else kind.from_inside,
+                         self.internal_traffic_policy, self.external_traffic_policy)  # fmt: skip
 
     def backends_for(self, frontend_type: str, from_outside: bool = True) -> tuple[Backend, ...]:
         """The set a packet to a frontend of this type uses (see `uses_local`); empty
@@ -143,14 +184,26 @@ class ServiceEntry:
         return self
 
 
-def uses_endpoints(itp: str, etp: str, internal: bool, external: bool) -> tuple[bool, bool]:
-    """(cluster, local): whether an entry with these traffic policies and internal
-    (ClusterIP) and external frontends uses clusterBackends, localBackends (kube-proxy's
-    UsesClusterEndpoints / UsesLocalEndpoints). External frontends need clusterBackends
-    even with externalTrafficPolicy Local, for traffic from pods and the node."""
-    itp_local = itp == "Local"
-    cluster = (internal and not itp_local) or external
-    local = (internal and itp_local) or (external and etp == "Local")
+def _is_local(policy: str | None, itp: str, etp: str) -> bool:
+    if policy == INTERNAL_POLICY:
+        return itp == "Local"
+    return policy == EXTERNAL_POLICY and etp == "Local"
+
+
+def uses_endpoints(itp: str, etp: str, frontend_types: Iterable[str]) -> tuple[bool, bool]:
+    """(cluster, local): whether an entry with these traffic policies and frontends of
+    these types uses clusterBackends, localBackends (kube-proxy's UsesClusterEndpoints /
+    UsesLocalEndpoints): the sets its types pick from inside and from outside. External
+    frontends need clusterBackends even with externalTrafficPolicy Local, for traffic
+    from pods and the node."""
+    cluster = local = False
+    for name in set(frontend_types):
+        kind = FRONTEND_KINDS[name]
+        for policy in (kind.from_inside, kind.from_outside):
+            if _is_local(policy, itp, etp):
+                local = True
+            else:
+                cluster = True
     return cluster, local
 
 

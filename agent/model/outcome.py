@@ -24,7 +24,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from .compile import NO_TOPOLOGY
-from .nodestate import LOAD_BALANCER, Backend, Frontend, ServiceEntry
+from .nodestate import FRONTEND_KINDS, Backend, Frontend, ServiceEntry
 
 # The sets of a NodeState entry, by their document names.
 CLUSTER_BACKENDS = "clusterBackends"
@@ -71,7 +71,7 @@ def used_set(
 
 def source_allowed(client_ip: str, frontend: Frontend) -> bool:
     """Whether the frontend's loadBalancerSourceRanges (if any) admit client_ip."""
-    if frontend.type != LOAD_BALANCER or not frontend.source_ranges:
+    if not FRONTEND_KINDS[frontend.type].source_ranges or not frontend.source_ranges:
         return True
     address = ipaddress.ip_address(client_ip)  # never in a network of the other family
     return any(address in ipaddress.ip_network(cidr) for cidr in frontend.source_ranges)

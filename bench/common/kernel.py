@@ -18,6 +18,7 @@ from pathlib import Path
 
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.maps import MapSizes
+from agent.dataplane.ebpf.options import EbpfOptions, TcAttach
 from agent.lab.toolkit import BPFFS, LabError, alive, ip_batch, namespaces_with, sysctl
 from tests.lab.kit import Cleanup, delete_namespace
 
@@ -139,8 +140,10 @@ def bench_dataplane(
     pin_dir = BPFFS / f"{BENCH_PREFIX}{os.getpid()}-{next(_names)}"
     dataplane: EbpfDataplane | None = None
     try:
-        dataplane = EbpfDataplane(pin_dir, list(pod_interfaces), sizes, netns=netns, watch=False,
-                                  cgroup=cgroup, tc_attach=tc_attach)  # fmt: skip
+        dataplane = EbpfDataplane(EbpfOptions(
+            pin_dir, tuple(pod_interfaces), sizes, netns=netns, watch=False, cgroup=cgroup,
+            tc_attach=TcAttach(tc_attach) if tc_attach is not None else None,
+        ))  # fmt: skip
         yield dataplane
     finally:
         if dataplane is not None:

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from agent.config import DEFAULT_POD_INTERFACES
 from agent.dataplane.iptables import backend as iptables_backend
 from agent.dataplane.iptables import dataplane as iptables_module
 from agent.dataplane.iptables import render as iptables_render
 from agent.dataplane.iptables.backend import find_backend
+from agent.dataplane.options import DEFAULT_POD_INTERFACES
 from agent.lab.toolkit import in_netns
 from agent.model.compile import CompileOptions, Compiler
 from agent.model.decode import decode_object

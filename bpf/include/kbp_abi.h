@@ -25,7 +25,9 @@
 #define KBP_FAMILY_IPV4 4
 #define KBP_FAMILY_IPV6 6
 
-/* Frontend types (struct kbp_service.type), as NodeState's frontends[].type. */
+/* Frontend types (struct kbp_service.type), as NodeState's frontends[].type: for
+ * inspect and explain; the programs read what a type means from the flags below
+ * (KBP_SVC_F_EXTERNAL, KBP_SVC_F_SOURCE_RANGES) and from the sets the agent wrote. */
 #define KBP_FE_CLUSTER_IP 1
 #define KBP_FE_NODE_PORT 2
 #define KBP_FE_EXTERNAL_IP 3
@@ -39,6 +41,9 @@
 				     clients outside its kbp_src_ranges prefixes are dropped */
 #define KBP_SVC_F_RANDOM 16       /* pick a random slot (lb-algorithm random); without it
 				     and KBP_SVC_F_MAGLEV: the slot of the flow hash */
+#define KBP_SVC_F_EXTERNAL 32     /* a frontend reached from outside the cluster (the
+				     model's frontend type table): its address may be the
+				     node's own, so replies are translated at the client */
 
 /* Bits of struct kbp_src_range_key before the client address: the frontend key. */
 #define KBP_SRC_RANGE_FRONTEND_BITS 160

@@ -15,8 +15,8 @@
  *   KBP_MAX_SOCK_REV   kbp_sock_rev: (socket, backend) records of unconnected UDP sockets
  *                      and of connected sockets without a slot of kbp_sock_slots
  *   KBP_MAX_PODS       pod network namespaces on this node
- * Pins carry the ABI version (`kbp_services_v1`); kernel map names are limited to
- * 15 characters (BPF_OBJ_NAME_LEN), which is why conntrack is `kbp_ct`.
+ * Pins carry the ABI version (`kbp_services_v<KBP_ABI_VERSION>`); kernel map names are
+ * limited to 15 characters (BPF_OBJ_NAME_LEN), which is why conntrack is `kbp_ct`.
  */
 #ifndef KBP_MAPS_H
 #define KBP_MAPS_H

@@ -524,7 +524,7 @@ static __always_inline int __ct_create(const struct kbp_tuple *t, const struct k
 	entry->backend_id = backend_id;
 	entry->service_id = svc->service_id;
 	entry->flags = hairpin ? KBP_CT_F_HAIRPIN : 0;
-	if (!hairpin && svc->type != KBP_FE_CLUSTER_IP)
+	if (!hairpin && (svc->flags & KBP_SVC_F_EXTERNAL))
 		entry->flags |= KBP_CT_F_REPLY_AT_CLIENT;
 	entry->last_seen = now;
 	*sport = t->sport;

@@ -84,9 +84,10 @@ static __always_inline int __ext_new_flow(const struct kbp_tuple *t, const struc
 		v->reason = KBP_DROP_SOURCE_RANGE;
 		return KBP_EXT_DROP;
 	}
-	/* Pods of the cluster use clusterBackends, everyone else the policy's set; a
-	 * ClusterIP reached from outside (a router sending the Service range here) has one. */
-	if (svc->type == KBP_FE_CLUSTER_IP || lb_from_cluster_pod(t, cfg))
+	/* Pods of the cluster use the set for pods, everyone else the set from outside; a
+	 * ClusterIP (reached from outside when a router sends the Service range here) has
+	 * the same set in both (the agent writes them so). */
+	if (lb_from_cluster_pod(t, cfg))
 		lb_set_for_pods(svc, &set_id, &count);
 	else
 		lb_set_for_outside(svc, &set_id, &count);

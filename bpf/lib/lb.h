@@ -67,7 +67,7 @@ static __always_inline int lb_source_admitted(const struct kbp_tuple *t,
 {
 	struct kbp_src_range_key key = {};
 
-	if (!(svc->flags & KBP_SVC_F_SOURCE_RANGES) || svc->type != KBP_FE_LOAD_BALANCER)
+	if (!(svc->flags & KBP_SVC_F_SOURCE_RANGES))
 		return 1;
 	key.prefixlen = KBP_SRC_RANGE_FRONTEND_BITS + (t->family == KBP_FAMILY_IPV4 ? 32 : 128);
 	__builtin_memcpy(key.fe_addr, t->daddr, sizeof(key.fe_addr));

@@ -62,6 +62,7 @@ from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.inspect import PinnedMaps
 from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.maps import FrontendKey, KernelContent, MapSizes
+from agent.dataplane.ebpf.options import EbpfOptions
 from agent.dataplane.ebpf.translate import translate
 from agent.dataplane.iptables.render import STATE
 from agent.model.compile import compile
@@ -414,9 +415,9 @@ def agent_main(args: argparse.Namespace) -> int:
 
         dp = IptablesDataplane([NO_INTERFACES], netns=args.netns)
     else:
-        dp = module.EbpfDataplane(
-            args.pin_dir, [NO_INTERFACES], netns=args.netns, watch=False, check_period=0
-        )  # attaches nothing: nothing to keep
+        dp = module.EbpfDataplane(EbpfOptions(
+            args.pin_dir, (NO_INTERFACES,), netns=args.netns, watch=False, check_period=0
+        ))  # attaches nothing: nothing to keep
     opened = time.perf_counter()
     writes_at: list[float] = []
     for name in WRITE_CALLS:

@@ -40,6 +40,7 @@ from agent.dataplane.base import Dataplane, DataplaneError
 from agent.dataplane.ebpf.abi import versioned
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.maps import MapSizes
+from agent.dataplane.ebpf.options import EbpfOptions, SocketLb, TcAttach, Xdp
 from agent.dataplane.ebpf.pods import cookie_key
 from agent.lab.toolkit import PODCLIENT
 from agent.model.compile import compile
@@ -80,9 +81,11 @@ class Env:
         eBPF one reopens the pinned maps and replaces the programs in place)."""
         if self.kind == "ebpf":
             assert self.socket_lb is not None
-            return EbpfDataplane(self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns,
-                                 cgroup=self.lab.cgroup, socket_lb=self.socket_lb,
-                                 tc_attach=self.tc_attach)  # fmt: skip
+            tc_attach = TcAttach(self.tc_attach) if self.tc_attach is not None else None
+            return EbpfDataplane(EbpfOptions(
+                self.pin_dir, POD_INTERFACES, self.sizes, netns=self.lab.node_ns,
+                cgroup=self.lab.cgroup, socket_lb=SocketLb(self.socket_lb), tc_attach=tc_attach,
+            ))  # fmt: skip
         if self.kind == "nftables":
             from agent.dataplane.nftables.dataplane import NftablesDataplane
 
@@ -1001,9 +1004,11 @@ def test_xdp_on_a_veth_runs_generic_unless_native_is_asked_for(
             subprocess.run(["ip", "-n", lab.node_ns, "link", "add", "kbpext0", "type", "veth",
                             "peer", "name", "kbpext1"], check=True)  # fmt: skip
             subprocess.run(["ip", "-n", lab.node_ns, "link", "set", "kbpext0", "up"], check=True)
-            dataplane = EbpfDataplane(pin_dir, POD_INTERFACES, MapSizes(1024, 4096, 1024, 4096,
-                                      1024), netns=lab.node_ns, watch=False,
-                                      external_interfaces=("kbpext0",), xdp=requested)  # fmt: skip
+            dataplane = EbpfDataplane(EbpfOptions(
+                pin_dir, POD_INTERFACES, MapSizes(1024, 4096, 1024, 4096, 1024),
+                netns=lab.node_ns, watch=False, external_interfaces=("kbpext0",),
+                xdp=Xdp(requested),
+            ))  # fmt: skip
             dataplane.apply(compile(state_of(*default_nodes()), "node-a"))
 
             assert dataplane.status_details()["xdp"]["interfaces"] == {"kbpext0": expected}

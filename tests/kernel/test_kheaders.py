@@ -53,7 +53,7 @@ settings = Settings(dataplane="ebpf", bpffs=sys.argv[1], pod_interfaces=["vethkb
                     cgroup_root="none", map_size_services=1024, map_size_slots=4096,
                     map_size_backends=1024, map_size_ct=4096, map_size_affinity=1024)
 try:
-    dataplane = build_ebpf(settings)
+    dataplane = build_ebpf(settings.dataplane_options())
 except Exception as err:
     report["error"] = str(err)[:300]
 else:

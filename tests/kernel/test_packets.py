@@ -114,13 +114,14 @@ class Datapath:
         internal_count: int | None = None,
     ) -> None:
         """A kbp_services entry: the ClusterIP's unless `frontend`, `port` and `fe_type`
-        say otherwise; the internal set is the set unless given."""
+        say otherwise; the internal set is the set unless given. `flags` beside the bits
+        the type gives every frontend of it, as the agent writes them."""
         key = abi.new("kbp_frontend_key", port=abi.be16(port), proto=proto, family=family)
         abi.set_addr(key.addr, frontend or CLUSTER_IP[family])
         value = abi.new(
             "kbp_service",
             service_id=service_id,
-            flags=flags,
+            flags=flags | abi.FRONTEND_FLAGS[fe_type],
             set_id=set_id,
             count=count,
             internal_set_id=set_id if internal_set_id is None else internal_set_id,

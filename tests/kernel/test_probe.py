@@ -27,6 +27,7 @@ from agent.dataplane.ebpf import libbpf
 from agent.dataplane.ebpf.dataplane import EbpfDataplane
 from agent.dataplane.ebpf.maps import MapSizes
 from agent.dataplane.ebpf.netlink import TcAttacher
+from agent.dataplane.ebpf.options import EbpfOptions
 
 ROOT = Path(__file__).parents[2]
 POD_INTERFACES = ("vethkbp*",)
@@ -72,7 +73,8 @@ def test_every_probe_passes_and_hands_back_a_working_ebpf_dataplane(
 ) -> None:
     node = netns()  # the dataplane attaches to this namespace's interfaces (there are none)
     dataplane, results = probe.probe_ebpf(
-        lambda: EbpfDataplane(bpf_pin_dir, POD_INTERFACES, SMALL_MAPS, netns=node, watch=False)
+        lambda: EbpfDataplane(EbpfOptions(bpf_pin_dir, POD_INTERFACES, SMALL_MAPS, netns=node,
+                                          watch=False))
     )
     try:
         assert [str(r) for r in results] == ["bpf-syscall: ok", "clsact: ok", "bcc-compile: ok"]
@@ -120,7 +122,8 @@ def test_a_build_that_cannot_pin_fails_the_bcc_compile_probe(
     node = netns()
     not_bpffs = tmp_path / "pins"  # tmpfs: pinning the maps fails
     dataplane, results = probe.probe_ebpf(
-        lambda: EbpfDataplane(not_bpffs, POD_INTERFACES, SMALL_MAPS, netns=node, watch=False)
+        lambda: EbpfDataplane(EbpfOptions(not_bpffs, POD_INTERFACES, SMALL_MAPS, netns=node,
+                                          watch=False))
     )
     assert dataplane is None
     assert [r.name for r in results] == [probe.BPF_SYSCALL, probe.CLSACT, probe.BCC_COMPILE]
@@ -184,7 +187,7 @@ from agent.dataplane.select import build_ebpf
 settings = Settings(dataplane="ebpf", bpffs=sys.argv[1], pod_interfaces=["vethkbp*"],
                     cgroup_root=sys.argv[2], map_size_services=1024, map_size_slots=4096,
                     map_size_backends=1024, map_size_ct=4096, map_size_affinity=1024)
-dataplane = build_ebpf(settings)
+dataplane = build_ebpf(settings.dataplane_options())
 try:
     print(json.dumps(dataplane.status_details()["socketHooks"]))
 finally:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 
+from agent.dataplane.ebpf import abi, codec
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.maps import MapSizes
+from agent.dataplane.ebpf.options import EbpfOptions
 from agent.dataplane.iptables import dataplane as iptables_dataplane
 from agent.dataplane.iptables.dataplane import IptablesDataplane, cleanup
 from agent.dataplane.iptables.render import IPV4
@@ -168,12 +170,13 @@ def test_restarted_ebpf_agent_reads_the_maps_once_before_its_first_apply(
     ns = netns()
     state = nodestate("A", 50, 3)
     sizes = MapSizes(1024, 4096, 4096, 4096, 1024)
-    first = EbpfDataplane(pins, [NO_INTERFACES], sizes, netns=ns, watch=False)
+    options = EbpfOptions(pins, (NO_INTERFACES,), sizes, netns=ns, watch=False)
+    first = EbpfDataplane(options)
     try:
         assert first.apply(state) > 0
     finally:
         first.close()
-    restarted = EbpfDataplane(pins, [NO_INTERFACES], sizes, netns=ns, watch=False)
+    restarted = EbpfDataplane(options)
     try:
         reads = []
         read = restarted.maps._read_kernel
@@ -182,5 +185,40 @@ def test_restarted_ebpf_agent_reads_the_maps_once_before_its_first_apply(
         assert reads == []
         assert restarted.apply(state, full=True) == 0
         assert reads == [1]
+    finally:
+        restarted.cleanup()
+
+
+def test_restarted_ebpf_agent_marks_an_earlier_agents_frontends_with_their_types_flags(
+    netns: Callable[[], str], pins: Path
+) -> None:
+    """The programs learn what a frontend's type means from flag bits (KBP_SVC_F_EXTERNAL:
+    its replies are translated at the client); an agent of a release before the bit left
+    frontends without it. A restarted agent sets the bits at start, before its first
+    apply, and that apply then has nothing left to write."""
+    ns = netns()
+    state = nodestate("A", 50, 3)
+    options = EbpfOptions(pins, (NO_INTERFACES,), MapSizes(1024, 4096, 4096, 4096, 1024),
+                          netns=ns, watch=False)  # fmt: skip
+    first = EbpfDataplane(options)
+    try:
+        assert first.apply(state) > 0
+        services = first.programs.map("kbp_services")
+        written = {k: codec.decode_service(v) for k, v in services.items()}
+        external = {k for k, v in written.items() if v.type != abi.const.KBP_FE_CLUSTER_IP}
+        assert external and len(external) < len(written)  # NodePorts beside ClusterIPs
+        assert all(bool(v.flags & abi.const.KBP_SVC_F_EXTERNAL) == (k in external)
+                   for k, v in written.items())  # fmt: skip
+        without = ~abi.const.KBP_SVC_F_EXTERNAL
+        earlier = [(k, codec.service_value(replace(v, flags=v.flags & without)))
+                   for k, v in written.items()]  # fmt: skip
+        services.update_items(earlier)  # as a release without the bit wrote them
+    finally:
+        first.close()
+    restarted = EbpfDataplane(options)
+    try:
+        services = restarted.programs.map("kbp_services")
+        assert {k: codec.decode_service(v) for k, v in services.items()} == written
+        assert restarted.apply(state, full=True) == 0
     finally:
         restarted.cleanup()

@@ -50,6 +50,7 @@ from agent.dataplane.ebpf.abi import (
 from agent.dataplane.ebpf.dataplane import EbpfDataplane, remove_pins
 from agent.dataplane.ebpf.kernel import load_programs
 from agent.dataplane.ebpf.maps import FrontendKey, MapSizes
+from agent.dataplane.ebpf.options import EbpfOptions, Xdp
 from agent.lab.toolkit import LabError, in_netns
 from agent.model.compile import compile
 from tests.lab.kit import remove_cgroup
@@ -349,9 +350,10 @@ def env() -> Iterator[Env]:
             # No external interfaces (the glob matches nothing): only the pods' veths and
             # the socket hooks carry programs here.
             # No keeper: these tests attach, move and detach the hooks themselves.
-            dataplane = EbpfDataplane(pin_dir, ("vethkbp*",), sizes, netns=lab.node_ns,
-                                      watch=False, external_interfaces=("kbp-none",),
-                                      xdp="off", check_period=0)  # fmt: skip
+            dataplane = EbpfDataplane(EbpfOptions(
+                pin_dir, ("vethkbp*",), sizes, netns=lab.node_ns, watch=False,
+                external_interfaces=("kbp-none",), xdp=Xdp.OFF, check_period=0,
+            ))  # fmt: skip
             hooks = sockhooks.attach_socket_hooks(dataplane.programs, cgroup, pin_dir)
             assert hooks == HOOKS
             made = Env(lab, dataplane, pin_dir, cgroup, other_ns)

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import MAP_SIZES
 from agent.dataplane.ebpf import abi
 from agent.dataplane.ebpf.dataplane import remove_stale_pins
 from agent.dataplane.ebpf.maps import MapSizes
@@ -85,15 +84,19 @@ def test_maps_are_read_from_their_one_declaration() -> None:
     assert {"kbp_ct", "kbp_src_ranges", "kbp_config", "kbp_ports", "kbp_meta"} <= set(abi.MAPS)
 
 
-def test_the_c_defaults_of_the_map_sizes_are_the_settings_defaults() -> None:
-    """A sized map is sized by KBP_MAX_<NAME> in kbp_maps.h, whose default (used only
-    when the loader passes none) is the one agent.config.MAP_SIZES declares."""
+def test_every_map_size_is_one_row_of_map_sizes_with_the_c_default() -> None:
+    """Every KBP_MAX_<NAME> of kbp_maps.h sizes the map kbp_<name> and is a MapSizes field
+    (the one table, agent/dataplane/ebpf/options.py: the loader passes each with -D),
+    whose default is the header's (used only when the loader passes none)."""
     text = abi.MAPS_HEADER.read_text(encoding="utf-8")
     defaults = dict(re.findall(r"^#define KBP_MAX_(\w+) (\d+)$", text, re.M))
-    for name, size in MAP_SIZES.items():
-        assert abi.MAPS[f"kbp_{name}"].size == f"KBP_MAX_{name.upper()}"
-        assert int(defaults[name.upper()]) == size.default, name
-    assert [f.name for f in dataclasses.fields(MapSizes)] == list(MAP_SIZES)
+    sizes = MapSizes()
+    assert sorted(defaults) == sorted(f.name.upper() for f in dataclasses.fields(MapSizes))
+    for f in dataclasses.fields(MapSizes):
+        assert abi.MAPS[f"kbp_{f.name}"].size == f"KBP_MAX_{f.name.upper()}"
+        assert int(defaults[f.name.upper()]) == getattr(sizes, f.name), f.name
+    sized = {d.size for d in abi.MAPS.values() if d.size.startswith("KBP_MAX_")}
+    assert sized == {f"KBP_MAX_{name}" for name in defaults}
 
 
 @pytest.mark.parametrize("ip", ["10.96.0.1", "0.0.0.0", "fd00:96::1", "2001:db8::10", "::"])

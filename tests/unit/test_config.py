@@ -10,7 +10,6 @@ import pytest
 
 from agent.cli import RUN_SETTINGS
 from agent.config import (
-    MAP_SIZES,
     SETTINGS_FIELDS,
     Settings,
     add_arguments,
@@ -18,6 +17,7 @@ from agent.config import (
     parse_duration,
     settings_from,
 )
+from agent.dataplane.ebpf.options import FLAG_MAP_SIZES, size_range
 
 NAMES = [
     "node",
@@ -127,7 +127,7 @@ def test_every_setting_has_a_flag_and_help() -> None:
 # --- ranges: every setting has one, checked at start, named with where it came from ---
 
 ALL = [*RUN_SETTINGS, "output"]  # every setting but inspect's --output
-MAX = {name: size.high for name, size in MAP_SIZES.items()}
+MAX = {name: size_range(name)[1] for name in FLAG_MAP_SIZES}
 
 
 def parse_all(argv: list[str], environ: dict[str, str] | None = None) -> Settings:

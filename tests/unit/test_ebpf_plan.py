@@ -39,7 +39,7 @@ from agent.dataplane.ebpf.maps import (
 )
 from agent.dataplane.ebpf.plan import Planner
 from agent.dataplane.ebpf.translate import translate
-from agent.dataplane.ebpf.writer import MapWriter
+from agent.dataplane.ebpf.writer import FILL_RATIO_MAPS, MapWriter
 from agent.metrics import Metrics
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.conventions import ANNOTATION_LB_ALGORITHM
@@ -1347,10 +1347,11 @@ def fill_ratios(metrics: Metrics) -> dict[str, float]:
 
 
 def test_the_fill_ratio_of_every_sized_map_counts_what_the_last_state_needs() -> None:
-    """kbp_map_fill_ratio, through the metrics registry: a series for every map a
-    MapSizes field sizes; for the maps the agent fills, the entries the last state
-    needed over the size, above 1.0 (an alert on > 0.9 fires) while that state is
-    refused for want of room; for the LRU maps, what they hold."""
+    """kbp_map_fill_ratio, through the metrics registry: a series for every map of
+    FILL_RATIO_MAPS (sized maps, each a MapSizes field); for the maps the agent fills,
+    the entries the last state needed over the size, above 1.0 (an alert on > 0.9
+    fires) while that state is refused for want of room; for the LRU maps, what they
+    hold."""
     sizes = MapSizes(services=64, slots=1024, backends=1024, ct=2048, affinity=1024)
     writer = ModelWriter(sizes)
     held = {"ct": 512, "affinity": 256, "sock_rev": 0}
@@ -1360,7 +1361,8 @@ def test_the_fill_ratio_of_every_sized_map_counts_what_the_last_state_needs() ->
     writer.conntrack = SimpleNamespace(interval=0.0)  # type: ignore[assignment]
     metrics = Metrics()
     writer.register_fill(metrics)
-    every_map = {versioned(f"kbp_{name}") for name in dataclasses.asdict(sizes)}
+    assert set(FILL_RATIO_MAPS) <= set(dataclasses.asdict(sizes))
+    every_map = {versioned(f"kbp_{name}") for name in FILL_RATIO_MAPS}
     assert fill_ratios(metrics).keys() == every_map
 
     writer.apply(fleet([21] * 43))  # 903 slots and backends, 43 frontends

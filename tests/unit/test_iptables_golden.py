@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import DEFAULT_POD_INTERFACES
 from agent.dataplane.iptables.render import IPV4, IPV6, RenderOptions, interface_patterns, render
 from agent.dataplane.iptables.tracer import load
+from agent.dataplane.options import DEFAULT_POD_INTERFACES
 from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry
 from agent.sources.manifests import load_manifests

@@ -156,3 +156,43 @@ def test_no_import_cycle_in_agent() -> None:
 def test_the_cycle_check_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+def absolute_imports(path: Path, text: str | None = None) -> set[str]:
+    """Every module `path` (or `text`, as if it were that module) imports, relative
+    imports resolved (`from ..config import X` in agent/dataplane/select.py is
+    agent.config), and each imported name as a possible module (`from .. import config`
+    is agent.config)."""
+    package = ["agent", *path.relative_to(AGENT).parent.parts]
+    found: set[str] = set()
+    source = path.read_text(encoding="utf-8") if text is None else text
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_dataplane_module_imports_the_settings_or_the_cli() -> None:
+    """Kernel-facing code takes its options as typed objects declared beside it
+    (agent/dataplane/options.py); agent.config composes them into flags, never the
+    other way round."""
+    for path in (AGENT / "dataplane").rglob("*.py"):
+        settings = {m for m in absolute_imports(path)
+                    if m.split(".")[:2] in (["agent", "config"], ["agent", "cli"])}  # fmt: skip
+        assert not settings, f"{path.relative_to(AGENT)} imports {sorted(settings)}"
+
+
+def test_the_import_check_resolves_relative_imports() -> None:
+    """The check above sees every spelling of an import of agent.config or agent.cli."""
+    module = AGENT / "dataplane" / "ebpf" / "any.py"
+    for text in ["from ...config import Settings", "from ... import config",
+                 "import agent.config", "from agent.cli import main",
+                 "def f():\n    from ...cli import main"]:  # fmt: skip
+        imported = absolute_imports(module, text)
+        assert {"agent.config", "agent.cli", "agent.config.Settings"} & imported, text
+    assert "agent.config" not in absolute_imports(module, "from ..options import option")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import MAP_SIZES
 from agent.dataplane.ebpf import pins
 from agent.dataplane.ebpf.abi import ffi, versioned
+from agent.dataplane.ebpf.options import MapSizes
 
 OURS_CT = pins.Shape(type=9, key_size=40, value_size=80, max_entries=4096, flags=0,
                      name="kbp_ct", key_type="kbp_ct_key", value_type="kbp_ct_entry")  # fmt: skip
@@ -60,7 +60,7 @@ def test_the_shapes_follow_the_declarations_the_abi_and_the_sizes() -> None:
         OURS_CT, key_size=ffi.sizeof("struct kbp_ct_key"),
         value_size=ffi.sizeof("struct kbp_ct_entry"), max_entries=8192,
     )  # fmt: skip
-    assert default["kbp_ct"].max_entries == MAP_SIZES["ct"].default
+    assert default["kbp_ct"].max_entries == MapSizes().ct
     # sized by an expression of ABI constants, and with flags
     assert default["kbp_ct_gate"].max_entries == 2 * 65536 + 1
     assert (default["kbp_src_ranges"].type, default["kbp_src_ranges"].flags) == (11, 1)

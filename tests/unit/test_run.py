@@ -216,7 +216,7 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
         fake.calls.append(f"probe {name}")
         return probe.ProbeResult(name) if failure is None else probe.failed(name, failure)
 
-    def build_ebpf(settings: Settings) -> FakeKernelDataplane:
+    def build_ebpf(options: select.DataplaneOptions) -> FakeKernelDataplane:
         fake.calls.append("build ebpf")
         if fake.bcc_compile is not None:
             raise DataplaneError("load", fake.bcc_compile)
@@ -262,8 +262,8 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> FakeKernel:
             cleanup=nftables_cleanup,
         )
 
-    def remove_ebpf_leftovers(settings: Settings) -> list[str]:
-        fake.calls.append(f"remove ebpf leftovers under {settings.bpffs}")
+    def remove_ebpf_leftovers(pin_dir: Path) -> list[str]:
+        fake.calls.append(f"remove ebpf leftovers under {pin_dir}")
         if fake.leftovers_fail:
             raise OSError(13, "Permission denied")
         return ["pin kbp_services_v1"]
@@ -368,7 +368,8 @@ SELECTION_CASES = {
 def test_dataplane_selection(kernel: FakeKernel, case: SelectionCase) -> None:
     for name, value in case.kernel.items():
         setattr(kernel, name, value)
-    selection = select.select_dataplane(Settings(dataplane=case.requested, bpffs=PIN_DIR))
+    options = Settings(dataplane=case.requested, bpffs=PIN_DIR).dataplane_options()
+    selection = select.select_dataplane(options)
     assert (selection.dataplane.name, selection.reason) == (case.chosen, case.reason)
     # The other dataplane's leftovers go only once the chosen one has applied.
     assert not any(call.startswith("remove") for call in kernel.calls)
@@ -382,9 +383,9 @@ def test_a_fallback_is_a_logged_warning_naming_the_failed_probe(
 ) -> None:
     kernel.clsact = "cannot add clsact: EPERM"
     with caplog.at_level(logging.WARNING, logger="agent.dataplane.select"):
-        select.select_dataplane(Settings(dataplane="auto", bpffs=PIN_DIR))
+        select.select_dataplane(Settings(dataplane="auto", bpffs=PIN_DIR).dataplane_options())
         kernel.nftables = NO_NFT
-        select.select_dataplane(Settings(dataplane="auto", bpffs=PIN_DIR))
+        select.select_dataplane(Settings(dataplane="auto", bpffs=PIN_DIR).dataplane_options())
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
         "--dataplane auto: eBPF unavailable: clsact: cannot add clsact: EPERM; "
@@ -437,7 +438,7 @@ def test_an_explicit_dataplane_that_cannot_start_is_a_start_error(
     for name, value in overrides.items():
         setattr(kernel, name, value)
     with pytest.raises(select.DataplaneStartError) as raised:
-        select.select_dataplane(Settings(dataplane=requested, bpffs=PIN_DIR))
+        select.select_dataplane(Settings(dataplane=requested, bpffs=PIN_DIR).dataplane_options())
     assert str(raised.value) == message
     assert kernel.calls == calls  # no other dataplane tried, nothing removed
 
@@ -694,10 +695,10 @@ def test_livez_answers_while_the_dataplane_is_still_being_chosen(
     compiling, finish = threading.Event(), threading.Event()
     real = daemon.select_dataplane
 
-    def slow_choice(settings: Settings) -> select.Selection:
+    def slow_choice(options: select.DataplaneOptions) -> select.Selection:
         compiling.set()
         finish.wait(30)
-        return real(settings)
+        return real(options)
 
     monkeypatch.setattr(daemon, "select_dataplane", slow_choice)
     port = free_port()

@@ -16,7 +16,7 @@ from typing import Any
 
 import cffi
 
-from ...model.nodestate import FRONTEND_ORDER
+from ...model.nodestate import FRONTEND_KINDS
 
 BPF_DIR = Path(__file__).resolve().parents[3] / "bpf"
 ABI_HEADER = BPF_DIR / "include" / "kbp_abi.h"
@@ -84,7 +84,14 @@ PROTOCOLS = {"TCP": socket.IPPROTO_TCP, "UDP": socket.IPPROTO_UDP, "SCTP": socke
 FAMILIES = {"IPv4": const.KBP_FAMILY_IPV4, "IPv6": const.KBP_FAMILY_IPV6}
 FRONTEND_TYPES = {
     name: getattr(const, "KBP_FE_" + re.sub("(?<=[a-z])(?=[A-Z])", "_", name).upper())
-    for name in FRONTEND_ORDER
+    for name in FRONTEND_KINDS
+}
+# What the programs learn of a frontend's type, by KBP_FE_* number: the KBP_SVC_F_* bits
+# its row of the model's table gives every frontend of that type. (KBP_SVC_F_SOURCE_RANGES
+# goes only on a frontend of a type with source ranges that has some: translate.py.)
+FRONTEND_FLAGS = {
+    FRONTEND_TYPES[name]: const.KBP_SVC_F_EXTERNAL if kind.external else 0
+    for name, kind in FRONTEND_KINDS.items()
 }
 PROTOCOL_NAMES = {number: name for name, number in PROTOCOLS.items()}
 
@@ -118,7 +125,8 @@ SOCKET_STORAGE = frozenset({"kbp_sock_peer"})
 
 
 def versioned(name: str) -> str:
-    """`kbp_services` → `kbp_services_v1`: the map's name and pin file name."""
+    """`kbp_services` → `kbp_services_v<N>`, N being KBP_ABI_VERSION: the map's name and
+    pin file name."""
     return f"{name}_v{const.KBP_ABI_VERSION}"
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 from ...model.nodestate import NodeInfo
@@ -35,6 +35,7 @@ from .cgroup import (
 from .kernel import LoadedPrograms
 from .libbpf import prog_name
 from .netlink import Link, LinkWatcher, PodInterfaces, TcAttacher, run_in_netns
+from .options import EbpfOptions, SocketLb, Xdp
 from .pods import PodNamespaces
 
 log = logging.getLogger(__name__)
@@ -78,31 +79,23 @@ def _other_agents_hooks(cgroup: Path) -> list[tuple[int, int, str]]:
 class Attacher:
     """The programs on the interfaces and the cgroup, and what /state says of them."""
 
-    def __init__(
-        self,
-        programs: LoadedPrograms,
-        pod_interfaces: Sequence[str],
-        external_interfaces: Sequence[str],
-        xdp: str,
-        netns: str | None,
-        cgroup: Path | None,
-        socket_lb: str,
-        watch: bool,
-        tc_attach: str | None = None,
-    ) -> None:
-        """`tc_attach` (--tc-attach): auto, tcx or clsact, see netlink.TcAttacher."""
+    def __init__(self, programs: LoadedPrograms, options: EbpfOptions) -> None:
+        """Attach as `options` say: the pod and external interface globs, --xdp, the
+        socket hooks' cgroup and --socket-lb, --tc-attach (netlink.TcAttacher), the
+        network namespace and whether to watch netlink."""
         self.programs = programs
-        self.pod_interfaces = tuple(pod_interfaces)
+        self.pod_interfaces = tuple(options.pod_interfaces)
         self._pods = PodInterfaces(self.pod_interfaces)
-        self.external_globs = tuple(external_interfaces)
+        self.external_globs = tuple(options.external_interfaces)
         self._external = PodInterfaces(self.external_globs) if self.external_globs else None
-        self.xdp = xdp  # one of external.XDP_CHOICES
-        self.socket_lb = socket_lb
+        self.xdp = options.xdp
+        self.socket_lb = options.socket_lb
+        netns, cgroup, watch = options.netns, options.cgroup, options.watch
         self._external_attached: dict[int, str] = {}  # ifindex → name
         self.xdp_modes: dict[str, str] = {}  # interface → native | generic | failed: why
         self._node: NodeInfo | None = None  # the node the external interfaces were found for
         try:
-            self.tc = TcAttacher(netns, programs.pin_dir, tc_attach)
+            self.tc = TcAttacher(netns, programs.pin_dir, options.tc_attach)
         except ValueError as err:
             raise DataplaneError("config", f"--tc-attach: {err}") from err
         self.cgroup = cgroup
@@ -110,7 +103,7 @@ class Attacher:
         # The pods' network namespaces, for the socket hooks (only when they serve pods).
         self.pod_netns: PodNamespaces | None = None
         self._sock_destroy_off = False  # set when the kernel has no SOCK_DESTROY
-        if cgroup is not None and socket_lb == "all":
+        if cgroup is not None and self.socket_lb is SocketLb.ALL:
             self.pod_netns = PodNamespaces(self.tc, programs.map("kbp_pods"))
         # Where an earlier agent's programs are attached, they serve until our first apply
         # completed (see the module doc): those interfaces wait in deferred.
@@ -334,7 +327,7 @@ class Attacher:
         """Attach the XDP program in the first mode that works; returns the mode, `off`,
         or `failed: <why>` (tc still handles the interface then). An explicit native or
         generic that fails is an error."""
-        if self.xdp == "off":
+        if self.xdp is Xdp.OFF:
             self.xdp_modes.pop(link.name, None)
             return "off"
         fd = self.programs.fd(XDP_PROGRAM)
@@ -342,8 +335,8 @@ class Attacher:
         for attached in self.tc.xdp():
             if attached.index == link.index and is_ours(attached.prog_id):
                 replace = attached.prog_id
-        modes = ("native", "generic") if self.xdp == "auto" else (self.xdp,)
-        if self.xdp == "auto" and self.tc.link_kind(link.index) == "veth":
+        modes = ("native", "generic") if self.xdp is Xdp.AUTO else (self.xdp.value,)
+        if self.xdp is Xdp.AUTO and self.tc.link_kind(link.index) == "veth":
             # A native XDP_TX on a veth lands in the peer's ring, which is read only if
             # the peer has an XDP program too (drivers/net/veth.c veth_xdp_flush): the
             # peer lies outside the node (a kind node's host side), so frames forwarded
@@ -363,7 +356,7 @@ class Attacher:
             return mode
         why = "; ".join(errors)
         self.xdp_modes[link.name] = f"failed: {why}"  # /state says so either way
-        if self.xdp != "auto":
+        if self.xdp is not Xdp.AUTO:
             raise DataplaneError("xdp", f"--xdp={self.xdp} on {link.name}: {why}")
         log.warning("ebpf: XDP could not be attached to %s (tc handles it alone): %s",
                     link.name, why)  # fmt: skip
@@ -401,14 +394,14 @@ class Attacher:
             "socketHooks": {
                 "cgroup": str(self.cgroup) if self.cgroup is not None else None,
                 "state": self.socket_hooks,
-                "socketLb": self.socket_lb,
+                "socketLb": self.socket_lb.value,
                 "pods": len(self.pod_netns.pods()) if self.pod_netns is not None else 0,
                 "podsPending": self.pod_netns.pending() if self.pod_netns is not None else [],
             },
             "externalInterfaces": names,
             "xdp": {
-                "enabled": self.xdp != "off",
-                "requested": self.xdp,
+                "enabled": self.xdp is not Xdp.OFF,
+                "requested": self.xdp.value,
                 "interfaces": {n: self.xdp_modes[n] for n in names if n in self.xdp_modes},
             },
         }

@@ -12,7 +12,6 @@ in the kernel: see docs/operations.md ("Conntrack").
 from __future__ import annotations
 
 import logging
-import math
 import struct
 import threading
 import time
@@ -26,6 +25,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from .abi import PROTOCOL_NAMES, const, layout, versioned
 from .ctgate import ReplyGate
 from .libbpf import BPF_NOEXIST, Map
+from .options import (  # the states (as `inspect conntrack` and metrics name them), timeouts
+    TCP_CLOSE_WAIT,
+    TCP_ESTABLISHED,
+    TCP_SYN,
+    TCP_TIME_WAIT,
+    UDP_ASSURED,
+    UDP_UNREPLIED,
+    Timeouts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +44,6 @@ _CLOSING = const.KBP_CT_F_CLOSING
 _RST = const.KBP_CT_F_RST
 _SPORT = const.KBP_CT_F_SPORT
 _SOURCE_REWRITTEN = const.KBP_CT_F_SNAT | _SPORT
-
-
-# Flow states, as `inspect conntrack` and kbp_conntrack_entries{state} name them.
-TCP_SYN = "syn-sent"  # TCP: no reply yet
-TCP_ESTABLISHED = "established"  # TCP: a reply seen, no FIN/RST
-TCP_CLOSE_WAIT = "close-wait"  # TCP: FIN seen in one direction (half closed)
-TCP_TIME_WAIT = "time-wait"  # TCP: FIN seen both ways, or a RST
-UDP_UNREPLIED = "unreplied"  # UDP: one way so far
-UDP_ASSURED = "assured"  # UDP: a reply seen
-STATES = (TCP_SYN, TCP_ESTABLISHED, TCP_CLOSE_WAIT, TCP_TIME_WAIT, UDP_UNREPLIED, UDP_ASSURED)
 
 
 def _field(struct_name: str, name: str) -> slice:
@@ -64,37 +62,6 @@ _E_NAT_ADDR, _E_NAT_PORT = _field("kbp_ct_entry", "nat_addr"), _field("kbp_ct_en
 _ENTRY_FLAGS = _field("kbp_ct_entry", "flags").start
 _ENTRY_LAST_SEEN = _field("kbp_ct_entry", "last_seen").start
 _LAST_SEEN = struct.Struct("=Q")
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds a flow may stay idle in each state (the --conntrack-* settings)."""
-
-    tcp_syn: float = 120.0
-    tcp_established: float = 86400.0
-    tcp_close_wait: float = 3600.0
-    tcp_time_wait: float = 10.0
-    udp: float = 30.0
-    udp_stream: float = 120.0
-
-    def lifetimes(self) -> tuple[int, int, int, int, int, int]:
-        """Whole seconds (rounded up) in kbp_config's order (ct_tcp_syn .. ct_udp_stream),
-        for the datapath's take-over of tuples held by expired flows."""
-        return tuple(  # type: ignore[return-value]
-            min(math.ceil(v), 0xFFFFFFFF)
-            for v in (self.tcp_syn, self.tcp_established, self.tcp_close_wait,
-                      self.tcp_time_wait, self.udp, self.udp_stream)
-        )  # fmt: skip
-
-    def of(self, state: str) -> float:
-        return {
-            TCP_SYN: self.tcp_syn,
-            TCP_ESTABLISHED: self.tcp_established,
-            TCP_CLOSE_WAIT: self.tcp_close_wait,
-            TCP_TIME_WAIT: self.tcp_time_wait,
-            UDP_UNREPLIED: self.udp,
-            UDP_ASSURED: self.udp_stream,
-        }[state]
 
 
 def flow_state(proto: int, forward_flags: int, reply_flags: int) -> str:

@@ -17,7 +17,6 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,17 +24,15 @@ from ...explain.selftest import RESULTS, SelfTest, self_test
 from ...metrics import Metrics
 from ...model.nodestate import NodeState
 from ..base import DataplaneError
-from . import external
 from .abi import MAP_NAMES, versioned
 from .attach import Attacher, detach_xdp
 from .cgroup import detach_socket_hooks, netns_cookie
-from .conntrack import Timeouts, adopt_earlier_conntrack
-from .external import DEFAULT_SNAT_PORTS
+from .conntrack import adopt_earlier_conntrack
 from .handoff import Handoff, describe, kernel_nat_flows, release_netfilter
 from .keeper import CHECK_PERIOD, REPAIRS, Keeper
 from .kernel import EXPLAIN_PROGRAMS, ExplainBuild, LoadError, load_programs
-from .maps import MapSizes
 from .netlink import TcAttacher
+from .options import EbpfOptions, SocketLb
 from .pins import not_ours
 from .writer import MapWriter
 
@@ -45,53 +42,22 @@ log = logging.getLogger(__name__)
 class EbpfDataplane:
     name = "ebpf"
 
-    def __init__(
-        self,
-        pin_dir: str | Path,
-        pod_interfaces: Sequence[str],
-        sizes: MapSizes | None = None,
-        *,
-        maglev_table_size: int = 16381,
-        netns: str | None = None,
-        watch: bool = True,
-        external_interfaces: Sequence[str] = (),
-        xdp: str = "auto",
-        snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
-        cgroup: Path | None = None,
-        socket_lb: str = "all",
-        ct_timeouts: Timeouts | None = None,
-        ct_sweep_interval: float = 0.0,
-        tc_attach: str | None = None,
-        check_period: float = CHECK_PERIOD,
-    ) -> None:
-        """`external_interfaces`: globs of the node's external interfaces; empty means
-        those that carry the node's NodePort addresses (the NodeState's
-        node.nodePortAddresses), found at each apply that changes the node. `xdp`: auto
-        (native, else generic), native, generic or off. `cgroup`: where the socket hooks
-        serve (None: not attached); `socket_lb` (--socket-lb): whose sockets they
-        translate, all (the node's and the pods'), host or off. `ct_sweep_interval`: seconds
-        between conntrack sweeps by `ct_timeouts` (0: none, as for tests and tools).
-        `tc_attach` (--tc-attach): auto, tcx or clsact, see netlink.TcAttacher.
-        `check_period`: seconds between the keeper's checks that what this agent wrote is
-        still in the kernel, and at every full resync (0: no checks, for tests and tools
-        that rewire the kernel under the dataplane on purpose), see keeper.py."""
-        self.pin_dir = Path(pin_dir)
-        if socket_lb not in external.SOCKET_LB_BITS:
-            why = f"--socket-lb must be all, host or off; got {socket_lb!r}"
-            raise DataplaneError("config", why)
-        xdp = external.xdp_mode(xdp)
+    def __init__(self, options: EbpfOptions) -> None:
+        """Load the programs, open or create the pins and attach, as `options` say
+        (options.py: every field with its meaning, default and range).
+        `options.check_period`: seconds between the keeper's checks that what this agent
+        wrote is still in the kernel, and at every full resync (0: no checks, for tests
+        and tools that rewire the kernel under the dataplane on purpose), see keeper.py."""
+        self.options = options
+        self.pin_dir = Path(options.pin_dir)
         started = time.perf_counter()
-        sizes = sizes or MapSizes()
         try:
-            self.programs = load_programs(self.pin_dir, asdict(sizes))
+            self.programs = load_programs(self.pin_dir, asdict(options.sizes))
         except LoadError as err:
             raise DataplaneError("load", str(err)) from err
-        settings = (netns_cookie(netns), snat_ports, socket_lb)
-        self.maps = MapWriter(self.programs, sizes, maglev_table_size, settings, ct_timeouts,
-                              ct_sweep_interval)  # fmt: skip
+        self.maps = MapWriter(self.programs, options, netns_cookie(options.netns))
         self.conntrack = self.maps.conntrack
-        self.links = Attacher(self.programs, pod_interfaces, external_interfaces, xdp, netns,
-                              cgroup, socket_lb, watch, tc_attach)  # fmt: skip
+        self.links = Attacher(self.programs, options)
         links, current = self.links, self.maps.current
         if links.deferred or links.cgroup_deferred:
             log.info(
@@ -111,11 +77,13 @@ class EbpfDataplane:
             ",".join(links.external_globs) or "those with the node's NodePort addresses",
             links.xdp,
         )  # fmt: skip
-        if cgroup is not None:
+        if options.cgroup is not None:
             pods = links.pod_netns.pods() if links.pod_netns is not None else []
-            whose = {"all": f"the node and {len(pods)} pod(s) found so far",
-                     "host": "the node (pods: tc)", "off": "nobody"}[socket_lb]  # fmt: skip
-            log.info("ebpf: socket hooks on cgroup %s translate the sockets of %s", cgroup, whose)
+            whose = {SocketLb.ALL: f"the node and {len(pods)} pod(s) found so far",
+                     SocketLb.HOST: "the node (pods: tc)",
+                     SocketLb.OFF: "nobody"}[options.socket_lb]  # fmt: skip
+            log.info("ebpf: socket hooks on cgroup %s translate the sockets of %s",
+                     options.cgroup, whose)  # fmt: skip
         copied, skipped = adopt_earlier_conntrack(self.pin_dir, self.programs.map("kbp_ct"))
         if copied or skipped:
             log.info("ebpf: copied %d conntrack entries of an earlier ABI version%s", copied,
@@ -130,12 +98,13 @@ class EbpfDataplane:
         self._handed_off = False
         # Applies and the keeper's repairs take turns: both attach and detach programs.
         self._lock = threading.RLock()
-        self.keeper = Keeper(self.programs, self.links, self._lock, check_period)
+        period = CHECK_PERIOD if options.check_period is None else options.check_period
+        self.keeper = Keeper(self.programs, self.links, self._lock, period)
         self.keeper.start()
         # explain's build, compiled once the first apply is done (kernel.ExplainBuild);
         # the self-test asks it from then on, first for the state applied last.
         self._applied: NodeState | None = None
-        self.explain_build = ExplainBuild(self.pin_dir, asdict(sizes), self._test_applied)
+        self.explain_build = ExplainBuild(self.pin_dir, asdict(options.sizes), self._test_applied)
 
     @property
     def held_revision(self) -> str | None:

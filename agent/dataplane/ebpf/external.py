@@ -14,36 +14,19 @@ from dataclasses import dataclass
 from ...model.nodestate import Changes, NodeState, ServiceEntry
 from .abi import addr_bytes, const, packer, port_bytes
 from .maps import FrontendKey
+from .options import DEFAULT_SNAT_PORTS, SocketLb
 from .translate import source_ranged_keys
 
 _SRC_RANGE_KEY = packer("kbp_src_range_key")
 _SRC_RANGE = packer("kbp_src_range")
 _CONFIG = packer("kbp_config")
 
-# SNAT source ports of external flows to other nodes: above Linux's default
-# ip_local_port_range (32768-60999), so the node's own connections never take them, and
-# away from the NodePort range (30000-32767). 4536 concurrent flows per backend and node
-# address; --snat-port-range widens it (config.py parses it).
-DEFAULT_SNAT_PORTS = (61000, 65535)
-
-# --socket-lb: whose sockets the connect/sendmsg hooks translate (kbp_config.sock_lb).
+# kbp_config.sock_lb of each --socket-lb.
 SOCKET_LB_BITS = {
-    "all": const.KBP_SOCK_LB_HOST | const.KBP_SOCK_LB_PODS,
-    "host": const.KBP_SOCK_LB_HOST,
-    "off": 0,
+    SocketLb.ALL: const.KBP_SOCK_LB_HOST | const.KBP_SOCK_LB_PODS,
+    SocketLb.HOST: const.KBP_SOCK_LB_HOST,
+    SocketLb.OFF: 0,
 }
-
-# How --xdp is spelt and what it asks for: try native then generic, one of them, or none.
-XDP_CHOICES = ("auto", "native", "generic", "off")
-XDP_ALIASES = {"true": "auto", "on": "auto", "false": "off"}
-
-
-def xdp_mode(text: str) -> str:
-    """--xdp's value → one of XDP_CHOICES; ValueError naming the accepted spellings."""
-    mode = XDP_ALIASES.get(text.strip().lower(), text.strip().lower())
-    if mode not in XDP_CHOICES:
-        raise ValueError(f"--xdp must be true, false, {', '.join(XDP_CHOICES)}; got {text!r}")
-    return mode
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +144,7 @@ def config_value(
     cluster_cidrs: Iterable[str],
     netns_cookie: int,
     snat_ports: tuple[int, int] = DEFAULT_SNAT_PORTS,
-    socket_lb: str = "all",
+    socket_lb: SocketLb = SocketLb.ALL,
     ct_lifetimes: tuple[int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0),
     handoff: bool = False,
 ) -> bytes:

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any
 
-from ...config import FLAG_MAP_SIZES, MAP_SIZES
 from ..base import DataplaneError
+from .options import FLAG_MAP_SIZES, MapSizes
 
 MAPS = ("services", "slots", "backends")  # the maps a plan fills, in capacity-check order
 
@@ -56,20 +56,6 @@ class BackendValue:
     family: int
     flags: int  # KBP_BE_F_*
     service_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class MapSizes:
-    """max_entries of the sized maps (defaults: agent.config.MAP_SIZES, one field per
-    entry); `services` also bounds service ids, which index the per-CPU counters array."""
-
-    services: int = MAP_SIZES["services"].default
-    slots: int = MAP_SIZES["slots"].default
-    backends: int = MAP_SIZES["backends"].default
-    ct: int = MAP_SIZES["ct"].default
-    affinity: int = MAP_SIZES["affinity"].default
-    src_ranges: int = MAP_SIZES["src_ranges"].default
-    sock_rev: int = MAP_SIZES["sock_rev"].default
 
 
 @dataclass(slots=True)

@@ -43,9 +43,10 @@ from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 from pyroute2.netlink.rtnl.marshal import MarshalRtnl
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
-from ...config import DEFAULT_POD_INTERFACES
 from ..base import DataplaneError
+from ..options import DEFAULT_POD_INTERFACES
 from . import libbpf
+from .options import TcAttach
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ FILTER_NAME_PREFIX = "kbp_"
 # How tc programs are attached (--tc-attach, env KBP_TC_ATTACH): tcx links where the
 # kernel has them (6.6+) and the attacher has a bpffs directory to pin them in, else
 # clsact; `tcx` insists, `clsact` forces the qdisc and filters.
-TC_ATTACH_MODES = ("auto", "tcx", "clsact")
+TC_ATTACH_MODES = tuple(TcAttach)
 TC_ATTACH_ENV = "KBP_TC_ATTACH"
 TCX_ATTACH_TYPES: dict[str, int] = {
     "ingress": libbpf.BPF_TCX_INGRESS,

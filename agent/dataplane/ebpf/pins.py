@@ -35,11 +35,11 @@ from typing import Any
 
 import cffi
 
-from ...config import FLAG_MAP_SIZES
 from . import libbpf
 from .abi import MAPS_HEADER, const, versioned
 from .abi import ffi as abi_ffi
 from .libbpf import BPF_NOEXIST, Map
+from .options import FLAG_MAP_SIZES
 
 log = logging.getLogger(__name__)
 

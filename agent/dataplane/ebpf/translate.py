@@ -21,14 +21,13 @@ from typing import Any
 
 from ...gcpause import gc_paused
 from ...model.nodestate import (
-    CLUSTER_IP,
-    LOAD_BALANCER,
+    FRONTEND_KINDS,
     Backend,
     NodeState,
     ServiceEntry,
     uses_endpoints,
 )
-from .abi import FAMILIES, FRONTEND_TYPES, PROTOCOLS, const
+from .abi import FAMILIES, FRONTEND_FLAGS, FRONTEND_TYPES, PROTOCOLS, const
 from .maglev import DEFAULT_TABLE_SIZE, check_table_size, maglev_table
 from .maps import (
     BackendValue,
@@ -40,7 +39,8 @@ from .maps import (
     SortKey,
 )
 
-_CLUSTER_IP_TYPE = const.KBP_FE_CLUSTER_IP
+# KBP_FE_* number → its frontend type (the model's table).
+_KINDS = {FRONTEND_TYPES[name]: kind for name, kind in FRONTEND_KINDS.items()}
 _IPV6 = const.KBP_FAMILY_IPV6
 _HAS_ENDPOINTS = const.KBP_SVC_F_HAS_ENDPOINTS
 _AFFINITY = const.KBP_SVC_F_AFFINITY
@@ -178,7 +178,7 @@ def source_ranged_keys(entry: ServiceEntry) -> dict[FrontendKey, tuple[str, ...]
     ranges as normalised networks (the compiler keeps the entry's family only)."""
     found: dict[FrontendKey, tuple[str, ...]] = {}
     for f in entry.frontends:
-        if f.type != LOAD_BALANCER or not f.source_ranges:
+        if not FRONTEND_KINDS[f.type].source_ranges or not f.source_ranges:
             continue
         family = FAMILIES[entry.ip_family]
         key = FrontendKey(_canonical(f.ip), f.port, PROTOCOLS[entry.protocol], family)
@@ -300,11 +300,11 @@ class EntryBuilder:
         # Only the sets some frontend uses (docs/nodestate.md): a ClusterIP uses one set whoever
         # sends; an external frontend uses its policy's set from outside and the cluster
         # set from pods. A set nobody points at could not be adopted after a restart.
+        kinds = {number: _KINDS[number] for number in keys.values()}
         wants_cluster, wants_local = uses_endpoints(
             entry.internal_traffic_policy,
             entry.external_traffic_policy,
-            _CLUSTER_IP_TYPE in keys.values(),
-            any(kind != _CLUSTER_IP_TYPE for kind in keys.values()),
+            (kind.name for kind in kinds.values()),
         )
 
         ids: dict[tuple[str, int], int] = {}  # (addr, port) → backend id, this entry
@@ -318,8 +318,12 @@ class EntryBuilder:
             members = entry.local_backends
             member_ids = self.backend_ids(entry, members, service_id, ids, known_backends)
             local = self.set_of(entry, members, member_ids, known_sets, set_ids)
-        internal = local if entry.uses_local(CLUSTER_IP) else cluster
-        external = local if entry.uses_local(LOAD_BALANCER) else cluster  # from outside
+        # Per type: (the set from outside, the set for pods and the node).
+        sets = {
+            number: (local if entry.uses_local(kind.name) else cluster,
+                     local if entry.uses_local(kind.name, from_outside=False) else cluster)
+            for number, kind in kinds.items()
+        }  # fmt: skip
 
         flags = _HAS_ENDPOINTS if entry.has_endpoints else 0
         timeout = entry.affinity_timeout
@@ -332,14 +336,12 @@ class EntryBuilder:
         services = self.services
         ranged = source_ranged_keys(entry)
         for key, kind in keys.items():
-            if kind == _CLUSTER_IP_TYPE:
-                (set_id, count), (inner_id, inner_count) = internal, internal
-            else:
-                (set_id, count), (inner_id, inner_count) = external, cluster
+            (set_id, count), (inner_id, inner_count) = sets[kind]
+            key_flags = flags | FRONTEND_FLAGS[kind]
+            if ranged and key in ranged and kinds[kind].source_ranges:
+                key_flags |= _SOURCE_RANGES
             services[key] = ServiceValue(
-                service_id,
-                flags | _SOURCE_RANGES if ranged and key in ranged else flags,
-                set_id, count, inner_id, inner_count, timeout or 0, kind,
+                service_id, key_flags, set_id, count, inner_id, inner_count, timeout or 0, kind,
             )  # fmt: skip
         self.service_ids[service_id] = entry.sort_key
         return EntryPlan(
@@ -448,7 +450,7 @@ class Adoption:
                 if result[i]:
                     continue
                 for key, kind in keys.items():
-                    if only_cluster_ips and kind != _CLUSTER_IP_TYPE:
+                    if only_cluster_ips and not _KINDS[kind].unique:
                         continue
                     value = services.get(key)
                     if value is not None and value.service_id and value.service_id not in taken:

@@ -13,23 +13,23 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
 
-from ...config import FLAG_MAP_SIZES
 from ...metrics import Metrics
 from ...model.nodestate import NodeState
 from ..base import DataplaneError
 from . import codec, external, service_metrics
-from .abi import DROP_REASONS, const, layout, packer, versioned
-from .conntrack import Collector, Timeouts
+from .abi import DROP_REASONS, FRONTEND_FLAGS, const, layout, packer, versioned
+from .conntrack import Collector
 from .ctgate import ReplyGate
 from .external import SourceRange
 from .kernel import LoadedPrograms
 from .libbpf import Map
-from .maps import CapacityError, KernelContent, MapSizes, Writes
+from .maps import CapacityError, KernelContent, Writes
+from .options import FLAG_MAP_SIZES, EbpfOptions
 from .plan import Planner
 
 # kbp_config.handoff's offset, and the struct's size (set_handoff).
@@ -38,23 +38,22 @@ _CONFIG_SIZE = packer("kbp_config").size
 
 log = logging.getLogger(__name__)
 
+# The sized maps (MapSizes fields) with a kbp_map_fill_ratio series; not kbp_ct_remap,
+# kbp_svc_drops (LRU maps full by design: the most recent entries) nor kbp_pods.
+FILL_RATIO_MAPS = ("services", "slots", "backends", "ct", "affinity", "src_ranges", "sock_rev")
+
 
 class MapWriter:
     """The pinned maps as this agent last wrote (or read) them, and the one write path."""
 
-    def __init__(
-        self,
-        programs: LoadedPrograms,
-        sizes: MapSizes,
-        maglev_table_size: int,
-        settings: tuple[int, tuple[int, int], str],
-        ct_timeouts: Timeouts | None,
-        ct_sweep_interval: float,
-    ) -> None:
-        """`settings`: kbp_config's (netns cookie, SNAT ports, --socket-lb)."""
+    def __init__(self, programs: LoadedPrograms, options: EbpfOptions, netns_cookie: int) -> None:
+        """`options`: the sizes, Maglev table size, conntrack timeouts and sweep, and what
+        kbp_config says beside the node (SNAT ports, --socket-lb); `netns_cookie`: the
+        node's network namespace (kbp_config too)."""
         self.programs = programs
-        self.sizes = sizes
-        self._settings = settings
+        self.sizes = options.sizes
+        self.options = options
+        self.netns_cookie = netns_cookie
         self.lock = threading.Lock()
         self.applied: NodeState | None = None  # the last state applied (metrics' labels)
         self._range_index = external.SourceRangeIndex()  # the applied state's, wanted
@@ -63,8 +62,9 @@ class MapWriter:
         # What the maps hold and how it was built: the first plan adopts the ids of what
         # an earlier agent wrote.
         self.planner = Planner(
-            self._read_kernel(), maglev_table_size=maglev_table_size, sizes=self.sizes
+            self._read_kernel(), maglev_table_size=options.maglev_table_size, sizes=self.sizes
         )
+        self._mark_frontend_types()
         self._target = self.current  # the content an apply writes towards (`_write`)
         # The first apply (a full one: the sync loop's first is) compares with what was
         # just read rather than read the maps again: at 10k Services x 10 a read takes
@@ -89,7 +89,7 @@ class MapWriter:
             "src_ranges": len(self._ranges),
         }
         self.conntrack = Collector(programs.map("kbp_ct"), programs.map("kbp_ct_stats"),
-                                   ct_timeouts or Timeouts(), ct_sweep_interval,
+                                   options.ct_timeouts, options.ct_sweep_interval,
                                    remap=programs.map("kbp_ct_remap"))  # fmt: skip
         # kbp_ct_gate is trusted only while every tc program is one that sets it: an
         # earlier agent's programs (maybe of a release without the gate) serve until our
@@ -196,7 +196,7 @@ class MapWriter:
         metrics.registry.register(self.conntrack)
 
     def register_fill(self, metrics: Metrics) -> None:
-        """kbp_map_fill_ratio has one series per sized map (each MapSizes field). For the maps
+        """kbp_map_fill_ratio has one series per map of FILL_RATIO_MAPS. For the maps
         the agent fills (services, slots, backends, src_ranges) it is the entries the last
         NodeState asked for over the map's size, whether that state was written or refused
         for want of room: above 1.0 then, so an alert on > 0.9 fires when the state is
@@ -297,6 +297,25 @@ class MapWriter:
         m = self.programs.map
         return codec.read_content(m("kbp_services"), m("kbp_slots"), m("kbp_backends"))
 
+    def _mark_frontend_types(self) -> None:
+        """Give an earlier agent's frontends the flag bits their type gives
+        (abi.FRONTEND_FLAGS; a release before KBP_SVC_F_EXTERNAL wrote none) before any
+        program of ours reads them: the earlier programs, serving until the first apply,
+        ignore a bit they do not know."""
+        services = self.current.services
+        marked = {}
+        for key, value in services.items():
+            flags = value.flags | FRONTEND_FLAGS.get(value.type, 0)
+            if flags != value.flags:
+                marked[key] = replace(value, flags=flags)
+        if marked:
+            self.programs.map("kbp_services").update_items(
+                [(codec.frontend_key(k), codec.service_value(v)) for k, v in marked.items()]
+            )
+            services.update(marked)
+            log.info("ebpf: marked %d frontends of an earlier agent with their type's flags",
+                     len(marked))  # fmt: skip
+
     def _check_pinned_sizes(self) -> None:
         """Plan with the sizes the kernel really has. The loader moves a pinned map to a
         new --map-size-* (pins.py), so they differ only when that move did not happen:
@@ -312,7 +331,7 @@ class MapWriter:
                     "was not moved to the new size: planning with the pinned size",
                     versioned(name), actual[field], field, wanted[field],
                 )  # fmt: skip
-        self.sizes = MapSizes(**actual)
+        self.sizes = replace(self.sizes, **actual)
 
     # --- the maps beside the service maps ----------------------------------------------------
 
@@ -336,7 +355,9 @@ class MapWriter:
         if len(ranges) > size:
             raise CapacityError("src_ranges", len(ranges), size)
         node, ct = state.node, self.conntrack.timeouts.lifetimes()
-        config = external.config_value(node.addresses, node.cluster_cidrs, *self._settings, ct,
+        options = self.options
+        config = external.config_value(node.addresses, node.cluster_cidrs, self.netns_cookie,
+                                       options.snat_ports, options.socket_lb, ct,
                                        handoff=self.handoff)  # fmt: skip
         if config != self._config:
             w.config.append((bytes(4), config))

@@ -27,7 +27,7 @@ from .render import FAMILIES, IPV4, PREFIX
 
 NFT = "nft"
 LEGACY = "legacy"
-BACKENDS = (NFT, LEGACY)
+BACKENDS = (NFT, LEGACY)  # options.BACKEND_CHOICES: auto and these
 # What `iptables -V` prints after the version for each variant: "(nf_tables)", "(legacy)".
 VARIANT = {NFT: "nf_tables", LEGACY: "legacy"}
 # Chains kubelet creates in the mangle table of the iptables backend it uses, for

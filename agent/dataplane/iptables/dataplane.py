@@ -24,10 +24,10 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ...config import DEFAULT_POD_INTERFACES
 from ...model.ip import ip_family
 from ...model.nodestate import Changes, NodeState, ServiceEntry
 from ..base import DataplaneError, QuietDataplane
+from ..options import DEFAULT_POD_INTERFACES
 from .backend import (
     BACKENDS,
     Backend,

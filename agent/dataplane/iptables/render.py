@@ -42,11 +42,12 @@ from dataclasses import dataclass, field
 
 from ...model.nodestate import (
     CLUSTER_IP,
+    FRONTEND_KINDS,
     FRONTEND_TYPES,
-    LOAD_BALANCER,
     Backend,
     Frontend,
     ServiceEntry,
+    is_external,
 )
 
 IPV4 = "IPv4"
@@ -154,16 +155,18 @@ def entry_rules(entry: ServiceEntry, options: RenderOptions) -> EntryRules:
     chains: dict[str, tuple[str, ...]] = {}
     dispatch: list[str] = []
     filter_rules: list[str] = []
-    externals = [f for f in entry.frontends if f.type != CLUSTER_IP]
-    source_ranged = [f for f in externals if f.type == LOAD_BALANCER and f.source_ranges]
+    externals = [f for f in entry.frontends if is_external(f.type)]
+    source_ranged = [
+        f for f in externals if FRONTEND_KINDS[f.type].source_ranges and f.source_ranges
+    ]
 
     for frontend in entry.frontends:
         dest = _dest(frontend, entry, family)
         label = _quote(f"{name} {FRONTEND_TYPES[frontend.type]}")
         used = entry.backends_for(frontend.type)  # from outside
-        if frontend.type == CLUSTER_IP:
+        if not is_external(frontend.type):  # one set whoever sends
             if used:
-                target = svl if entry.uses_local(CLUSTER_IP) else svc
+                target = svl if entry.uses_local(frontend.type) else svc
                 dispatch.append(f"-A {SERVICES} {dest} -m comment --comment {label} -j {target}")
         elif cluster or local:  # pods and the node use clusterBackends, outsiders `used`
             target = fw if frontend in source_ranged else ext
@@ -184,9 +187,9 @@ def entry_rules(entry: ServiceEntry, options: RenderOptions) -> EntryRules:
     internal = svl if entry.uses_local(CLUSTER_IP) else svc
     outsiders = tuple(
         f"-A {internal} {_dest(f, entry, family)} "
-        f"-m comment --comment {_quote(f'{name} cluster IP')} -j {MASQ_NON_POD}"
+        f"-m comment --comment {_quote(f'{name} {FRONTEND_TYPES[f.type]}')} -j {MASQ_NON_POD}"
         for f in entry.frontends
-        if f.type == CLUSTER_IP and (options.pod_cidrs or options.pod_interface_patterns)
+        if not is_external(f.type) and (options.pod_cidrs or options.pod_interface_patterns)
     )
     if cluster:
         chains[svc] = (outsiders if internal == svc else ()) + _balance(svc, entry, cluster, name)

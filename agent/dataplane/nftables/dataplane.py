@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ...config import DEFAULT_POD_INTERFACES
 from ...model.ip import ip_family
 from ...model.nodestate import Changes, NodeState, ServiceEntry
 from ..base import DataplaneError, QuietDataplane
 from ..iptables.backend import run_command
+from ..options import DEFAULT_POD_INTERFACES
 from .render import (
     FAMILIES,
     FILTER_IPS,

@@ -49,7 +49,13 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ...model.nodestate import CLUSTER_IP, LOAD_BALANCER, Backend, ServiceEntry
+from ...model.nodestate import (
+    CLUSTER_IP,
+    FRONTEND_KINDS,
+    Backend,
+    ServiceEntry,
+    is_external,
+)
 
 IPV4 = "IPv4"
 IPV6 = "IPv6"
@@ -166,15 +172,15 @@ def entry_nft(entry: ServiceEntry, options: RenderOptions) -> EntryNft:
     local = entry.local_backends or ()
     dispatch: list[tuple[str, str]] = []
     filtering: list[tuple[str, str]] = []
-    externals = [f for f in entry.frontends if f.type != CLUSTER_IP]
-    ranged = [f for f in externals if f.type == LOAD_BALANCER and f.source_ranges]
+    externals = [f for f in entry.frontends if is_external(f.type)]
+    ranged = [f for f in externals if FRONTEND_KINDS[f.type].source_ranges and f.source_ranges]
 
     for frontend in entry.frontends:
         key = element_key(frontend.ip, proto, frontend.port)
         used = entry.backends_for(frontend.type)  # from outside
-        if frontend.type == CLUSTER_IP:
+        if not is_external(frontend.type):  # one set whoever sends
             if used:
-                target = svl if entry.uses_local(CLUSTER_IP) else svc
+                target = svl if entry.uses_local(frontend.type) else svc
                 dispatch.append((key, f"goto {target}"))
         elif cluster or local:  # pods and the node use clusterBackends, outsiders `used`
             dispatch.append((key, f"goto {fw if frontend in ranged else ext}"))
@@ -189,7 +195,7 @@ def entry_nft(entry: ServiceEntry, options: RenderOptions) -> EntryNft:
     outsiders = tuple(
         f"{ip} daddr {f.ip} th dport {f.port} jump {MASQ_NON_POD}"
         for f in entry.frontends
-        if f.type == CLUSTER_IP and (options.pod_cidrs or options.pod_interface_patterns)
+        if not is_external(f.type) and (options.pod_cidrs or options.pod_interface_patterns)
     )
     if cluster:
         rules = (outsiders if internal == svc else ()) + _balance(entry, cluster, ip, sets)
