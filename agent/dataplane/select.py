@@ -86,7 +86,7 @@ def build_ebpf(options: DataplaneOptions) -> Dataplane:
     cgroup, why = cgroup_for_hooks(options.cgroup_root)
     if why:
         log.warning("ebpf: %s", why)
-    return EbpfDataplane(replace(options.ebpf, cgroup=cgroup))
+    return EbpfDataplane(replace(options.ebpf, cgroup=cgroup, explain_build=True))
 
 
 def iptables_module() -> ModuleType:

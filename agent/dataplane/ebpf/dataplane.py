@@ -130,7 +130,8 @@ class EbpfDataplane:
                 self.conntrack.use_gate(self.maps.gate)  # the gate misses
             self.programs.finish_moves()  # maps moved to a new size: their old users are gone
             self._applied = state
-            self.explain_build.start()
+            if self.options.explain_build:
+                self.explain_build.start()
             self._test_applied()
             self.links.follow_node(state.node, full)
             if full and self.keeper.period > 0:  # every resync checks the rest is there

@@ -231,8 +231,9 @@ def _absolute(path: str) -> None:
 @dataclass(frozen=True)
 class EbpfOptions:
     """Everything EbpfDataplane is told. The fields a setting sets carry it; the others
-    (`netns`, `watch`, `check_period`, `cgroup`) are for the caller: the agent resolves
-    --cgroup-root into `cgroup` (select.py), tests and tools set the rest."""
+    (`netns`, `watch`, `check_period`, `cgroup`, `explain_build`) are for the caller: the
+    agent resolves --cgroup-root into `cgroup` and asks for explain's build (select.py),
+    tests and tools set the rest."""
 
     pin_dir: Path = option(Path("/sys/fs/bpf/kube-bpf-proxy"), "--bpffs",
         "directory on a bpffs where the eBPF dataplane pins its maps (kbp_*_v<N>)",
@@ -280,4 +281,8 @@ class EbpfOptions:
     netns: str | None = None  # the network namespace to attach in; None: this thread's
     watch: bool = True  # follow netlink for new interfaces
     check_period: float | None = None  # keeper.CHECK_PERIOD when None; 0: no checks
+    # compile and pin explain's build after the first apply (kernel.ExplainBuild): the
+    # agent does; tests and tools that build a dataplane of their own need no second
+    # compile (explain compiles the build itself where none is pinned)
+    explain_build: bool = False
     # fmt: on
