@@ -159,11 +159,11 @@ def test_the_cycle_check_finds_a_circle() -> None:
 
 
 def absolute_imports(path: Path, text: str | None = None) -> set[str]:
-    """Every module `path` (or `text`, as if it were that module) imports, relative
-    imports resolved (`from ..config import X` in agent/dataplane/select.py is
-    agent.config), and each imported name as a possible module (`from .. import config`
-    is agent.config)."""
-    package = ["agent", *path.relative_to(AGENT).parent.parts]
+    """Every module `path` (a file of the checkout: agent/, bench/, tests/), or `text` as
+    if it were that module, imports, relative imports resolved (`from ..config import X`
+    in agent/dataplane/select.py is agent.config), and each imported name as a possible
+    module (`from .. import config` is agent.config)."""
+    package = list(path.relative_to(AGENT.parent).parent.parts)
     found: set[str] = set()
     source = path.read_text(encoding="utf-8") if text is None else text
     for node in ast.walk(ast.parse(source)):

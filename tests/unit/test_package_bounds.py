@@ -4,32 +4,13 @@ scaffolding; no bench script imports another (shared parts live in bench/common/
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from .test_layers import absolute_imports
 
 ROOT = Path(__file__).parents[2]
 AGENT = ROOT / "agent"
 BENCH = ROOT / "bench"
-
-
-def absolute_imports(path: Path) -> set[str]:
-    """Every module path imports, relative imports resolved (`agent.lab.plan`)."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join([*base, node.module] if node.module else base)
-            else:
-                module = node.module or ""
-            found.add(module)
-            # `from . import x` and `from pkg import module` name modules too
-            found.update(f"{module}.{alias.name}" for alias in node.names)
-    return found
 
 
 def imports_under(package: str) -> dict[str, set[str]]:
