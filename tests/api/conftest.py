@@ -90,6 +90,7 @@ class KmockApi:
                 enter_netns(netns)  # this thread only: its sockets live in netns
             self.loop.run_forever()
 
+        self.netns = netns
         self.thread = threading.Thread(target=serve, name="kmock", daemon=True)
         self.thread.start()
         self.emulator: Emulator = self.call(self._make_emulator())
@@ -113,8 +114,23 @@ class KmockApi:
             await server.__aenter__()
             return server
 
+        first = self.port is None
         self.server = self.call(start())
         self.port = self.server.port
+        if first and self.netns is not None:
+            self.call(self._reserve_port())
+
+    async def _reserve_port(self) -> None:
+        """Keep the server's port from being a source port in its namespace (ours), so it
+        is free again at a restart: while the server is down, a client retrying
+        127.0.0.1:port may be handed that very port as its source and connect to itself
+        (TCP's simultaneous open), holding the port (seen in CI: EADDRINUSE at restart).
+        Runs on the loop's thread, whose network namespace /proc/sys/net is read in."""
+        path = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+        with open(path, encoding="ascii") as f:
+            reserved = f.read().strip()
+        with open(path, "w", encoding="ascii") as f:
+            f.write(f"{reserved},{self.port}" if reserved else str(self.port))
 
     def stop(self) -> None:
         if self.server is not None:

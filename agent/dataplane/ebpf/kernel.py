@@ -177,7 +177,13 @@ def entry_text() -> str:
 # What the child runs: bcc compiles the text (stdin) with the flags (argv) and loads the
 # maps; a Python exception exits with status 3 and its message; LLVM's fatal errors exit
 # with their own status and write "error: ..." lines to stderr.
-_TRIAL = """import sys
+# The child dies with the thread that started it (PR_SET_PDEATHSIG): a trial that outlived
+# a killed agent would go on opening and pinning maps in its pin directory behind the next
+# agent's back (seen: a test that renames the pins after a SIGKILL found new ones).
+_TRIAL = """import ctypes, os, sys
+ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != int(sys.argv.pop(1)):
+    sys.exit(4)  # the parent is gone already
 try:
     from bcc import BPF
     BPF(text=sys.stdin.buffer.read(), cflags=sys.argv[1:])
@@ -227,7 +233,7 @@ def trial_compile(text: str, cflags: Sequence[str]) -> Trial | None:
     started = time.perf_counter()
     try:
         child = subprocess.run(
-            [sys.executable, "-c", _TRIAL, *cflags], input=text.encode(),
+            [sys.executable, "-c", _TRIAL, str(os.getpid()), *cflags], input=text.encode(),
             capture_output=True, timeout=TRIAL_TIMEOUT, check=False,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as err:
