@@ -222,10 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Explain a packet's way: the NodeState's answer (from the agent's /state "
         "on --metrics-bind-address, or compiled from --manifests for --node) with the set it "
         "uses and why, each backend and the endpoints left out; then the dataplane's own "
-        "answer on this node (eBPF: the pinned maps, and the attached program run on the "
-        "exact packet with BPF_PROG_TEST_RUN, which changes nothing; iptables: a trace "
-        "through the live rules); then a one-line verdict. Disagreements between the "
-        "NodeState and the kernel come first.",
+        "answer on this node (eBPF: the pinned maps, and the attached programs' code, "
+        "in a build of its own, run on the exact packet with BPF_PROG_TEST_RUN, which "
+        "changes nothing; iptables and nftables: a trace through the live rules); then a "
+        "one-line verdict. Disagreements between the NodeState and the kernel come first.",
     )
     explain_parser.add_argument(
         "--from", dest="source", required=True, metavar="IP|node|outside[:IP]",

@@ -121,9 +121,9 @@ class Metrics:
             "XDP, socket hooks, another agent's programs), by what was repaired.",
             ["what"], registry=r)
         self.datapath_self_tests = Counter("kbp_datapath_self_tests",
-            "Self-tests of the eBPF datapath: the attached program run on a new connection "
-            "to one programmed frontend, compared with the NodeState (pass, fail, or error "
-            "when it could not run).", ["result"], registry=r)
+            "Self-tests of the eBPF datapath: its programs (explain's build) run on a new "
+            "connection to one programmed frontend, compared with the NodeState (pass, fail, "
+            "or error when it could not run).", ["result"], registry=r)
         self.state_watchers = Gauge("kbp_state_watchers",
             "Open /state?watch=true streams (metrics address and state socket).",
             registry=r)

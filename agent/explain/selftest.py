@@ -1,6 +1,7 @@
 """The agent's self-test of its eBPF datapath: `explain`'s question asked of one
 programmed frontend at a time (a new connection from a pod to it), answered by the
-attached program run with BPF_PROG_TEST_RUN on the live maps (writing nothing), and
+attached programs' code (explain's build: the same source compiled with its dry run,
+pinned beside the maps) run with BPF_PROG_TEST_RUN on the live maps (writing nothing), and
 compared with the NodeState's answer. The keeper runs it, so that the agent checks what
 it serves and not only what it wrote.
 """

@@ -183,6 +183,26 @@ def test_explain_runs_its_own_build_and_the_attached_programs_carry_no_dry_run(s
     assert doc["kernel"]["outcome"] == "backends" and doc["disagreements"] == [], doc
 
 
+def test_an_agent_stopped_while_building_explains_programs_ends_the_compile(setup) -> None:
+    """explain's build compiles in a child process after the first apply; an agent stopped
+    meanwhile kills it rather than wait for the compile (a stop that waited for two
+    compiles passed the 30 s the tests give a clean stop), leaves neither the child nor
+    a half-pinned build behind, and explain then compiles the build itself."""
+    lab, manifests, pin_dir, agent = setup
+    assert agent.stop() == 0, agent.log()
+    assert "explain's build of the programs pinned" not in agent.log()
+    # The compile's flags name the pin directory: no process of ours still compiles for it.
+    left = subprocess.run(["pgrep", "-f", f"KBP_PIN_DIR=.*{pin_dir.name}"],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert left.stdout == "", left.stdout
+    builds = [abi.versioned(f"{program}_explain") for program in ("kbp_from_pod", "kbp_from_ext")]
+    built = [p.name for p in pin_dir.iterdir() if p.name.startswith(tuple(builds))]
+    assert built == [], built
+    doc = explain(lab, "--manifests", str(manifests), "--node", "node-a", "--bpffs", str(pin_dir),
+                  "--from", lab.pods["client"].ipv4, "--to", f"{WEB}:80/TCP")  # fmt: skip
+    assert doc["kernel"]["outcome"] == "backends" and doc["disagreements"] == [], doc
+
+
 def test_refused_and_dropped_services_are_reported_as_the_kernel_does(setup) -> None:
     lab, _, pin_dir, agent = setup
     client = lab.pods["client"]

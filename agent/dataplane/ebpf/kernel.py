@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .abi import BPF_DIR, MAP_NAMES, MAPS, versioned
-from .libbpf import Map, obj_pin, prog_id
+from .libbpf import Map, prog_id
 from .libbpf import obj_get as libbpf_obj_get
 from .pins import ForeignPinError, Moves, shape_of_pin
 
@@ -252,7 +253,7 @@ def trial_compile(text: str, cflags: Sequence[str]) -> Trial | None:
     return Trial(took)
 
 
-def _complaint(child: subprocess.CompletedProcess[bytes]) -> str:
+def _complaint(child: subprocess.CompletedProcess[bytes], what: str = "trial compile") -> str:
     """The child's errors on one line, and how it ended."""
     lines = [line.strip() for line in child.stderr.decode(errors="replace").splitlines()]
     errors = [line for line in lines if "error" in line.lower()][:3]
@@ -262,7 +263,7 @@ def _complaint(child: subprocess.CompletedProcess[bytes]) -> str:
     text = "; ".join(_short(line) for line in errors)
     status = child.returncode
     how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
-    return f"{text or 'no message'} (trial compile in a child process: {how})"
+    return f"{text or 'no message'} ({what} in a child process: {how})"
 
 
 _LOCATION = re.compile(r"^(?:error: )?(?P<path>/[^:]*):(?P<at>\d+:\d+): ")
@@ -351,36 +352,68 @@ def explain_pin(pin_dir: Path, program: str) -> Path:
     return pin_dir / versioned(f"{program}_explain")
 
 
+# What explain's build runs in: a child process that compiles the text (stdin) with the
+# flags, loads EXPLAIN_PROGRAMS and pins each (replaced whole: a reader sees the old
+# program or the new), then exits. Nothing of it is held by the agent, so the agent can
+# stop it at any moment (kill) instead of waiting for a compile of seconds, and an LLVM
+# error ends the child, not the agent. Dies with the thread that started it, as _TRIAL.
+_EXPLAIN_CHILD = """import ctypes, json, os, sys
+ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+if os.getppid() != int(sys.argv.pop(1)):
+    sys.exit(4)  # the parent is gone already
+programs = json.loads(sys.argv.pop(1))
+try:
+    from bcc import BPF
+    from bcc.libbcc import lib
+    bpf = BPF(text=sys.stdin.buffer.read(), cflags=sys.argv[1:])
+    for program, pin in programs:
+        fd = bpf.load_func(program.encode(), BPF.SCHED_CLS).fd
+        fresh = pin + "-new"
+        if os.path.lexists(fresh):
+            os.unlink(fresh)
+        rc = lib.bpf_obj_pin(fd, fresh.encode())
+        if rc < 0:
+            raise OSError(-rc, f"pinning {program} at {fresh}: {os.strerror(-rc)}")
+        os.replace(fresh, pin)
+except Exception as err:
+    print(f"{type(err).__name__}: {err}", file=sys.stderr)
+    sys.exit(3)
+"""
+
+
 def pin_explain_build(
-    pin_dir: Path, sizes: Mapping[str, int] | None = None, cflags: Sequence[str] = ()
+    pin_dir: Path,
+    sizes: Mapping[str, int] | None = None,
+    cflags: Sequence[str] = (),
+    started: Callable[[subprocess.Popen[bytes]], None] | None = None,
 ) -> list[Path]:
     """Compile explain's build with the flags (map sizes) of the loaded programs, so it
-    opens the same pinned maps, and pin its EXPLAIN_PROGRAMS (each pin replaced whole: a
-    reader sees the old program or the new). Returns the pins."""
-    from bcc import BPF
-
-    text = entry_text()
+    opens the same pinned maps, and pin its EXPLAIN_PROGRAMS, in a child process
+    (_EXPLAIN_CHILD); `started` is told the child as soon as it runs (to stop it).
+    Returns the pins; LoadError naming the compiler's complaint, however the child
+    ended."""
     flags = [*cflags_for(pin_dir, sizes), *cflags, EXPLAIN_FLAG]
-    trial_compile(text, flags)  # LoadError rather than this process ending
+    programs = [(program, str(explain_pin(pin_dir, program))) for program in EXPLAIN_PROGRAMS]
+    argv = [sys.executable, "-c", _EXPLAIN_CHILD, str(os.getpid()), json.dumps(programs)]
     try:
-        bpf = BPF(text=text.encode(), cflags=flags)
-    except Exception as err:  # bcc raises bare Exception on compile/load failures
-        raise LoadError(f"compiling explain's build: {err}") from err
-    pins = []
+        child = subprocess.Popen(
+            [*argv, *flags], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+    except OSError as err:
+        raise LoadError(f"explain's build: the child process failed to run: {err}") from err
+    if started is not None:
+        started(child)
     try:
-        for program in EXPLAIN_PROGRAMS:
-            function = bpf.load_func(program.encode(), BPF.SCHED_CLS)
-            pin = explain_pin(pin_dir, program)
-            fresh = pin.with_name(pin.name + "-new")
-            fresh.unlink(missing_ok=True)
-            obj_pin(function.fd, str(fresh))
-            os.replace(fresh, pin)
-            pins.append(pin)
-    except Exception as err:
-        raise LoadError(f"loading explain's build: {err}") from err
-    finally:
-        bpf.cleanup()
-    return pins
+        _, errors = child.communicate(entry_text().encode(), timeout=TRIAL_TIMEOUT)
+    except subprocess.TimeoutExpired as err:
+        child.kill()
+        child.wait()
+        raise LoadError(f"explain's build took more than {TRIAL_TIMEOUT:g} s") from err
+    if child.returncode != 0:
+        ended = subprocess.CompletedProcess(argv, child.returncode, b"", errors)
+        raise LoadError(f"compiling explain's build: {_complaint(ended, 'explain build')}")
+    return [Path(pin) for _, pin in programs]
 
 
 def sizes_of_pins(pin_dir: Path) -> dict[str, int]:
@@ -413,9 +446,10 @@ def explain_build_fd(pin_dir: Path, program: str) -> int:
 
 
 class ExplainBuild:
-    """explain's build, compiled and pinned in a thread once started (the agent starts it
-    after its first apply: a second compile costs seconds of CPU that readiness need not
-    wait for). `ready` is set when the pins are there; `error` says why they are not."""
+    """explain's build, compiled and pinned by a child process that a thread waits for,
+    once started (the agent starts it after its first apply: a second compile costs
+    seconds of CPU that readiness need not wait for). `ready` is set when the pins are
+    there; `error` says why they are not. stop() ends a compile under way at once."""
 
     def __init__(
         self, pin_dir: Path, sizes: Mapping[str, int] | None = None,
@@ -427,18 +461,30 @@ class ExplainBuild:
         self.ready = threading.Event()
         self.error: str | None = None
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen[bytes] | None = None
+        self._stopped = False
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kbp-explain-build",
-                                            daemon=True)  # fmt: skip
-            self._thread.start()
+        with self._lock:
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._run, name="kbp-explain-build",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
+
+    def _started(self, child: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._child = child
+            if self._stopped:
+                child.kill()
 
     def _run(self) -> None:
         started = time.perf_counter()
         try:
-            pin_explain_build(self.pin_dir, self.sizes)
+            pin_explain_build(self.pin_dir, self.sizes, started=self._started)
         except (LoadError, OSError) as err:
+            if self._stopped:
+                return  # stop() ended it
             self.error = str(err)
             log.warning("ebpf: explain's build of the programs did not load, so `explain` "
                         "and the self-test cannot run: %s", err)  # fmt: skip
@@ -450,7 +496,15 @@ class ExplainBuild:
             self.on_ready()
 
     def stop(self) -> None:
-        """Wait for a compile under way (its pins must not outlive a cleanup)."""
+        """End a compile under way (the child is killed: nothing of it outlives this
+        call, so no pin of it outlives a cleanup) and wait for the thread."""
+        with self._lock:
+            self._stopped = True
+            child = self._child
+            if child is not None and child.poll() is None:
+                child.kill()
         if self._thread is not None:
             self._thread.join()
-
+        for program in EXPLAIN_PROGRAMS:  # a child killed between its pin and the rename
+            pin = explain_pin(self.pin_dir, program)
+            pin.with_name(pin.name + "-new").unlink(missing_ok=True)
