@@ -120,6 +120,10 @@ class Metrics:
             "Repairs of what the agent wrote and found missing or replaced (pins, tc, "
             "XDP, socket hooks, another agent's programs), by what was repaired.",
             ["what"], registry=r)
+        self.next_hop_epochs = Counter("kbp_next_hop_epochs",
+            "New next-hop epochs of the eBPF dataplane (every cached next hop looked up "
+            "again), by cause: start, route, rule, link, neighbour (a MAC address changed "
+            "or stopped resolving), lost (netlink events dropped).", ["cause"], registry=r)
         self.datapath_self_tests = Counter("kbp_datapath_self_tests",
             "Self-tests of the eBPF datapath: its programs (explain's build) run on a new "
             "connection to one programmed frontend, compared with the NodeState (pass, fail, "

@@ -68,6 +68,24 @@ static __always_inline struct kbp_hop *map_hop(const __be32 *addr)
 	return kbp_hops.lookup(&index);
 }
 
+static __always_inline struct kbp_hop *map_backend_hop(__u32 backend_id)
+{
+	if (__explain_dry())
+		return NULL;
+	return kbp_be_hops.lookup(&backend_id);
+}
+
+static __always_inline __u32 map_hop_epoch(void)
+{
+	__u32 zero = 0;
+	__u32 *epoch;
+
+	if (__explain_dry())
+		return 0;
+	epoch = kbp_hop_epoch.lookup(&zero);
+	return epoch ? *epoch : 0;
+}
+
 /* A dry run gets a copy, so that touching the flow changes nothing live. */
 static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key)
 {

@@ -20,7 +20,7 @@
 #ifndef KBP_ABI_H
 #define KBP_ABI_H
 
-#define KBP_ABI_VERSION 5
+#define KBP_ABI_VERSION 6
 
 #define KBP_FAMILY_IPV4 4
 #define KBP_FAMILY_IPV6 6
@@ -186,12 +186,17 @@ struct kbp_backend {
 	__u32 service_id;
 };
 
-/* kbp_hops (array of KBP_HOP_SLOTS, index a hash of the destination address): the next
- * hop toward an address a forwarded packet was sent to (a backend on another node, a
- * client outside), as the last FIB lookup for it found it, so that the flows after it skip
- * the lookup while the answer is younger than KBP_HOP_CACHE_NS (lib/ext.h). Addresses
- * that share a slot take it in turn; the answer depends on the interface the packet
- * arrived on, so both are checked. */
+/* The next hop toward an address a forwarded packet was sent to, as the last FIB lookup
+ * for it found it, so that the flows after it skip the lookup (lib/ext.h ext_next_hop):
+ * - kbp_be_hops (array of KBP_MAX_BACKENDS, index a backend id): toward a backend
+ *   on another node, used while the agent watches routes and neighbours;
+ * - kbp_hops (array of KBP_HOP_SLOTS, index a hash of the destination address): toward
+ *   a client outside, and toward backends while nobody watches; addresses that share a
+ *   slot take it in turn.
+ * An answer holds while kbp_hop_epoch is the one it was found under and it is younger
+ * than KBP_HOP_WATCHED_NS; with kbp_hop_epoch 0 (no agent watching), while younger than
+ * KBP_HOP_CACHE_NS. The answer depends on the interface the packet arrived on and the
+ * address, so both are checked (a backend id may name another address later). */
 #define KBP_HOP_SLOTS 4096
 
 struct kbp_hop {
@@ -201,7 +206,7 @@ struct kbp_hop {
 	__u32 ifindex;      /* the next hop's interface */
 	__u8 dmac[6];       /* the next hop's MAC address */
 	__u8 smac[6];       /* ifindex's own MAC address */
-	__u32 pad;
+	__u32 epoch;        /* kbp_hop_epoch when looked up (0: none) */
 };
 
 /* kbp_conntrack (LRU): one entry per direction of a translated flow. The key is the

@@ -35,12 +35,21 @@
  * a route or neighbour change reaches established flows within this time. */
 #define KBP_HOP_CACHE_NS (100ULL * 1000 * 1000)
 
+/* How long a next hop cached by address or backend (kbp_hops, kbp_be_hops) holds
+ * while the agent watches routes and neighbours (kbp_hop_epoch not 0): it changes the
+ * epoch on every change that could change an answer, so this bound only matters when
+ * the agent is gone without saying so (killed), as the staleness it leaves behind. */
+#define KBP_HOP_WATCHED_NS (10ULL * 1000 * 1000 * 1000)
+
 struct kbp_ext_verdict {
 	struct kbp_nat_target to; /* the packet's new tuple (LOCAL, FORWARD) */
 	const struct kbp_service *svc; /* the frontend (REJECT builds its answer from it) */
 	struct kbp_ct_entry *flow; /* the flow's forward entry, NULL for a new flow */
 	__u32 service_id;
-	__u32 reason; /* KBP_DROP_* for KBP_EXT_DROP */
+	union {
+		__u32 reason;     /* KBP_DROP_* for KBP_EXT_DROP */
+		__u32 backend_id; /* the flow's backend for KBP_EXT_FORWARD and LOCAL */
+	};
 };
 
 /* The source address of SNATed flows of the packet's family, or NULL when the agent has
@@ -131,6 +140,7 @@ static __always_inline int __ext_new_flow(const struct kbp_tuple *t, const struc
 	}
 	lb_remember_affinity(t, svc, now, backend_id);
 	count_new_flow(svc->service_id);
+	v->backend_id = backend_id;
 	return (backend->flags & KBP_BE_F_LOCAL) ? KBP_EXT_LOCAL : KBP_EXT_FORWARD;
 }
 
@@ -159,6 +169,7 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 		/* not ct_touch_forward: its spare overflows kbp_from_ext's stack */
 		ct_touch(flow, t, now, 0);
 		__ext_target(t, flow, v);
+		v->backend_id = flow->backend_id;
 		return (flow->flags & KBP_CT_F_SNAT) ? KBP_EXT_FORWARD : KBP_EXT_LOCAL;
 	}
 	lost = ct_note_lost(t, flow);
@@ -207,8 +218,8 @@ static __always_inline void ext_fib_params(const struct kbp_tuple *t,
 	}
 }
 
-/* A next hop remembered (a flow's or an address's) for `ifindex`, when younger than
- * KBP_HOP_CACHE_NS: fib->ifindex, smac and dmac set, 1; else 0. */
+/* A next hop remembered by a flow, when younger than KBP_HOP_CACHE_NS: fib->ifindex,
+ * smac and dmac set, 1; else 0. */
 static __always_inline int __ext_hop_fresh(__u64 time, __u32 out_ifindex, const __u8 *smac,
 					   const __u8 *dmac, __u64 now,
 					   struct bpf_fib_lookup *fib)
@@ -221,30 +232,50 @@ static __always_inline int __ext_hop_fresh(__u64 time, __u32 out_ifindex, const 
 	return 1;
 }
 
+/* Does a cached next hop (kbp_hops, kbp_be_hops) answer for `addr` arriving on
+ * `ifindex` now: the same address and interface, found under the current epoch and
+ * younger than KBP_HOP_WATCHED_NS, or, with no epoch (nobody watches), younger than
+ * KBP_HOP_CACHE_NS. */
+static __always_inline int __ext_hop_current(const struct kbp_hop *hop, const __be32 *addr,
+					     __u32 ifindex, __u32 epoch, __u64 now)
+{
+	if (!hop->time || hop->in_ifindex != ifindex || !lb_addr_equal(hop->addr, addr))
+		return 0;
+	if (epoch)
+		return hop->epoch == epoch && now - hop->time < KBP_HOP_WATCHED_NS;
+	return now - hop->time < KBP_HOP_CACHE_NS;
+}
+
 /* The next hop of a packet rewritten to `to`, as if it arrived on `ifindex`: the one the
- * flow's conntrack entry remembers, else the one kbp_hops remembers for the destination
- * address, each while younger than KBP_HOP_CACHE_NS; else the FIB's, which a successful
- * lookup leaves in both (`flow` NULL: a new flow). So a new flow to a backend that another
- * flow reached within that time skips the FIB lookup (about as costly as the rest of its
- * path; bench/datapath.py), and a route or neighbour change reaches new and established
- * flows alike within it. With equal-cost routes the flows to one address follow one path
- * for that time. Returns BPF_FIB_LKUP_RET_*, with fib->ifindex, smac and dmac set on
- * success. Entries are shared by all CPUs: two CPUs refreshing one at once write the same
- * answer. */
+ * flow's conntrack entry remembers while younger than KBP_HOP_CACHE_NS, else the cached
+ * one (__ext_hop_current) for the backend (`backend_id` not 0, while the agent watches)
+ * or for the destination address; else the FIB's, which a successful lookup leaves in
+ * both (`flow` NULL: a new flow). So a new flow to a backend that an earlier flow reached
+ * skips the FIB lookup (about as costly as the rest of its path; bench/datapath.py): for
+ * as long as no route, rule, link or neighbour changed while the agent watches (it
+ * changes kbp_hop_epoch), else for KBP_HOP_CACHE_NS. A change reaches established flows
+ * within KBP_HOP_CACHE_NS. With equal-cost routes the flows to one address follow one
+ * path while its answer holds. Returns BPF_FIB_LKUP_RET_*, with fib->ifindex, smac and
+ * dmac set on success. Entries are shared by all CPUs: two CPUs refreshing one at once
+ * write the same answer. */
 static __always_inline int ext_next_hop(void *ctx, const struct kbp_tuple *t,
 					const struct kbp_nat_target *to, __u32 ifindex,
-					struct kbp_ct_entry *flow, __u64 now,
+					struct kbp_ct_entry *flow, __u32 backend_id, __u64 now,
 					struct bpf_fib_lookup *fib)
 {
 	struct kbp_hop *hop;
+	__u32 epoch;
 	int rc;
 
 	if (flow && __ext_hop_fresh(flow->hop_time, flow->hop_ifindex, flow->hop_smac,
 				    flow->hop_dmac, now, fib))
 		return BPF_FIB_LKUP_RET_SUCCESS;
-	hop = map_hop(to->daddr);
-	if (hop && hop->in_ifindex == ifindex && lb_addr_equal(hop->addr, to->daddr) &&
-	    __ext_hop_fresh(hop->time, hop->ifindex, hop->smac, hop->dmac, now, fib)) {
+	epoch = map_hop_epoch();
+	hop = (epoch && backend_id) ? map_backend_hop(backend_id) : map_hop(to->daddr);
+	if (hop && __ext_hop_current(hop, to->daddr, ifindex, epoch, now)) {
+		fib->ifindex = hop->ifindex;
+		__builtin_memcpy(fib->smac, hop->smac, ETH_ALEN);
+		__builtin_memcpy(fib->dmac, hop->dmac, ETH_ALEN);
 		rc = BPF_FIB_LKUP_RET_SUCCESS;
 	} else {
 		ext_fib_params(t, to, ifindex, fib);
@@ -258,6 +289,7 @@ static __always_inline int ext_next_hop(void *ctx, const struct kbp_tuple *t,
 			hop->ifindex = fib->ifindex;
 			__builtin_memcpy(hop->smac, fib->smac, ETH_ALEN);
 			__builtin_memcpy(hop->dmac, fib->dmac, ETH_ALEN);
+			hop->epoch = epoch;
 			hop->time = now;
 		}
 	}

@@ -147,6 +147,8 @@ def test_file_changes_are_applied_and_sigterm_leaves_the_dataplane(setup) -> Non
         agent.wait_for_line("sync: applied revision", after=first + 1)
         result = lab.pods["client"].connect_many(CLUSTER_IP, 80, "tcp", 20)
         assert result.counts == {"be2": 20}, result
+        # explain's build, compiled after the first apply (a stop would end the compile)
+        agent.wait_for_line("explain's build of the programs pinned")
     finally:
         assert agent.stop() == 0
     # Stopped: Services keep working, as with kube-proxy's rules.
@@ -156,8 +158,7 @@ def test_file_changes_are_applied_and_sigterm_leaves_the_dataplane(setup) -> Non
     assert [hook.rpartition(":")[2] for hook in hooks] == ["kbp_from_pod"], hooks
 
     # The maps' pins, explain's build of two programs (the agent pinned it after its
-    # first apply; stopping waits for it), and with tcx one per tc link (each pod
-    # interface's two hooks).
+    # first apply), and with tcx one per tc link (each pod interface's two hooks).
     links = [pin for pin in pin_dir.iterdir() if pin.name.startswith("kbp_tcx_")]
     assert len(links) == (2 * len(lab.pods) if "tcx" in hooks[0] else 0), links
     explained = [pin_dir / abi.versioned(f"{p}_explain") for p in ("kbp_from_pod", "kbp_from_ext")]

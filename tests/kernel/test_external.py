@@ -33,6 +33,8 @@ the client) and also the source when it is on another node (replies must come ba
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -415,6 +417,58 @@ def test_xdp_is_attached_as_reported_and_counts_its_verdicts(ext: ExtLab) -> Non
     assert grown(before, after, "tx", "redirect") >= 3, (before, after)
     assert grown(before, after, "drop-range") >= 1, (before, after)
     assert grown(before_b, after_b, "drop-no-backend") >= 1, (before_b, after_b)
+
+
+def next_hop_epochs(ext: ExtLab, node: str, cause: str) -> float:
+    """kbp_next_hop_epochs_total{cause} of a node's agent."""
+    agent = ext.nodes[node].agent
+    assert agent is not None
+    found = re.search(rf'^kbp_next_hop_epochs_total\{{cause="{cause}"\}} (\S+)$',
+                      agent.get("/metrics"), re.M)  # fmt: skip
+    assert found is not None
+    return float(found[1])
+
+
+def wait_for_epoch(ext: ExtLab, node: str, cause: str, above: float) -> None:
+    deadline = time.monotonic() + 10
+    while next_hop_epochs(ext, node, cause) <= above:
+        assert time.monotonic() < deadline, f"no new {cause} epoch on {node}"
+        time.sleep(0.1)
+
+
+@not_on(NETFILTER, "the eBPF programs' next-hop cache: netfilter asks the FIB per packet")
+def test_a_neighbours_new_mac_address_reaches_new_flows_at_once(ext: ExtLab) -> None:
+    """The eBPF programs keep a backend's next hop until the agent hears of a change
+    (hops.py): node-b's MAC address in node-a's neighbour table turns wrong, and new flows
+    to web-b through node-a fail; right again, and the first new flows after the agent
+    heard of it are served, well before the 10 s an unwatched answer may live."""
+    node = ext.nodes["node-a"]
+    warm_up = ext.connect("outside-1", NODE_A[0], NP_REMOTE, n=1)
+    assert served(warm_up, "web-b", NODE_A[0], n=1), warm_up
+    (neighbour,) = json.loads(node.run("ip", "-j", "neigh", "show", NODE_B[0], "dev",
+                                       EXTERNAL_IFNAME))  # fmt: skip
+    right = neighbour["lladdr"]
+
+    def set_mac(mac: str) -> None:
+        before = next_hop_epochs(ext, "node-a", "neighbour")
+        node.run("ip", "neigh", "replace", NODE_B[0], "lladdr", mac, "nud", "reachable",
+                 "dev", EXTERNAL_IFNAME)  # fmt: skip
+        wait_for_epoch(ext, "node-a", "neighbour", before)
+
+    try:
+        set_mac("02:00:5e:00:53:01")  # nobody's
+        lost = ext.connect("outside-1", NODE_A[0], NP_REMOTE, n=1, timeout=DROP_TIMEOUT)
+        assert lost.errors == {"timeout": 1}, lost
+        set_mac(right)
+        again = ext.connect("outside-1", NODE_A[0], NP_REMOTE)
+        assert served(again, "web-b", NODE_A[0]), (answers(again), again)
+        assert node.agent is not None
+        hops = node.agent.state()["status"]["nextHops"]
+        assert hops["watching"] and hops["epoch"] > 0, hops
+        assert hops["newEpochs"]["start"] == 1 and hops["newEpochs"]["neighbour"] >= 2, hops
+    finally:
+        node.run("ip", "neigh", "replace", NODE_B[0], "lladdr", right, "nud", "reachable",
+                 "dev", EXTERNAL_IFNAME)  # fmt: skip
 
 
 def test_cleanup_leaves_nothing_behind(ext: ExtLab) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import subprocess
 import threading
 import time
 
@@ -21,9 +23,10 @@ from agent.dataplane.ebpf.netlink import (
     LinkWatcher,
     NetlinkError,
     PodInterfaces,
+    RouteWatcher,
     TcAttacher,
 )
-from agent.lab.toolkit import SINK
+from agent.lab.toolkit import SINK, in_netns
 from tests.lab.nodelab import Lab
 
 PORT = 8080
@@ -350,3 +353,54 @@ def test_attacher_in_a_missing_namespace_fails_clearly():
         TcAttacher("kbp-lab-missing")
     # Unlike pyroute2's own netns= option, a missing namespace is not created.
     assert not os.path.exists("/run/netns/kbp-lab-missing")
+
+
+def test_the_route_watcher_hears_what_a_next_hop_depends_on_and_nothing_else(netns) -> None:
+    """RouteWatcher (the eBPF programs' next-hop epoch, hops.py) in a namespace of its own:
+    a route, a rule, a link's MAC address, a neighbour's MAC address or its removal are
+    heard; a neighbour going through its states with the same address, or a neighbour
+    appearing, is not (a route added after it is the first thing heard)."""
+    ns = netns()
+
+    def ip(*argv: str) -> None:
+        subprocess.run(in_netns(ns, ["ip", *argv]), check=True)
+
+    # No IPv6 addresses, whose duplicate detection would add routes at its own time.
+    subprocess.run(in_netns(ns, ["sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
+                                 "net.ipv6.conf.default.disable_ipv6=1"]), check=True)  # fmt: skip
+    ip("link", "add", "kbpdummy0", "type", "veth", "peer", "name", "kbpdummy1")
+    ip("link", "set", "kbpdummy1", "up")
+    ip("link", "set", "kbpdummy0", "up")
+    ip("addr", "add", "10.9.0.1/24", "dev", "kbpdummy0")
+    ip("neigh", "add", "10.9.0.2", "lladdr", "02:00:00:00:09:02", "nud", "reachable",
+       "dev", "kbpdummy0")  # fmt: skip
+    heard: queue.Queue[set[str]] = queue.Queue()
+    watcher = RouteWatcher(ns, heard.put)
+    watcher.start()  # learns the neighbour's address from its dump
+
+    def until(cause: str) -> set[str]:
+        """Everything heard up to (and with) the first call naming `cause`."""
+        seen: set[str] = set()
+        while cause not in seen:
+            seen |= heard.get(timeout=5)
+        return seen
+
+    try:
+        ip("neigh", "change", "10.9.0.2", "lladdr", "02:00:00:00:09:02", "nud", "stale",
+           "dev", "kbpdummy0")  # fmt: skip
+        ip("neigh", "add", "10.9.0.3", "lladdr", "02:00:00:00:09:03", "nud", "reachable",
+           "dev", "kbpdummy0")  # fmt: skip
+        ip("route", "add", "10.10.0.0/24", "via", "10.9.0.2")
+        assert heard.get(timeout=5) == {"route"}
+        ip("neigh", "change", "10.9.0.2", "lladdr", "02:00:00:00:09:04", "dev", "kbpdummy0")
+        assert heard.get(timeout=5) == {"neighbour"}
+        ip("rule", "add", "from", "10.11.0.0/24", "table", "100")
+        assert heard.get(timeout=5) == {"rule"}
+        ip("neigh", "del", "10.9.0.3", "dev", "kbpdummy0")
+        assert heard.get(timeout=5) == {"neighbour"}
+        # (which also flushes the link's neighbours: heard too, maybe in the same read)
+        ip("link", "set", "kbpdummy0", "address", "02:00:00:00:09:99")
+        assert "link" in until("link")
+        assert watcher.failure is None
+    finally:
+        watcher.stop()

@@ -72,6 +72,7 @@ LB_VIP = {4: "203.0.113.9", 6: "2001:db8:113::9"}
 NODE_PORT, LB_PORT, BACKEND_PORT, CLIENT_PORT = 30080, 80, 8080, 40000
 SNAT_PORTS = external.DEFAULT_SNAT_PORTS
 HOP_CACHE_NS = 100_000_000  # bpf/lib/ext.h KBP_HOP_CACHE_NS
+HOP_WATCHED_NS = 10_000_000_000  # bpf/lib/ext.h KBP_HOP_WATCHED_NS
 CLOCK_MONOTONIC_COARSE = 6  # linux/time.h; bpf_ktime_get_coarse_ns reads this clock
 
 NODE_MAC = bytes.fromhex("020000000010")
@@ -721,6 +722,52 @@ def test_a_new_flow_to_a_backend_reuses_the_next_hop_an_earlier_flow_found(node)
     assert out.eth_dst == PEER_MAC
     hop = abi.from_bytes("kbp_hop", hops.lookup(_hop_slot(REMOTE_BACKEND[4])))
     assert (hop.in_ifindex, bytes(hop.dmac)) == (node.ext0, PEER_MAC)
+
+
+def _set_epoch(node: ExtNode, epoch: int) -> None:
+    """kbp_hop_epoch, as the agent's HopEpoch sets it while it watches (hops.py)."""
+    node.loaded.map("kbp_hop_epoch").update(bytes(4), struct.pack("=I", epoch))
+
+
+@pytest.mark.parametrize("hook", ["xdp", "tc"])
+def test_while_the_agent_watches_a_backends_next_hop_holds_until_the_epoch_changes(node, hook):
+    node.service_to(REMOTE_BACKEND[4], local=False)
+    send = node.xdp if hook == "xdp" else node.from_ext
+    _set_epoch(node, 7)
+    send(to_node_port(4))
+    forward = node.ct(CLIENT[4], NODE[4], CLIENT_PORT, NODE_PORT, C.KBP_CT_FORWARD)
+    be_hops, key = node.loaded.map("kbp_be_hops"), struct.pack("=I", forward.backend_id)
+    hop = abi.from_bytes("kbp_hop", be_hops.lookup(key))
+    assert (abi.get_addr(hop.addr, 4), hop.epoch) == (REMOTE_BACKEND[4], 7)
+    assert (hop.in_ifindex, hop.ifindex, bytes(hop.dmac)) == (node.ext0, node.ext0, PEER_MAC)
+    # The backend's entry is the cache for it; kbp_hops stays for clients outside.
+    by_address = node.loaded.map("kbp_hops").lookup(_hop_slot(REMOTE_BACKEND[4]))
+    assert abi.from_bytes("kbp_hop", by_address).time == 0
+    # Under the same epoch an answer far older than 100 ms is used as it stands.
+    planted = bytes.fromhex("02aabbccddee")
+    hop.dmac = list(planted)
+    hop.time -= 2 * HOP_CACHE_NS
+    be_hops.update(key, abi.to_bytes(hop))
+    out = P.parse(send(to_node_port(4, client=OUTSIDER[4])).data_out)
+    assert (out.dst, out.eth_dst) == (REMOTE_BACKEND[4], planted)
+    # A new epoch (a route or neighbour changed): the FIB answers, kept under it.
+    _set_epoch(node, 8)
+    out = P.parse(send(to_node_port(4, sport=CLIENT_PORT + 1)).data_out)
+    assert out.eth_dst == PEER_MAC
+    hop = abi.from_bytes("kbp_hop", be_hops.lookup(key))
+    assert (hop.epoch, bytes(hop.dmac)) == (8, PEER_MAC)
+    # Not used under its own epoch either: an answer older than KBP_HOP_WATCHED_NS (an
+    # agent killed without saying so), or one for another address (the id reused).
+    for sport, stale in ((CLIENT_PORT + 2, "old"), (CLIENT_PORT + 3, "another address")):
+        hop = abi.from_bytes("kbp_hop", be_hops.lookup(key))
+        hop.dmac = list(planted)
+        if stale == "old":
+            hop.time -= HOP_WATCHED_NS
+        else:
+            abi.set_addr(hop.addr, "192.0.2.99")
+        be_hops.update(key, abi.to_bytes(hop))
+        out = P.parse(send(to_node_port(4, sport=sport)).data_out)
+        assert out.eth_dst == PEER_MAC, stale
 
 
 def test_xdp_passes_a_syn_to_a_backend_without_a_route_untouched_for_tc(node):

@@ -29,9 +29,10 @@ from .attach import Attacher, detach_xdp
 from .cgroup import detach_socket_hooks, netns_cookie
 from .conntrack import adopt_earlier_conntrack
 from .handoff import Handoff, describe, kernel_nat_flows, release_netfilter
+from .hops import CAUSES, HopEpoch
 from .keeper import CHECK_PERIOD, REPAIRS, Keeper
 from .kernel import EXPLAIN_PROGRAMS, ExplainBuild, LoadError, load_programs
-from .netlink import TcAttacher
+from .netlink import NetlinkError, TcAttacher
 from .options import EbpfOptions, SocketLb
 from .pins import not_ours
 from .writer import MapWriter
@@ -93,6 +94,13 @@ class EbpfDataplane:
         if stale:
             log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
         self.conntrack.start()
+        self.hops = HopEpoch(self.programs, options.netns)
+        if options.watch_routes:
+            try:
+                self.hops.start()
+            except NetlinkError as err:
+                log.warning("ebpf: cannot watch routes and neighbours (%s): the programs "
+                            "keep a next hop 100 ms", err)  # fmt: skip
         # Flows netfilter translated (kube-proxy's) are left to it: handoff.py.
         self.handoff = Handoff(self.programs.map("kbp_ct"))
         self._handed_off = False
@@ -177,7 +185,8 @@ class EbpfDataplane:
     def close(self) -> None:
         """Stop watching for interfaces; programs stay attached, maps stay pinned."""
         self.keeper.stop()  # after its pass in flight: nothing writes through closed fds
-        self.explain_build.stop()  # a compile under way pins, then ends
+        self.explain_build.stop()  # a compile under way is killed
+        self.hops.stop()
         self.conntrack.stop()
         self.links.stop()
         self.links.tc.close()
@@ -194,6 +203,7 @@ class EbpfDataplane:
                 "unrepairedSeconds": round(unrepaired, 1) if unrepaired is not None else None,
                 "selfTest": tested.to_dict() if tested is not None else None,
             },
+            "nextHops": self.hops.status(),
         }
 
     def integrity(self) -> tuple[list[str], float | None]:
@@ -208,6 +218,9 @@ class EbpfDataplane:
             metrics.dataplane_repairs.labels(what)
         for result in RESULTS:
             metrics.datapath_self_tests.labels(result)
+        for cause in CAUSES:
+            metrics.next_hop_epochs.labels(cause)
+        self.hops.report_to(lambda cause: metrics.next_hop_epochs.labels(cause).inc())
 
         def tested(test: SelfTest) -> None:
             metrics.datapath_self_tests.labels(test.result).inc()

@@ -34,13 +34,21 @@ from pyroute2.netlink import (
 from pyroute2.netlink.exceptions import NetlinkError as KernelNetlinkError
 from pyroute2.netlink.rtnl import (
     RTM_DELLINK,
+    RTM_DELNEIGH,
+    RTM_DELROUTE,
+    RTM_DELRULE,
     RTM_GETLINK,
+    RTM_GETNEIGH,
     RTM_NEWLINK,
+    RTM_NEWNEIGH,
+    RTM_NEWROUTE,
+    RTM_NEWRULE,
     RTM_NEWTFILTER,
     RTMGRP_LINK,
 )
 from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
 from pyroute2.netlink.rtnl.marshal import MarshalRtnl
+from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
 from ..base import DataplaneError
@@ -1190,3 +1198,183 @@ class LinkWatcher:
             callback(link)
         except Exception:
             log.exception("link watcher: callback for %s (index %d) failed", link.name, link.index)
+
+
+# What RouteWatcher listens to (rtnetlink multicast groups) and the kernel's flag values
+# it reads (include/uapi/linux/rtnetlink.h, neighbour.h, if.h).
+_ROUTE_GROUPS = (1, 3, 7, 8, 11, 19)  # LINK, NEIGH, IPV4_ROUTE, IPV4_RULE, IPV6_ROUTE, IPV6_RULE
+_SOL_NETLINK, _NETLINK_ADD_MEMBERSHIP = 270, 1
+_RTM_F_CLONED = 0x200  # a route the kernel cloned into its cache, not a table's
+_NUD_VALID = 0x02 | 0x04 | 0x08 | 0x10 | 0x40 | 0x80  # what bpf_fib_lookup resolves with
+_LINK_STATE = 0x1 | 0x40 | 0x10000  # IFF_UP, IFF_RUNNING, IFF_LOWER_UP
+
+
+class RouteWatcher:
+    """Calls `on_change(causes)` when the kernel announces, in `netns`, a change that can
+    change a FIB lookup's answer: a route or routing rule added or removed (not the
+    route cache's clones), a link removed or changing its state (up, running, carrier) or
+    MAC address, a neighbour's MAC address changing or the neighbour going away or no
+    longer resolving. Neighbour entries go through states all the time (reachable,
+    stale, probe) with the same address: those are not changes. `causes` is the set of
+    kinds ("route", "rule", "link", "neighbour", "lost": events were dropped) seen in one
+    read, so a burst calls once. Starts with a dump of links and neighbours, to know the
+    addresses they have; callbacks run on the watcher's own thread."""
+
+    def __init__(self, netns: str | None, on_change: Callable[[set[str]], None]) -> None:
+        self.netns = netns
+        self._on_change = on_change
+        self._links: dict[int, tuple[int, str | None]] = {}  # index -> (state bits, MAC)
+        self._neighbours: dict[tuple[int, int, str], str | None] = {}  # -> MAC, None: unresolved
+        self._wake_read = self._wake_write = -1
+        self._stopping = threading.Event()
+        self._scanned = threading.Event()
+        self._failure: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._sequence = 0
+
+    def start(self, timeout: float = _START_TIMEOUT_S) -> None:
+        """Subscribe, dump links and neighbours, and return once both dumps were read."""
+        if self._thread is not None:
+            raise RuntimeError("a RouteWatcher starts once")
+        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._thread = threading.Thread(
+            target=self._main, name=f"kbp-routewatch-{self.netns or 'self'}", daemon=True
+        )
+        self._thread.start()
+        if not self._scanned.wait(timeout):
+            self.stop()
+            raise NetlinkError(f"route watcher: no link and neighbour dump within {timeout}s")
+        if self._failure is not None:
+            failure = self._failure
+            self.stop()
+            raise failure
+
+    def stop(self, timeout: float = _START_TIMEOUT_S) -> None:
+        """Stop watching and join the thread; idempotent."""
+        self._stopping.set()
+        if self._thread is threading.current_thread():
+            return
+        if self._thread is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_write, b"x")
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("route watcher thread did not stop within %.1fs", timeout)
+                return
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the watcher thread ended on its own; None while all is well."""
+        return self._failure
+
+    def _main(self) -> None:
+        try:
+            if self.netns is not None:
+                enter_netns(self.netns)
+            sock = socket.socket(
+                socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
+            )
+        except BaseException as exc:
+            self._failure = exc
+            self._scanned.set()
+            return
+        try:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, 33, 4 << 20)  # SO_RCVBUFFORCE
+            except OSError:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            sock.bind((0, 0))
+            for group in _ROUTE_GROUPS:  # before the dumps: nothing falls in between
+                sock.setsockopt(_SOL_NETLINK, _NETLINK_ADD_MEMBERSHIP, group)
+            self._loop(sock)
+        except BaseException as exc:
+            log.exception("route watcher for %s failed", self.netns or "this namespace")
+            self._failure = exc
+            self._scanned.set()
+        finally:
+            sock.close()
+
+    def _dump(self, sock: socket.socket, kind: int) -> int:
+        self._sequence += 1
+        msg = ifinfmsg() if kind == RTM_GETLINK else ndmsg()
+        msg["family"] = socket.AF_UNSPEC
+        msg["header"]["type"] = kind
+        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_DUMP
+        msg["header"]["sequence_number"] = self._sequence
+        msg.encode()
+        sock.send(msg.data)
+        return self._sequence
+
+    def _loop(self, sock: socket.socket) -> None:
+        marshal = MarshalRtnl()
+        dumps = [RTM_GETLINK, RTM_GETNEIGH]  # one dump at a time on a socket
+        dumping = self._dump(sock, dumps.pop(0))
+        while not self._stopping.is_set():
+            readable, _, _ = select.select([sock, self._wake_read], [], [])
+            if self._wake_read in readable:
+                return
+            causes: set[str] = set()
+            try:
+                data = sock.recv(1 << 20)
+            except OSError as exc:
+                if exc.errno != errno.ENOBUFS:
+                    raise
+                log.warning("route watcher: netlink queue overflowed; every next hop is "
+                            "looked up again")  # fmt: skip
+                causes.add("lost")
+                if not dumping:  # learn the addresses again
+                    dumps = [RTM_GETLINK, RTM_GETNEIGH]
+                    dumping = self._dump(sock, dumps.pop(0))
+                self._call(causes)
+                continue
+            for msg in marshal.parse(data):
+                header = msg["header"]
+                in_dump = bool(dumping) and header["sequence_number"] == dumping
+                if in_dump and header.get("error") is not None:
+                    raise header["error"]
+                if in_dump and header["type"] == NLMSG_DONE:
+                    dumping = self._dump(sock, dumps.pop(0)) if dumps else 0
+                    if not dumping:
+                        self._scanned.set()
+                    continue
+                cause = self._saw(msg, header["type"])
+                if cause and not in_dump:
+                    causes.add(cause)
+            self._call(causes)
+
+    def _saw(self, msg: Any, kind: int) -> str | None:
+        """What `msg` changed ("route", "rule", "link", "neighbour"), None when nothing a
+        next hop depends on; the links' and neighbours' addresses learnt meanwhile."""
+        if kind in (RTM_NEWROUTE, RTM_DELROUTE):
+            return None if msg["flags"] & _RTM_F_CLONED else "route"
+        if kind in (RTM_NEWRULE, RTM_DELRULE):
+            return "rule"
+        if kind in (RTM_NEWLINK, RTM_DELLINK):
+            index = msg["index"]
+            before = self._links.pop(index, None)
+            if kind == RTM_DELLINK:
+                return "link" if before is not None else None
+            now = (msg["flags"] & _LINK_STATE, msg.get_attr("IFLA_ADDRESS"))
+            self._links[index] = now
+            return "link" if before is not None and before != now else None
+        if kind in (RTM_NEWNEIGH, RTM_DELNEIGH):
+            key = (msg["family"], msg["ifindex"], str(msg.get_attr("NDA_DST")))
+            before = self._neighbours.pop(key, None)
+            if kind == RTM_DELNEIGH:
+                return "neighbour" if before is not None else None
+            mac = msg.get_attr("NDA_LLADDR") if msg["state"] & _NUD_VALID else None
+            self._neighbours[key] = mac
+            return "neighbour" if before is not None and before != mac else None
+        return None
+
+    def _call(self, causes: set[str]) -> None:
+        if not causes:
+            return
+        try:
+            self._on_change(causes)
+        except Exception:
+            log.exception("route watcher: callback for %s failed", ",".join(sorted(causes)))

@@ -280,6 +280,9 @@ class EbpfOptions:
     cgroup: Path | None = None  # where the socket hooks serve; None: not attached
     netns: str | None = None  # the network namespace to attach in; None: this thread's
     watch: bool = True  # follow netlink for new interfaces
+    # follow netlink for route, rule, link and neighbour changes (hops.HopEpoch), so the
+    # programs keep a next hop until one; False: they keep it 100 ms
+    watch_routes: bool = True
     check_period: float | None = None  # keeper.CHECK_PERIOD when None; 0: no checks
     # compile and pin explain's build after the first apply (kernel.ExplainBuild): the
     # agent does; tests and tools that build a dataplane of their own need no second
