@@ -23,8 +23,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ..dataplane.ebpf.abi import versioned
-from ..dataplane.nftables.render import SERVICE_IPS as NFT_SERVICE_IPS
 from ..dataplane.nftables.render import TABLE as NFT_TABLE
+from ..dataplane.nftables.render import slots_map as nft_slots_map
 from ..model.compile import ANY_CLUSTER, LOCAL_CLUSTER, NO_TOPOLOGY, CompileOptions, compile
 from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry, is_external
 from ..model.outcome import BACKENDS, KEPT, topology_tiers
@@ -668,11 +668,12 @@ def show_dataplane(cluster: Cluster, agent: Agent, say: Printer) -> None:
         except LabError as err:
             say(f"  {err}")
     elif agent.dataplane == "nftables":
-        # The frontends and the marker, then the map the kernel looks them up in.
+        # The frontends and the marker, then the map of their endpoint slots.
+        slots = nft_slots_map(False, "tcp")
         shown = [("kube-bpf-proxy inspect nftables",
                   [python_for_children(), "-m", "agent", "inspect", "nftables"]),
-                 (f"nft list map ip {NFT_TABLE} {NFT_SERVICE_IPS}",
-                  ["nft", "list", "map", "ip", NFT_TABLE, NFT_SERVICE_IPS])]  # fmt: skip
+                 (f"nft list map ip {NFT_TABLE} {slots}",
+                  ["nft", "list", "map", "ip", NFT_TABLE, slots])]  # fmt: skip
         for text, argv in shown:
             say(f"\n$ nsenter --net=/run/netns/{node_ns} {text}")
             try:

@@ -1,9 +1,10 @@
 """The nftables dataplane against the real `nft`, each test in throw-away network
-namespaces: partial syncs write only the changed entries' elements and chains and leave
-the table a fresh full write would; a restarted agent adopts the table writing nothing;
-a full sync puts back a table someone deleted; a refused transaction changes nothing;
-cleanup removes our tables and nobody else's. (Where packets go is the scenario suites'
-part: tests/kernel/test_dataplane.py and test_external.py run on nftables.)
+namespaces: partial syncs write only the changed entries' elements (and a pick chain when
+an endpoint count comes or goes) and leave the table a fresh full write would; a restarted
+agent adopts the table writing nothing; a full sync puts back a table someone deleted; a
+refused transaction changes nothing; cleanup removes our tables and nobody else's. (Where
+packets go is the scenario suites' part: tests/kernel/test_dataplane.py and
+test_external.py run on nftables.)
 
 Address plan (tests/builders.py): node-a 192.0.2.10 / 2001:db8::10, pods 10.244.<node>.<n>
 and fd00:244:<node>::<n>, pod CIDRs 10.244.0.0/16 and fd00:244::/32. Services sNN get
@@ -224,7 +225,7 @@ def test_partial_syncs_leave_the_table_a_fresh_write_would(
         assert max(found, key=lambda m: m[2])[0] == state.revision  # type: ignore[index]
 
 
-def test_one_changed_service_writes_only_its_elements_and_chain(nft_ns: str) -> None:
+def test_one_changed_service_writes_only_its_elements(nft_ns: str) -> None:
     objects = {n: service(n, [f"10.244.2.{n}", f"10.244.2.{n + 100}"]) for n in range(1, 30)}
     recorder = Recorder()
     dataplane = NftablesDataplane(POD_INTERFACES, netns=nft_ns, run=recorder)
@@ -236,25 +237,14 @@ def test_one_changed_service_writes_only_its_elements_and_chain(nft_ns: str) -> 
     [written] = recorder.take()
     lines = [line for line in written.splitlines() if line.split()[4] != STATE]
     assert lines == [
+        "delete element ip kube-bpf-proxy slots-tcp { 10.96.1.7 . tcp . 80 . 1 }",
         "delete element ip kube-bpf-proxy hairpin { 10.244.2.107 . 10.244.2.107 }",
-        f"flush chain ip kube-bpf-proxy {chain_of(state, 's07')}",
-        f"add rule ip kube-bpf-proxy {chain_of(state, 's07')} ip daddr 10.96.1.7 th dport 80 "
-        "jump masq-non-pod",
-        f"add rule ip kube-bpf-proxy {chain_of(state, 's07')} jhash ip saddr . th sport . "
-        "ip daddr . th dport mod 2 seed 0x6b627031 0 meta l4proto tcp dnat to 10.244.2.7:8080",
-        f"add rule ip kube-bpf-proxy {chain_of(state, 's07')} meta l4proto tcp "
-        "dnat to 10.244.2.207:8080",
+        "add element ip kube-bpf-proxy slots-tcp { 10.96.1.7 . tcp . 80 . 1 : "
+        "10.244.2.207 . 8080 }",
         "add element ip kube-bpf-proxy hairpin { 10.244.2.207 . 10.244.2.207 }",
     ], written
-    assert writes == 5 + 1  # five commands that write (a flush does not), and the marker
+    assert writes == 4 + 1  # four element writes, and the marker
     assert dataplane.apply(state) == 0 and recorder.take() == []
-
-
-def chain_of(state: NodeState, name: str) -> str:
-    from agent.dataplane.nftables.render import service_chain
-
-    [entry] = [e for e in state.services if e.name == name]
-    return service_chain("svc", entry)
 
 
 def test_a_restarted_agent_adopts_the_table_and_writes_nothing(nft_ns: str) -> None:
@@ -345,23 +335,25 @@ def test_inspect_shows_the_frontends_and_the_revision(nft_ns: str) -> None:
     rows = {(r["family"], r["frontend"]): r for r in json.loads(done.stdout)}
     assert set(rows) == {("IPv4", "10.96.1.1:80/TCP"), ("IPv4", "10.96.1.2:80/TCP"),
                          ("IPv4", "192.0.2.10:30002/TCP")}, rows  # fmt: skip
-    assert rows[("IPv4", "10.96.1.1:80/TCP")]["translate"].startswith("goto svc-")
+    assert rows[("IPv4", "10.96.1.1:80/TCP")]["translate"] == "pick-h-1: 10.244.2.1:8080"
     assert rows[("IPv4", "10.96.1.1:80/TCP")]["untranslated"] == ""
     for frontend in ("10.96.1.2:80/TCP", "192.0.2.10:30002/TCP"):  # no endpoints: rejected
         assert rows[("IPv4", frontend)]["translate"] == ""
-        assert rows[("IPv4", frontend)]["untranslated"] == "goto reject-chain"
+        assert rows[("IPv4", frontend)]["untranslated"] == "reject"
     assert {r["revision"] for r in rows.values()} == {state.revision}
 
 
 def test_long_names_fit_nfts_comments(nft_ns: str) -> None:
     """A namespace and a name of 63 characters each, and a port name of 15: the chains'
-    comments (nft keeps 127 bytes) are cut, the transaction goes through."""
+    comments (nft keeps 127 bytes; ClientIP affinity entries have chains of their own) are
+    cut, the transaction goes through."""
     namespace, name = "n" * 63, "s" * 63
 
     def long_names(obj: Obj) -> None:
         obj["metadata"]["namespace"] = namespace
         obj["metadata"]["name"] = name
         obj["spec"]["ports"][0]["name"] = "p" * 15
+        obj["spec"]["sessionAffinity"] = "ClientIP"
 
     objects = service(1, ["10.244.2.1"], mutate=long_names)
     objects[1]["metadata"].update(namespace=namespace)

@@ -34,24 +34,27 @@ from ..iptables.backend import run_command
 from ..options import DEFAULT_POD_INTERFACES
 from .render import (
     FAMILIES,
-    FILTER_IPS,
     HAIRPIN,
     IPV6,
     NFT_FAMILY,
-    SERVICE_IPS,
     STATE,
     TABLE,
+    Element,
     EntryNft,
     RenderOptions,
     base_digest,
     chain_commands,
+    dispatch_commands,
     element_commands,
     entry_nft,
     full_table,
+    grouped,
     hairpin_element,
     interface_patterns,
     marker_commands,
     parse_marker,
+    parse_pick,
+    pick_commands,
     set_command,
 )
 
@@ -153,10 +156,12 @@ class _Held:
     options: RenderOptions
     entries: dict[tuple[str, ...], ServiceEntry]
     made: dict[tuple[str, ...], EntryNft]
-    # element key → {entry sort key: verdict}: every entry that claims the frontend; the
-    # first in document order (the least sort key) holds it
-    dispatch: dict[str, dict[tuple[str, ...], str]] = field(default_factory=dict)
-    filter: dict[str, dict[tuple[str, ...], str]] = field(default_factory=dict)
+    # frontend key → {entry sort key: its elements}: every entry that claims the frontend
+    # (translating it, or refusing it untranslated); the first in document order (the
+    # least sort key) holds it
+    nat: dict[str, dict[tuple[str, ...], tuple[Element, ...]]] = field(default_factory=dict)
+    filter: dict[str, dict[tuple[str, ...], tuple[Element, ...]]] = field(default_factory=dict)
+    picks: dict[str, int] = field(default_factory=dict)  # pick chain → frontends using it
     hairpin: dict[str, int] = field(default_factory=dict)  # endpoint → entries using it
     total: int = 0  # sum of the entries' digests
     digest: str = ""  # the marker's digest of this content
@@ -166,21 +171,25 @@ def _held_from(options: RenderOptions, entries: dict, made: dict) -> _Held:
     held = _Held(options, entries, made)
     for key, m in made.items():
         _claim(held, key, m, +1)
+    for owners in held.nat.values():
+        for where, _ in _winner(owners) or ():
+            if parse_pick(where) is not None:
+                held.picks[where] = held.picks.get(where, 0) + 1
     held.digest = family_digest(base_digest(options), held.total)
     return held
 
 
 def _claim(held: _Held, key: tuple[str, ...], made: EntryNft, sign: int) -> None:
     """Add (+1) or take off (-1) an entry's claims, hairpin uses and digest."""
-    for claims, elements in ((held.dispatch, made.dispatch), (held.filter, made.filter)):
-        for element, verdict in elements:
+    for claims, bundles in ((held.nat, made.nat), (held.filter, made.filter)):
+        for frontend, elements in bundles:
             if sign > 0:
-                claims.setdefault(element, {})[key] = verdict
+                claims.setdefault(frontend, {})[key] = elements
             else:
-                owners = claims[element]
+                owners = claims[frontend]
                 del owners[key]
                 if not owners:
-                    del claims[element]
+                    del claims[frontend]
     for ip in made.endpoints:
         count = held.hairpin.get(ip, 0) + sign
         if count:
@@ -190,7 +199,8 @@ def _claim(held: _Held, key: tuple[str, ...], made: EntryNft, sign: int) -> None
     held.total += sign * _digest_value(made.digest)
 
 
-def _winner(owners: dict[tuple[str, ...], str] | None) -> str | None:
+def _winner(owners: dict[tuple[str, ...], tuple[Element, ...]] | None
+            ) -> tuple[Element, ...] | None:  # fmt: skip
     return None if not owners else owners[min(owners)]
 
 
@@ -373,7 +383,7 @@ class NftablesDataplane(QuietDataplane):
         rewrite_chains: list[str] = []
         delete_chains: list[str] = []
         delete_sets: list[str] = []
-        elements: set[tuple[str, str]] = set()  # (map, element key) whose holder may change
+        frontends: set[tuple[str, str]] = set()  # (nat|filter, key) whose holder may change
         for _key, old, new in touched:
             old_chains = old.chains if old is not None else {}
             new_chains = new.chains if new is not None else {}
@@ -393,10 +403,10 @@ class NftablesDataplane(QuietDataplane):
             delete_chains += [name for name in old_chains if name not in new_chains]
             for made in (old, new):
                 if made is not None:
-                    elements.update((SERVICE_IPS, k) for k, _ in made.dispatch)
-                    elements.update((FILTER_IPS, k) for k, _ in made.filter)
-        claims = {SERVICE_IPS: held.dispatch, FILTER_IPS: held.filter}
-        holders_before = {(m, k): _winner(claims[m].get(k)) for m, k in elements}
+                    frontends.update(("nat", k) for k, _ in made.nat)
+                    frontends.update(("filter", k) for k, _ in made.filter)
+        claims = {"nat": held.nat, "filter": held.filter}
+        holders_before = {(c, k): _winner(claims[c].get(k)) or () for c, k in frontends}
         ips = {ip for _, old, new in touched for m in (old, new) if m is not None
                for ip in m.endpoints}  # fmt: skip
         present_before = {ip for ip in ips if ip in held.hairpin}
@@ -406,31 +416,45 @@ class NftablesDataplane(QuietDataplane):
             if new is not None:
                 _claim(held, key, new, +1)
         held.digest = family_digest(base_digest(options), held.total)
-        delete_elements: dict[str, list[str]] = {SERVICE_IPS: [], FILTER_IPS: []}
-        add_elements: dict[str, list[str]] = {SERVICE_IPS: [], FILTER_IPS: []}
-        for (m, k), was in sorted(holders_before.items()):
-            now = _winner(claims[m].get(k))
+        went: list[Element] = []
+        came: list[Element] = []
+        for (c, k), was in sorted(holders_before.items()):
+            now = _winner(claims[c].get(k)) or ()
             if now == was:
                 continue
-            if was is not None:
-                delete_elements[m].append(k)
-            if now is not None:
-                add_elements[m].append(f"{k} : {now}")
+            went += [e for e in was if e not in now]
+            came += [e for e in now if e not in was]
+        picks_before = set(held.picks)
+        for elements, sign in ((went, -1), (came, +1)):
+            for where, _ in elements:
+                if parse_pick(where) is not None:
+                    count = held.picks.get(where, 0) + sign
+                    if count:
+                        held.picks[where] = count
+                    else:
+                        del held.picks[where]
+        new_picks = sorted(set(held.picks) - picks_before)
+        gone_picks = sorted(picks_before - set(held.picks))
         present_after = {ip for ip in ips if ip in held.hairpin}
         gone_ips, came_ips = present_before - present_after, present_after - present_before
-        delete_elements[HAIRPIN] = [hairpin_element(i) for i in sorted(gone_ips)]
-        add_elements[HAIRPIN] = [hairpin_element(i) for i in sorted(came_ips)]
+        went += [(HAIRPIN, hairpin_element(i)) for i in sorted(gone_ips)]
+        came += [(HAIRPIN, hairpin_element(i)) for i in sorted(came_ips)]
         t = f"{NFT_FAMILY[family]} {TABLE}"
         commands: list[str] = [*create_sets, *create_chains]
-        for m, items in delete_elements.items():
-            commands += element_commands("delete", family, m, items)
+        for pick in new_picks:
+            commands += pick_commands(family, pick)
+        for where, items in grouped(went).items():
+            if where not in gone_picks:  # the set goes with its chain
+                commands += element_commands("delete", family, where, items)
         commands += rewrite_chains
-        for m, items in add_elements.items():
-            commands += element_commands("add", family, m, items)
+        if new_picks or gone_picks:  # pick-inside/-outside name the pick chains in use
+            commands += dispatch_commands(family, held.picks, new=False)
+        for where, items in grouped(came).items():
+            commands += element_commands("add", family, where, items)
         # every chain that goes is emptied before any is deleted: they jump to each other
-        commands += [f"flush chain {t} {name}" for name in delete_chains]
-        commands += [f"delete chain {t} {name}" for name in delete_chains]
-        commands += [f"delete set {t} {name}" for name in delete_sets]
+        commands += [f"flush chain {t} {name}" for name in (*delete_chains, *gone_picks)]
+        commands += [f"delete chain {t} {name}" for name in (*delete_chains, *gone_picks)]
+        commands += [f"delete set {t} {name}" for name in (*delete_sets, *gone_picks)]
         return commands, held
 
     def _udp_changes(
