@@ -1,9 +1,10 @@
 """The nftables half of `explain`: the packet followed through the table this network
 namespace holds (`ip`/`ip6 kube-bpf-proxy`), as the kernel's lookups would: the frontend's
-source ranges, masquerade and policy sets, the pick set that holds it (then its slots, and
-with --sport the slot the flow hash gives) or an affinity entry's chain, or, untranslated,
-the filter sets; compared with the NodeState. Reads only what it needs (elements by key,
-the two dispatch chains), never the whole table. Runs in the node's network namespace."""
+source ranges, masquerade and policy sets, the client's remembered endpoint (ClientIP
+affinity), the pick set that holds it (then its slots, and with --sport the slot the flow
+hash gives), or, untranslated, the filter sets; compared with the NodeState. Reads only
+what it needs (elements by key, the two dispatch chains), never the whole table. Runs in
+the node's network namespace."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from typing import Any
 from ..dataplane.iptables.backend import run_command
 from ..dataplane.nftables.dataplane import NFT, kernel_marker
 from ..dataplane.nftables.render import (
-    AFFINITY,
+    AFFINITY_CHAINS,
+    AFFINITY_CLIENTS,
     ALLOWED,
     DROP,
     EXT_LOCAL,
@@ -25,7 +27,7 @@ from ..dataplane.nftables.render import (
     MASQ_NON_POD,
     NFT_FAMILY,
     NO_ENDPOINTS,
-    OUTSIDE_AFFINITY,
+    OUTSIDE_AFFINITY_CHAINS,
     PICK_INSIDE,
     PICK_OUTSIDE,
     RANGED,
@@ -38,10 +40,10 @@ from ..model.ip import ip_family
 from ..model.nodestate import Backend, NodeState
 from .semantics import NODE, NOT_A_SERVICE, POD, Explanation, address
 
-_DNAT = re.compile(r"dnat (?:ip6? )?to (\[[^\]]+\]|[0-9.]+):(\d+)")
 _PICK = re.compile(r"@(\S+) goto (\S+)$")
-# A flow-hash rule of an affinity chain as nft lists it: `jhash ip saddr . th sport . ip
-# daddr . th dport mod 3 seed 0x6b627031 0 ...` (the last endpoint's rule has no condition)
+_DNAT = re.compile(r"dnat (?:ip6? )?to (\[[^\]]+\]|[0-9.]+):(\d+)")
+# A flow-hash rule of an IPv6 affinity entry's chain as nft lists it: `jhash ip6 saddr . th
+# sport . ip6 daddr . th dport mod 3 seed 0x6b627031 0 ...` (the last rule has no condition)
 _JHASH = re.compile(r"jhash ip6? saddr \. \S+ sport \. ip6? daddr \. \S+ dport "
                     r"mod (\d+) seed (0x[0-9a-f]+) (\d+) ")  # fmt: skip
 U32 = 0xFFFFFFFF
@@ -148,7 +150,7 @@ def flow_slot(
 
 
 def affinity_chain(family: str, chain: str) -> tuple[dict[str, float], list[tuple[str, str]], str]:
-    """An affinity entry's chain: (endpoints with their shares, its endpoint rules in
+    """An IPv6 affinity entry's chain: (endpoints with their shares, its endpoint rules in
     order after the affinity checks: (endpoint, rule), how it picks)."""
     picks: list[tuple[str, str]] = []
     how = "the flow hash (jhash of the 5-tuple)"
@@ -174,7 +176,8 @@ def translate(
     family: str, key: str, source: Any, lines: list[str]
 ) -> tuple[dict[str, float], bool, str, Any]:
     """(endpoints with their shares, masqueraded, how picked, the pick: (slots in order,
-    modulus) or an affinity chain's endpoint rules) for a packet from `source` to the
+    modulus), an IPv6 affinity chain's endpoint rules, None for a remembered affinity
+    client) for a packet from `source` to the
     frontend `key`, following the services chain's rules; a line per step into `lines`."""
     if member(family, RANGED, key) and not member(family, ALLOWED, f"{key} . {source.ip}"):
         lines.append(f"{RANGED} {{ {key} }}: the source is outside its "
@@ -188,13 +191,21 @@ def translate(
     dispatch = [PICK_INSIDE] if source.kind in (POD, NODE) else [PICK_OUTSIDE, PICK_INSIDE]
     for chain in dispatch:
         outside = chain == PICK_OUTSIDE
-        verdict = element(family, OUTSIDE_AFFINITY if outside else AFFINITY, key)
+        remembered = None
+        if family != IPV6:
+            remembered = element(family, AFFINITY_CLIENTS, f"{source.ip} . {key}")
+        if remembered is not None:  # ClientIP affinity: the client's endpoint until timeout
+            endpoint = _slot_endpoint(remembered)
+            lines.append(f"  {chain}: {AFFINITY_CLIENTS} {{ {source.ip} . {key} }}: "
+                         f"{endpoint}: the client keeps the endpoint it had")  # fmt: skip
+            return {endpoint: 1.0}, masquerade, "ClientIP affinity (a remembered client)", None
+        verdict = element(family, OUTSIDE_AFFINITY_CHAINS if outside else AFFINITY_CHAINS, key)
         if verdict is not None and verdict.startswith(("goto ", "jump ")):
             target = verdict.split()[1]
-            endpoints, picks, how = affinity_chain(family, target)
+            endpoints, rules, how = affinity_chain(family, target)
             done = f": DNAT, picked by {how}" if endpoints else ": no endpoint"
             lines.append(f"  {chain} > {target} (ClientIP affinity){done}")
-            return endpoints, masquerade, how, picks
+            return endpoints, masquerade, how, rules
         for rule in chain_rules(family, chain):
             found = _PICK.search(rule)
             parsed = parse_pick(found.group(2)) if found else None
@@ -240,24 +251,17 @@ def explain_nftables(
     lines = [f"frontend {{ {key} }} from {who} ({source.ip})"]
     endpoints, masquerade, how, pick = translate(family, key, source, lines)
     chosen: str | None = None
-    if endpoints and sport is not None and "flow hash" in how:
-        if isinstance(pick, tuple):  # slots: the one the packet's flow hash gives
-            ordered, count = pick
-            slot = flow_slot(
-                source.ip,
-                sport,
-                dst_ip,
-                dst_port,
-                count,
-                int(HASH_SEED, 16),
-                source_only=family == IPV6,
-            )  # as pick_hash
-            chosen = ordered[slot] if slot < len(ordered) else None
-            lines.append(f"  source port {sport}: jhash(5-tuple) mod {count} = {slot}: "
-                         f"{chosen or 'no slot'}")  # fmt: skip
-        else:
-            chosen, line = _hash_pick(pick, source.ip, sport, dst_ip, dst_port)
-            lines.append(line)
+    if endpoints and sport is not None and "flow hash" in how and isinstance(pick, list):
+        chosen, line = _hash_pick(pick, source.ip, sport, dst_ip, dst_port)
+        lines.append(line)
+    elif endpoints and sport is not None and "flow hash" in how and pick is not None:
+        ordered, count = pick  # the slot the packet's flow hash gives (as pick_hash)
+        seed = int(HASH_SEED, 16)
+        slot = flow_slot(source.ip, sport, dst_ip, dst_port, count, seed, family == IPV6)
+        chosen = ordered[slot] if slot < len(ordered) else None
+        hashed = "jhash(client address, port)" if family == IPV6 else "jhash(5-tuple)"
+        lines.append(f"  source port {sport}: {hashed} mod {count} = {slot}: "
+                     f"{chosen or 'no slot'}")  # fmt: skip
     filtered = None
     if not endpoints:
         if member(family, NO_ENDPOINTS, key):

@@ -345,8 +345,8 @@ def test_inspect_shows_the_frontends_and_the_revision(nft_ns: str) -> None:
 
 def test_long_names_fit_nfts_comments(nft_ns: str) -> None:
     """A namespace and a name of 63 characters each, and a port name of 15: the chains'
-    comments (nft keeps 127 bytes; ClientIP affinity entries have chains of their own) are
-    cut, the transaction goes through."""
+    comments (nft keeps 127 bytes; IPv6 ClientIP affinity entries have chains of their own)
+    are cut, the transaction goes through."""
     namespace, name = "n" * 63, "s" * 63
 
     def long_names(obj: Obj) -> None:
@@ -355,16 +355,44 @@ def test_long_names_fit_nfts_comments(nft_ns: str) -> None:
         obj["spec"]["ports"][0]["name"] = "p" * 15
         obj["spec"]["sessionAffinity"] = "ClientIP"
 
-    objects = service(1, ["10.244.2.1"], mutate=long_names)
-    objects[1]["metadata"].update(namespace=namespace)
-    objects[1]["metadata"]["labels"]["kubernetes.io/service-name"] = name
-    objects[1]["ports"][0]["name"] = "p" * 15
+    objects = service(1, ["10.244.2.1"], dual=True, mutate=long_names)
+    for endpoints in objects[1:]:
+        endpoints["metadata"].update(namespace=namespace)
+        endpoints["metadata"]["labels"]["kubernetes.io/service-name"] = name
+        endpoints["ports"][0]["name"] = "p" * 15
     state = compiled(*objects)
-    assert [e.name for e in state.services] == [name]
+    assert [e.name for e in state.services] == [name, name]
     NftablesDataplane(POD_INTERFACES, netns=nft_ns).apply(state)
-    listed = run_command(nft_ns, ["nft", "list", "table", "ip", TABLE], None).stdout
+    listed = run_command(nft_ns, ["nft", "list", "table", "ip6", TABLE], None).stdout
     comments = [line.strip() for line in listed.splitlines() if line.strip().startswith("comment")]
     assert comments, listed  # (nft -j leaves chain comments out)
     assert all(len(c.encode()) <= len('comment ""') + 127 for c in comments), comments
     assert any(c.startswith(f'comment "{namespace}/s') and c.endswith('..."')
                for c in comments), comments  # fmt: skip
+
+
+def test_affinity_clients_of_an_endpoint_that_left_are_forgotten(nft_ns: str) -> None:
+    """The packet path remembers each ClientIP-affinity client's endpoint in the map
+    affinity-clients (client . frontend → endpoint); when an endpoint leaves, the clients it
+    had are forgotten, the others' kept."""
+
+    def affinity(obj: Obj) -> None:
+        obj["spec"]["sessionAffinity"] = "ClientIP"
+        obj["spec"]["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": 600}}
+
+    dataplane = NftablesDataplane(POD_INTERFACES, netns=nft_ns)
+    dataplane.apply(compiled(*service(1, ["10.244.2.1", "10.244.2.2"], mutate=affinity)))
+    # as the affinity-remember rules write them for two clients' first connections
+    key = "10.96.1.1 . tcp . 80 timeout 600s"
+    remembered = (f"add element ip {TABLE} affinity-clients {{ 10.244.1.50 . {key} : "
+                  f"10.244.2.1 . 8080, 10.244.1.51 . {key} : 10.244.2.2 . 8080 }}\n")  # fmt: skip
+    done = run_command(nft_ns, ["nft", "-f", "-"], remembered)
+    assert done.returncode == 0, done.stderr
+    dataplane.apply(compiled(*service(1, ["10.244.2.1"], mutate=affinity)))
+    listed = run_command(nft_ns, ["nft", "list", "map", "ip", TABLE, "affinity-clients"], None)
+    assert "10.244.1.50 . 10.96.1.1 . tcp . 80" in listed.stdout, listed.stdout
+    assert "10.244.1.51" not in listed.stdout, listed.stdout
+    # without affinity, nobody is remembered
+    dataplane.apply(compiled(*service(1, ["10.244.2.1"])))
+    listed = run_command(nft_ns, ["nft", "list", "map", "ip", TABLE, "affinity-clients"], None)
+    assert "10.244.1.50" not in listed.stdout, listed.stdout

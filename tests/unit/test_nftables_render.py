@@ -19,7 +19,6 @@ import pytest
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.nftables.dataplane import NftablesDataplane
 from agent.dataplane.nftables.render import (
-    AFFINITY,
     ALLOWED,
     DROP,
     EXT_LOCAL,
@@ -38,7 +37,7 @@ from agent.dataplane.nftables.render import (
     marker_commands,
     parse_marker,
     pick_commands,
-    service_chain,
+    remember_commands,
     slots_map,
 )
 from agent.model.compile import CompileOptions, compile
@@ -97,7 +96,6 @@ def test_a_service_without_endpoints_is_rejected_at_every_frontend() -> None:
         for key in ("10.96.0.1 . tcp . 80", "192.0.2.10 . tcp . 30080",
                     "203.0.113.7 . tcp . 80", "203.0.113.9 . tcp . 80")
     }  # fmt: skip
-    assert made.chains == {}
 
 
 def test_internal_policy_local_without_local_endpoints_drops() -> None:
@@ -129,7 +127,6 @@ def test_external_policy_local_sends_outsiders_to_local_endpoints_and_the_rest_t
     assert nat[lb][RANGED] == [lb]
     assert nat[lb][ALLOWED] == [f"{lb} . 198.51.100.0/24"]  # overlapping ranges: one prefix
     assert dict(made.filter) == {lb: ((DROP, lb),)}  # what the source ranges leave
-    assert made.chains == {} and made.sets == {}  # no chain of its own
     assert made.endpoints == ("10.244.1.3", "10.244.2.5")
 
 
@@ -161,21 +158,20 @@ def test_the_split_is_a_flow_hash_by_default_and_numgen_for_random() -> None:
         "meta l4proto . udp dport . numgen random mod 2 map @outside-slots-udp")  # fmt: skip
 
 
-def test_affinity_keeps_a_chain_that_remembers_each_client_per_endpoint() -> None:
+def test_affinity_is_the_frontends_membership_in_its_timeouts_set() -> None:
     affinity = spec(sessionAffinity="ClientIP",
                     sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}})  # fmt: skip
-    e = entry(compiled(*svc([ep(5), ep(6)], affinity)))
-    made = entry_nft(e, V4)
-    chain = service_chain("svc", e)
+    made = entry_nft(entry(compiled(*svc([ep(5), ep(6)], affinity))), V4)
     key = "10.96.0.1 . tcp . 80"
-    assert nat_of(made)[key] == {AFFINITY: [f"{key} : goto {chain}"], MASQ_NON_POD: [key]}
-    assert list(made.sets.values()) == [60, 60]
-    first, second = made.sets
-    rules = made.chains[chain][1]
-    assert rules[0] == (f"ip saddr @{first} update @{first} {{ ip saddr }} "
-                        "meta l4proto tcp dnat to 10.244.2.5:8080")  # fmt: skip
-    assert rules[2].startswith("jhash ip saddr . th sport . ip daddr . th dport mod 2 seed ")
-    assert rules[-1] == f"update @{second} {{ ip saddr }} meta l4proto tcp dnat to 10.244.2.6:8080"
+    assert nat_of(made)[key]["affinity-60"] == [key]
+    assert nat_of(made)[key]["pick-h-2"] == [key]  # a client not remembered: as any other
+    rules = remember_commands(IPV4, ["affinity-60", "pick-h-2"], new=True)
+    assert rules[0] == (
+        "add rule ip kube-bpf-proxy affinity-remember meta l4proto tcp ct status dnat ct original "
+        "ip daddr . meta l4proto . ct original proto-dst @affinity-60 update @affinity-clients "
+        "{ ip saddr . ct original ip daddr . meta l4proto . ct original proto-dst timeout 60s : "
+        "ip daddr . tcp dport }")  # fmt: skip
+    assert len(rules) == 3  # a rule per protocol
 
 
 def test_ipv6_slots() -> None:
@@ -211,6 +207,7 @@ def test_the_table_has_a_pick_chain_per_count_in_use_and_no_verdict_per_frontend
     assert [c.split()[4] for c in text if c.startswith("add chain") and "pick-h" in c] == [
         "pick-h-1", "pick-h-2"]  # fmt: skip
     assert not [c for c in text if "goto" in c and c.startswith("add element")]
+    assert not [c for c in text if c.startswith("add chain") and "svc-" in c]
 
 
 def test_the_marker_says_revision_digest_and_time() -> None:

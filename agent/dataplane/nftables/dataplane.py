@@ -4,11 +4,14 @@ per family (`ip kube-bpf-proxy`, `ip6 kube-bpf-proxy`; see render.py for its str
 Every apply is one transaction for both families: the kernel switches from the old rules
 to the new ones at once, or refuses all of it. The first apply (and a rewrite after an
 error or a table found changed) replaces each table whole: `delete table` and the new
-content in the same transaction. After that a sync writes only what changed: the map
-elements of the changed entries' frontends, their chains (created, flushed and refilled,
-or deleted), their affinity sets, and the hairpin set's elements of endpoints that came or
-went (kube-proxy's nftables mode does the same). Nothing of it grows with the number of
-Services that did not change.
+content in the same transaction. After that a sync writes only what changed: the set and
+map elements of the changed entries' frontends and the hairpin set's elements of
+endpoints that came or went; besides, a pick chain (or an affinity timeout's set) when the
+first frontend using it comes or the last goes. Nothing of it grows with the number of
+Services that did not change, and no element of it makes the kernel validate the table
+(render.py says why that matters). After the transaction, the clients the packet path
+remembered for ClientIP affinity are forgotten where their endpoint left (read back from
+the `affinity-clients` map: only then, and only that map).
 
 Every transaction ends with the family's marker (the `state` set's comments): the
 revision written and a digest of everything in the table. A restarted agent reports the
@@ -33,6 +36,7 @@ from ..base import DataplaneError, QuietDataplane
 from ..iptables.backend import run_command
 from ..options import DEFAULT_POD_INTERFACES
 from .render import (
+    AFFINITY_CLIENTS,
     FAMILIES,
     HAIRPIN,
     IPV6,
@@ -45,16 +49,19 @@ from .render import (
     base_digest,
     chain_commands,
     dispatch_commands,
+    dynamic_set_commands,
     element_commands,
     entry_nft,
     full_table,
     grouped,
     hairpin_element,
     interface_patterns,
+    is_dynamic,
     marker_commands,
+    parse_affinity,
     parse_marker,
     parse_pick,
-    pick_commands,
+    remember_commands,
     set_command,
 )
 
@@ -161,7 +168,8 @@ class _Held:
     # least sort key) holds it
     nat: dict[str, dict[tuple[str, ...], tuple[Element, ...]]] = field(default_factory=dict)
     filter: dict[str, dict[tuple[str, ...], tuple[Element, ...]]] = field(default_factory=dict)
-    picks: dict[str, int] = field(default_factory=dict)  # pick chain → frontends using it
+    # pick chain's or affinity timeout's set → frontends using it
+    picks: dict[str, int] = field(default_factory=dict)
     hairpin: dict[str, int] = field(default_factory=dict)  # endpoint → entries using it
     total: int = 0  # sum of the entries' digests
     digest: str = ""  # the marker's digest of this content
@@ -173,7 +181,7 @@ def _held_from(options: RenderOptions, entries: dict, made: dict) -> _Held:
         _claim(held, key, m, +1)
     for owners in held.nat.values():
         for where, _ in _winner(owners) or ():
-            if parse_pick(where) is not None:
+            if is_dynamic(where):
                 held.picks[where] = held.picks.get(where, 0) + 1
     held.digest = family_digest(base_digest(options), held.total)
     return held
@@ -224,6 +232,9 @@ class NftablesDataplane(QuietDataplane):
         self._conntrack = shutil.which("conntrack")
         self.last_writes = 0  # of the last apply (benchmarks, tests)
         self._found: dict[str, tuple[str, str, int]] = {}
+        # per family: (frontend, endpoint or None: all) whose remembered affinity clients
+        # go after the transaction
+        self._forget: dict[str, list[tuple[str, str | None]]] = {}
         for family in FAMILIES:
             found = kernel_marker(family, netns, run)
             if found is not None:
@@ -288,6 +299,7 @@ class NftablesDataplane(QuietDataplane):
                 new_held[family] = fresh
                 if held is not None:
                     removed_udp += self._udp_changes(held, fresh.entries, None)
+                self._forget.pop(family, None)  # a new table remembers nobody
                 continue
             family_commands, updated = self._partial(held, by_family[family], changed,
                                                      removed_udp)  # fmt: skip
@@ -302,12 +314,14 @@ class NftablesDataplane(QuietDataplane):
             proc = self._run(self.netns, [NFT, "-f", "-"], "\n".join(commands) + "\n")
             if proc.returncode != 0:
                 self._needs_full = True
+                self._forget.clear()
                 raise DataplaneError("nft", _nft_error(proc, commands))
         self._held = new_held
         self._needs_full = False
         self._revision, self._services = state.revision, state.services
         self.last_writes = writes
         self._clear_udp_conntrack(removed_udp)
+        self._forget_clients()
         return writes
 
     def _tables_changed(self) -> bool:
@@ -385,15 +399,14 @@ class NftablesDataplane(QuietDataplane):
         delete_sets: list[str] = []
         frontends: set[tuple[str, str]] = set()  # (nat|filter, key) whose holder may change
         for _key, old, new in touched:
+            # IPv6 affinity entries' chains and sets
             old_chains = old.chains if old is not None else {}
             new_chains = new.chains if new is not None else {}
             old_sets = old.sets if old is not None else {}
             new_sets = new.sets if new is not None else {}
-            create_sets += [
-                set_command(family, name, timeout)
-                for name, timeout in new_sets.items()
-                if name not in old_sets
-            ]
+            create_sets += [set_command(family, name, timeout)
+                            for name, timeout in new_sets.items()
+                            if name not in old_sets]  # fmt: skip
             delete_sets += [name for name in old_sets if name not in new_sets]
             for name, (comment, rules) in new_chains.items():
                 if name not in old_chains:
@@ -418,16 +431,19 @@ class NftablesDataplane(QuietDataplane):
         held.digest = family_digest(base_digest(options), held.total)
         went: list[Element] = []
         came: list[Element] = []
+        forgotten: list[tuple[str, str | None]] = []
         for (c, k), was in sorted(holders_before.items()):
             now = _winner(claims[c].get(k)) or ()
             if now == was:
                 continue
             went += [e for e in was if e not in now]
             came += [e for e in now if e not in was]
+            if c == "nat":
+                forgotten += _forgotten(k, was, now)
         picks_before = set(held.picks)
         for elements, sign in ((went, -1), (came, +1)):
             for where, _ in elements:
-                if parse_pick(where) is not None:
+                if is_dynamic(where):
                     count = held.picks.get(where, 0) + sign
                     if count:
                         held.picks[where] = count
@@ -441,21 +457,49 @@ class NftablesDataplane(QuietDataplane):
         came += [(HAIRPIN, hairpin_element(i)) for i in sorted(came_ips)]
         t = f"{NFT_FAMILY[family]} {TABLE}"
         commands: list[str] = [*create_sets, *create_chains]
-        for pick in new_picks:
-            commands += pick_commands(family, pick)
+        for name in new_picks:
+            commands += dynamic_set_commands(family, name)
         for where, items in grouped(went).items():
             if where not in gone_picks:  # the set goes with its chain
                 commands += element_commands("delete", family, where, items)
-        commands += rewrite_chains
-        if new_picks or gone_picks:  # pick-inside/-outside name the pick chains in use
+        changed_sets = {*new_picks, *gone_picks}
+        if any(parse_pick(n) is not None for n in changed_sets):
             commands += dispatch_commands(family, held.picks, new=False)
+        if any(parse_affinity(n) is not None for n in changed_sets):
+            commands += remember_commands(family, held.picks, new=False)
+        commands += rewrite_chains
         for where, items in grouped(came).items():
             commands += element_commands("add", family, where, items)
         # every chain that goes is emptied before any is deleted: they jump to each other
-        commands += [f"flush chain {t} {name}" for name in (*delete_chains, *gone_picks)]
-        commands += [f"delete chain {t} {name}" for name in (*delete_chains, *gone_picks)]
+        gone_chains = [*delete_chains, *(n for n in gone_picks if parse_pick(n) is not None)]
+        commands += [f"flush chain {t} {name}" for name in gone_chains]
+        commands += [f"delete chain {t} {name}" for name in gone_chains]
         commands += [f"delete set {t} {name}" for name in (*delete_sets, *gone_picks)]
+        self._forget[family] = self._forget.get(family, []) + forgotten
         return commands, held
+
+    def _forget_clients(self) -> None:
+        """Remove the remembered affinity clients of endpoints that left (or of frontends
+        that no longer have affinity): the dynamic map is the packet path's, so its
+        elements are read back; after the transaction, as from then on no new connection
+        can be sent to an endpoint that left. An element that expired meanwhile fails the
+        delete: read again and retry once."""
+        forget, self._forget = self._forget, {}
+        for family, pairs in forget.items():
+            if not pairs:
+                continue
+            for _ in range(2):
+                keys = _remembered(family, pairs, self.netns, self._run)
+                if not keys:
+                    break
+                text = "\n".join(element_commands("delete", family, AFFINITY_CLIENTS, keys))
+                proc = self._run(self.netns, [NFT, "-f", "-"], text + "\n")
+                if proc.returncode == 0:
+                    break
+            else:
+                log.warning("nftables: could not forget the affinity clients of %d "
+                            "endpoints that left: they keep them until their timeout",
+                            len(pairs))  # fmt: skip
 
     def _udp_changes(
         self, held: _Held, new_entries: dict, _: object
@@ -489,6 +533,55 @@ class NftablesDataplane(QuietDataplane):
                                            "--orig-dst", frontend.ip, "--orig-port-dst",
                                            str(frontend.port), "--reply-src", ip,
                                            "--reply-port-src", str(port)], None)  # fmt: skip
+
+
+def _forgotten(
+    key: str, was: tuple[Element, ...], now: tuple[Element, ...]
+) -> list[tuple[str, str | None]]:
+    """What a frontend's remembered affinity clients lose when its elements go from `was`
+    to `now`: all of them (None) when it no longer remembers, else the endpoints that
+    left its slots."""
+    if not any(parse_affinity(where) is not None for where, _ in was):
+        return []
+    if not any(parse_affinity(where) is not None for where, _ in now):
+        return [(key, None)]
+
+    def endpoints(elements: tuple[Element, ...]) -> set[str]:
+        return {e.split(" : ", 1)[1] for w, e in elements if " : " in e and "slots-" in w}
+
+    return [(key, endpoint) for endpoint in sorted(endpoints(was) - endpoints(now))]
+
+
+def _remembered(
+    family: str, pairs: Sequence[tuple[str, str | None]], netns: str | None, run: Runner
+) -> list[str]:
+    """The keys (client . frontend) of affinity-clients' elements that `pairs` name."""
+    wanted: dict[str, set[str] | None] = {}
+    for key, endpoint in pairs:
+        if endpoint is None:
+            wanted[key] = None
+        elif key not in wanted:
+            wanted[key] = {endpoint}
+        elif (held := wanted[key]) is not None:
+            held.add(endpoint)
+    found = list_object(netns, run, "map", NFT_FAMILY[family], TABLE, AFFINITY_CLIENTS) or []
+    keys = []
+    for item in found:
+        for element in item.get("map", {}).get("elem", []):
+            key, value = element if isinstance(element, list) else (None, None)
+            if isinstance(key, dict) and "elem" in key:  # with its timeout and expiry
+                key = key["elem"].get("val")
+            parts = key.get("concat", []) if isinstance(key, dict) else []
+            target = value.get("concat", []) if isinstance(value, dict) else []
+            if len(parts) != 4 or len(target) != 2:
+                continue
+            frontend = f"{parts[1]} . {parts[2]} . {parts[3]}"
+            if frontend not in wanted:
+                continue
+            endpoints = wanted[frontend]
+            if endpoints is None or f"{target[0]} . {target[1]}" in endpoints:
+                keys.append(f"{parts[0]} . {frontend}")
+    return keys
 
 
 def _nft_error(proc: subprocess.CompletedProcess[str], commands: Sequence[str]) -> str:

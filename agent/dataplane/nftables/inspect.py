@@ -1,7 +1,7 @@
 """`kube-bpf-proxy inspect nftables`: what the nftables dataplane's tables hold, read with
 `nft -j`: per family the marker (revision written, when) and every frontend with how it
-is translated (its pick chain and the endpoints of its slots, or an affinity entry's
-chain; `outside:` what clients outside the node get where that differs) and what the
+is translated (its pick chain and the endpoints of its slots, ClientIP affinity's timeout;
+`outside:` what clients outside the node get where that differs) and what the
 filter hooks do with it untranslated (reject, drop). Only the sets and maps are listed,
 not the chains; `nft list table ip kube-bpf-proxy` shows everything."""
 
@@ -13,16 +13,18 @@ from typing import Any
 from ..iptables.backend import run_command
 from .dataplane import Runner, kernel_marker, list_object
 from .render import (
-    AFFINITY,
+    AFFINITY_CHAINS,
     DROP,
     FAMILIES,
     NFT_FAMILY,
     NO_ENDPOINTS,
-    OUTSIDE_AFFINITY,
+    OUTSIDE_AFFINITY_CHAINS,
     PICK_INSIDE,
     PICK_OUTSIDE,
     PROTOCOLS,
+    REMEMBER,
     TABLE,
+    parse_affinity,
     parse_pick,
     slots_map,
 )
@@ -80,15 +82,18 @@ def _slots(family: str, where: str, netns: str | None, run: Runner) -> dict[Fron
 
 
 def _picks(family: str, netns: str | None, run: Runner) -> list[str]:
-    """The pick chains pick-inside and pick-outside send to."""
+    """The sets the rules of pick-inside, pick-outside and affinity-remember look up:
+    the pick chains' and the affinity timeouts'."""
     names = []
-    for chain in (PICK_INSIDE, PICK_OUTSIDE):
+    for chain in (PICK_INSIDE, PICK_OUTSIDE, REMEMBER):
         for item in list_object(netns, run, "chain", NFT_FAMILY[family], TABLE, chain) or []:
             for expr in item.get("rule", {}).get("expr", []):
-                target = expr.get("goto", {}).get("target") if isinstance(expr, dict) else None
-                if target and parse_pick(target) is not None:
-                    names.append(target)
-    return names
+                right = expr.get("match", {}).get("right") if isinstance(expr, dict) else None
+                if isinstance(right, str) and right.startswith("@"):
+                    name = right[1:]
+                    if parse_pick(name) is not None or parse_affinity(name) is not None:
+                        names.append(name)
+    return list(dict.fromkeys(names))
 
 
 def tables(netns: str | None = None, run: Runner = run_command) -> list[dict[str, Any]]:
@@ -104,15 +109,23 @@ def tables(netns: str | None = None, run: Runner = run_command) -> list[dict[str
         for outside in (False, True):
             for proto in PROTOCOLS:
                 slots[outside].update(_slots(family, slots_map(outside, proto), netns, run))
-        for pick in _picks(family, netns, run):
-            outside, _, count = parse_pick(pick)  # type: ignore[misc]
-            for frontend in _members(family, pick, netns, run):
+        affinity: dict[Frontend, int] = {}
+        for name in _picks(family, netns, run):
+            timeout = parse_affinity(name)
+            if timeout is not None:
+                affinity.update(dict.fromkeys(_members(family, name, netns, run), timeout))
+                continue
+            outside, _, count = parse_pick(name)  # type: ignore[misc]
+            for frontend in _members(family, name, netns, run):
                 held = slots[outside].get(frontend, {})
                 endpoints = ", ".join(held.get(i, "?") for i in range(count))
-                translate[outside][frontend] = f"{pick}: {endpoints}"
-        for outside, where in ((False, AFFINITY), (True, OUTSIDE_AFFINITY)):
-            for frontend, value in _map(family, where, netns, run).items():
-                translate[outside][frontend] = f"affinity: {_verdict(value)}"
+                translate[outside][frontend] = f"{name}: {endpoints}"
+        for outside, where in ((False, AFFINITY_CHAINS), (True, OUTSIDE_AFFINITY_CHAINS)):
+            for frontend, value in _map(family, where, netns, run).items():  # IPv6 affinity
+                translate[outside][frontend] = f"ClientIP affinity: {_verdict(value)}"
+        for frontend, timeout in affinity.items():
+            translate[False][frontend] = (f"{translate[False].get(frontend, '')} (ClientIP "
+                                          f"affinity {timeout}s)")  # fmt: skip
         untranslated = {f: "reject" for f in _members(family, NO_ENDPOINTS, netns, run)}
         untranslated.update({f: "drop" for f in _members(family, DROP, netns, run)})
         keys = {*translate[False], *translate[True], *untranslated}

@@ -83,8 +83,10 @@ ADDR_TYPE = {IPV4: "ipv4_addr", IPV6: "ipv6_addr"}
 
 # maps and sets keyed by the frontend
 PROTOCOLS = ("tcp", "udp", "sctp")
-AFFINITY = "affinity"
-OUTSIDE_AFFINITY = "outside-affinity"
+AFFINITY_CLIENTS = "affinity-clients"
+AFFINITY_CHAINS = "affinity-chains"  # IPv6: frontend → goto its entry's chain
+OUTSIDE_AFFINITY_CHAINS = "outside-affinity-chains"
+AFFINITY_PREFIX = "affinity-"  # affinity-<timeout>: the frontends remembering clients so long
 RANGED = "ranged"
 ALLOWED = "allowed"
 MASQ_ALL = "masq-all"
@@ -101,6 +103,7 @@ MARK_MASQ = "mark-for-masquerade"
 PICK_INSIDE = "pick-inside"
 PICK_OUTSIDE = "pick-outside"
 FROM_NODE = "from-node"
+REMEMBER = "affinity-remember"
 PICK_PREFIX = "pick-"
 OUTSIDE_PICK_PREFIX = "pick-outside-"
 MARKER_PREFIX = "kube-bpf-proxy holds"
@@ -153,11 +156,11 @@ def _identity(entry: ServiceEntry) -> str:
 
 
 def service_chain(kind: str, entry: ServiceEntry) -> str:
-    """svc- or svl- plus the service port's hash (affinity entries' chains)."""
+    """svc- or svl- plus the service port's hash (IPv6 affinity entries' chains)."""
     return f"{kind}-{_hash(_identity(entry))}"
 
 
-def affinity_set(entry: ServiceEntry, backend: Backend) -> str:
+def endpoint_affinity_set(entry: ServiceEntry, backend: Backend) -> str:
     """An endpoint's affinity set; its timeout is part of the name (a set's timeout is
     fixed when it is made: a new timeout makes a new set)."""
     where = f"{_identity(entry)}/{backend.ip}:{backend.port}/{entry.affinity_timeout}"
@@ -184,6 +187,17 @@ def parse_pick(name: str) -> tuple[bool, str, int] | None:
     if algorithm not in ("h", "r") or not count.isdigit():
         return None
     return outside, algorithm, int(count)
+
+
+def affinity_set(timeout: int) -> str:
+    """The set of the frontends whose clients are remembered for `timeout` seconds."""
+    return f"{AFFINITY_PREFIX}{timeout}"
+
+
+def parse_affinity(name: str) -> int | None:
+    """The timeout an affinity set's name says; None for another name."""
+    rest = name[len(AFFINITY_PREFIX) :] if name.startswith(AFFINITY_PREFIX) else ""
+    return int(rest) if rest.isdigit() else None
 
 
 def _pick_order(name: str) -> tuple[bool, str, int]:
@@ -217,10 +231,12 @@ class EntryNft:
     # elements that refuse it untranslated (no-endpoints or drop)
     nat: tuple[tuple[str, tuple[Element, ...]], ...]
     filter: tuple[tuple[str, tuple[Element, ...]], ...]
-    chains: dict[str, tuple[str, tuple[str, ...]]] = field(hash=False)  # name → (comment, rules)
-    sets: dict[str, int] = field(hash=False)  # affinity set → timeout seconds
     endpoints: tuple[str, ...] = ()  # addresses of every endpoint it DNATs to (hairpin)
     digest: bytes = b""
+    # IPv6 ClientIP affinity's own chains (name → (comment, rules)) and timeout sets (name →
+    # seconds)
+    chains: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict, hash=False)
+    sets: dict[str, int] = field(default_factory=dict, hash=False)
 
 
 COMMENT_MAX = 127  # bytes nft keeps of a comment (NFTNL_UDATA_COMMENT_MAXLEN, 128 with NUL)
@@ -259,12 +275,14 @@ def _source_ranges(cidrs: Iterable[str], family: str) -> list[str]:
 
 
 def _pick(
-    key: str, entry: ServiceEntry, backends: Sequence[Backend], outside: bool, chain: str
+    key: str, entry: ServiceEntry, backends: Sequence[Backend], outside: bool, local: bool
 ) -> list[Element]:
-    """The elements that send a frontend's packets to one of `backends`: an affinity
-    entry's verdict element into its chain, else the pick set and the slots."""
-    if entry.affinity_timeout is not None:
-        return [(OUTSIDE_AFFINITY if outside else AFFINITY, f"{key} : goto {chain}")]
+    """The elements that send a frontend's packets to one of `backends`: the pick set
+    and the slots; for an IPv6 affinity entry the verdict element into its chain."""
+    if entry.affinity_timeout is not None and entry.ip_family == IPV6:
+        chain = service_chain("svl" if local else "svc", entry)
+        return [(OUTSIDE_AFFINITY_CHAINS if outside else AFFINITY_CHAINS,
+                 f"{key} : goto {chain}")]  # fmt: skip
     algorithm = "r" if entry.lb_algorithm == "random" else "h"
     slots = slots_map(outside, entry.protocol)
     out: list[Element] = [(pick_chain(outside, algorithm, len(backends)), key)]
@@ -274,11 +292,7 @@ def _pick(
 
 def entry_nft(entry: ServiceEntry, options: RenderOptions) -> EntryNft:
     """What one Service entry contributes (its family must be options.family)."""
-    ip = "ip" if options.family == IPV4 else "ip6"
-    name = service_port_name(entry)
     proto = entry.protocol.lower()
-    h = _hash(_identity(entry))
-    svc, svl = f"svc-{h}", f"svl-{h}"
     cluster = entry.cluster_backends or ()
     local = entry.local_backends or ()
     nat: dict[str, tuple[Element, ...]] = {}
@@ -293,8 +307,7 @@ def entry_nft(entry: ServiceEntry, options: RenderOptions) -> EntryNft:
         elements: list[Element] = []
         if not is_external(frontend.type):  # one set whoever sends
             if used:
-                local_set = entry.uses_local(frontend.type)
-                elements += _pick(key, entry, used, False, svl if local_set else svc)
+                elements += _pick(key, entry, used, False, entry.uses_local(frontend.type))
                 if options.tells_pods:
                     elements.append((MASQ_NON_POD, key))
         elif cluster or local:  # pods and the node use clusterBackends, outsiders `used`
@@ -305,16 +318,18 @@ def entry_nft(entry: ServiceEntry, options: RenderOptions) -> EntryNft:
             if entry.external_traffic_policy != "Local":
                 if cluster:
                     elements.append((MASQ_ALL, key))
-                    elements += _pick(key, entry, cluster, False, svc)
+                    elements += _pick(key, entry, cluster, False, False)
             else:
                 elements.append((EXT_LOCAL, key))
                 if cluster:
                     elements.append((MASQ_NODE, key))
-                    elements += _pick(key, entry, cluster, False, svc)
+                    elements += _pick(key, entry, cluster, False, False)
                 else:
-                    elements += _pick(key, entry, local, False, svl)
+                    elements += _pick(key, entry, local, False, True)
                 if local:
-                    elements += _pick(key, entry, local, True, svl)
+                    elements += _pick(key, entry, local, True, True)
+        if elements and entry.affinity_timeout is not None and options.family == IPV4:
+            elements.append((affinity_set(entry.affinity_timeout), key))
         if elements:
             nat[key] = tuple(elements)
         if not entry.has_endpoints:
@@ -324,35 +339,34 @@ def entry_nft(entry: ServiceEntry, options: RenderOptions) -> EntryNft:
 
     chains: dict[str, tuple[str, tuple[str, ...]]] = {}
     sets: dict[str, int] = {}
-    if entry.affinity_timeout is not None:
+    if entry.affinity_timeout is not None and options.family == IPV6:
+        # nft 1.0.6 cannot write an IPv6 `client . frontend → endpoint` map from the packet
+        # path (its registers hold 16 bytes of key): a chain per set, as kube-proxy writes
+        name = service_port_name(entry)
         if cluster:
-            chains[svc] = (f"{name} cluster endpoints", _balance(entry, cluster, ip, sets))
+            chains[service_chain("svc", entry)] = (
+                f"{name} cluster endpoints",
+                _balance(entry, cluster, "ip6", sets),
+            )
         if local:
-            chains[svl] = (f"{name} local endpoints", _balance(entry, local, ip, sets))
+            chains[service_chain("svl", entry)] = (
+                f"{name} local endpoints",
+                _balance(entry, local, "ip6", sets),
+            )
     endpoints = tuple(sorted({b.ip for b in (*cluster, *local)}))
-    made = EntryNft(tuple(nat.items()), tuple(filtering.items()), chains, sets, endpoints)
-    return EntryNft(made.nat, made.filter, chains, sets, endpoints, _entry_digest(made))
+    made = EntryNft(tuple(nat.items()), tuple(filtering.items()), endpoints, b"", chains, sets)
+    return EntryNft(made.nat, made.filter, endpoints, _entry_digest(made), chains, sets)
 
 
 def _dnat_target(backend: Backend, family: str) -> str:
     return f"[{backend.ip}]:{backend.port}" if family == IPV6 else f"{backend.ip}:{backend.port}"
 
 
-def _flow_hash(ip: str) -> str:
-    return f"jhash {ip} saddr . th sport . {ip} daddr . th dport"
-
-
-def pick_hash(family: str) -> str:
-    """A pick chain's flow hash: of the 5-tuple for IPv4; of the client's address and port
-    for IPv6 (the frontend is the lookup's key already, and nft has registers for 20 bytes
-    of hash input beside an IPv6 key: the 40 of the IPv6 5-tuple make nft 1.0.6 abort)."""
-    return _flow_hash("ip") if family == IPV4 else "jhash ip6 saddr . th sport"
-
-
 def _balance(
     entry: ServiceEntry, backends: Sequence[Backend], ip: str, sets: dict[str, int]
 ) -> tuple[str, ...]:
-    """An affinity entry's chain: the affinity checks, then one rule per endpoint: the
+    """An IPv6 affinity entry's chain: the affinity checks (a timeout set per endpoint, as
+    kube-proxy writes them), then one rule per endpoint: the
     random split takes 1/(n-i) of what reaches rule i; the flow hash takes the packets
     whose 5-tuple hashes to i (as the pick chains' slot)."""
     proto = entry.protocol.lower()
@@ -361,7 +375,7 @@ def _balance(
     timeout = entry.affinity_timeout
     remember: dict[Backend, str] = {}
     for backend in backends:
-        aff = affinity_set(entry, backend)
+        aff = endpoint_affinity_set(entry, backend)
         sets[aff] = timeout or 0
         remember[backend] = f"update @{aff} {{ {ip} saddr }} "
         rules.append(f"{ip} saddr @{aff} {remember[backend]}"
@@ -378,6 +392,17 @@ def _balance(
         rules.append(f"{pick}{remember[backend]}"
                      f"meta l4proto {proto} dnat to {_dnat_target(backend, family)}")  # fmt: skip
     return tuple(rules)
+
+
+def _flow_hash(ip: str) -> str:
+    return f"jhash {ip} saddr . th sport . {ip} daddr . th dport"
+
+
+def pick_hash(family: str) -> str:
+    """A pick chain's flow hash: of the 5-tuple for IPv4; of the client's address and port
+    for IPv6 (the frontend is the lookup's key already, and nft has registers for 20 bytes
+    of hash input beside an IPv6 key: the 40 of the IPv6 5-tuple make nft 1.0.6 abort)."""
+    return _flow_hash("ip") if family == IPV4 else "jhash ip6 saddr . th sport"
 
 
 def _entry_digest(made: EntryNft) -> bytes:
@@ -417,14 +442,16 @@ def base_commands(options: RenderOptions) -> list[str]:
         for proto in PROTOCOLS
     ]
     out += [
-        f"add map {t} {AFFINITY} {{ type {key} : verdict ; }}",
-        f"add map {t} {OUTSIDE_AFFINITY} {{ type {key} : verdict ; }}",
+        # client . frontend → the endpoint it was sent to, written from the packet path
+        f"add map {t} {AFFINITY_CHAINS} {{ type {key} : verdict ; }}",
+        f"add map {t} {OUTSIDE_AFFINITY_CHAINS} {{ type {key} : verdict ; }}",
         *(f"add set {t} {name} {{ type {key} ; }}" for name in KEY_SETS),
         f"add set {t} {ALLOWED} {{ type {key} . {addr} ; flags interval ; }}",
         f"add set {t} {HAIRPIN} {{ type {addr} . {addr} ; }}",
         f"add set {t} {STATE} {{ type ifname ; }}",
         f"add chain {t} {MARK_MASQ}",
         f"add rule {t} {MARK_MASQ} meta mark set meta mark | {MASQ_MARK}",
+        f"add chain {t} {REMEMBER}",
         f"add chain {t} {PICK_INSIDE}",
         f"add chain {t} {PICK_OUTSIDE}",
         f"add chain {t} {FROM_NODE}",
@@ -434,6 +461,10 @@ def base_commands(options: RenderOptions) -> list[str]:
         f"add rule {t} services {k} @{RANGED} {k} . {ip} saddr != @{ALLOWED} return",
         f"add rule {t} services {k} @{MASQ_ALL} jump {MARK_MASQ}",
     ]
+    if options.family == IPV4:  # (IPv6: affinity entries' chains)
+        # client . frontend → the endpoint it was sent to, written from the packet path
+        out.append(f"add map {t} {AFFINITY_CLIENTS} {{ type {addr} . {key} : {addr} . "
+                   "inet_service ; flags dynamic,timeout ; size 1048576 ; }")  # fmt: skip
     if options.pod_cidrs:
         out += [f"add rule {t} services {ip} saddr {c} goto {PICK_INSIDE}"
                 for c in options.pod_cidrs]  # fmt: skip
@@ -448,6 +479,7 @@ def base_commands(options: RenderOptions) -> list[str]:
         f"add rule {t} endpoints-check {k} @{NO_ENDPOINTS} reject",
         f"add rule {t} endpoints-check {k} @{DROP} drop",
         f"add chain {t} masquerading",
+        f"add rule {t} masquerading jump {REMEMBER}",
         # a pod reaching itself through a Service must see the reply come from the
         # Service: its source is masqueraded to the node
         f"add rule {t} masquerading ct status dnat {ip} saddr . {ip} daddr @{HAIRPIN} "
@@ -469,6 +501,8 @@ BASE_CHAINS = (
     ("nat-prerouting", "prerouting", "dstnat", "jump services"),
     ("nat-output", "output", "-100", "jump services"),
     ("nat-postrouting", "postrouting", "srcnat", "jump masquerading"),
+    # an affinity client's endpoint on this node's own address is reached without postrouting
+    ("nat-input", "input", "100", f"jump {REMEMBER}"),
     ("filter-input", "input", "filter", "ct state new jump endpoints-check"),
     ("filter-forward", "forward", "filter", "ct state new jump endpoints-check"),
     ("filter-output", "output", "filter", "ct state new jump endpoints-check"),
@@ -501,17 +535,52 @@ def dispatch_commands(family: str, picks: Iterable[str], new: bool) -> list[str]
     chains are empty, else they are flushed first)."""
     t = f"{NFT_FAMILY[family]} {TABLE}"
     k = frontend_expr(family)
-    ordered = sorted(picks, key=_pick_order)
+    ip = "ip" if family == IPV4 else "ip6"
+    ordered = sorted((p for p in picks if parse_pick(p) is not None), key=_pick_order)
     out = [] if new else [f"flush chain {t} {PICK_INSIDE}", f"flush chain {t} {PICK_OUTSIDE}"]
-    out.append(f"add rule {t} {PICK_OUTSIDE} {k} vmap @{OUTSIDE_AFFINITY}")
+    # an affinity client remembered for this frontend goes where it went before
+    remembered = [f"meta l4proto {p} dnat {ip} to {ip} saddr . {ip} daddr . meta l4proto . "
+                  f"{p} dport map @{AFFINITY_CLIENTS}" for p in PROTOCOLS
+                  if family == IPV4]  # fmt: skip
+    out += [f"add rule {t} {PICK_OUTSIDE} {r}" for r in remembered]
+    out.append(f"add rule {t} {PICK_OUTSIDE} {k} vmap @{OUTSIDE_AFFINITY_CHAINS}")
     out += [f"add rule {t} {PICK_OUTSIDE} {k} @{p} goto {p}"
             for p in ordered if _pick_order(p)[0]]  # fmt: skip
     out += [f"add rule {t} {PICK_OUTSIDE} {k} @{EXT_LOCAL} return",
-            f"add rule {t} {PICK_OUTSIDE} goto {PICK_INSIDE}",
-            f"add rule {t} {PICK_INSIDE} {k} vmap @{AFFINITY}"]  # fmt: skip
+            f"add rule {t} {PICK_OUTSIDE} goto {PICK_INSIDE}"]  # fmt: skip
+    out += [f"add rule {t} {PICK_INSIDE} {r}" for r in remembered]
+    out.append(f"add rule {t} {PICK_INSIDE} {k} vmap @{AFFINITY_CHAINS}")
     out += [f"add rule {t} {PICK_INSIDE} {k} @{p} goto {p}"
             for p in ordered if not _pick_order(p)[0]]  # fmt: skip
     return out
+
+
+def remember_commands(family: str, sets: Iterable[str], new: bool) -> list[str]:
+    """affinity-remember's rules for the affinity sets in use (`new`: the chain is empty,
+    else it is flushed first): a new connection DNATed to a frontend of affinity-<T> writes
+    (client . frontend → endpoint) for T seconds, and so refreshes it. (In postrouting and
+    input, where the endpoint is the packet's destination: conntrack has the frontend; nft
+    1.0.6 can neither remember per endpoint without a set per endpoint, as kube-proxy does
+    (thousands of sets, which every transaction pays for), nor take a constant endpoint in
+    a lookup.)"""
+    t = f"{NFT_FAMILY[family]} {TABLE}"
+    ip = "ip" if family == IPV4 else "ip6"
+    timeouts = sorted(v for name in sets if (v := parse_affinity(name)) is not None)
+    out = [] if new else [f"flush chain {t} {REMEMBER}"]
+    frontend = f"ct original {ip} daddr . meta l4proto . ct original proto-dst"
+    for timeout in timeouts:
+        out += [f"add rule {t} {REMEMBER} meta l4proto {p} ct status dnat {frontend} "
+                f"@{affinity_set(timeout)} update @{AFFINITY_CLIENTS} {{ {ip} saddr . {frontend} "
+                f"timeout {timeout}s : {ip} daddr . {p} dport }}" for p in PROTOCOLS]  # fmt: skip
+    return out
+
+
+def dynamic_set_commands(family: str, name: str) -> list[str]:
+    """A pick chain with its set, or an affinity set (for a new one)."""
+    if parse_pick(name) is not None:
+        return pick_commands(family, name)
+    key = f"{ADDR_TYPE[family]} . inet_proto . inet_service"
+    return [f"add set {NFT_FAMILY[family]} {TABLE} {name} {{ type {key} ; }}"]
 
 
 def base_digest(options: RenderOptions) -> bytes:
@@ -613,8 +682,15 @@ def winners(entries: Iterable[EntryNft]) -> tuple[dict[str, tuple[Element, ...]]
     return nat, filtering
 
 
+def is_dynamic(name: str) -> bool:
+    """Whether a set exists only while a frontend uses it: a pick chain's, an affinity
+    timeout's."""
+    return parse_pick(name) is not None or parse_affinity(name) is not None
+
+
 def picks_of(elements: Iterable[Element]) -> set[str]:
-    return {where for where, _ in elements if parse_pick(where) is not None}
+    """The pick chains' and affinity timeouts' sets these elements use."""
+    return {where for where, _ in elements if is_dynamic(where)}
 
 
 def full_table(
@@ -638,9 +714,10 @@ def full_table(
     nat, filtering = winners(entries)
     elements = [e for bundle in (*nat.values(), *filtering.values()) for e in bundle]
     picks = picks_of(elements)
-    for pick in sorted(picks, key=_pick_order):
-        out += pick_commands(family, pick)
+    for name in sorted(picks):
+        out += dynamic_set_commands(family, name)
     out += dispatch_commands(family, picks, new=True)
+    out += remember_commands(family, picks, new=True)
     out += chains
     for where, items in grouped(elements).items():
         out += element_commands("add", family, where, items)
