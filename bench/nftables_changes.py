@@ -17,12 +17,13 @@ agent and of nft); then single-statement transactions, each undone by the next (
 stays the same), timed by wall clock and by the `nft` process's user and kernel CPU:
 
     data element        an element of the hairpin set
-    slot element        an endpoint slot (slots-tcp): what most changes write
+    slot element        an endpoint slot (in a pick chain's TCP map): what most changes
+                        write
     pick-set element    a frontend added to a pick chain's set
     DNAT rule           `meta l4proto tcp dnat to ...` in a chain of its own (validation:
-                        a new pick chain, an affinity entry's chain)
-    goto element        an `affinity` element going to that chain (validation: an affinity
-                        entry's frontend)
+                        a new pick chain, an IPv6 affinity entry's chain)
+    goto element        an `affinity-chains` element going to that chain (validation: an
+                        IPv6 affinity entry's frontend)
 
 and the dataplane's own one-change transactions for the workload's changes
 (bench.common.workload.make_changes), timed as the dataplane runs them. (The data-only
@@ -108,24 +109,23 @@ def line(name: str, figures: dict[str, Any], extra: str = "") -> None:
           flush=True)  # fmt: skip
 
 
-def probes(pick: str | None) -> dict[str, tuple[str, str]]:
-    """Single statements and their undoing, on our table (chain `bench-probe` exists)."""
-    out = {
+def probes(pick: str) -> dict[str, tuple[str, str]]:
+    """Single statements and their undoing, on our table (chain `bench-probe` and the pick
+    chain `pick` exist)."""
+    return {
         "data element (hairpin set)": (f"add element {T4} hairpin {{ {PAIR} }}",
                                        f"delete element {T4} hairpin {{ {PAIR} }}"),
-        "slot element (slots-tcp)": (
-            f"add element {T4} slots-tcp {{ {KEY} . 0 : 10.255.0.2 . 80 }}",
-            f"delete element {T4} slots-tcp {{ {KEY} . 0 }}"),
+        "slot element (pick-…-tcp)": (
+            f"add element {T4} {pick}-tcp {{ {KEY} . 0 : 10.255.0.2 . 80 }}",
+            f"delete element {T4} {pick}-tcp {{ {KEY} . 0 }}"),
         "DNAT rule": (f"add rule {T4} bench-probe meta l4proto tcp dnat to 10.255.0.1:80",
                       f"flush chain {T4} bench-probe"),
-        "goto element (affinity map)": (
-            f"add element {T4} affinity {{ {KEY} : goto bench-probe }}",
-            f"delete element {T4} affinity {{ {KEY} }}"),
+        "goto element (affinity-chains)": (
+            f"add element {T4} affinity-chains {{ {KEY} : goto bench-probe }}",
+            f"delete element {T4} affinity-chains {{ {KEY} }}"),
+        "pick-set element": (f"add element {T4} {pick} {{ {KEY} }}",
+                             f"delete element {T4} {pick} {{ {KEY} }}"),
     }  # fmt: skip
-    if pick is not None:
-        out["pick-set element"] = (f"add element {T4} {pick} {{ {KEY} }}",
-                                   f"delete element {T4} {pick} {{ {KEY} }}")  # fmt: skip
-    return out
 
 
 def measure_ours(n: int, w: Any, ns: str, repeat: int, per_kind: int) -> dict[str, Any]:
@@ -152,8 +152,8 @@ def measure_ours(n: int, w: Any, ns: str, repeat: int, per_kind: int) -> dict[st
           f"system: {fmt_s(cpu)})", flush=True)  # fmt: skip
     nft(f"add chain {T4} bench-probe\n")
     out: dict[str, Any] = {"full": {"wall_s": took, "cpu_s": cpu}}
-    held = dp._held.get("IPv4")
-    pick = min(held.picks) if held is not None and held.picks else None
+    held = dp._held["IPv4"]
+    pick = min(p for p in held.picks if p.startswith("pick-"))
     for name, (do, undo) in probes(pick).items():
         samples = []
         for _ in range(repeat):

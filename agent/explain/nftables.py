@@ -212,7 +212,7 @@ def translate(
             if found is None or parsed is None or not member(family, found.group(1), key):
                 continue
             _, algorithm, count = parsed
-            where = slots_map(outside, key.split(" . ")[1])
+            where = slots_map(found.group(2), key.split(" . ")[1])
             keys = [f"{key} . {i}" for i in range(count)]
             slots = elements(family, where, keys) or {}
             ordered = [_slot_endpoint(slots[k]) for k in keys if k in slots]

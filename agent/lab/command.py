@@ -23,8 +23,8 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ..dataplane.ebpf.abi import versioned
+from ..dataplane.nftables.render import PICK_INSIDE as NFT_PICK_INSIDE
 from ..dataplane.nftables.render import TABLE as NFT_TABLE
-from ..dataplane.nftables.render import slots_map as nft_slots_map
 from ..model.compile import ANY_CLUSTER, LOCAL_CLUSTER, NO_TOPOLOGY, CompileOptions, compile
 from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry, is_external
 from ..model.outcome import BACKENDS, KEPT, topology_tiers
@@ -668,12 +668,11 @@ def show_dataplane(cluster: Cluster, agent: Agent, say: Printer) -> None:
         except LabError as err:
             say(f"  {err}")
     elif agent.dataplane == "nftables":
-        # The frontends and the marker, then the map of their endpoint slots.
-        slots = nft_slots_map(False, "tcp")
+        # The frontends and the marker, then the pick chains in use.
         shown = [("kube-bpf-proxy inspect nftables",
                   [python_for_children(), "-m", "agent", "inspect", "nftables"]),
-                 (f"nft list map ip {NFT_TABLE} {slots}",
-                  ["nft", "list", "map", "ip", NFT_TABLE, slots])]  # fmt: skip
+                 (f"nft list chain ip {NFT_TABLE} {NFT_PICK_INSIDE}",
+                  ["nft", "list", "chain", "ip", NFT_TABLE, NFT_PICK_INSIDE])]  # fmt: skip
         for text, argv in shown:
             say(f"\n$ nsenter --net=/run/netns/{node_ns} {text}")
             try:

@@ -237,9 +237,9 @@ def test_one_changed_service_writes_only_its_elements(nft_ns: str) -> None:
     [written] = recorder.take()
     lines = [line for line in written.splitlines() if line.split()[4] != STATE]
     assert lines == [
-        "delete element ip kube-bpf-proxy slots-tcp { 10.96.1.7 . tcp . 80 . 1 }",
+        "delete element ip kube-bpf-proxy pick-h-2-tcp { 10.96.1.7 . tcp . 80 . 1 }",
         "delete element ip kube-bpf-proxy hairpin { 10.244.2.107 . 10.244.2.107 }",
-        "add element ip kube-bpf-proxy slots-tcp { 10.96.1.7 . tcp . 80 . 1 : "
+        "add element ip kube-bpf-proxy pick-h-2-tcp { 10.96.1.7 . tcp . 80 . 1 : "
         "10.244.2.207 . 8080 }",
         "add element ip kube-bpf-proxy hairpin { 10.244.2.207 . 10.244.2.207 }",
     ], written

@@ -47,7 +47,6 @@ from ..builders import Obj, default_nodes, ep, make_service, make_slice, spec, s
 
 V4 = RenderOptions(IPV4, ("10.244.0.0/16",), ("veth*",))
 V6 = RenderOptions(IPV6, ("fd00:244::/32",), ("veth*",))
-SLOTS, OUTSIDE_SLOTS = slots_map(False, "tcp"), slots_map(True, "tcp")
 Mutator = Callable[[Obj], None]
 
 
@@ -113,16 +112,22 @@ def test_external_policy_local_sends_outsiders_to_local_endpoints_and_the_rest_t
                                  "203.0.113.9 . tcp . 80")  # fmt: skip
     assert nat[cluster_ip] == {  # everyone: clusterBackends; whoever is not a pod masqueraded
         "pick-h-2": [cluster_ip],
-        SLOTS: [f"{cluster_ip} . 0 : 10.244.1.3 . 8080", f"{cluster_ip} . 1 : 10.244.2.5 . 8080"],
+        "pick-h-2-tcp": [
+            f"{cluster_ip} . 0 : 10.244.1.3 . 8080",
+            f"{cluster_ip} . 1 : 10.244.2.5 . 8080",
+        ],
         MASQ_NON_POD: [cluster_ip],
     }
     assert nat[node_port] == {
         EXT_LOCAL: [node_port],  # outsiders never fall back to clusterBackends
         MASQ_NODE: [node_port],  # the node is masqueraded, pods are not
         "pick-h-2": [node_port],  # pods and the node: clusterBackends
-        SLOTS: [f"{node_port} . 0 : 10.244.1.3 . 8080", f"{node_port} . 1 : 10.244.2.5 . 8080"],
+        "pick-h-2-tcp": [
+            f"{node_port} . 0 : 10.244.1.3 . 8080",
+            f"{node_port} . 1 : 10.244.2.5 . 8080",
+        ],
         "pick-outside-h-1": [node_port],  # outsiders keep their address, local endpoints only
-        OUTSIDE_SLOTS: [f"{node_port} . 0 : 10.244.1.3 . 8080"],
+        "pick-outside-h-1-tcp": [f"{node_port} . 0 : 10.244.1.3 . 8080"],
     }
     assert nat[lb][RANGED] == [lb]
     assert nat[lb][ALLOWED] == [f"{lb} . 198.51.100.0/24"]  # overlapping ranges: one prefix
@@ -133,29 +138,32 @@ def test_external_policy_local_sends_outsiders_to_local_endpoints_and_the_rest_t
 def test_external_policy_cluster_masquerades_and_uses_every_endpoint() -> None:
     made = entry_nft(entry(compiled(*svc([ep(5), ep(6)], load_balancer()))), V4)
     node_port = nat_of(made)["192.0.2.10 . tcp . 30080"]
-    assert set(node_port) == {MASQ_ALL, "pick-h-2", SLOTS}
+    assert set(node_port) == {MASQ_ALL, "pick-h-2", slots_map("pick-h-2", "tcp")}
 
 
 def test_the_split_is_a_flow_hash_by_default_and_numgen_for_random() -> None:
     hashed = nat_of(entry_nft(entry(compiled(*svc([ep(5), ep(6), ep(7)]))), V4))
     key = "10.96.0.1 . tcp . 80"
     assert hashed[key]["pick-h-3"] == [key]
-    assert hashed[key][SLOTS] == [f"{key} . {i} : 10.244.2.{5 + i} . 8080" for i in range(3)]
-    made_set, _, rule, *others = pick_commands(IPV4, "pick-h-3")  # a rule per protocol
-    assert [o.split(" map @")[1] for o in others] == ["slots-udp", "slots-sctp"]
+    assert hashed[key]["pick-h-3-tcp"] == [
+        f"{key} . {i} : 10.244.2.{5 + i} . 8080" for i in range(3)
+    ]
+    *maps, made_set, _, rule, udp, sctp = pick_commands(IPV4, "pick-h-3")  # a rule per protocol
+    assert [m.split()[4] for m in maps] == ["pick-h-3-tcp", "pick-h-3-udp", "pick-h-3-sctp"]
+    assert [r.split(" map @")[1] for r in (udp, sctp)] == ["pick-h-3-udp", "pick-h-3-sctp"]
     assert made_set.startswith("add set ip kube-bpf-proxy pick-h-3 {")
     assert rule == ("add rule ip kube-bpf-proxy pick-h-3 meta l4proto tcp dnat ip to ip daddr . "
                     "meta l4proto . tcp dport . jhash ip saddr . th sport . ip daddr . th dport "
-                    f"mod 3 seed {HASH_SEED} map @slots-tcp")  # fmt: skip
+                    f"mod 3 seed {HASH_SEED} map @pick-h-3-tcp")  # fmt: skip
 
     def random(obj: Obj) -> None:
         obj["metadata"]["annotations"] = {"kube-bpf-proxy.io/lb-algorithm": "random"}
 
     picked = nat_of(entry_nft(entry(compiled(*svc([ep(5), ep(6)], random))), V4))
     assert picked[key]["pick-r-2"] == [key]
-    assert pick_commands(IPV6, "pick-outside-r-2")[3] == (
+    assert pick_commands(IPV6, "pick-outside-r-2")[6] == (
         "add rule ip6 kube-bpf-proxy pick-outside-r-2 meta l4proto udp dnat ip6 to ip6 daddr . "
-        "meta l4proto . udp dport . numgen random mod 2 map @outside-slots-udp")  # fmt: skip
+        "meta l4proto . udp dport . numgen random mod 2 map @pick-outside-r-2-udp")  # fmt: skip
 
 
 def test_affinity_is_the_frontends_membership_in_its_timeouts_set() -> None:
@@ -185,7 +193,7 @@ def test_ipv6_slots() -> None:
                           endpoints=[{"addresses": ["fd00:244:2::5"], "nodeName": "node-b",
                                       "conditions": {"ready": True}}])]  # fmt: skip
     made = entry_nft(entry(compiled(*objects), family=IPV6), V6)
-    assert nat_of(made)["fd00:96::1 . tcp . 80"][SLOTS] == [
+    assert nat_of(made)["fd00:96::1 . tcp . 80"]["pick-h-1-tcp"] == [
         "fd00:96::1 . tcp . 80 . 0 : fd00:244:2::5 . 8080"]  # fmt: skip
 
 
@@ -194,7 +202,9 @@ def test_the_first_entry_claiming_a_frontend_holds_it() -> None:
     state = compiled(*svc([ep(5)], shared, name="a", ip="10.96.0.1"),
                      *svc([ep(6)], shared, name="b", ip="10.96.0.2"))  # fmt: skip
     text = "\n".join(full_table(V4, [entry_nft(e, V4) for e in state.services]))
-    [line] = [x for x in text.splitlines() if x.startswith("add element ip kube-bpf-proxy slots")]
+    [line] = [
+        x for x in text.splitlines() if x.startswith("add element ip kube-bpf-proxy pick-h-1-tcp")
+    ]
     assert "203.0.113.50 . tcp . 80 . 0 : 10.244.2.5 . 8080" in line
     assert "203.0.113.50 . tcp . 80 . 0 : 10.244.2.6" not in line
 
@@ -264,9 +274,10 @@ def test_a_partial_sync_writes_only_what_changed() -> None:
     dataplane.apply(after)
     [second] = nft.take()
     assert lines_of(second) == [  # elements only: the endpoint's slot and its hairpin pair
-        "delete element ip kube-bpf-proxy slots-tcp { 10.96.0.1 . tcp . 80 . 1 }",
+        "delete element ip kube-bpf-proxy pick-h-2-tcp { 10.96.0.1 . tcp . 80 . 1 }",
         "delete element ip kube-bpf-proxy hairpin { 10.244.2.6 . 10.244.2.6 }",
-        "add element ip kube-bpf-proxy slots-tcp { 10.96.0.1 . tcp . 80 . 1 : 10.244.2.8 . 8080 }",
+        "add element ip kube-bpf-proxy pick-h-2-tcp { 10.96.0.1 . tcp . 80 . 1 : "
+        "10.244.2.8 . 8080 }",
         "add element ip kube-bpf-proxy hairpin { 10.244.2.8 . 10.244.2.8 }",
     ]
     assert "ip6" not in second  # the other family did not change: its marker stays
@@ -274,16 +285,18 @@ def test_a_partial_sync_writes_only_what_changed() -> None:
     gone = compiled(*svc([ep(5), ep(8)]))
     dataplane.apply(gone)
     [third] = nft.take()
-    assert lines_of(third)[:3] == [
-        "delete element ip kube-bpf-proxy slots-tcp { 10.96.0.2 . tcp . 80 . 0 }",
+    assert lines_of(third)[:2] == [
         "delete element ip kube-bpf-proxy masq-non-pod { 10.96.0.2 . tcp . 80 }",
         "delete element ip kube-bpf-proxy hairpin { 10.244.2.7 . 10.244.2.7 }",
     ]
-    # the last frontend with one endpoint went: its pick chain goes, and the dispatch
-    # chains are written again without it
-    assert lines_of(third)[-3:] == ["flush chain ip kube-bpf-proxy pick-h-1",
+    # the last frontend with one endpoint went: its pick chain goes with its set and slot
+    # maps (their elements with them), and the dispatch chains are written again without it
+    assert lines_of(third)[-6:] == ["flush chain ip kube-bpf-proxy pick-h-1",
                                     "delete chain ip kube-bpf-proxy pick-h-1",
-                                    "delete set ip kube-bpf-proxy pick-h-1"]  # fmt: skip
+                                    "delete set ip kube-bpf-proxy pick-h-1",
+                                    "delete map ip kube-bpf-proxy pick-h-1-sctp",
+                                    "delete map ip kube-bpf-proxy pick-h-1-tcp",
+                                    "delete map ip kube-bpf-proxy pick-h-1-udp"]  # fmt: skip
     dispatch = "add rule ip kube-bpf-proxy pick-inside ip daddr . meta l4proto . th dport"
     assert f"{dispatch} @pick-h-2 goto pick-h-2" in third
     assert "@pick-h-1" not in third
@@ -307,11 +320,10 @@ def test_the_next_claimant_takes_a_frontend_its_holder_gives_up() -> None:
     only_b = compiled(*svc([ep(6), ep(7)], shared, name="b", ip="10.96.0.2"))
     dataplane.apply(only_b)
     [written] = nft.take()
-    assert ("delete element ip kube-bpf-proxy slots-tcp { 10.96.0.1 . tcp . 80 . 0, "
-            "203.0.113.50 . tcp . 80 . 0 }") in written  # fmt: skip
+    assert "delete map ip kube-bpf-proxy pick-h-1-tcp" in written  # a's slots went with it
     assert "add element ip kube-bpf-proxy pick-h-2 { 203.0.113.50 . tcp . 80 }" in written
     key = "203.0.113.50 . tcp . 80"
-    assert (f"add element ip kube-bpf-proxy slots-tcp {{ {key} . 0 : 10.244.2.6 . 8080, "
+    assert (f"add element ip kube-bpf-proxy pick-h-2-tcp {{ {key} . 0 : 10.244.2.6 . 8080, "
             f"{key} . 1 : 10.244.2.7 . 8080 }}") in written  # fmt: skip
 
 

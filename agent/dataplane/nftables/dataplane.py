@@ -41,6 +41,8 @@ from .render import (
     HAIRPIN,
     IPV6,
     NFT_FAMILY,
+    PICK_PREFIX,
+    PROTOCOLS,
     STATE,
     TABLE,
     Element,
@@ -63,6 +65,7 @@ from .render import (
     parse_pick,
     remember_commands,
     set_command,
+    slots_map,
 )
 
 log = logging.getLogger(__name__)
@@ -459,8 +462,10 @@ class NftablesDataplane(QuietDataplane):
         commands: list[str] = [*create_sets, *create_chains]
         for name in new_picks:
             commands += dynamic_set_commands(family, name)
+        gone_maps = {slots_map(n, p) for n in gone_picks if parse_pick(n) is not None
+                     for p in PROTOCOLS}  # fmt: skip
         for where, items in grouped(went).items():
-            if where not in gone_picks:  # the set goes with its chain
+            if where not in gone_picks and where not in gone_maps:  # they go with the chain
                 commands += element_commands("delete", family, where, items)
         changed_sets = {*new_picks, *gone_picks}
         if any(parse_pick(n) is not None for n in changed_sets):
@@ -475,6 +480,7 @@ class NftablesDataplane(QuietDataplane):
         commands += [f"flush chain {t} {name}" for name in gone_chains]
         commands += [f"delete chain {t} {name}" for name in gone_chains]
         commands += [f"delete set {t} {name}" for name in (*delete_sets, *gone_picks)]
+        commands += [f"delete map {t} {name}" for name in sorted(gone_maps)]
         self._forget[family] = self._forget.get(family, []) + forgotten
         return commands, held
 
@@ -547,7 +553,8 @@ def _forgotten(
         return [(key, None)]
 
     def endpoints(elements: tuple[Element, ...]) -> set[str]:
-        return {e.split(" : ", 1)[1] for w, e in elements if " : " in e and "slots-" in w}
+        return {e.split(" : ", 1)[1] for w, e in elements
+                if " : " in e and w.startswith(PICK_PREFIX)}  # fmt: skip
 
     return [(key, endpoint) for endpoint in sorted(endpoints(was) - endpoints(now))]
 

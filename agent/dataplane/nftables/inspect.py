@@ -105,10 +105,6 @@ def tables(netns: str | None = None, run: Runner = run_command) -> list[dict[str
                                           NO_ENDPOINTS) is None:  # fmt: skip
             continue  # no table
         translate: dict[bool, dict[Frontend, str]] = {False: {}, True: {}}
-        slots: dict[bool, dict[Frontend, dict]] = {False: {}, True: {}}
-        for outside in (False, True):
-            for proto in PROTOCOLS:
-                slots[outside].update(_slots(family, slots_map(outside, proto), netns, run))
         affinity: dict[Frontend, int] = {}
         for name in _picks(family, netns, run):
             timeout = parse_affinity(name)
@@ -116,8 +112,11 @@ def tables(netns: str | None = None, run: Runner = run_command) -> list[dict[str
                 affinity.update(dict.fromkeys(_members(family, name, netns, run), timeout))
                 continue
             outside, _, count = parse_pick(name)  # type: ignore[misc]
+            slots: dict[Frontend, dict] = {}
+            for proto in PROTOCOLS:
+                slots.update(_slots(family, slots_map(name, proto), netns, run))
             for frontend in _members(family, name, netns, run):
-                held = slots[outside].get(frontend, {})
+                held = slots.get(frontend, {})
                 endpoints = ", ".join(held.get(i, "?") for i in range(count))
                 translate[outside][frontend] = f"{name}: {endpoints}"
         for outside, where in ((False, AFFINITY_CHAINS), (True, OUTSIDE_AFFINITY_CHAINS)):

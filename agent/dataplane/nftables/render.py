@@ -28,12 +28,12 @@ are not validated. So every per-frontend fact is an element keyed by the fronten
                                  local endpoint: untranslated); else → pick-inside
     pick-inside                  K vmap @affinity, K @pick-<a>-<n> → that pick chain
     pick-<a>-<n>                 one rule per protocol: DNAT to `K . slot` looked up in
-    pick-outside-<a>-<n>           @slots-<protocol>, the slot `jhash <5-tuple> mod n` (a = h:
-                                 the flow hash; Maglev, which nftables cannot express, uses
-                                 it too) or `numgen random mod n` (a = r); outside:
-                                 @outside-slots-<protocol>
-    slots-tcp, -udp, -sctp,      K . slot → endpoint address . port (a map per protocol: the
-      outside-slots-… (maps)       port of a DNAT map's data is a protocol's)
+    pick-outside-<a>-<n>           @<the pick chain>-<protocol>, the slot `jhash <5-tuple> mod
+                                 n` (a = h: the flow hash; Maglev, which nftables cannot
+                                 express, uses it too) or `numgen random mod n` (a = r)
+    pick-…-tcp, -udp, -sctp      a pick chain's slots: K . slot → endpoint address . port (a
+      (maps)                       map per protocol: the port of a DNAT map's data is a
+                                   protocol's)
     masquerading (srcnat)        the `hairpin` set of (endpoint . endpoint) pairs marks a pod
                                  reaching itself; marked packets are masqueraded
     filter-input, -forward, -output  (filter, ct state new) jump endpoints-check:
@@ -173,7 +173,7 @@ def element_key(ip: str, protocol: str, port: int) -> str:
 
 def pick_chain(outside: bool, algorithm: str, count: int) -> str:
     """The pick chain (and the set naming its frontends) for `count` endpoints: h, the flow
-    hash; r, at random; outside: from @outside-slots-<protocol>."""
+    hash; r, at random; outside: outsiders' (of external frontends with policy Local)."""
     return f"{OUTSIDE_PICK_PREFIX if outside else PICK_PREFIX}{algorithm}-{count}"
 
 
@@ -206,11 +206,13 @@ def _pick_order(name: str) -> tuple[bool, str, int]:
     return parsed
 
 
-def slots_map(outside: bool, protocol: str) -> str:
-    """The map of a protocol's endpoint slots (`K . slot → address . port`): one per
-    protocol, as the port in a DNAT map's data needs the protocol (`tcp dport`: nft 1.0.6
-    reads a map typed `th dport` back wrongly), outside: outsiders' (@outside-slots-…)."""
-    return f"{'outside-' if outside else ''}slots-{protocol.lower()}"
+def slots_map(pick: str, protocol: str) -> str:
+    """The map of a pick chain's endpoint slots for a protocol (`K . slot → address .
+    port`), `<pick>-<protocol>`. A map per protocol, as the port in a DNAT map's data needs
+    the protocol (`tcp dport`: nft 1.0.6 reads a map typed `th dport` back wrongly); a map
+    per pick chain, as the kernel checks every element of a map when a rule comes to use it
+    (a new pick chain using a shared map paid for all its elements: 18 ms at 10k)."""
+    return f"{pick}-{protocol.lower()}"
 
 
 def element_to_delete(element: str) -> str:
@@ -284,8 +286,9 @@ def _pick(
         return [(OUTSIDE_AFFINITY_CHAINS if outside else AFFINITY_CHAINS,
                  f"{key} : goto {chain}")]  # fmt: skip
     algorithm = "r" if entry.lb_algorithm == "random" else "h"
-    slots = slots_map(outside, entry.protocol)
-    out: list[Element] = [(pick_chain(outside, algorithm, len(backends)), key)]
+    pick = pick_chain(outside, algorithm, len(backends))
+    slots = slots_map(pick, entry.protocol)
+    out: list[Element] = [(pick, key)]
     out += [(slots, f"{key} . {i} : {_target(b)}") for i, b in enumerate(backends)]
     return out
 
@@ -436,12 +439,6 @@ def base_commands(options: RenderOptions) -> list[str]:
     key = f"{addr} . inet_proto . inet_service"
     k = frontend_expr(options.family)
     out = [
-        f"add map {t} {slots_map(outside, proto)} {{ typeof {ip} daddr . meta l4proto . "
-        f"{proto} dport . numgen random mod 2 : {ip} daddr . {proto} dport ; }}"
-        for outside in (False, True)
-        for proto in PROTOCOLS
-    ]
-    out += [
         # client . frontend → the endpoint it was sent to, written from the packet path
         f"add map {t} {AFFINITY_CHAINS} {{ type {key} : verdict ; }}",
         f"add map {t} {OUTSIDE_AFFINITY_CHAINS} {{ type {key} : verdict ; }}",
@@ -510,21 +507,26 @@ BASE_CHAINS = (
 
 
 def pick_commands(family: str, name: str) -> list[str]:
-    """A pick chain and the set naming its frontends (for a new one)."""
+    """A pick chain, the set naming its frontends and its slot maps (for a new one)."""
     parsed = parse_pick(name)
     assert parsed is not None, name
-    outside, algorithm, count = parsed
+    _, algorithm, count = parsed
     t = f"{NFT_FAMILY[family]} {TABLE}"
     ip = "ip" if family == IPV4 else "ip6"
     slot = (f"{pick_hash(family)} mod {count} seed {HASH_SEED}" if algorithm == "h"
             else f"numgen random mod {count}")  # fmt: skip
     key = f"{ADDR_TYPE[family]} . inet_proto . inet_service"
     return [
+        *(
+            f"add map {t} {slots_map(name, proto)} {{ typeof {ip} daddr . meta l4proto . "
+            f"{proto} dport . numgen random mod 2 : {ip} daddr . {proto} dport ; }}"
+            for proto in PROTOCOLS
+        ),
         f"add set {t} {name} {{ type {key} ; }}",
         f"add chain {t} {name}",
         *(
             f"add rule {t} {name} meta l4proto {proto} dnat {ip} to {ip} daddr . meta l4proto "
-            f". {proto} dport . {slot} map @{slots_map(outside, proto)}"
+            f". {proto} dport . {slot} map @{slots_map(name, proto)}"
             for proto in PROTOCOLS
         ),
     ]
