@@ -215,6 +215,22 @@ def _winner(owners: dict[tuple[str, ...], tuple[Element, ...]] | None
     return None if not owners else owners[min(owners)]
 
 
+class _ByFamily(dict[str, list[ServiceEntry]]):
+    """Entries by IP family, sorted out when first asked for: a partial sync does not go
+    through every entry of the state (at 10k Services, a millisecond per pass)."""
+
+    def __init__(self, entries: Sequence[ServiceEntry]) -> None:
+        super().__init__()
+        self.entries = entries
+
+    def __missing__(self, family: str) -> list[ServiceEntry]:
+        for f in FAMILIES:
+            self[f] = []
+        for entry in self.entries:
+            self[entry.ip_family].append(entry)
+        return self[family]
+
+
 class NftablesDataplane(QuietDataplane):
     name = "nftables"
 
@@ -266,9 +282,7 @@ class NftablesDataplane(QuietDataplane):
         return RenderOptions(family, cidrs, self._patterns)
 
     def apply(self, state: NodeState, full: bool = False) -> int:
-        by_family: dict[str, list[ServiceEntry]] = {family: [] for family in FAMILIES}
-        for entry in state.services:
-            by_family[entry.ip_family].append(entry)
+        by_family = _ByFamily(state.services)  # (a partial sync reads only its delta)
         rendered: dict[str, _Held] | None = None
         if self._found:
             found, self._found = self._found, {}  # adopted once, at the first apply
@@ -285,7 +299,7 @@ class NftablesDataplane(QuietDataplane):
         if full and not rewrite and self._tables_changed():
             log.warning("nftables: a table of ours was changed or removed; rewriting all")
             rewrite = True
-        changed = None if rewrite else self._changed_keys(state)
+        changed, came = (None, by_family) if rewrite else self._changed_keys(state, by_family)
         commands: list[str] = []
         new_held: dict[str, _Held] = {}
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
@@ -304,7 +318,7 @@ class NftablesDataplane(QuietDataplane):
                     removed_udp += self._udp_changes(held, fresh.entries, None)
                 self._forget.pop(family, None)  # a new table remembers nobody
                 continue
-            family_commands, updated = self._partial(held, by_family[family], changed,
+            family_commands, updated = self._partial(held, came[family], changed,
                                                      removed_udp)  # fmt: skip
             if family_commands:
                 family_commands += marker_commands(family, state.revision, updated.digest, stamp)
@@ -339,13 +353,16 @@ class NftablesDataplane(QuietDataplane):
         except DataplaneError:
             return True
 
-    def _changed_keys(self, state: NodeState) -> set[tuple[str, ...]] | None:
+    def _changed_keys(
+        self, state: NodeState, by_family: _ByFamily
+    ) -> tuple[set[tuple[str, ...]] | None, _ByFamily]:
         """The sort keys of the entries that went or came since the state these tables
-        hold (`Changes.since`); None on a resync: compare every entry."""
+        hold (`Changes.since`), with the entries that came by family; on a resync None and
+        every entry: compare every entry."""
         delta = Changes.since(self._revision, self._services if self._held else None, state)
         if delta.full:
-            return None
-        return {e.sort_key for e in (*delta.went, *delta.came)}
+            return None, by_family
+        return {e.sort_key for e in (*delta.went, *delta.came)}, _ByFamily(delta.came)
 
     def _render(
         self, state: NodeState, by_family: dict[str, list[ServiceEntry]]
