@@ -396,3 +396,29 @@ def test_affinity_clients_of_an_endpoint_that_left_are_forgotten(nft_ns: str) ->
     dataplane.apply(compiled(*service(1, ["10.244.2.1"])))
     listed = run_command(nft_ns, ["nft", "list", "map", "ip", TABLE, "affinity-clients"], None)
     assert "10.244.1.50" not in listed.stdout, listed.stdout
+
+
+def test_changed_source_ranges_and_policies_leave_the_table_a_fresh_write_would(
+    nft_ns: str, netns: Callable[[], str]
+) -> None:
+    """A LoadBalancer's loadBalancerSourceRanges (an interval set of frontend . prefix) and
+    its traffic policy changed by partial syncs."""
+
+    def balancer(ranges: list[str], policy: str) -> Callable[[Obj], None]:
+        def mutate(obj: Obj) -> None:
+            obj["spec"]["type"] = "LoadBalancer"
+            obj["spec"]["ports"][0]["nodePort"] = 30001
+            obj["spec"]["externalTrafficPolicy"] = policy
+            obj["spec"]["loadBalancerSourceRanges"] = ranges
+            obj["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}
+
+        return mutate
+
+    dataplane = NftablesDataplane(POD_INTERFACES, netns=nft_ns)
+    pods = ["10.244.1.5", "10.244.2.6"]
+    for ranges, policy in ((["198.51.100.0/24"], "Cluster"),
+                           (["198.51.100.0/25", "192.0.2.0/24"], "Local"),
+                           ([], "Local"), (["198.51.100.128/25"], "Cluster")):  # fmt: skip
+        state = compiled(*service(1, pods, mutate=balancer(ranges, policy)))
+        dataplane.apply(state)
+        assert table_content(nft_ns) == fresh_content(netns, state), (ranges, policy)

@@ -338,7 +338,10 @@ class NftablesDataplane(QuietDataplane):
         self._revision, self._services = state.revision, state.services
         self.last_writes = writes
         self._clear_udp_conntrack(removed_udp)
-        self._forget_clients()
+        try:
+            self._forget_clients()
+        except DataplaneError as err:  # the transaction is in: only affinity lingers
+            log.warning("nftables: affinity clients of endpoints that left: %s", err)
         return writes
 
     def _tables_changed(self) -> bool:
