@@ -422,3 +422,54 @@ def test_changed_source_ranges_and_policies_leave_the_table_a_fresh_write_would(
         state = compiled(*service(1, pods, mutate=balancer(ranges, policy)))
         dataplane.apply(state)
         assert table_content(nft_ns) == fresh_content(netns, state), (ranges, policy)
+
+
+# Sends one UDP datagram from [src]:sport to [dst]:9999 (the namespace's loopback).
+SEND = """
+import socket, sys
+family = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
+sock = socket.socket(family, socket.SOCK_DGRAM)
+sock.bind((sys.argv[1], int(sys.argv[3])))
+sock.sendto(b"x", (sys.argv[2], 9999))
+"""
+
+
+@pytest.mark.parametrize("family", ["ip", "ip6"])
+def test_explains_flow_slot_is_the_kernels_pick_hash(nft_ns: str, family: str) -> None:
+    """The pick chains' `jhash` (render.pick_hash: the 5-tuple for IPv4, the client's
+    address and port for IPv6) gives, for real datagrams, the slot explain computes."""
+    from agent.dataplane.nftables.render import HASH_SEED, IPV4, IPV6, pick_hash
+    from agent.explain.nftables import flow_slot
+
+    address = "127.0.0.1" if family == "ip" else "::1"
+    expr = pick_hash(IPV4 if family == "ip" else IPV6)
+    modulus = 5
+    assert run_command(nft_ns, ["ip", "link", "set", "lo", "up"], None).returncode == 0
+    rules = (
+        f"add table {family} hash-probe\n"
+        f"add chain {family} hash-probe out {{ type filter hook output priority 0 ; }}\n"
+    )
+    rules += "".join(f"add rule {family} hash-probe out udp dport 9999 {expr} mod {modulus} "
+                     f"seed {HASH_SEED} {i} counter\n" for i in range(modulus))  # fmt: skip
+    done = run_command(nft_ns, ["nft", "-f", "-"], rules)
+    assert done.returncode == 0, done.stderr
+
+    def counts() -> list[int]:
+        listed = run_command(nft_ns, ["nft", "-j", "list", "chain", family, "hash-probe", "out"],
+                             None)  # fmt: skip
+        items = json.loads(listed.stdout)["nftables"]
+        return [sum(e.get("counter", {}).get("packets", 0) for e in item["rule"]["expr"])
+                for item in items if "rule" in item]  # fmt: skip
+
+    seen = set()
+    for sport in (40000, 40001, 40123, 51515, 60001, 33333, 12345, 23456):
+        before = counts()
+        sent = run_command(nft_ns, [sys.executable, "-c", SEND, address, address, str(sport)],
+                           None)  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        hit = [i for i, (a, b) in enumerate(zip(before, counts(), strict=True)) if b > a]
+        slot = flow_slot(address, sport, address, 9999, modulus, int(HASH_SEED, 16),
+                         source_only=family == "ip6")  # fmt: skip
+        assert hit == [slot], (sport, hit, slot)
+        seen.add(slot)
+    assert len(seen) > 1, seen  # the ports spread over the slots
