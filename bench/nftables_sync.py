@@ -247,13 +247,25 @@ def main(argv: list[str] | None = None) -> int:
     for e in report:
         if e["dataplane"] != "nftables":
             continue
-        full_ok = e["services"] < 10_000 or e["full_s"]["median"] <= FULL_TARGET_S
-        p99 = e["event_to_last_write_s"]["p99"]
+        full_ok = e["full_s"]["median"] <= FULL_TARGET_S
+        event = e["event_to_last_write_s"]
+        p99 = event["p99"]
         consistent = "yes" if e["consistent"] else "NO"
+        # the wall clock on a shared machine is its load's as much as ours: the apply's
+        # CPU (agent and nft) and the fastest change are printed beside it
         print(f"{e['services']:>6} Services: full {fmt_s(e['full_s']['median'])} "
-              f"{mark(full_ok) if e['services'] >= 10_000 else '(no target)'}; one change "
-              f"p99 {fmt_s(p99)} {mark(p99 <= PARTIAL_TARGET_S)}; restart writes "
+              f"{mark(full_ok) if e['services'] == 10_000 else '(no target)'}; one change "
+              f"p99 {fmt_s(p99)} {mark(p99 <= PARTIAL_TARGET_S)} (min {fmt_s(event['min'])}, "
+              f"apply CPU mean {fmt_s(e['partial_apply_cpu_s']['mean'])}); restart writes "
               f"{e['restart_writes']}; consistent: {consistent}")  # fmt: skip
+    ours = [e for e in report if e["dataplane"] == "nftables"]
+    if len(ours) > 1:
+        first, last = ours[0], ours[-1]
+        wall = last["event_to_last_write_s"]["p99"] / first["event_to_last_write_s"]["p99"]
+        cpu = last["partial_apply_cpu_s"]["mean"] / first["partial_apply_cpu_s"]["mean"]
+        print(f"  flat: {last['services']} / {first['services']} Services: event to write p99 "
+              f"x{wall:.2f}, apply CPU x{cpu:.2f}; load average now "
+              f"{os.getloadavg()[0]:.2f}")  # fmt: skip
     seconds = time.perf_counter() - began
     out = results_path(args, "nftables_sync")
     write_results(out, {

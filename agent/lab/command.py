@@ -23,7 +23,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from ..dataplane.ebpf.abi import versioned
-from ..dataplane.nftables.render import SERVICE_IPS as NFT_SERVICE_IPS
+from ..dataplane.nftables.render import PICK_INSIDE as NFT_PICK_INSIDE
 from ..dataplane.nftables.render import TABLE as NFT_TABLE
 from ..model.compile import ANY_CLUSTER, LOCAL_CLUSTER, NO_TOPOLOGY, CompileOptions, compile
 from ..model.nodestate import CLUSTER_IP, Backend, Frontend, NodeState, ServiceEntry, is_external
@@ -668,11 +668,11 @@ def show_dataplane(cluster: Cluster, agent: Agent, say: Printer) -> None:
         except LabError as err:
             say(f"  {err}")
     elif agent.dataplane == "nftables":
-        # The frontends and the marker, then the map the kernel looks them up in.
+        # The frontends and the marker, then the pick chains in use.
         shown = [("kube-bpf-proxy inspect nftables",
                   [python_for_children(), "-m", "agent", "inspect", "nftables"]),
-                 (f"nft list map ip {NFT_TABLE} {NFT_SERVICE_IPS}",
-                  ["nft", "list", "map", "ip", NFT_TABLE, NFT_SERVICE_IPS])]  # fmt: skip
+                 (f"nft list chain ip {NFT_TABLE} {NFT_PICK_INSIDE}",
+                  ["nft", "list", "chain", "ip", NFT_TABLE, NFT_PICK_INSIDE])]  # fmt: skip
         for text, argv in shown:
             say(f"\n$ nsenter --net=/run/netns/{node_ns} {text}")
             try:

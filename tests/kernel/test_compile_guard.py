@@ -79,7 +79,7 @@ def test_auto_falls_back_to_nftables_naming_the_compile_failure_and_serves(
         assert CAUSE in status["dataplaneReason"], status
         rules = subprocess.run(in_netns(ns, ["nft", "list", "table", "ip", "kube-bpf-proxy"]),
                                capture_output=True, text=True, check=True).stdout  # fmt: skip
-        assert "vmap @service-ips" in rules, rules
+        assert "goto pick-inside" in rules, rules
         assert "Traceback" not in agent.log(), agent.log()
     finally:
         agent.stop()

@@ -185,7 +185,8 @@ def test_lab_with_nftables_checks_every_service_and_removes_everything(runs) -> 
     assert re.search(r"LoadBalancer 203\.0\.113\.9:443/TCP +loadBalancerSourceRanges +dropped",
                      done.stdout)  # fmt: skip
     assert "kube-bpf-proxy inspect nftables" in done.stdout
-    assert re.search(r"10\.96\.0\.10 \. tcp \. 80 : goto svc-[0-9a-f]{16}", done.stdout)  # the map
+    assert re.search(r"10\.96\.0\.10:80/TCP +- +pick-h-\d+: 10\.", done.stdout)  # inspect
+    assert re.search(r"@pick-h-\d+ goto pick-h-\d+", done.stdout)  # the pick chains in use
     assert_explained(done.stdout, "nftables")
     assert "removing the lab … done" in done.stdout
     assert_nothing_left(run)

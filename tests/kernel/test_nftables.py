@@ -1,9 +1,10 @@
 """The nftables dataplane against the real `nft`, each test in throw-away network
-namespaces: partial syncs write only the changed entries' elements and chains and leave
-the table a fresh full write would; a restarted agent adopts the table writing nothing;
-a full sync puts back a table someone deleted; a refused transaction changes nothing;
-cleanup removes our tables and nobody else's. (Where packets go is the scenario suites'
-part: tests/kernel/test_dataplane.py and test_external.py run on nftables.)
+namespaces: partial syncs write only the changed entries' elements (and a pick chain when
+an endpoint count comes or goes) and leave the table a fresh full write would; a restarted
+agent adopts the table writing nothing; a full sync puts back a table someone deleted; a
+refused transaction changes nothing; cleanup removes our tables and nobody else's. (Where
+packets go is the scenario suites' part: tests/kernel/test_dataplane.py and
+test_external.py run on nftables.)
 
 Address plan (tests/builders.py): node-a 192.0.2.10 / 2001:db8::10, pods 10.244.<node>.<n>
 and fd00:244:<node>::<n>, pod CIDRs 10.244.0.0/16 and fd00:244::/32. Services sNN get
@@ -224,7 +225,7 @@ def test_partial_syncs_leave_the_table_a_fresh_write_would(
         assert max(found, key=lambda m: m[2])[0] == state.revision  # type: ignore[index]
 
 
-def test_one_changed_service_writes_only_its_elements_and_chain(nft_ns: str) -> None:
+def test_one_changed_service_writes_only_its_elements(nft_ns: str) -> None:
     objects = {n: service(n, [f"10.244.2.{n}", f"10.244.2.{n + 100}"]) for n in range(1, 30)}
     recorder = Recorder()
     dataplane = NftablesDataplane(POD_INTERFACES, netns=nft_ns, run=recorder)
@@ -236,25 +237,14 @@ def test_one_changed_service_writes_only_its_elements_and_chain(nft_ns: str) -> 
     [written] = recorder.take()
     lines = [line for line in written.splitlines() if line.split()[4] != STATE]
     assert lines == [
+        "delete element ip kube-bpf-proxy pick-h-2-tcp { 10.96.1.7 . tcp . 80 . 1 }",
         "delete element ip kube-bpf-proxy hairpin { 10.244.2.107 . 10.244.2.107 }",
-        f"flush chain ip kube-bpf-proxy {chain_of(state, 's07')}",
-        f"add rule ip kube-bpf-proxy {chain_of(state, 's07')} ip daddr 10.96.1.7 th dport 80 "
-        "jump masq-non-pod",
-        f"add rule ip kube-bpf-proxy {chain_of(state, 's07')} jhash ip saddr . th sport . "
-        "ip daddr . th dport mod 2 seed 0x6b627031 0 meta l4proto tcp dnat to 10.244.2.7:8080",
-        f"add rule ip kube-bpf-proxy {chain_of(state, 's07')} meta l4proto tcp "
-        "dnat to 10.244.2.207:8080",
+        "add element ip kube-bpf-proxy pick-h-2-tcp { 10.96.1.7 . tcp . 80 . 1 : "
+        "10.244.2.207 . 8080 }",
         "add element ip kube-bpf-proxy hairpin { 10.244.2.207 . 10.244.2.207 }",
     ], written
-    assert writes == 5 + 1  # five commands that write (a flush does not), and the marker
+    assert writes == 4 + 1  # four element writes, and the marker
     assert dataplane.apply(state) == 0 and recorder.take() == []
-
-
-def chain_of(state: NodeState, name: str) -> str:
-    from agent.dataplane.nftables.render import service_chain
-
-    [entry] = [e for e in state.services if e.name == name]
-    return service_chain("svc", entry)
 
 
 def test_a_restarted_agent_adopts_the_table_and_writes_nothing(nft_ns: str) -> None:
@@ -345,34 +335,141 @@ def test_inspect_shows_the_frontends_and_the_revision(nft_ns: str) -> None:
     rows = {(r["family"], r["frontend"]): r for r in json.loads(done.stdout)}
     assert set(rows) == {("IPv4", "10.96.1.1:80/TCP"), ("IPv4", "10.96.1.2:80/TCP"),
                          ("IPv4", "192.0.2.10:30002/TCP")}, rows  # fmt: skip
-    assert rows[("IPv4", "10.96.1.1:80/TCP")]["translate"].startswith("goto svc-")
+    assert rows[("IPv4", "10.96.1.1:80/TCP")]["translate"] == "pick-h-1: 10.244.2.1:8080"
     assert rows[("IPv4", "10.96.1.1:80/TCP")]["untranslated"] == ""
     for frontend in ("10.96.1.2:80/TCP", "192.0.2.10:30002/TCP"):  # no endpoints: rejected
         assert rows[("IPv4", frontend)]["translate"] == ""
-        assert rows[("IPv4", frontend)]["untranslated"] == "goto reject-chain"
+        assert rows[("IPv4", frontend)]["untranslated"] == "reject"
     assert {r["revision"] for r in rows.values()} == {state.revision}
 
 
 def test_long_names_fit_nfts_comments(nft_ns: str) -> None:
     """A namespace and a name of 63 characters each, and a port name of 15: the chains'
-    comments (nft keeps 127 bytes) are cut, the transaction goes through."""
+    comments (nft keeps 127 bytes; IPv6 ClientIP affinity entries have chains of their own)
+    are cut, the transaction goes through."""
     namespace, name = "n" * 63, "s" * 63
 
     def long_names(obj: Obj) -> None:
         obj["metadata"]["namespace"] = namespace
         obj["metadata"]["name"] = name
         obj["spec"]["ports"][0]["name"] = "p" * 15
+        obj["spec"]["sessionAffinity"] = "ClientIP"
 
-    objects = service(1, ["10.244.2.1"], mutate=long_names)
-    objects[1]["metadata"].update(namespace=namespace)
-    objects[1]["metadata"]["labels"]["kubernetes.io/service-name"] = name
-    objects[1]["ports"][0]["name"] = "p" * 15
+    objects = service(1, ["10.244.2.1"], dual=True, mutate=long_names)
+    for endpoints in objects[1:]:
+        endpoints["metadata"].update(namespace=namespace)
+        endpoints["metadata"]["labels"]["kubernetes.io/service-name"] = name
+        endpoints["ports"][0]["name"] = "p" * 15
     state = compiled(*objects)
-    assert [e.name for e in state.services] == [name]
+    assert [e.name for e in state.services] == [name, name]
     NftablesDataplane(POD_INTERFACES, netns=nft_ns).apply(state)
-    listed = run_command(nft_ns, ["nft", "list", "table", "ip", TABLE], None).stdout
+    listed = run_command(nft_ns, ["nft", "list", "table", "ip6", TABLE], None).stdout
     comments = [line.strip() for line in listed.splitlines() if line.strip().startswith("comment")]
     assert comments, listed  # (nft -j leaves chain comments out)
     assert all(len(c.encode()) <= len('comment ""') + 127 for c in comments), comments
     assert any(c.startswith(f'comment "{namespace}/s') and c.endswith('..."')
                for c in comments), comments  # fmt: skip
+
+
+def test_affinity_clients_of_an_endpoint_that_left_are_forgotten(nft_ns: str) -> None:
+    """The packet path remembers each ClientIP-affinity client's endpoint in the map
+    affinity-clients (client . frontend → endpoint); when an endpoint leaves, the clients it
+    had are forgotten, the others' kept."""
+
+    def affinity(obj: Obj) -> None:
+        obj["spec"]["sessionAffinity"] = "ClientIP"
+        obj["spec"]["sessionAffinityConfig"] = {"clientIP": {"timeoutSeconds": 600}}
+
+    dataplane = NftablesDataplane(POD_INTERFACES, netns=nft_ns)
+    dataplane.apply(compiled(*service(1, ["10.244.2.1", "10.244.2.2"], mutate=affinity)))
+    # as the affinity-remember rules write them for two clients' first connections
+    key = "10.96.1.1 . tcp . 80 timeout 600s"
+    remembered = (f"add element ip {TABLE} affinity-clients {{ 10.244.1.50 . {key} : "
+                  f"10.244.2.1 . 8080, 10.244.1.51 . {key} : 10.244.2.2 . 8080 }}\n")  # fmt: skip
+    done = run_command(nft_ns, ["nft", "-f", "-"], remembered)
+    assert done.returncode == 0, done.stderr
+    dataplane.apply(compiled(*service(1, ["10.244.2.1"], mutate=affinity)))
+    listed = run_command(nft_ns, ["nft", "list", "map", "ip", TABLE, "affinity-clients"], None)
+    assert "10.244.1.50 . 10.96.1.1 . tcp . 80" in listed.stdout, listed.stdout
+    assert "10.244.1.51" not in listed.stdout, listed.stdout
+    # without affinity, nobody is remembered
+    dataplane.apply(compiled(*service(1, ["10.244.2.1"])))
+    listed = run_command(nft_ns, ["nft", "list", "map", "ip", TABLE, "affinity-clients"], None)
+    assert "10.244.1.50" not in listed.stdout, listed.stdout
+
+
+def test_changed_source_ranges_and_policies_leave_the_table_a_fresh_write_would(
+    nft_ns: str, netns: Callable[[], str]
+) -> None:
+    """A LoadBalancer's loadBalancerSourceRanges (an interval set of frontend . prefix) and
+    its traffic policy changed by partial syncs."""
+
+    def balancer(ranges: list[str], policy: str) -> Callable[[Obj], None]:
+        def mutate(obj: Obj) -> None:
+            obj["spec"]["type"] = "LoadBalancer"
+            obj["spec"]["ports"][0]["nodePort"] = 30001
+            obj["spec"]["externalTrafficPolicy"] = policy
+            obj["spec"]["loadBalancerSourceRanges"] = ranges
+            obj["status"] = {"loadBalancer": {"ingress": [{"ip": "203.0.113.9"}]}}
+
+        return mutate
+
+    dataplane = NftablesDataplane(POD_INTERFACES, netns=nft_ns)
+    pods = ["10.244.1.5", "10.244.2.6"]
+    for ranges, policy in ((["198.51.100.0/24"], "Cluster"),
+                           (["198.51.100.0/25", "192.0.2.0/24"], "Local"),
+                           ([], "Local"), (["198.51.100.128/25"], "Cluster")):  # fmt: skip
+        state = compiled(*service(1, pods, mutate=balancer(ranges, policy)))
+        dataplane.apply(state)
+        assert table_content(nft_ns) == fresh_content(netns, state), (ranges, policy)
+
+
+# Sends one UDP datagram from [src]:sport to [dst]:9999 (the namespace's loopback).
+SEND = """
+import socket, sys
+family = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
+sock = socket.socket(family, socket.SOCK_DGRAM)
+sock.bind((sys.argv[1], int(sys.argv[3])))
+sock.sendto(b"x", (sys.argv[2], 9999))
+"""
+
+
+@pytest.mark.parametrize("family", ["ip", "ip6"])
+def test_explains_flow_slot_is_the_kernels_pick_hash(nft_ns: str, family: str) -> None:
+    """The pick chains' `jhash` (render.pick_hash: the 5-tuple for IPv4, the client's
+    address and port for IPv6) gives, for real datagrams, the slot explain computes."""
+    from agent.dataplane.nftables.render import HASH_SEED, IPV4, IPV6, pick_hash
+    from agent.explain.nftables import flow_slot
+
+    address = "127.0.0.1" if family == "ip" else "::1"
+    expr = pick_hash(IPV4 if family == "ip" else IPV6)
+    modulus = 5
+    assert run_command(nft_ns, ["ip", "link", "set", "lo", "up"], None).returncode == 0
+    rules = (
+        f"add table {family} hash-probe\n"
+        f"add chain {family} hash-probe out {{ type filter hook output priority 0 ; }}\n"
+    )
+    rules += "".join(f"add rule {family} hash-probe out udp dport 9999 {expr} mod {modulus} "
+                     f"seed {HASH_SEED} {i} counter\n" for i in range(modulus))  # fmt: skip
+    done = run_command(nft_ns, ["nft", "-f", "-"], rules)
+    assert done.returncode == 0, done.stderr
+
+    def counts() -> list[int]:
+        listed = run_command(nft_ns, ["nft", "-j", "list", "chain", family, "hash-probe", "out"],
+                             None)  # fmt: skip
+        items = json.loads(listed.stdout)["nftables"]
+        return [sum(e.get("counter", {}).get("packets", 0) for e in item["rule"]["expr"])
+                for item in items if "rule" in item]  # fmt: skip
+
+    seen = set()
+    for sport in (40000, 40001, 40123, 51515, 60001, 33333, 12345, 23456):
+        before = counts()
+        sent = run_command(nft_ns, [sys.executable, "-c", SEND, address, address, str(sport)],
+                           None)  # fmt: skip
+        assert sent.returncode == 0, sent.stderr
+        hit = [i for i, (a, b) in enumerate(zip(before, counts(), strict=True)) if b > a]
+        slot = flow_slot(address, sport, address, 9999, modulus, int(HASH_SEED, 16),
+                         source_only=family == "ip6")  # fmt: skip
+        assert hit == [slot], (sport, hit, slot)
+        seen.add(slot)
+    assert len(seen) > 1, seen  # the ports spread over the slots

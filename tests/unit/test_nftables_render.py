@@ -19,15 +19,26 @@ import pytest
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.nftables.dataplane import NftablesDataplane
 from agent.dataplane.nftables.render import (
+    ALLOWED,
+    DROP,
+    EXT_LOCAL,
+    HASH_SEED,
     IPV4,
     IPV6,
-    REJECT,
+    MASQ_ALL,
+    MASQ_NODE,
+    MASQ_NON_POD,
+    NO_ENDPOINTS,
+    RANGED,
     RenderOptions,
     entry_nft,
     full_table,
+    grouped,
     marker_commands,
     parse_marker,
-    service_chain,
+    pick_commands,
+    remember_commands,
+    slots_map,
 )
 from agent.model.compile import CompileOptions, compile
 from agent.model.nodestate import NodeState, ServiceEntry
@@ -71,85 +82,107 @@ def entry(state: NodeState, name: str = "svc", family: str = IPV4) -> ServiceEnt
     return next(e for e in state.services if e.name == name and e.ip_family == family)
 
 
+def nat_of(made) -> dict[str, dict[str, list[str]]]:  # type: ignore[no-untyped-def]
+    """frontend key → set or map → its elements."""
+    return {key: grouped(elements) for key, elements in made.nat}
+
+
 def test_a_service_without_endpoints_is_rejected_at_every_frontend() -> None:
     made = entry_nft(entry(compiled(*svc([], load_balancer()))), V4)
-    assert made.dispatch == ()
+    assert made.nat == ()
     assert dict(made.filter) == {
-        "10.96.0.1 . tcp . 80": f"goto {REJECT}",
-        "192.0.2.10 . tcp . 30080": f"goto {REJECT}",
-        "203.0.113.7 . tcp . 80": f"goto {REJECT}",
-        "203.0.113.9 . tcp . 80": f"goto {REJECT}",
-    }
-    assert made.chains == {}
+        key: ((NO_ENDPOINTS, key),)
+        for key in ("10.96.0.1 . tcp . 80", "192.0.2.10 . tcp . 30080",
+                    "203.0.113.7 . tcp . 80", "203.0.113.9 . tcp . 80")
+    }  # fmt: skip
 
 
 def test_internal_policy_local_without_local_endpoints_drops() -> None:
     made = entry_nft(entry(compiled(*svc([ep(5)], spec(internalTrafficPolicy="Local")))), V4)
-    assert made.dispatch == () and dict(made.filter) == {"10.96.0.1 . tcp . 80": "drop"}
+    assert made.nat == ()
+    assert dict(made.filter) == {"10.96.0.1 . tcp . 80": ((DROP, "10.96.0.1 . tcp . 80"),)}
 
 
 def test_external_policy_local_sends_outsiders_to_local_endpoints_and_the_rest_to_all() -> None:
-    state = compiled(*svc([ep(3, "node-a"), ep(5)],
-                          load_balancer("Local", ("198.51.100.0/24",))))  # fmt: skip
-    e = entry(state)
-    made = entry_nft(e, V4)
-    svc_, svl, ext, fw = (service_chain(k, e) for k in ("svc", "svl", "ext", "fw"))
-    assert dict(made.dispatch) == {
-        "10.96.0.1 . tcp . 80": f"goto {svc_}",
-        "192.0.2.10 . tcp . 30080": f"goto {ext}",
-        "203.0.113.7 . tcp . 80": f"goto {ext}",
-        "203.0.113.9 . tcp . 80": f"goto {fw}",  # the source range first
+    ranges = ("198.51.100.0/24", "198.51.100.128/25")
+    state = compiled(*svc([ep(3, "node-a"), ep(5)], load_balancer("Local", ranges)))
+    made = entry_nft(entry(state), V4)
+    nat = nat_of(made)
+    cluster_ip, node_port, lb = ("10.96.0.1 . tcp . 80", "192.0.2.10 . tcp . 30080",
+                                 "203.0.113.9 . tcp . 80")  # fmt: skip
+    assert nat[cluster_ip] == {  # everyone: clusterBackends; whoever is not a pod masqueraded
+        "pick-h-2": [cluster_ip],
+        "pick-h-2-tcp": [
+            f"{cluster_ip} . 0 : 10.244.1.3 . 8080",
+            f"{cluster_ip} . 1 : 10.244.2.5 . 8080",
+        ],
+        MASQ_NON_POD: [cluster_ip],
     }
-    assert dict(made.filter) == {"203.0.113.9 . tcp . 80": "drop"}  # what fw leaves
-    assert made.chains[ext][1] == (
-        f"ip saddr 10.244.0.0/16 goto {svc_}",  # pods: clusterBackends
-        "fib saddr type local jump mark-for-masquerade",  # the node: masqueraded
-        f"fib saddr type local goto {svc_}",
-        f"goto {svl}",  # outsiders keep their address, local endpoints only
-    )
-    assert made.chains[fw][1] == (f"ip daddr 203.0.113.9 ip saddr 198.51.100.0/24 goto {ext}",)
-    assert made.chains[svl][1] == ("meta l4proto tcp dnat to 10.244.1.3:8080",)
+    assert nat[node_port] == {
+        EXT_LOCAL: [node_port],  # outsiders never fall back to clusterBackends
+        MASQ_NODE: [node_port],  # the node is masqueraded, pods are not
+        "pick-h-2": [node_port],  # pods and the node: clusterBackends
+        "pick-h-2-tcp": [
+            f"{node_port} . 0 : 10.244.1.3 . 8080",
+            f"{node_port} . 1 : 10.244.2.5 . 8080",
+        ],
+        "pick-outside-h-1": [node_port],  # outsiders keep their address, local endpoints only
+        "pick-outside-h-1-tcp": [f"{node_port} . 0 : 10.244.1.3 . 8080"],
+    }
+    assert nat[lb][RANGED] == [lb]
+    assert nat[lb][ALLOWED] == [f"{lb} . 198.51.100.0/24"]  # overlapping ranges: one prefix
+    assert dict(made.filter) == {lb: ((DROP, lb),)}  # what the source ranges leave
     assert made.endpoints == ("10.244.1.3", "10.244.2.5")
 
 
 def test_external_policy_cluster_masquerades_and_uses_every_endpoint() -> None:
-    e = entry(compiled(*svc([ep(5), ep(6)], load_balancer())))
-    made = entry_nft(e, V4)
-    assert made.chains[service_chain("ext", e)][1] == (
-        "jump mark-for-masquerade", f"goto {service_chain('svc', e)}")  # fmt: skip
+    made = entry_nft(entry(compiled(*svc([ep(5), ep(6)], load_balancer()))), V4)
+    node_port = nat_of(made)["192.0.2.10 . tcp . 30080"]
+    assert set(node_port) == {MASQ_ALL, "pick-h-2", slots_map("pick-h-2", "tcp")}
 
 
 def test_the_split_is_a_flow_hash_by_default_and_numgen_for_random() -> None:
-    hashed = entry_nft(entry(compiled(*svc([ep(5), ep(6), ep(7)]))), V4)
-    rules = next(iter(hashed.chains.values()))[1]
-    assert rules[0] == "ip daddr 10.96.0.1 th dport 80 jump masq-non-pod"
-    assert rules[1].startswith("jhash ip saddr . th sport . ip daddr . th dport mod 3 seed ")
-    assert rules[1].endswith(" 0 meta l4proto tcp dnat to 10.244.2.5:8080")
-    assert rules[2].endswith(" 1 meta l4proto tcp dnat to 10.244.2.6:8080")
-    assert rules[3] == "meta l4proto tcp dnat to 10.244.2.7:8080"
+    hashed = nat_of(entry_nft(entry(compiled(*svc([ep(5), ep(6), ep(7)]))), V4))
+    key = "10.96.0.1 . tcp . 80"
+    assert hashed[key]["pick-h-3"] == [key]
+    assert hashed[key]["pick-h-3-tcp"] == [
+        f"{key} . {i} : 10.244.2.{5 + i} . 8080" for i in range(3)
+    ]
+    *maps, made_set, _, rule, udp, sctp = pick_commands(IPV4, "pick-h-3")  # a rule per protocol
+    assert [m.split()[4] for m in maps] == ["pick-h-3-tcp", "pick-h-3-udp", "pick-h-3-sctp"]
+    assert [r.split(" map @")[1] for r in (udp, sctp)] == ["pick-h-3-udp", "pick-h-3-sctp"]
+    assert made_set.startswith("add set ip kube-bpf-proxy pick-h-3 {")
+    assert rule == ("add rule ip kube-bpf-proxy pick-h-3 meta l4proto tcp dnat ip to ip daddr . "
+                    "meta l4proto . tcp dport . jhash ip saddr . th sport . ip daddr . th dport "
+                    f"mod 3 seed {HASH_SEED} map @pick-h-3-tcp")  # fmt: skip
 
     def random(obj: Obj) -> None:
         obj["metadata"]["annotations"] = {"kube-bpf-proxy.io/lb-algorithm": "random"}
 
-    picked = entry_nft(entry(compiled(*svc([ep(5), ep(6)], random))), V4)
-    rules = next(iter(picked.chains.values()))[1]
-    assert rules[1:] == ("numgen random mod 2 0 meta l4proto tcp dnat to 10.244.2.5:8080",
-                         "meta l4proto tcp dnat to 10.244.2.6:8080")  # fmt: skip
+    picked = nat_of(entry_nft(entry(compiled(*svc([ep(5), ep(6)], random))), V4))
+    assert picked[key]["pick-r-2"] == [key]
+    assert pick_commands(IPV6, "pick-outside-r-2")[6] == (
+        "add rule ip6 kube-bpf-proxy pick-outside-r-2 meta l4proto udp dnat ip6 to ip6 daddr . "
+        "meta l4proto . udp dport . numgen random mod 2 map @pick-outside-r-2-udp")  # fmt: skip
 
 
-def test_affinity_remembers_each_client_per_endpoint() -> None:
+def test_affinity_is_the_frontends_membership_in_its_timeouts_set() -> None:
     affinity = spec(sessionAffinity="ClientIP",
                     sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}})  # fmt: skip
     made = entry_nft(entry(compiled(*svc([ep(5), ep(6)], affinity))), V4)
-    assert list(made.sets.values()) == [60, 60]
-    first, second = made.sets
-    rules = next(iter(made.chains.values()))[1]
-    assert rules[1] == (f"ip saddr @{first} update @{first} {{ ip saddr }} "
-                        "meta l4proto tcp dnat to 10.244.2.5:8080")  # fmt: skip
-    assert rules[-1] == f"update @{second} {{ ip saddr }} meta l4proto tcp dnat to 10.244.2.6:8080"
+    key = "10.96.0.1 . tcp . 80"
+    assert nat_of(made)[key]["affinity-60"] == [key]
+    assert nat_of(made)[key]["pick-h-2"] == [key]  # a client not remembered: as any other
+    rules = remember_commands(IPV4, ["affinity-60", "pick-h-2"], new=True)
+    assert rules[0] == (
+        "add rule ip kube-bpf-proxy affinity-remember meta l4proto tcp ct status dnat ct original "
+        "ip daddr . meta l4proto . ct original proto-dst @affinity-60 update @affinity-clients "
+        "{ ip saddr . ct original ip daddr . meta l4proto . ct original proto-dst timeout 60s : "
+        "ip daddr . tcp dport }")  # fmt: skip
+    assert len(rules) == 3  # a rule per protocol
 
 
-def test_ipv6_targets_are_bracketed() -> None:
+def test_ipv6_slots() -> None:
     def dual(obj: Obj) -> None:
         obj["spec"].update(
             clusterIPs=["10.96.0.1", "fd00:96::1"], ipFamilyPolicy="RequireDualStack"
@@ -160,9 +193,8 @@ def test_ipv6_targets_are_bracketed() -> None:
                           endpoints=[{"addresses": ["fd00:244:2::5"], "nodeName": "node-b",
                                       "conditions": {"ready": True}}])]  # fmt: skip
     made = entry_nft(entry(compiled(*objects), family=IPV6), V6)
-    assert next(iter(made.chains.values()))[1][-1] == (
-        "meta l4proto tcp dnat to [fd00:244:2::5]:8080")  # fmt: skip
-    assert dict(made.dispatch) == {"fd00:96::1 . tcp . 80": f"goto {next(iter(made.chains))}"}
+    assert nat_of(made)["fd00:96::1 . tcp . 80"]["pick-h-1-tcp"] == [
+        "fd00:96::1 . tcp . 80 . 0 : fd00:244:2::5 . 8080"]  # fmt: skip
 
 
 def test_the_first_entry_claiming_a_frontend_holds_it() -> None:
@@ -170,9 +202,22 @@ def test_the_first_entry_claiming_a_frontend_holds_it() -> None:
     state = compiled(*svc([ep(5)], shared, name="a", ip="10.96.0.1"),
                      *svc([ep(6)], shared, name="b", ip="10.96.0.2"))  # fmt: skip
     text = "\n".join(full_table(V4, [entry_nft(e, V4) for e in state.services]))
-    [line] = [x for x in text.splitlines() if "service-ips {" in x and "add element" in x]
-    assert f"203.0.113.50 . tcp . 80 : goto {service_chain('ext', entry(state, 'a'))}" in line
-    assert service_chain("ext", entry(state, "b")) not in line.split("203.0.113.50")[1][:60]
+    [line] = [
+        x for x in text.splitlines() if x.startswith("add element ip kube-bpf-proxy pick-h-1-tcp")
+    ]
+    assert "203.0.113.50 . tcp . 80 . 0 : 10.244.2.5 . 8080" in line
+    assert "203.0.113.50 . tcp . 80 . 0 : 10.244.2.6" not in line
+
+
+def test_the_table_has_a_pick_chain_per_count_in_use_and_no_verdict_per_frontend() -> None:
+    state = compiled(*svc([ep(5)], name="a", ip="10.96.0.1"),
+                     *svc([ep(6), ep(7)], name="b", ip="10.96.0.2"),
+                     *svc([ep(8), ep(9)], name="c", ip="10.96.0.3"))  # fmt: skip
+    text = full_table(V4, [entry_nft(e, V4) for e in state.services])
+    assert [c.split()[4] for c in text if c.startswith("add chain") and "pick-h" in c] == [
+        "pick-h-1", "pick-h-2"]  # fmt: skip
+    assert not [c for c in text if "goto" in c and c.startswith("add element")]
+    assert not [c for c in text if c.startswith("add chain") and "svc-" in c]
 
 
 def test_the_marker_says_revision_digest_and_time() -> None:
@@ -228,28 +273,40 @@ def test_a_partial_sync_writes_only_what_changed() -> None:
     after = compiled(*svc([ep(5), ep(8)]), *svc([ep(7)], name="other", ip="10.96.0.2"))
     dataplane.apply(after)
     [second] = nft.take()
-    chain = service_chain("svc", entry(after))
-    assert lines_of(second) == [
+    assert lines_of(second) == [  # elements only: the endpoint's slot and its hairpin pair
+        "delete element ip kube-bpf-proxy pick-h-2-tcp { 10.96.0.1 . tcp . 80 . 1 }",
         "delete element ip kube-bpf-proxy hairpin { 10.244.2.6 . 10.244.2.6 }",
-        f"flush chain ip kube-bpf-proxy {chain}",
-        f"add rule ip kube-bpf-proxy {chain} ip daddr 10.96.0.1 th dport 80 jump masq-non-pod",
-        *[line for line in second.splitlines() if line.startswith(f"add rule ip kube-bpf-proxy "
-                                                                  f"{chain} jhash")],
-        f"add rule ip kube-bpf-proxy {chain} meta l4proto tcp dnat to 10.244.2.8:8080",
+        "add element ip kube-bpf-proxy pick-h-2-tcp { 10.96.0.1 . tcp . 80 . 1 : "
+        "10.244.2.8 . 8080 }",
         "add element ip kube-bpf-proxy hairpin { 10.244.2.8 . 10.244.2.8 }",
-    ]  # fmt: skip
+    ]
     assert "ip6" not in second  # the other family did not change: its marker stays
 
     gone = compiled(*svc([ep(5), ep(8)]))
     dataplane.apply(gone)
     [third] = nft.take()
-    other = service_chain("svc", entry(after, "other"))
-    assert lines_of(third) == [
-        "delete element ip kube-bpf-proxy service-ips { 10.96.0.2 . tcp . 80 }",
+    assert lines_of(third)[:2] == [
+        "delete element ip kube-bpf-proxy masq-non-pod { 10.96.0.2 . tcp . 80 }",
         "delete element ip kube-bpf-proxy hairpin { 10.244.2.7 . 10.244.2.7 }",
-        f"flush chain ip kube-bpf-proxy {other}",
-        f"delete chain ip kube-bpf-proxy {other}",
     ]
+    # the last frontend with one endpoint went: its pick chain goes with its set and slot
+    # maps (their elements with them), and the dispatch chains are written again without it
+    assert lines_of(third)[-6:] == ["flush chain ip kube-bpf-proxy pick-h-1",
+                                    "delete chain ip kube-bpf-proxy pick-h-1",
+                                    "delete set ip kube-bpf-proxy pick-h-1",
+                                    "delete map ip kube-bpf-proxy pick-h-1-sctp",
+                                    "delete map ip kube-bpf-proxy pick-h-1-tcp",
+                                    "delete map ip kube-bpf-proxy pick-h-1-udp"]  # fmt: skip
+    dispatch = "add rule ip kube-bpf-proxy pick-inside ip daddr . meta l4proto . th dport"
+    assert f"{dispatch} @pick-h-2 goto pick-h-2" in third
+    assert "@pick-h-1" not in third
+
+    # a new count: its pick chain is made in the same transaction as its first frontend
+    dataplane.apply(compiled(*svc([ep(5), ep(8), ep(9)])))
+    [fourth] = nft.take()
+    assert "add chain ip kube-bpf-proxy pick-h-3" in lines_of(fourth)
+    assert "add element ip kube-bpf-proxy pick-h-3 { 10.96.0.1 . tcp . 80 }" in fourth
+    assert "delete set ip kube-bpf-proxy pick-h-2" in fourth
 
 
 def test_the_next_claimant_takes_a_frontend_its_holder_gives_up() -> None:
@@ -257,19 +314,17 @@ def test_the_next_claimant_takes_a_frontend_its_holder_gives_up() -> None:
     dataplane = NftablesDataplane(("veth*",), run=nft)
     shared = spec(externalIPs=["203.0.113.50"])
     both = compiled(*svc([ep(5)], shared, name="a", ip="10.96.0.1"),
-                    *svc([ep(6)], shared, name="b", ip="10.96.0.2"))  # fmt: skip
+                    *svc([ep(6), ep(7)], shared, name="b", ip="10.96.0.2"))  # fmt: skip
     dataplane.apply(both)
     nft.take()
-    only_b = compiled(*svc([ep(6)], shared, name="b", ip="10.96.0.2"))
+    only_b = compiled(*svc([ep(6), ep(7)], shared, name="b", ip="10.96.0.2"))
     dataplane.apply(only_b)
     [written] = nft.take()
-    ext_b = service_chain("ext", entry(only_b, "b"))
-    deleted = next(line for line in written.splitlines()
-                   if line.startswith("delete element ip kube-bpf-proxy service-ips"))  # fmt: skip
-    assert deleted == ("delete element ip kube-bpf-proxy service-ips { 10.96.0.1 . tcp . 80, "
-                       "203.0.113.50 . tcp . 80 }")  # fmt: skip
-    assert (f"add element ip kube-bpf-proxy service-ips {{ 203.0.113.50 . tcp . 80 : "
-            f"goto {ext_b} }}") in written  # fmt: skip
+    assert "delete map ip kube-bpf-proxy pick-h-1-tcp" in written  # a's slots went with it
+    assert "add element ip kube-bpf-proxy pick-h-2 { 203.0.113.50 . tcp . 80 }" in written
+    key = "203.0.113.50 . tcp . 80"
+    assert (f"add element ip kube-bpf-proxy pick-h-2-tcp {{ {key} . 0 : 10.244.2.6 . 8080, "
+            f"{key} . 1 : 10.244.2.7 . 8080 }}") in written  # fmt: skip
 
 
 def test_a_failed_transaction_raises_and_the_next_apply_rewrites_all() -> None:

@@ -4,11 +4,14 @@ per family (`ip kube-bpf-proxy`, `ip6 kube-bpf-proxy`; see render.py for its str
 Every apply is one transaction for both families: the kernel switches from the old rules
 to the new ones at once, or refuses all of it. The first apply (and a rewrite after an
 error or a table found changed) replaces each table whole: `delete table` and the new
-content in the same transaction. After that a sync writes only what changed: the map
-elements of the changed entries' frontends, their chains (created, flushed and refilled,
-or deleted), their affinity sets, and the hairpin set's elements of endpoints that came or
-went (kube-proxy's nftables mode does the same). Nothing of it grows with the number of
-Services that did not change.
+content in the same transaction. After that a sync writes only what changed: the set and
+map elements of the changed entries' frontends and the hairpin set's elements of
+endpoints that came or went; besides, a pick chain (or an affinity timeout's set) when the
+first frontend using it comes or the last goes. Nothing of it grows with the number of
+Services that did not change, and no element of it makes the kernel validate the table
+(render.py says why that matters). After the transaction, the clients the packet path
+remembered for ClientIP affinity are forgotten where their endpoint left (read back from
+the `affinity-clients` map: only then, and only that map).
 
 Every transaction ends with the family's marker (the `state` set's comments): the
 revision written and a digest of everything in the table. A restarted agent reports the
@@ -33,26 +36,36 @@ from ..base import DataplaneError, QuietDataplane
 from ..iptables.backend import run_command
 from ..options import DEFAULT_POD_INTERFACES
 from .render import (
+    AFFINITY_CLIENTS,
     FAMILIES,
-    FILTER_IPS,
     HAIRPIN,
     IPV6,
     NFT_FAMILY,
-    SERVICE_IPS,
+    PICK_PREFIX,
+    PROTOCOLS,
     STATE,
     TABLE,
+    Element,
     EntryNft,
     RenderOptions,
     base_digest,
     chain_commands,
+    dispatch_commands,
+    dynamic_set_commands,
     element_commands,
     entry_nft,
     full_table,
+    grouped,
     hairpin_element,
     interface_patterns,
+    is_dynamic,
     marker_commands,
+    parse_affinity,
     parse_marker,
+    parse_pick,
+    remember_commands,
     set_command,
+    slots_map,
 )
 
 log = logging.getLogger(__name__)
@@ -153,10 +166,13 @@ class _Held:
     options: RenderOptions
     entries: dict[tuple[str, ...], ServiceEntry]
     made: dict[tuple[str, ...], EntryNft]
-    # element key → {entry sort key: verdict}: every entry that claims the frontend; the
-    # first in document order (the least sort key) holds it
-    dispatch: dict[str, dict[tuple[str, ...], str]] = field(default_factory=dict)
-    filter: dict[str, dict[tuple[str, ...], str]] = field(default_factory=dict)
+    # frontend key → {entry sort key: its elements}: every entry that claims the frontend
+    # (translating it, or refusing it untranslated); the first in document order (the
+    # least sort key) holds it
+    nat: dict[str, dict[tuple[str, ...], tuple[Element, ...]]] = field(default_factory=dict)
+    filter: dict[str, dict[tuple[str, ...], tuple[Element, ...]]] = field(default_factory=dict)
+    # pick chain's or affinity timeout's set → frontends using it
+    picks: dict[str, int] = field(default_factory=dict)
     hairpin: dict[str, int] = field(default_factory=dict)  # endpoint → entries using it
     total: int = 0  # sum of the entries' digests
     digest: str = ""  # the marker's digest of this content
@@ -166,21 +182,25 @@ def _held_from(options: RenderOptions, entries: dict, made: dict) -> _Held:
     held = _Held(options, entries, made)
     for key, m in made.items():
         _claim(held, key, m, +1)
+    for owners in held.nat.values():
+        for where, _ in _winner(owners) or ():
+            if is_dynamic(where):
+                held.picks[where] = held.picks.get(where, 0) + 1
     held.digest = family_digest(base_digest(options), held.total)
     return held
 
 
 def _claim(held: _Held, key: tuple[str, ...], made: EntryNft, sign: int) -> None:
     """Add (+1) or take off (-1) an entry's claims, hairpin uses and digest."""
-    for claims, elements in ((held.dispatch, made.dispatch), (held.filter, made.filter)):
-        for element, verdict in elements:
+    for claims, bundles in ((held.nat, made.nat), (held.filter, made.filter)):
+        for frontend, elements in bundles:
             if sign > 0:
-                claims.setdefault(element, {})[key] = verdict
+                claims.setdefault(frontend, {})[key] = elements
             else:
-                owners = claims[element]
+                owners = claims[frontend]
                 del owners[key]
                 if not owners:
-                    del claims[element]
+                    del claims[frontend]
     for ip in made.endpoints:
         count = held.hairpin.get(ip, 0) + sign
         if count:
@@ -190,8 +210,25 @@ def _claim(held: _Held, key: tuple[str, ...], made: EntryNft, sign: int) -> None
     held.total += sign * _digest_value(made.digest)
 
 
-def _winner(owners: dict[tuple[str, ...], str] | None) -> str | None:
+def _winner(owners: dict[tuple[str, ...], tuple[Element, ...]] | None
+            ) -> tuple[Element, ...] | None:  # fmt: skip
     return None if not owners else owners[min(owners)]
+
+
+class _ByFamily(dict[str, list[ServiceEntry]]):
+    """Entries by IP family, sorted out when first asked for: a partial sync does not go
+    through every entry of the state (at 10k Services, a millisecond per pass)."""
+
+    def __init__(self, entries: Sequence[ServiceEntry]) -> None:
+        super().__init__()
+        self.entries = entries
+
+    def __missing__(self, family: str) -> list[ServiceEntry]:
+        for f in FAMILIES:
+            self[f] = []
+        for entry in self.entries:
+            self[entry.ip_family].append(entry)
+        return self[family]
 
 
 class NftablesDataplane(QuietDataplane):
@@ -214,6 +251,9 @@ class NftablesDataplane(QuietDataplane):
         self._conntrack = shutil.which("conntrack")
         self.last_writes = 0  # of the last apply (benchmarks, tests)
         self._found: dict[str, tuple[str, str, int]] = {}
+        # per family: (frontend, endpoint or None: all) whose remembered affinity clients
+        # go after the transaction
+        self._forget: dict[str, list[tuple[str, str | None]]] = {}
         for family in FAMILIES:
             found = kernel_marker(family, netns, run)
             if found is not None:
@@ -242,9 +282,7 @@ class NftablesDataplane(QuietDataplane):
         return RenderOptions(family, cidrs, self._patterns)
 
     def apply(self, state: NodeState, full: bool = False) -> int:
-        by_family: dict[str, list[ServiceEntry]] = {family: [] for family in FAMILIES}
-        for entry in state.services:
-            by_family[entry.ip_family].append(entry)
+        by_family = _ByFamily(state.services)  # (a partial sync reads only its delta)
         rendered: dict[str, _Held] | None = None
         if self._found:
             found, self._found = self._found, {}  # adopted once, at the first apply
@@ -261,7 +299,7 @@ class NftablesDataplane(QuietDataplane):
         if full and not rewrite and self._tables_changed():
             log.warning("nftables: a table of ours was changed or removed; rewriting all")
             rewrite = True
-        changed = None if rewrite else self._changed_keys(state)
+        changed, came = (None, by_family) if rewrite else self._changed_keys(state, by_family)
         commands: list[str] = []
         new_held: dict[str, _Held] = {}
         removed_udp: list[tuple[ServiceEntry, ServiceEntry | None]] = []
@@ -278,8 +316,9 @@ class NftablesDataplane(QuietDataplane):
                 new_held[family] = fresh
                 if held is not None:
                     removed_udp += self._udp_changes(held, fresh.entries, None)
+                self._forget.pop(family, None)  # a new table remembers nobody
                 continue
-            family_commands, updated = self._partial(held, by_family[family], changed,
+            family_commands, updated = self._partial(held, came[family], changed,
                                                      removed_udp)  # fmt: skip
             if family_commands:
                 family_commands += marker_commands(family, state.revision, updated.digest, stamp)
@@ -292,12 +331,17 @@ class NftablesDataplane(QuietDataplane):
             proc = self._run(self.netns, [NFT, "-f", "-"], "\n".join(commands) + "\n")
             if proc.returncode != 0:
                 self._needs_full = True
+                self._forget.clear()
                 raise DataplaneError("nft", _nft_error(proc, commands))
         self._held = new_held
         self._needs_full = False
         self._revision, self._services = state.revision, state.services
         self.last_writes = writes
         self._clear_udp_conntrack(removed_udp)
+        try:
+            self._forget_clients()
+        except DataplaneError as err:  # the transaction is in: only affinity lingers
+            log.warning("nftables: affinity clients of endpoints that left: %s", err)
         return writes
 
     def _tables_changed(self) -> bool:
@@ -312,13 +356,16 @@ class NftablesDataplane(QuietDataplane):
         except DataplaneError:
             return True
 
-    def _changed_keys(self, state: NodeState) -> set[tuple[str, ...]] | None:
+    def _changed_keys(
+        self, state: NodeState, by_family: _ByFamily
+    ) -> tuple[set[tuple[str, ...]] | None, _ByFamily]:
         """The sort keys of the entries that went or came since the state these tables
-        hold (`Changes.since`); None on a resync: compare every entry."""
+        hold (`Changes.since`), with the entries that came by family; on a resync None and
+        every entry: compare every entry."""
         delta = Changes.since(self._revision, self._services if self._held else None, state)
         if delta.full:
-            return None
-        return {e.sort_key for e in (*delta.went, *delta.came)}
+            return None, by_family
+        return {e.sort_key for e in (*delta.went, *delta.came)}, _ByFamily(delta.came)
 
     def _render(
         self, state: NodeState, by_family: dict[str, list[ServiceEntry]]
@@ -373,17 +420,16 @@ class NftablesDataplane(QuietDataplane):
         rewrite_chains: list[str] = []
         delete_chains: list[str] = []
         delete_sets: list[str] = []
-        elements: set[tuple[str, str]] = set()  # (map, element key) whose holder may change
+        frontends: set[tuple[str, str]] = set()  # (nat|filter, key) whose holder may change
         for _key, old, new in touched:
+            # IPv6 affinity entries' chains and sets
             old_chains = old.chains if old is not None else {}
             new_chains = new.chains if new is not None else {}
             old_sets = old.sets if old is not None else {}
             new_sets = new.sets if new is not None else {}
-            create_sets += [
-                set_command(family, name, timeout)
-                for name, timeout in new_sets.items()
-                if name not in old_sets
-            ]
+            create_sets += [set_command(family, name, timeout)
+                            for name, timeout in new_sets.items()
+                            if name not in old_sets]  # fmt: skip
             delete_sets += [name for name in old_sets if name not in new_sets]
             for name, (comment, rules) in new_chains.items():
                 if name not in old_chains:
@@ -393,10 +439,10 @@ class NftablesDataplane(QuietDataplane):
             delete_chains += [name for name in old_chains if name not in new_chains]
             for made in (old, new):
                 if made is not None:
-                    elements.update((SERVICE_IPS, k) for k, _ in made.dispatch)
-                    elements.update((FILTER_IPS, k) for k, _ in made.filter)
-        claims = {SERVICE_IPS: held.dispatch, FILTER_IPS: held.filter}
-        holders_before = {(m, k): _winner(claims[m].get(k)) for m, k in elements}
+                    frontends.update(("nat", k) for k, _ in made.nat)
+                    frontends.update(("filter", k) for k, _ in made.filter)
+        claims = {"nat": held.nat, "filter": held.filter}
+        holders_before = {(c, k): _winner(claims[c].get(k)) or () for c, k in frontends}
         ips = {ip for _, old, new in touched for m in (old, new) if m is not None
                for ip in m.endpoints}  # fmt: skip
         present_before = {ip for ip in ips if ip in held.hairpin}
@@ -406,32 +452,80 @@ class NftablesDataplane(QuietDataplane):
             if new is not None:
                 _claim(held, key, new, +1)
         held.digest = family_digest(base_digest(options), held.total)
-        delete_elements: dict[str, list[str]] = {SERVICE_IPS: [], FILTER_IPS: []}
-        add_elements: dict[str, list[str]] = {SERVICE_IPS: [], FILTER_IPS: []}
-        for (m, k), was in sorted(holders_before.items()):
-            now = _winner(claims[m].get(k))
+        went: list[Element] = []
+        came: list[Element] = []
+        forgotten: list[tuple[str, str | None]] = []
+        for (c, k), was in sorted(holders_before.items()):
+            now = _winner(claims[c].get(k)) or ()
             if now == was:
                 continue
-            if was is not None:
-                delete_elements[m].append(k)
-            if now is not None:
-                add_elements[m].append(f"{k} : {now}")
+            went += [e for e in was if e not in now]
+            came += [e for e in now if e not in was]
+            if c == "nat":
+                forgotten += _forgotten(k, was, now)
+        picks_before = set(held.picks)
+        for elements, sign in ((went, -1), (came, +1)):
+            for where, _ in elements:
+                if is_dynamic(where):
+                    count = held.picks.get(where, 0) + sign
+                    if count:
+                        held.picks[where] = count
+                    else:
+                        del held.picks[where]
+        new_picks = sorted(set(held.picks) - picks_before)
+        gone_picks = sorted(picks_before - set(held.picks))
         present_after = {ip for ip in ips if ip in held.hairpin}
         gone_ips, came_ips = present_before - present_after, present_after - present_before
-        delete_elements[HAIRPIN] = [hairpin_element(i) for i in sorted(gone_ips)]
-        add_elements[HAIRPIN] = [hairpin_element(i) for i in sorted(came_ips)]
+        went += [(HAIRPIN, hairpin_element(i)) for i in sorted(gone_ips)]
+        came += [(HAIRPIN, hairpin_element(i)) for i in sorted(came_ips)]
         t = f"{NFT_FAMILY[family]} {TABLE}"
         commands: list[str] = [*create_sets, *create_chains]
-        for m, items in delete_elements.items():
-            commands += element_commands("delete", family, m, items)
+        for name in new_picks:
+            commands += dynamic_set_commands(family, name)
+        gone_maps = {slots_map(n, p) for n in gone_picks if parse_pick(n) is not None
+                     for p in PROTOCOLS}  # fmt: skip
+        for where, items in grouped(went).items():
+            if where not in gone_picks and where not in gone_maps:  # they go with the chain
+                commands += element_commands("delete", family, where, items)
+        changed_sets = {*new_picks, *gone_picks}
+        if any(parse_pick(n) is not None for n in changed_sets):
+            commands += dispatch_commands(family, held.picks, new=False)
+        if any(parse_affinity(n) is not None for n in changed_sets):
+            commands += remember_commands(family, held.picks, new=False)
         commands += rewrite_chains
-        for m, items in add_elements.items():
-            commands += element_commands("add", family, m, items)
+        for where, items in grouped(came).items():
+            commands += element_commands("add", family, where, items)
         # every chain that goes is emptied before any is deleted: they jump to each other
-        commands += [f"flush chain {t} {name}" for name in delete_chains]
-        commands += [f"delete chain {t} {name}" for name in delete_chains]
-        commands += [f"delete set {t} {name}" for name in delete_sets]
+        gone_chains = [*delete_chains, *(n for n in gone_picks if parse_pick(n) is not None)]
+        commands += [f"flush chain {t} {name}" for name in gone_chains]
+        commands += [f"delete chain {t} {name}" for name in gone_chains]
+        commands += [f"delete set {t} {name}" for name in (*delete_sets, *gone_picks)]
+        commands += [f"delete map {t} {name}" for name in sorted(gone_maps)]
+        self._forget[family] = self._forget.get(family, []) + forgotten
         return commands, held
+
+    def _forget_clients(self) -> None:
+        """Remove the remembered affinity clients of endpoints that left (or of frontends
+        that no longer have affinity): the dynamic map is the packet path's, so its
+        elements are read back; after the transaction, as from then on no new connection
+        can be sent to an endpoint that left. An element that expired meanwhile fails the
+        delete: read again and retry once."""
+        forget, self._forget = self._forget, {}
+        for family, pairs in forget.items():
+            if not pairs:
+                continue
+            for _ in range(2):
+                keys = _remembered(family, pairs, self.netns, self._run)
+                if not keys:
+                    break
+                text = "\n".join(element_commands("delete", family, AFFINITY_CLIENTS, keys))
+                proc = self._run(self.netns, [NFT, "-f", "-"], text + "\n")
+                if proc.returncode == 0:
+                    break
+            else:
+                log.warning("nftables: could not forget the affinity clients of %d "
+                            "endpoints that left: they keep them until their timeout",
+                            len(pairs))  # fmt: skip
 
     def _udp_changes(
         self, held: _Held, new_entries: dict, _: object
@@ -465,6 +559,56 @@ class NftablesDataplane(QuietDataplane):
                                            "--orig-dst", frontend.ip, "--orig-port-dst",
                                            str(frontend.port), "--reply-src", ip,
                                            "--reply-port-src", str(port)], None)  # fmt: skip
+
+
+def _forgotten(
+    key: str, was: tuple[Element, ...], now: tuple[Element, ...]
+) -> list[tuple[str, str | None]]:
+    """What a frontend's remembered affinity clients lose when its elements go from `was`
+    to `now`: all of them (None) when it no longer remembers, else the endpoints that
+    left its slots."""
+    if not any(parse_affinity(where) is not None for where, _ in was):
+        return []
+    if not any(parse_affinity(where) is not None for where, _ in now):
+        return [(key, None)]
+
+    def endpoints(elements: tuple[Element, ...]) -> set[str]:
+        return {e.split(" : ", 1)[1] for w, e in elements
+                if " : " in e and w.startswith(PICK_PREFIX)}  # fmt: skip
+
+    return [(key, endpoint) for endpoint in sorted(endpoints(was) - endpoints(now))]
+
+
+def _remembered(
+    family: str, pairs: Sequence[tuple[str, str | None]], netns: str | None, run: Runner
+) -> list[str]:
+    """The keys (client . frontend) of affinity-clients' elements that `pairs` name."""
+    wanted: dict[str, set[str] | None] = {}
+    for key, endpoint in pairs:
+        if endpoint is None:
+            wanted[key] = None
+        elif key not in wanted:
+            wanted[key] = {endpoint}
+        elif (held := wanted[key]) is not None:
+            held.add(endpoint)
+    found = list_object(netns, run, "map", NFT_FAMILY[family], TABLE, AFFINITY_CLIENTS) or []
+    keys = []
+    for item in found:
+        for element in item.get("map", {}).get("elem", []):
+            key, value = element if isinstance(element, list) else (None, None)
+            if isinstance(key, dict) and "elem" in key:  # with its timeout and expiry
+                key = key["elem"].get("val")
+            parts = key.get("concat", []) if isinstance(key, dict) else []
+            target = value.get("concat", []) if isinstance(value, dict) else []
+            if len(parts) != 4 or len(target) != 2:
+                continue
+            frontend = f"{parts[1]} . {parts[2]} . {parts[3]}"
+            if frontend not in wanted:
+                continue
+            endpoints = wanted[frontend]
+            if endpoints is None or f"{target[0]} . {target[1]}" in endpoints:
+                keys.append(f"{parts[0]} . {frontend}")
+    return keys
 
 
 def _nft_error(proc: subprocess.CompletedProcess[str], commands: Sequence[str]) -> str:
