@@ -68,13 +68,6 @@ static __always_inline struct kbp_hop *map_hop(const __be32 *addr)
 	return kbp_hops.lookup(&index);
 }
 
-static __always_inline struct kbp_hop *map_backend_hop(__u32 backend_id)
-{
-	if (__explain_dry())
-		return NULL;
-	return kbp_be_hops.lookup(&backend_id);
-}
-
 static __always_inline __u32 map_hop_epoch(void)
 {
 	__u32 zero = 0;

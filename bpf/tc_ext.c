@@ -24,19 +24,18 @@
  * is known (lib/ext.h ext_next_hop), else through the neighbour subsystem, which resolves
  * it (kernel 5.10+). Bypassing the stack also spares the packet the input route check,
  * which would drop a forwarded packet whose source is this node's own address as
- * martian. `flow` is the conntrack entry whose next hop is reused (NULL: a new flow);
- * `backend_id` the backend it goes to (0: a reply, to a client). */
+ * martian. `flow` is the conntrack entry whose next hop is reused (NULL: a new flow). */
 static __always_inline int __ext_tc_forward(struct __sk_buff *skb, const struct kbp_tuple *t,
 					    const struct kbp_nat_target *to,
-					    struct kbp_ct_entry *flow, __u32 backend_id,
-					    __u32 service_id, __u64 now)
+					    struct kbp_ct_entry *flow, __u32 service_id,
+					    __u64 now)
 {
 	struct bpf_fib_lookup fib = {};
 	int rc;
 
 	if (nat_decrement_hop_skb(skb, t->family))
 		return drop_service_packet(skb->len, service_id, KBP_DROP_NO_ROUTE);
-	rc = ext_next_hop(skb, t, to, skb->ingress_ifindex, flow, backend_id, now, &fib);
+	rc = ext_next_hop(skb, t, to, skb->ingress_ifindex, flow, now, &fib);
 	if (rc == BPF_FIB_LKUP_RET_SUCCESS) {
 		if (ext_set_macs_skb(skb, &fib))
 			return drop_service_packet(skb->len, service_id, KBP_DROP_MALFORMED);
@@ -70,7 +69,7 @@ static __always_inline int __kbp_from_ext(struct __sk_buff *skb)
 		if (nat_rewrite(skb, &t, &v.to))
 			return drop_service_packet(bytes, reply->service_id, KBP_DROP_NAT_FAILED);
 		count_service_packet(reply->service_id, bytes);
-		return __ext_tc_forward(skb, &t, &v.to, reply, 0, reply->service_id, now);
+		return __ext_tc_forward(skb, &t, &v.to, reply, reply->service_id, now);
 	}
 	decided = ext_decide(&t, cfg, now, &v);
 	if (decided == KBP_EXT_NONE)
@@ -84,7 +83,7 @@ static __always_inline int __kbp_from_ext(struct __sk_buff *skb)
 	count_service_packet(v.service_id, bytes);
 	if (decided == KBP_EXT_LOCAL)
 		return TC_ACT_OK;
-	return __ext_tc_forward(skb, &t, &v.to, v.flow, v.backend_id, v.service_id, now);
+	return __ext_tc_forward(skb, &t, &v.to, v.flow, v.service_id, now);
 }
 
 int kbp_to_ext(struct __sk_buff *skb)

@@ -33,12 +33,10 @@ static __always_inline int __xdp_verdict(__u32 verdict, __u32 bytes, int action)
 
 /* Forward the frame rewritten to `to`, or pass it untouched when no next hop with a MAC
  * address is known now (tc will do the forwarding then). `flow` is the conntrack entry
- * whose next hop is reused (NULL for a new flow); `backend_id` the backend it goes to (0:
- * a reply, to a client). */
+ * whose next hop is reused (NULL for a new flow). */
 static __always_inline int __xdp_forward(struct xdp_md *ctx, const struct kbp_tuple *t,
 					 const struct kbp_nat_target *to,
-					 struct kbp_ct_entry *flow, __u32 backend_id,
-					 __u32 service_id, __u64 now)
+					 struct kbp_ct_entry *flow, __u32 service_id, __u64 now)
 {
 	void *data = (void *)(long)ctx->data;
 	void *data_end = (void *)(long)ctx->data_end;
@@ -48,7 +46,7 @@ static __always_inline int __xdp_forward(struct xdp_md *ctx, const struct kbp_tu
 	/* An expiring hop is tc's to count and drop, as every packet XDP cannot forward. */
 	if (nat_hop_expires(data, data_end, t->family))
 		return __xdp_verdict(KBP_XDP_PASS, bytes, XDP_PASS);
-	if (ext_next_hop(ctx, t, to, ctx->ingress_ifindex, flow, backend_id, now, &fib) !=
+	if (ext_next_hop(ctx, t, to, ctx->ingress_ifindex, flow, now, &fib) !=
 	    BPF_FIB_LKUP_RET_SUCCESS)
 		return __xdp_verdict(KBP_XDP_PASS, bytes, XDP_PASS);
 	if (nat_rewrite_frame(data, data_end, t, to) ||
@@ -83,11 +81,11 @@ int kbp_xdp_ext(struct xdp_md *ctx)
 	reply = ext_snat_reply(&t, cfg, now);
 	if (reply) {
 		nat_target_snat_reply(reply, &v.to);
-		return __xdp_forward(ctx, &t, &v.to, reply, 0, reply->service_id, now);
+		return __xdp_forward(ctx, &t, &v.to, reply, reply->service_id, now);
 	}
 	decided = ext_decide(&t, cfg, now, &v);
 	if (decided == KBP_EXT_FORWARD)
-		return __xdp_forward(ctx, &t, &v.to, v.flow, v.backend_id, v.service_id, now);
+		return __xdp_forward(ctx, &t, &v.to, v.flow, v.service_id, now);
 	if (decided == KBP_EXT_DROP) {
 		count_service_drop(v.service_id, v.reason, bytes);
 		if (v.reason == KBP_DROP_SOURCE_RANGE)

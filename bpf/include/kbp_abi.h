@@ -186,17 +186,16 @@ struct kbp_backend {
 	__u32 service_id;
 };
 
-/* The next hop toward an address a forwarded packet was sent to, as the last FIB lookup
- * for it found it, so that the flows after it skip the lookup (lib/ext.h ext_next_hop):
- * - kbp_be_hops (array of KBP_MAX_BACKENDS, index a backend id): toward a backend
- *   on another node, used while the agent watches routes and neighbours;
- * - kbp_hops (array of KBP_HOP_SLOTS, index a hash of the destination address): toward
- *   a client outside, and toward backends while nobody watches; addresses that share a
- *   slot take it in turn.
- * An answer holds while kbp_hop_epoch is the one it was found under and it is younger
- * than KBP_HOP_WATCHED_NS; with kbp_hop_epoch 0 (no agent watching), while younger than
- * KBP_HOP_CACHE_NS. The answer depends on the interface the packet arrived on and the
- * address, so both are checked (a backend id may name another address later). */
+/* kbp_hops (array of KBP_HOP_SLOTS, index a hash of the destination address): the next
+ * hop toward an address a forwarded packet was sent to (a backend on another node, a
+ * client outside), as the last FIB lookup for it found it, so that the flows after it skip
+ * the lookup (lib/ext.h ext_next_hop): while kbp_hop_epoch is the one it was found under
+ * and it is younger than KBP_HOP_WATCHED_NS, or, with kbp_hop_epoch 0 (no agent watches),
+ * while younger than KBP_HOP_CACHE_NS. Addresses that share a slot take it in turn; the
+ * answer depends on the interface the packet arrived on, so both are checked. Small on
+ * purpose: a slot per backend (an array by backend id was measured) is a cold line for
+ * every new flow to a rarely used backend, which cost more at 100k Services than the FIB
+ * lookups it saved (bench/notes/katran.md). */
 #define KBP_HOP_SLOTS 4096
 
 struct kbp_hop {

@@ -82,11 +82,6 @@ BPF_TABLE_PINNED("hash", __u32, struct kbp_backend, kbp_backends, KBP_MAX_BACKEN
  * programs only. */
 BPF_TABLE_PINNED("array", __u32, struct kbp_hop, kbp_hops, KBP_HOP_SLOTS, KBP_PIN(kbp_hops));
 
-/* Backend id -> the next hop toward it (struct kbp_hop): a cache, written by the
- * programs only, used while kbp_hop_epoch is not 0. */
-BPF_TABLE_PINNED("array", __u32, struct kbp_hop, kbp_be_hops, KBP_MAX_BACKENDS,
-		 KBP_PIN(kbp_be_hops));
-
 /* Index 0: the next-hop epoch. The agent sets a new one when it starts and whenever a
  * route, a routing rule, a link or a neighbour's MAC address changes, which makes every
  * cached next hop stale at once; 0 when no agent watches. The agent's alone. */

@@ -35,8 +35,8 @@
  * a route or neighbour change reaches established flows within this time. */
 #define KBP_HOP_CACHE_NS (100ULL * 1000 * 1000)
 
-/* How long a next hop cached by address or backend (kbp_hops, kbp_be_hops) holds
- * while the agent watches routes and neighbours (kbp_hop_epoch not 0): it changes the
+/* How long a next hop cached by address (kbp_hops) holds while the agent watches
+ * routes and neighbours (kbp_hop_epoch not 0): it changes the
  * epoch on every change that could change an answer, so this bound only matters when
  * the agent is gone without saying so (killed), as the staleness it leaves behind. */
 #define KBP_HOP_WATCHED_NS (10ULL * 1000 * 1000 * 1000)
@@ -46,10 +46,7 @@ struct kbp_ext_verdict {
 	const struct kbp_service *svc; /* the frontend (REJECT builds its answer from it) */
 	struct kbp_ct_entry *flow; /* the flow's forward entry, NULL for a new flow */
 	__u32 service_id;
-	union {
-		__u32 reason;     /* KBP_DROP_* for KBP_EXT_DROP */
-		__u32 backend_id; /* the flow's backend for KBP_EXT_FORWARD and LOCAL */
-	};
+	__u32 reason; /* KBP_DROP_* for KBP_EXT_DROP */
 };
 
 /* The source address of SNATed flows of the packet's family, or NULL when the agent has
@@ -140,7 +137,6 @@ static __always_inline int __ext_new_flow(const struct kbp_tuple *t, const struc
 	}
 	lb_remember_affinity(t, svc, now, backend_id);
 	count_new_flow(svc->service_id);
-	v->backend_id = backend_id;
 	return (backend->flags & KBP_BE_F_LOCAL) ? KBP_EXT_LOCAL : KBP_EXT_FORWARD;
 }
 
@@ -169,7 +165,6 @@ static __always_inline int ext_decide(const struct kbp_tuple *t, const struct kb
 		/* not ct_touch_forward: its spare overflows kbp_from_ext's stack */
 		ct_touch(flow, t, now, 0);
 		__ext_target(t, flow, v);
-		v->backend_id = flow->backend_id;
 		return (flow->flags & KBP_CT_F_SNAT) ? KBP_EXT_FORWARD : KBP_EXT_LOCAL;
 	}
 	lost = ct_note_lost(t, flow);
@@ -232,7 +227,7 @@ static __always_inline int __ext_hop_fresh(__u64 time, __u32 out_ifindex, const 
 	return 1;
 }
 
-/* Does a cached next hop (kbp_hops, kbp_be_hops) answer for `addr` arriving on
+/* Does a cached next hop (kbp_hops) answer for `addr` arriving on
  * `ifindex` now: the same address and interface, found under the current epoch and
  * younger than KBP_HOP_WATCHED_NS, or, with no epoch (nobody watches), younger than
  * KBP_HOP_CACHE_NS. */
@@ -247,20 +242,19 @@ static __always_inline int __ext_hop_current(const struct kbp_hop *hop, const __
 }
 
 /* The next hop of a packet rewritten to `to`, as if it arrived on `ifindex`: the one the
- * flow's conntrack entry remembers while younger than KBP_HOP_CACHE_NS, else the cached
- * one (__ext_hop_current) for the backend (`backend_id` not 0, while the agent watches)
- * or for the destination address; else the FIB's, which a successful lookup leaves in
- * both (`flow` NULL: a new flow). So a new flow to a backend that an earlier flow reached
- * skips the FIB lookup (about as costly as the rest of its path; bench/datapath.py): for
- * as long as no route, rule, link or neighbour changed while the agent watches (it
- * changes kbp_hop_epoch), else for KBP_HOP_CACHE_NS. A change reaches established flows
- * within KBP_HOP_CACHE_NS. With equal-cost routes the flows to one address follow one
- * path while its answer holds. Returns BPF_FIB_LKUP_RET_*, with fib->ifindex, smac and
- * dmac set on success. Entries are shared by all CPUs: two CPUs refreshing one at once
- * write the same answer. */
+ * flow's conntrack entry remembers while younger than KBP_HOP_CACHE_NS, else the one
+ * kbp_hops holds for the destination address (__ext_hop_current); else the FIB's, which a
+ * successful lookup leaves in both (`flow` NULL: a new flow). So a new flow to a backend
+ * that an earlier flow reached skips the FIB lookup (about as costly as the rest of its
+ * path; bench/datapath.py): for as long as no route, rule, link or neighbour changed
+ * while the agent watches (it changes kbp_hop_epoch), else for KBP_HOP_CACHE_NS. A
+ * change reaches established flows within KBP_HOP_CACHE_NS. With equal-cost routes the
+ * flows to one address follow one path while its answer holds. Returns
+ * BPF_FIB_LKUP_RET_*, with fib->ifindex, smac and dmac set on success. Entries are shared
+ * by all CPUs: two CPUs refreshing one at once write the same answer. */
 static __always_inline int ext_next_hop(void *ctx, const struct kbp_tuple *t,
 					const struct kbp_nat_target *to, __u32 ifindex,
-					struct kbp_ct_entry *flow, __u32 backend_id, __u64 now,
+					struct kbp_ct_entry *flow, __u64 now,
 					struct bpf_fib_lookup *fib)
 {
 	struct kbp_hop *hop;
@@ -271,7 +265,7 @@ static __always_inline int ext_next_hop(void *ctx, const struct kbp_tuple *t,
 				    flow->hop_dmac, now, fib))
 		return BPF_FIB_LKUP_RET_SUCCESS;
 	epoch = map_hop_epoch();
-	hop = (epoch && backend_id) ? map_backend_hop(backend_id) : map_hop(to->daddr);
+	hop = map_hop(to->daddr);
 	if (hop && __ext_hop_current(hop, to->daddr, ifindex, epoch, now)) {
 		fib->ifindex = hop->ifindex;
 		__builtin_memcpy(fib->smac, hop->smac, ETH_ALEN);

@@ -18,9 +18,6 @@ static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key
 /* The next-hop cache slot of a destination address (kbp_hops), to read and write in
  * place; NULL in explain's dry runs (which then ask the FIB). */
 static __always_inline struct kbp_hop *map_hop(const __be32 *addr);
-/* The next-hop cache entry of a backend (kbp_be_hops); NULL in explain's dry runs
- * and for ids past the map. */
-static __always_inline struct kbp_hop *map_backend_hop(__u32 backend_id);
 /* kbp_hop_epoch's value; 0 when nobody watches (or in explain's dry runs). */
 static __always_inline __u32 map_hop_epoch(void);
 static __always_inline int map_update_ct(struct kbp_ct_key *key, struct kbp_ct_entry *entry);

@@ -730,42 +730,38 @@ def _set_epoch(node: ExtNode, epoch: int) -> None:
 
 
 @pytest.mark.parametrize("hook", ["xdp", "tc"])
-def test_while_the_agent_watches_a_backends_next_hop_holds_until_the_epoch_changes(node, hook):
+def test_while_the_agent_watches_a_next_hop_holds_until_the_epoch_changes(node, hook):
     node.service_to(REMOTE_BACKEND[4], local=False)
     send = node.xdp if hook == "xdp" else node.from_ext
     _set_epoch(node, 7)
     send(to_node_port(4))
-    forward = node.ct(CLIENT[4], NODE[4], CLIENT_PORT, NODE_PORT, C.KBP_CT_FORWARD)
-    be_hops, key = node.loaded.map("kbp_be_hops"), struct.pack("=I", forward.backend_id)
-    hop = abi.from_bytes("kbp_hop", be_hops.lookup(key))
+    hops_by_address, key = node.loaded.map("kbp_hops"), _hop_slot(REMOTE_BACKEND[4])
+    hop = abi.from_bytes("kbp_hop", hops_by_address.lookup(key))
     assert (abi.get_addr(hop.addr, 4), hop.epoch) == (REMOTE_BACKEND[4], 7)
     assert (hop.in_ifindex, hop.ifindex, bytes(hop.dmac)) == (node.ext0, node.ext0, PEER_MAC)
-    # The backend's entry is the cache for it; kbp_hops stays for clients outside.
-    by_address = node.loaded.map("kbp_hops").lookup(_hop_slot(REMOTE_BACKEND[4]))
-    assert abi.from_bytes("kbp_hop", by_address).time == 0
     # Under the same epoch an answer far older than 100 ms is used as it stands.
     planted = bytes.fromhex("02aabbccddee")
     hop.dmac = list(planted)
     hop.time -= 2 * HOP_CACHE_NS
-    be_hops.update(key, abi.to_bytes(hop))
+    hops_by_address.update(key, abi.to_bytes(hop))
     out = P.parse(send(to_node_port(4, client=OUTSIDER[4])).data_out)
     assert (out.dst, out.eth_dst) == (REMOTE_BACKEND[4], planted)
     # A new epoch (a route or neighbour changed): the FIB answers, kept under it.
     _set_epoch(node, 8)
     out = P.parse(send(to_node_port(4, sport=CLIENT_PORT + 1)).data_out)
     assert out.eth_dst == PEER_MAC
-    hop = abi.from_bytes("kbp_hop", be_hops.lookup(key))
+    hop = abi.from_bytes("kbp_hop", hops_by_address.lookup(key))
     assert (hop.epoch, bytes(hop.dmac)) == (8, PEER_MAC)
     # Not used under its own epoch either: an answer older than KBP_HOP_WATCHED_NS (an
-    # agent killed without saying so), or one for another address (the id reused).
+    # agent killed without saying so), or one for another address (sharing the slot).
     for sport, stale in ((CLIENT_PORT + 2, "old"), (CLIENT_PORT + 3, "another address")):
-        hop = abi.from_bytes("kbp_hop", be_hops.lookup(key))
+        hop = abi.from_bytes("kbp_hop", hops_by_address.lookup(key))
         hop.dmac = list(planted)
         if stale == "old":
             hop.time -= HOP_WATCHED_NS
         else:
             abi.set_addr(hop.addr, "192.0.2.99")
-        be_hops.update(key, abi.to_bytes(hop))
+        hops_by_address.update(key, abi.to_bytes(hop))
         out = P.parse(send(to_node_port(4, sport=sport)).data_out)
         assert out.eth_dst == PEER_MAC, stale
 

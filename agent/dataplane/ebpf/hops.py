@@ -1,8 +1,8 @@
 """The next-hop epoch (kbp_hop_epoch): what lets the programs keep a next hop they looked
 up for as long as it is right, rather than for a fixed 100 ms.
 
-The programs cache the FIB's answer per backend (kbp_be_hops) and per address (kbp_hops),
-each answer stamped with the epoch it was found under (lib/ext.h ext_next_hop). The agent
+The programs cache the FIB's answer per destination address (kbp_hops), each answer
+stamped with the epoch it was found under (lib/ext.h ext_next_hop). The agent
 sets a new epoch when it starts (it did not see what changed while it was away) and
 whenever its RouteWatcher hears of a change that can change an answer (a route, a rule, a
 link's state or MAC address, a neighbour's MAC address or resolution); every answer
