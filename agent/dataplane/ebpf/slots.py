@@ -1,0 +1,279 @@
+"""kbp_slots is an array: each backend set lives in a run of consecutive slots, and a
+frontend names a set by the index of its first slot, so the programs read a new flow's
+backend at that index + hash % count (one array read after the frontend's hash lookup).
+This module places the planner's sets in the array: `SlotSpace` knows where each live set
+is and which slots are free, and `SlotSpace.place` turns the planner's writes (set ids
+the planner chose, stages as maps.stage_writes cut them) into writes by index.
+
+The rule of every write holds: a reader sees the old set or the new, never a mix. A set
+is never rewritten in place (the planner gives changed content a new set id); a new set
+goes into slots free at the time its stage writes it, the frontends flip to its first
+index after it is complete, and its old slots are zeroed after the flip. When the free
+slots are enough in number but no run is long enough, sets are moved together towards
+index 1 the same way (written to a free run, their frontends pointed at it, the old run
+zeroed) until the run is there; if not even that makes one, the apply is refused before
+anything is written (CapacityError), the previous state serving on.
+
+Index 0 is never a set's: a frontend's 0 names no set (as the planner's set id 0).
+Pure Python: no kernel, bcc or netlink here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import NoReturn
+
+from .maps import CapacityError, FrontendKey, KernelContent, ServiceValue, SetContent, Writes
+
+_TAKEN = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Before:
+    """What the maps hold before an apply, as the planner's Change knows it: the value of
+    a frontend (None: absent), the content of a set (None: unknown), and every frontend
+    (called only when sets must be moved)."""
+
+    service: Callable[[FrontendKey], ServiceValue | None]
+    set: Callable[[int], SetContent | None]
+    frontends: Callable[[], Iterable[FrontendKey]]
+
+
+class SlotSpace:
+    """Where the live sets are in kbp_slots (`size` slots): each set id's first slot
+    and length, and which slots are taken (1) or free (0)."""
+
+    __slots__ = ("bases", "cursor", "lengths", "size", "taken", "used")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.used = bytearray(size)
+        if size:
+            self.used[0] = _TAKEN  # names no set
+        self.bases: dict[int, int] = {}  # set id -> its first slot
+        self.lengths: dict[int, int] = {}  # set id -> its slots
+        self.taken = 0  # slots of sets
+        self.cursor = 1  # where the next search starts (next fit)
+
+    @classmethod
+    def of_content(cls, size: int, content: KernelContent) -> SlotSpace:
+        """The space of a content decoded from the kernel (codec.read_content), whose set
+        ids are their first slots: each set's run is the most slots a frontend says it
+        has (a broken set's too, so that it is zeroed when it goes)."""
+        space = cls(size)
+        named: dict[int, int] = {}
+        for value in content.services.values():
+            for set_id, count in ((value.set_id, value.count),
+                                  (value.internal_set_id, value.internal_count)):  # fmt: skip
+                if set_id and count:
+                    named[set_id] = max(named.get(set_id, 0), count)
+        for set_id in content.slots:
+            length = max(0, min(named.get(set_id, 0), size - set_id))
+            space.bases[set_id], space.lengths[set_id] = set_id, length
+            space.used[set_id : set_id + length] = b"\x01" * length
+            space.taken += length
+        space.cursor = max((b + n for b, n in zip(space.bases.values(), space.lengths.values(),
+                                                   strict=True)), default=1)  # fmt: skip
+        return space
+
+    def copy(self) -> SlotSpace:
+        other = SlotSpace.__new__(SlotSpace)
+        other.size, other.used, other.taken = self.size, bytearray(self.used), self.taken
+        other.bases, other.lengths, other.cursor = dict(self.bases), dict(self.lengths), self.cursor
+        return other
+
+    def base(self, set_id: int) -> int:
+        """The first slot of a live set (0 for the planner's 0: no set)."""
+        return self.bases[set_id] if set_id else 0
+
+    def based(self, value: ServiceValue) -> ServiceValue:
+        """A frontend's value as written: its sets named by their first slots."""
+        set_id, inner = self.base(value.set_id), self.base(value.internal_set_id)
+        if set_id == value.set_id and inner == value.internal_set_id:
+            return value
+        return replace(value, set_id=set_id, internal_set_id=inner)
+
+    def find(self, n: int, below: int | None = None) -> int | None:
+        """The first slot of a free run of `n`: from the cursor on, then from index 1
+        (next fit); with `below`, the lowest run that ends at or before it."""
+        zeros = bytes(n)
+        if below is not None:
+            i = self.used.find(zeros, 1, below)
+            return i if i >= 0 else None
+        i = self.used.find(zeros, self.cursor)
+        if i < 0 and self.cursor > 1:
+            i = self.used.find(zeros, 1, min(self.size, self.cursor + n - 1))
+        return i if i >= 0 else None
+
+    def take(self, set_id: int, base: int, n: int) -> None:
+        self.used[base : base + n] = b"\x01" * n
+        self.bases[set_id], self.lengths[set_id] = base, n
+        self.taken += n
+        self.cursor = base + n if base + n < self.size else 1
+
+    def release(self, set_id: int) -> tuple[int, int]:
+        """Free a set's run: (its first slot, its length); (0, 0) for a set not placed."""
+        base, n = self.bases.pop(set_id, 0), self.lengths.pop(set_id, 0)
+        self.used[base : base + n] = bytes(n)
+        self.taken -= n
+        return base, n
+
+    def place(self, stages: list[Writes], before: Before) -> tuple[list[Writes], SlotSpace]:
+        """`stages` (each in the order of Writes, written one after the other) as writes by
+        slot index: sets_to_write and sets_to_delete keyed by first slot, frontends'
+        values naming first slots, stages that move sets together inserted where a set
+        finds no free run; and the space after them all. This space is left as it is.
+        Raises CapacityError when a set finds no run even after the moves."""
+        space = self.copy()
+        out: list[Writes] = []
+        view: dict[FrontendKey, ServiceValue | None] = {}  # frontends as the stages left them
+        written: dict[int, SetContent] = {}  # sets the stages wrote, by set id
+        for stage in stages:
+            if space.taken + sum(map(len, stage.sets_to_write.values())) >= space.size:
+                space.refuse(stage.sets_to_write)
+            sets = space.place_sets(stage.sets_to_write)
+            while sets is None:
+                moves = space.move_one(view, before, written)
+                if moves is None:
+                    space.refuse(stage.sets_to_write)
+                out.extend(moves or ())  # (moves change no frontend's set id nor count)
+                sets = space.place_sets(stage.sets_to_write)
+            written.update(stage.sets_to_write)
+            services = {k: space.based(v) for k, v in stage.services_to_upsert.items()}
+            deletes = {}
+            for set_id in stage.sets_to_delete:
+                base, n = space.release(set_id)
+                if n:
+                    deletes[base] = n
+            out.append(replace(stage, sets_to_write=sets, services_to_upsert=services,
+                               sets_to_delete=deletes))  # fmt: skip
+            view.update(stage.services_to_upsert)
+            view.update(dict.fromkeys(stage.frontends_to_delete))
+        return out, space
+
+    def place_sets(self, sets: dict[int, SetContent]) -> dict[int, SetContent] | None:
+        """Take a free run for each set (largest first): their contents by first slot, or
+        None (with nothing taken) when one finds no run."""
+        placed: list[int] = []
+        out: dict[int, SetContent] = {}
+        for set_id, content in sorted(sets.items(), key=lambda item: -len(item[1])):
+            base = self.find(len(content))
+            if base is None:
+                for taken in placed:
+                    self.release(taken)
+                return None
+            self.take(set_id, base, len(content))
+            placed.append(set_id)
+            out[base] = content
+        return out
+
+    def move_one(
+        self,
+        view: dict[FrontendKey, ServiceValue | None],
+        before: Before,
+        written: dict[int, SetContent],
+    ) -> list[Writes] | None:
+        """Move the set just above the lowest free slot down onto it, closing that hole:
+        the stages of the move, or None when no set can move (then every free slot is
+        above every set, the free slots are one run, and a set that finds none does not
+        fit at all). A set the hole can hold is moved in one stage (written there, its
+        frontends flipped to it, its old run zeroed). A longer one is moved through an
+        interim set, the longest part of it that a free run elsewhere holds: its
+        frontends are pointed at the part, the set is written from the hole on (over its
+        own old run, free by then) and they are pointed back; meanwhile new flows pick
+        among the part's backends, each a backend of the set (as the interim sets of
+        maps.stage_writes)."""
+        at = {base: set_id for set_id, base in self.bases.items() if self.lengths[set_id]}
+        hole = self.used.find(0, 1)
+        while hole >= 0:
+            top = self.used.find(_TAKEN, hole)
+            if top < 0:
+                return None  # the free slots are one run at the top
+            set_id = at.get(top)
+            n = self.lengths.get(set_id, 0) if set_id is not None else 0
+            content = written.get(set_id) if set_id is not None else None
+            if content is None and set_id is not None:
+                content = before.set(set_id)
+            if n and content is not None and len(content) == n and 0 not in content:
+                if top - hole >= n:
+                    return [self._moved(set_id, content, hole, view, before)]
+                return self._moved_through_part(set_id, content, hole, view, before)
+            # a broken set (it goes when its frontends leave it) or index 0: the next hole
+            end = self.used.find(0, top)
+            hole = end
+        return None
+
+    def _moved(
+        self,
+        set_id: int,
+        content: SetContent,
+        target: int,
+        view: dict[FrontendKey, ServiceValue | None],
+        before: Before,
+        count: int | None = None,
+    ) -> Writes:
+        """The stage that moves `set_id` (all of `content`, or its first `count` slots)
+        to `target`, a free run."""
+        n = len(content) if count is None else count
+        base, old = self.release(set_id)
+        self.take(set_id, target, n)
+        flips = {}
+        for key in _frontends(view, before):
+            value = view[key] if key in view else before.service(key)
+            if value is not None and set_id in (value.set_id, value.internal_set_id):
+                value = self.based(value)
+                if value.set_id == target:
+                    value = replace(value, count=n)
+                if value.internal_set_id == target:
+                    value = replace(value, internal_count=n)
+                flips[key] = value
+        return Writes(sets_to_write={target: content[:n]}, services_to_upsert=flips,
+                      sets_to_delete={base: old})  # fmt: skip
+
+    def _moved_through_part(
+        self,
+        set_id: int,
+        content: SetContent,
+        target: int,
+        view: dict[FrontendKey, ServiceValue | None],
+        before: Before,
+    ) -> list[Writes]:
+        """`_moved` for a set longer than the hole at `target`: through the longest part
+        of it that a free run outside the hole holds (at least one slot: the slots free
+        are more than the hole, or the set that asked would have fitted in it)."""
+        n = len(content)
+        longest, where = 0, 0
+        i = self.used.find(0, 1)
+        while i >= 0:
+            end = self.used.find(_TAKEN, i)
+            end = self.size if end < 0 else end
+            if i != target and end - i > longest:
+                longest, where = end - i, i
+            i = self.used.find(0, end)
+        if not longest:
+            raise AssertionError("a set to move and no free slot beside its hole")
+        part = self._moved(set_id, content, where, view, before, count=min(longest, n - 1))
+        whole = self._moved(set_id, content, target, view, before)
+        return [part, whole]
+
+    def refuse(self, sets: dict[int, SetContent]) -> NoReturn:
+        """Raise the CapacityError of sets that find no free run even after the moves."""
+        need = sum(map(len, sets.values()))
+        capacity = self.size - 1  # index 0 names no set
+        longest = max(map(len, sets.values()), default=0)
+        raise CapacityError(
+            "slots", self.taken + need, capacity,
+            f": no run of {longest} free slots for a set is left even after moving sets "
+            "together",
+        )  # fmt: skip
+
+
+def _frontends(
+    view: dict[FrontendKey, ServiceValue | None], before: Before
+) -> Iterable[FrontendKey]:
+    seen = set(view)
+    yield from view
+    for key in before.frontends():
+        if key not in seen:
+            yield key
