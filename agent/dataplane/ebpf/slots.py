@@ -44,7 +44,7 @@ class SlotSpace:
     """Where the live sets are in kbp_slots (`size` slots): each set id's first slot
     and length, and which slots are taken (1) or free (0)."""
 
-    __slots__ = ("bases", "cursor", "lengths", "size", "taken", "used")
+    __slots__ = ("_journal", "bases", "cursor", "lengths", "size", "taken", "used")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -55,6 +55,7 @@ class SlotSpace:
         self.lengths: dict[int, int] = {}  # set id -> its slots
         self.taken = 0  # slots of sets
         self.cursor = 1  # where the next search starts (next fit)
+        self._journal: _Journal | None = None  # what `place` changed, to undo it
 
     @classmethod
     def of_content(cls, size: int, content: KernelContent) -> SlotSpace:
@@ -76,12 +77,6 @@ class SlotSpace:
         space.cursor = max((b + n for b, n in zip(space.bases.values(), space.lengths.values(),
                                                    strict=True)), default=1)  # fmt: skip
         return space
-
-    def copy(self) -> SlotSpace:
-        other = SlotSpace.__new__(SlotSpace)
-        other.size, other.used, other.taken = self.size, bytearray(self.used), self.taken
-        other.bases, other.lengths, other.cursor = dict(self.bases), dict(self.lengths), self.cursor
-        return other
 
     def base(self, set_id: int) -> int:
         """The first slot of a live set (0 for the planner's 0: no set)."""
@@ -107,6 +102,8 @@ class SlotSpace:
         return i if i >= 0 else None
 
     def take(self, set_id: int, base: int, n: int) -> None:
+        if self._journal is not None:
+            self._journal.note(self, set_id, base, n)
         self.used[base : base + n] = b"\x01" * n
         self.bases[set_id], self.lengths[set_id] = base, n
         self.taken += n
@@ -114,18 +111,42 @@ class SlotSpace:
 
     def release(self, set_id: int) -> tuple[int, int]:
         """Free a set's run: (its first slot, its length); (0, 0) for a set not placed."""
-        base, n = self.bases.pop(set_id, 0), self.lengths.pop(set_id, 0)
+        base, n = self.bases.get(set_id, 0), self.lengths.get(set_id, 0)
+        if self._journal is not None:
+            self._journal.note(self, set_id, base, n)
+        self.bases.pop(set_id, None)
+        self.lengths.pop(set_id, None)
         self.used[base : base + n] = bytes(n)
         self.taken -= n
         return base, n
+
+    def keep(self) -> None:
+        """The writes of the last `place` were made: forget how to undo it."""
+        self._journal = None
+
+    def undo(self) -> None:
+        """Put the space back as it was before the last `place` (its writes were not
+        made)."""
+        journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.undo(self)
 
     def place(self, stages: list[Writes], before: Before) -> tuple[list[Writes], SlotSpace]:
         """`stages` (each in the order of Writes, written one after the other) as writes by
         slot index: sets_to_write and sets_to_delete keyed by first slot, frontends'
         values naming first slots, stages that move sets together inserted where a set
-        finds no free run; and the space after them all. This space is left as it is.
-        Raises CapacityError when a set finds no run even after the moves."""
-        space = self.copy()
+        finds no free run; and the space after them all: this space itself, changed (`undo`
+        puts it back when the writes are not made). Raises CapacityError, the space as it
+        was, when a set finds no run even after the moves."""
+        self._journal = _Journal(self)
+        try:
+            return self._place(stages, before), self
+        except BaseException:
+            self.undo()
+            raise
+
+    def _place(self, stages: list[Writes], before: Before) -> list[Writes]:
+        space = self
         out: list[Writes] = []
         view: dict[FrontendKey, ServiceValue | None] = {}  # frontends as the stages left them
         written: dict[int, SetContent] = {}  # sets the stages wrote, by set id
@@ -150,7 +171,7 @@ class SlotSpace:
                                sets_to_delete=deletes))  # fmt: skip
             view.update(stage.services_to_upsert)
             view.update(dict.fromkeys(stage.frontends_to_delete))
-        return out, space
+        return out
 
     def place_sets(self, sets: dict[int, SetContent]) -> dict[int, SetContent] | None:
         """Take a free run for each set (largest first): their contents by first slot, or
@@ -277,3 +298,32 @@ def _frontends(
     for key in before.frontends():
         if key not in seen:
             yield key
+
+
+class _Journal:
+    """What a `place` changed in a space: each set's place before its first change, each
+    run of `used` before it was marked, and the counters."""
+
+    __slots__ = ("cursor", "runs", "sets", "taken")
+
+    def __init__(self, space: SlotSpace) -> None:
+        self.cursor, self.taken = space.cursor, space.taken
+        self.sets: dict[int, tuple[int, int] | None] = {}
+        self.runs: list[tuple[int, bytes]] = []
+
+    def note(self, space: SlotSpace, set_id: int, base: int, n: int) -> None:
+        if set_id not in self.sets:
+            where = space.bases.get(set_id)
+            self.sets[set_id] = None if where is None else (where, space.lengths[set_id])
+        self.runs.append((base, bytes(space.used[base : base + n])))
+
+    def undo(self, space: SlotSpace) -> None:
+        for base, old in reversed(self.runs):
+            space.used[base : base + len(old)] = old
+        for set_id, where in self.sets.items():
+            if where is None:
+                space.bases.pop(set_id, None)
+                space.lengths.pop(set_id, None)
+            else:
+                space.bases[set_id], space.lengths[set_id] = where
+        space.cursor, space.taken = self.cursor, self.taken

@@ -145,7 +145,7 @@ class MapWriter:
                 self._change = change
                 for stage in placed:
                     self._write(stage, space)
-                self.space = space
+                space.keep()
                 meta_writes += self._write_meta(state)
             except CapacityError as err:  # nothing was written
                 change.rollback()
@@ -158,6 +158,7 @@ class MapWriter:
                 except OSError:
                     log.exception("ebpf: cannot read the maps back after a failed write")
                     change.rollback()
+                    self.space.undo()
                 self._forget_external()
                 if isinstance(err, OSError):
                     raise DataplaneError("map_write", str(err)) from err
