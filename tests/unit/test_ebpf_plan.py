@@ -1480,6 +1480,7 @@ class ModelWriter(MapWriter):
         self._range_index = external.SourceRangeIndex()
         self._change = None
         self.kernel = ArrayKernel(EMPTY, sizes.slots)
+        self.space = SlotSpace(sizes.slots)
         self.planner = Planner(self._read_kernel(), maglev_table_size=31,
                                sizes=self._planned_sizes())  # fmt: skip
         self.needed = dict.fromkeys(("services", "slots", "backends", "src_ranges"), 0)
@@ -1497,9 +1498,7 @@ class ModelWriter(MapWriter):
         pass
 
     def _read_kernel(self) -> KernelContent:
-        content = self.kernel.content()
-        self.space = SlotSpace.of_content(self.sizes.slots, content)
-        return content
+        return self.kernel.content()
 
 
 def test_the_map_writer_holds_what_the_kernel_holds_after_a_refused_and_a_failed_apply() -> None:

@@ -60,15 +60,13 @@ class MapWriter:
         self._range_index = external.SourceRangeIndex()  # the applied state's, wanted
         self._ports: dict[int, int] = {}  # kbp_ports bits this agent knows are set
         self._check_pinned_sizes()
-        # Where the sets are in kbp_slots (slots.py), set with what the maps hold.
-        self.space = SlotSpace(self.sizes.slots)
         # What the maps hold and how it was built: the first plan adopts the ids of what
         # an earlier agent wrote. It plans for one slot fewer than kbp_slots has: index 0
-        # names no set.
+        # names no set. `space`: where its sets are in kbp_slots (slots.py).
+        held = self._read_kernel()
+        self.space = SlotSpace.of_content(self.sizes.slots, held)
         self.planner = Planner(
-            self._read_kernel(),
-            maglev_table_size=options.maglev_table_size,
-            sizes=self._planned_sizes(),
+            held, maglev_table_size=options.maglev_table_size, sizes=self._planned_sizes()
         )
         self._mark_frontend_types()
         self._target = self.current  # the content an apply writes towards (`_write`)
@@ -120,7 +118,7 @@ class MapWriter:
         """Write what differs from `state`: (writes made, whether backends were removed)."""
         with self.lock:
             if full and not self._just_read:
-                self.planner.reset(self._read_kernel())
+                self._reset_from_kernel()
             self._just_read = False
             # Changes the planner's content in place (cost: what changed): every way out
             # below commits, rolls back or resets it.
@@ -154,7 +152,7 @@ class MapWriter:
                 # The kernel may hold something between the old and the new content: read
                 # it back (the next apply then plans in full) rather than trust either.
                 try:
-                    self.planner.reset(self._read_kernel())
+                    self._reset_from_kernel()
                 except OSError:
                     log.exception("ebpf: cannot read the maps back after a failed write")
                     change.rollback()
@@ -318,11 +316,15 @@ class MapWriter:
             m("kbp_src_ranges").delete(key)
 
     def _read_kernel(self) -> KernelContent:
-        """What the maps hold; `space` is set to where its sets are."""
+        """What the maps hold (its set ids: the sets' first slots)."""
         m = self.programs.map
-        content = codec.read_content(m("kbp_services"), m("kbp_slots"), m("kbp_backends"))
+        return codec.read_content(m("kbp_services"), m("kbp_slots"), m("kbp_backends"))
+
+    def _reset_from_kernel(self) -> None:
+        """The planner and the space hold what the maps hold (read now)."""
+        content = self._read_kernel()
         self.space = SlotSpace.of_content(self.sizes.slots, content)
-        return content
+        self.planner.reset(content)
 
     def _planned_sizes(self) -> MapSizes:
         """The sizes the planner plans for: kbp_slots' less index 0, which names no set."""
