@@ -947,6 +947,24 @@ def test_sets_more_than_the_free_slots_are_refused_before_anything_is_written():
         placed_after(array, current, desired)
     assert (raised.value.map, raised.value.needed, raised.value.size) == ("slots", 12, 11)
     assert array.space is space and space.bases == {1: 1, 2: 6}  # left as it was
+    assert space.starts == {1: 1, 6: 2} and space.taken == 10
+
+
+def test_a_placement_whose_writes_were_not_made_is_undone_and_a_read_space_places_alike():
+    current, b = sets_of(4, 3)
+    read = ArrayKernel(current, 16).content()  # as codec.read_content: set ids first slots
+    space = SlotSpace.of_content(16, read)
+    before = ({1: 1, 5: 5}, {1: 1, 5: 5}, 8, 7)
+    assert (space.bases, space.starts, space.cursor, space.taken) == before
+    used = bytes(space.used)
+    new = sets_of(5, first_backend=b)[0].slots[1]
+    stage = Writes(sets_to_write={9: new}, sets_to_delete={5: 3})
+    placed, same = space.place([stage], NOTHING_BEFORE)
+    assert same is space and placed[0].sets_to_write == {8: new}
+    assert placed[0].sets_to_delete == {5: 3} and space.bases == {1: 1, 9: 8}
+    space.undo()
+    assert (space.bases, space.starts, space.cursor, space.taken) == before
+    assert bytes(space.used) == used
 
 
 # --- properties over generated clusters ------------------------------------------------

@@ -11,8 +11,11 @@ goes into slots free at the time its stage writes it, the frontends flip to its 
 index after it is complete, and its old slots are zeroed after the flip. When the free
 slots are enough in number but no run is long enough, sets are moved together towards
 index 1 the same way (written to a free run, their frontends pointed at it, the old run
-zeroed) until the run is there; if not even that makes one, the apply is refused before
-anything is written (CapacityError), the previous state serving on.
+zeroed; a set longer than the hole below it through an interim part of itself) until the
+run is there: that always ends with every free slot in one run, so only sets more than
+the free slots (or a set an interrupted writer left broken, which does not move) make
+the apply refused, before anything is written (CapacityError), the previous state
+serving on.
 
 Index 0 is never a set's: a frontend's 0 names no set (as the planner's set id 0).
 Pure Python: no kernel, bcc or netlink here.
@@ -44,7 +47,7 @@ class SlotSpace:
     """Where the live sets are in kbp_slots (`size` slots): each set id's first slot
     and length, and which slots are taken (1) or free (0)."""
 
-    __slots__ = ("_journal", "bases", "cursor", "lengths", "size", "taken", "used")
+    __slots__ = ("_journal", "bases", "cursor", "lengths", "size", "starts", "taken", "used")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -53,6 +56,7 @@ class SlotSpace:
             self.used[0] = _TAKEN  # names no set
         self.bases: dict[int, int] = {}  # set id -> its first slot
         self.lengths: dict[int, int] = {}  # set id -> its slots
+        self.starts: dict[int, int] = {}  # first slot -> set id (sets of a slot or more)
         self.taken = 0  # slots of sets
         self.cursor = 1  # where the next search starts (next fit)
         self._journal: _Journal | None = None  # what `place` changed, to undo it
@@ -72,10 +76,13 @@ class SlotSpace:
         for set_id in content.slots:
             length = max(0, min(named.get(set_id, 0), size - set_id))
             space.bases[set_id], space.lengths[set_id] = set_id, length
+            if length:
+                space.starts[set_id] = set_id
             space.used[set_id : set_id + length] = b"\x01" * length
             space.taken += length
-        space.cursor = max((b + n for b, n in zip(space.bases.values(), space.lengths.values(),
-                                                   strict=True)), default=1)  # fmt: skip
+        end = max((b + n for b, n in zip(space.bases.values(), space.lengths.values(),
+                                         strict=True)), default=1)  # fmt: skip
+        space.cursor = end if end < size else 1
         return space
 
     def base(self, set_id: int) -> int:
@@ -106,6 +113,8 @@ class SlotSpace:
             self._journal.note(self, set_id, base, n)
         self.used[base : base + n] = b"\x01" * n
         self.bases[set_id], self.lengths[set_id] = base, n
+        if n:
+            self.starts[base] = set_id
         self.taken += n
         self.cursor = base + n if base + n < self.size else 1
 
@@ -116,6 +125,8 @@ class SlotSpace:
             self._journal.note(self, set_id, base, n)
         self.bases.pop(set_id, None)
         self.lengths.pop(set_id, None)
+        if self.starts.get(base) == set_id:
+            del self.starts[base]
         self.used[base : base + n] = bytes(n)
         self.taken -= n
         return base, n
@@ -148,14 +159,14 @@ class SlotSpace:
     def _place(self, stages: list[Writes], before: Before) -> list[Writes]:
         space = self
         out: list[Writes] = []
-        view: dict[FrontendKey, ServiceValue | None] = {}  # frontends as the stages left them
+        frontends = _Frontends(before)  # as the stages so far left them
         written: dict[int, SetContent] = {}  # sets the stages wrote, by set id
         for stage in stages:
             if space.taken + sum(map(len, stage.sets_to_write.values())) >= space.size:
                 space.refuse(stage.sets_to_write)
             sets = space.place_sets(stage.sets_to_write)
             while sets is None:
-                moves = space.move_one(view, before, written)
+                moves = space.move_one(frontends, before, written)
                 if moves is None:
                     space.refuse(stage.sets_to_write)
                 out.extend(moves or ())  # (moves change no frontend's set id nor count)
@@ -169,8 +180,7 @@ class SlotSpace:
                     deletes[base] = n
             out.append(replace(stage, sets_to_write=sets, services_to_upsert=services,
                                sets_to_delete=deletes))  # fmt: skip
-            view.update(stage.services_to_upsert)
-            view.update(dict.fromkeys(stage.frontends_to_delete))
+            frontends.update(stage)
         return out
 
     def place_sets(self, sets: dict[int, SetContent]) -> dict[int, SetContent] | None:
@@ -191,7 +201,7 @@ class SlotSpace:
 
     def move_one(
         self,
-        view: dict[FrontendKey, ServiceValue | None],
+        frontends: _Frontends,
         before: Before,
         written: dict[int, SetContent],
     ) -> list[Writes] | None:
@@ -205,7 +215,7 @@ class SlotSpace:
         own old run, free by then) and they are pointed back; meanwhile new flows pick
         among the part's backends, each a backend of the set (as the interim sets of
         maps.stage_writes)."""
-        at = {base: set_id for set_id, base in self.bases.items() if self.lengths[set_id]}
+        at = self.starts
         hole = self.used.find(0, 1)
         while hole >= 0:
             top = self.used.find(_TAKEN, hole)
@@ -218,8 +228,8 @@ class SlotSpace:
                 content = before.set(set_id)
             if n and content is not None and len(content) == n and 0 not in content:
                 if top - hole >= n:
-                    return [self._moved(set_id, content, hole, view, before)]
-                return self._moved_through_part(set_id, content, hole, view, before)
+                    return [self._moved(set_id, content, hole, frontends)]
+                return self._moved_through_part(set_id, content, hole, frontends)
             # a broken set (it goes when its frontends leave it) or index 0: the next hole
             end = self.used.find(0, top)
             hole = end
@@ -230,8 +240,7 @@ class SlotSpace:
         set_id: int,
         content: SetContent,
         target: int,
-        view: dict[FrontendKey, ServiceValue | None],
-        before: Before,
+        frontends: _Frontends,
         count: int | None = None,
     ) -> Writes:
         """The stage that moves `set_id` (all of `content`, or its first `count` slots)
@@ -240,15 +249,13 @@ class SlotSpace:
         base, old = self.release(set_id)
         self.take(set_id, target, n)
         flips = {}
-        for key in _frontends(view, before):
-            value = view[key] if key in view else before.service(key)
-            if value is not None and set_id in (value.set_id, value.internal_set_id):
-                value = self.based(value)
-                if value.set_id == target:
-                    value = replace(value, count=n)
-                if value.internal_set_id == target:
-                    value = replace(value, internal_count=n)
-                flips[key] = value
+        for key in frontends.naming(set_id):
+            value = self.based(frontends.value(key))
+            if value.set_id == target:
+                value = replace(value, count=n)
+            if value.internal_set_id == target:
+                value = replace(value, internal_count=n)
+            flips[key] = value
         return Writes(sets_to_write={target: content[:n]}, services_to_upsert=flips,
                       sets_to_delete={base: old})  # fmt: skip
 
@@ -257,8 +264,7 @@ class SlotSpace:
         set_id: int,
         content: SetContent,
         target: int,
-        view: dict[FrontendKey, ServiceValue | None],
-        before: Before,
+        frontends: _Frontends,
     ) -> list[Writes]:
         """`_moved` for a set longer than the hole at `target`: through the longest part
         of it that a free run outside the hole holds (at least one slot: the slots free
@@ -274,8 +280,8 @@ class SlotSpace:
             i = self.used.find(0, end)
         if not longest:
             raise AssertionError("a set to move and no free slot beside its hole")
-        part = self._moved(set_id, content, where, view, before, count=min(longest, n - 1))
-        whole = self._moved(set_id, content, target, view, before)
+        part = self._moved(set_id, content, where, frontends, count=min(longest, n - 1))
+        whole = self._moved(set_id, content, target, frontends)
         return [part, whole]
 
     def refuse(self, sets: dict[int, SetContent]) -> NoReturn:
@@ -290,14 +296,48 @@ class SlotSpace:
         )  # fmt: skip
 
 
-def _frontends(
-    view: dict[FrontendKey, ServiceValue | None], before: Before
-) -> Iterable[FrontendKey]:
-    seen = set(view)
-    yield from view
-    for key in before.frontends():
-        if key not in seen:
-            yield key
+class _Frontends:
+    """The frontends' values as the stages placed so far leave them (over `before`), and,
+    from the first move on, which frontends name each set (kept up to date stage by
+    stage, so that a move does not look at every frontend)."""
+
+    __slots__ = ("before", "refs", "view")
+
+    def __init__(self, before: Before) -> None:
+        self.before = before
+        self.view: dict[FrontendKey, ServiceValue | None] = {}
+        self.refs: dict[int, set[FrontendKey]] | None = None
+
+    def value(self, key: FrontendKey) -> ServiceValue | None:
+        return self.view[key] if key in self.view else self.before.service(key)
+
+    def naming(self, set_id: int) -> list[FrontendKey]:
+        if self.refs is None:
+            self.refs = {}
+            keys = set(self.view)
+            keys.update(self.before.frontends())
+            for key in keys:
+                self._refer(key, self.value(key), True)
+        return [k for k in self.refs.get(set_id, ()) if self.value(k) is not None]
+
+    def update(self, stage: Writes) -> None:
+        changes: dict[FrontendKey, ServiceValue | None] = dict(stage.services_to_upsert)
+        changes.update(dict.fromkeys(stage.frontends_to_delete))
+        if self.refs is not None:
+            for key, value in changes.items():
+                self._refer(key, self.value(key), False)
+                self._refer(key, value, True)
+        self.view.update(changes)
+
+    def _refer(self, key: FrontendKey, value: ServiceValue | None, named: bool) -> None:
+        assert self.refs is not None
+        if value is None:
+            return
+        for set_id in {value.set_id, value.internal_set_id} - {0}:
+            if named:
+                self.refs.setdefault(set_id, set()).add(key)
+            else:
+                self.refs.get(set_id, set()).discard(key)
 
 
 class _Journal:
@@ -320,10 +360,15 @@ class _Journal:
     def undo(self, space: SlotSpace) -> None:
         for base, old in reversed(self.runs):
             space.used[base : base + len(old)] = old
+        starts = space.starts
+        for set_id in self.sets:
+            base = space.bases.pop(set_id, None)
+            space.lengths.pop(set_id, None)
+            if base is not None and starts.get(base) == set_id:
+                del starts[base]
         for set_id, where in self.sets.items():
-            if where is None:
-                space.bases.pop(set_id, None)
-                space.lengths.pop(set_id, None)
-            else:
+            if where is not None:
                 space.bases[set_id], space.lengths[set_id] = where
+                if where[1]:
+                    starts[where[0]] = set_id
         space.cursor, space.taken = self.cursor, self.taken
