@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -100,3 +101,47 @@ def test_replacing_every_endpoint_at_88_percent_fill_is_applied_and_served(env: 
     env.program(*fleet(env, answering=False))
     assert served(writer._read_kernel()) == served(writer.current)
     assert writer.current.slot_count() == 903
+
+
+def test_a_set_finding_free_slots_only_scattered_moves_others_together_and_all_serve(
+    env: Env,
+) -> None:
+    """48 Services of 21 slots fill kbp_slots (1,008 of 1,023); every other one goes and a
+    Service of 50 slots comes: 519 slots are free but in runs of 21 (and 15 at the end),
+    so Services that stay are moved down together (each written to a free run, its
+    frontend flipped, its old run zeroed) until a run of 50 is there. The kernel then
+    holds exactly the new state, some Services at new first slots, and each serves."""
+    dataplane = env.running()
+    assert isinstance(dataplane, EbpfDataplane)
+    writer = dataplane.maps
+    pods = [local(env.pod(n)) for n in BACKENDS]
+
+    def service(i: int, endpoints: list[dict]) -> list[dict]:
+        name = f"f{i}"
+        return [make_service(name=name, mutate=_ip(f"10.96.2.{i + 1}")),
+                *(make_slice(name=f"{name}-{port}", service=name, endpoints=endpoints, port=port)
+                  for port in TARGET_PORTS)]  # fmt: skip
+
+    full = [obj for i in range(48) for obj in service(i, pods)]
+    env.program(*full)
+    assert writer.current.slot_count() == 1008
+    before = {k.addr: v.set_id for k, v in writer._read_kernel().services.items()}
+    kept = [obj for i in range(1, 48, 2) for obj in service(i, pods)]
+    away = [make_endpoint(f"10.244.2.{j}", "node-b") for j in range(1, 30)]
+    big = [make_service(name="big", mutate=_ip("10.96.2.100")),
+           *(make_slice(name=f"big-{port}", service="big", endpoints=pods, port=port)
+             for port in TARGET_PORTS),
+           make_slice(name="big-away", service="big", endpoints=away)]  # fmt: skip
+    env.program(*kept, *big)
+    held = writer._read_kernel()
+    assert served(held) == served(writer.current)
+    assert held.slot_count() == 24 * 21 + 50
+    after = {k.addr: v.set_id for k, v in held.services.items()}
+    assert any(after[addr] < before[addr] for addr in after if addr in before), (before, after)
+    runs = sorted((v.set_id, v.count) for v in held.services.values())
+    assert all(a + n <= b for (a, n), (b, _) in pairwise(runs)), runs
+    client = env.pod("client1")
+    for i in range(1, 48, 2):
+        result = client.connect_many(f"10.96.2.{i + 1}", 80, "tcp", 3)
+        assert result.errors == {}, (i, result.details)
+        assert set(result.counts) <= set(BACKENDS), (i, result.counts)

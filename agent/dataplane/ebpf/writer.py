@@ -137,6 +137,10 @@ class MapWriter:
                     self._stage_external(w, stages, need)
                 # The sets' places in kbp_slots, sets moved together if need be (slots.py)
                 placed, space = self.space.place(stages, change.before())
+                if len(placed) > len(stages):
+                    log.info("ebpf: %s had free slots enough but scattered: %d writes of sets "
+                             "moved together go first", versioned("kbp_slots"),
+                             len(placed) - len(stages))  # fmt: skip
                 # kbp_meta says "unknown" until every write is done
                 meta_writes = self._write_meta(None) if busy else 0
                 self._target = change.content
