@@ -61,6 +61,7 @@ from agent.dataplane.ebpf.maps import (
     diff,
 )
 from agent.dataplane.ebpf.plan import Planner
+from agent.dataplane.ebpf.slots import SlotSpace
 from agent.dataplane.ebpf.translate import translate
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import decode_object
@@ -104,7 +105,6 @@ REF_PB4 = (
 )
 REF_PB5 = "kube-proxy nftables adds 1 Service beside 10k in ≈141 ms; iptables partial 0.6-0.9 s"
 REF_PB8 = "batch 0.32-0.61 µs per element, per element from Python ≈2 µs (here, earlier)"
-SCRATCH_SET = 0x7F000000  # set ids far above any the plan allocates: scratch slots only
 CHANGE_KINDS = ("not_ready", "endpoint_added", "service_added", "service_deleted")
 
 
@@ -137,13 +137,14 @@ def map_of(dp: EbpfDataplane, name: str) -> Map:
 
 
 def encoded(writes: Writes) -> dict[str, tuple[bytes, bytes, int]]:
-    """The upserts of `writes` as the batches the dataplane sends, pre-encoded."""
+    """The upserts of `writes` as the batches the dataplane sends, pre-encoded; the sets
+    one after the other from kbp_slots' index 1, as in empty maps."""
     values = {i: codec.backend_value(v) for i, v in writes.backends_to_upsert.items()}
+    members = [b for content in writes.sets_to_write.values() for b in content]
     batches = {
         "kbp_backends": [(codec.backend_key(i), value) for i, value in values.items()],
         "kbp_slots": [
-            (codec.slot_key(s, i), codec.slot_value(b, values.get(b, codec.NO_COPY)))
-            for s, members in writes.sets_to_write.items()
+            (codec.slot_key(1 + i), codec.slot_value(b, values.get(b, codec.NO_COPY)))
             for i, b in enumerate(members)
         ],
         "kbp_services": [
@@ -158,12 +159,17 @@ def encoded(writes: Writes) -> dict[str, tuple[bytes, bytes, int]]:
     }
 
 
-def scratch_slots(count: int, first: int = 0) -> tuple[bytes, bytes]:
-    keys = b"".join(
-        codec.slot_key(SCRATCH_SET + (i >> 10), i & 1023) for i in range(first, first + count)
-    )
-    values = b"".join(codec.slot_value(i + 1, codec.NO_COPY) for i in range(first, first + count))
+def scratch_slots(count: int, first: int = 1) -> tuple[bytes, bytes]:
+    """`count` slots of kbp_slots (an array) from index `first`, which must be free."""
+    keys = b"".join(codec.slot_key(first + i) for i in range(count))
+    values = b"".join(codec.slot_value(i + 1, codec.NO_COPY) for i in range(count))
     return keys, values
+
+
+def zeroed(target: Map, keys: bytes, count: int) -> None:
+    """Free `count` slots of kbp_slots, as the dataplane frees a set's (an array's elements
+    are zeroed, not deleted)."""
+    target.update_batch(keys, codec.FREE_SLOT * count, count)
 
 
 def empty_nodestate(like: NodeState) -> NodeState:
@@ -194,18 +200,19 @@ class Elements:
 
 
 def slot_elements(count: int) -> Elements:
-    sets = {SCRATCH_SET + s: tuple(range(s * 1024 + 1, min(count, (s + 1) * 1024) + 1))
+    """Sets of 1,024 slots one after the other from index 1 of the empty kbp_slots."""
+    sets = {1 + s * 1024: tuple(range(s * 1024 + 1, min(count, (s + 1) * 1024) + 1))
             for s in range((count + 1023) // 1024)}  # fmt: skip
     keys, values = scratch_slots(count)
     return Elements(
         keys, values,
-        [keys[i * 8 : (i + 1) * 8] for i in range(count)],
+        [keys[i * 4 : (i + 1) * 4] for i in range(count)],
         [values[i * codec.SLOT_SIZE : (i + 1) * codec.SLOT_SIZE] for i in range(count)],
-        lambda: [(codec.slot_key(set_id, index), codec.slot_value(backend_id, codec.NO_COPY))
-                 for set_id, members in sets.items()
+        lambda: [(codec.slot_key(base + index), codec.slot_value(backend_id, codec.NO_COPY))
+                 for base, members in sets.items()
                  for index, backend_id in enumerate(members)],
-        lambda: [codec.slot_key(set_id, index)
-                 for set_id, members in sets.items() for index in range(len(members))],
+        lambda: [codec.slot_key(base + index)
+                 for base, members in sets.items() for index in range(len(members))],
     )  # fmt: skip
 
 
@@ -242,13 +249,19 @@ def pb8(dp: EbpfDataplane, counts: list[int], repeats: dict[int, int]) -> list[B
 def pb8_size(name: str, target: Map, e: Elements, count: int, repeat: int) -> BatchResult:
     """Insert `count` entries into the empty map and delete them again, three ways, in
     turn; seconds per element. The dataplane's way starts with codec's address cache
-    cleared, as at agent start."""
+    cleared, as at agent start. kbp_slots is an array: its "delete" zeroes the slots, as
+    the dataplane frees a set."""
+    array = name == "kbp_slots"
+    free = codec.FREE_SLOT
 
     def agent_update() -> None:
         target.update_items(e.agent_items())
 
     def agent_delete() -> None:
-        target.delete_keys(e.agent_keys())
+        if array:
+            target.update_items([(k, free) for k in e.agent_keys()])
+        else:
+            target.delete_keys(e.agent_keys())
 
     def each_update() -> None:
         update = target.update
@@ -256,13 +269,23 @@ def pb8_size(name: str, target: Map, e: Elements, count: int, repeat: int) -> Ba
             update(k, v)
 
     def each_delete() -> None:
+        if array:
+            update = target.update
+            for k in e.key_list:
+                update(k, free)
+            return
         delete = target.delete
         for k in e.key_list:
             delete(k)
 
+    def batch_delete() -> None:
+        if array:
+            zeroed(target, e.keys, count)
+        else:
+            target.delete_batch(e.keys, count)
+
     pairs = {
-        "batch": (lambda: target.update_batch(e.keys, e.values, count),
-                  lambda: target.delete_batch(e.keys, count)),
+        "batch": (lambda: target.update_batch(e.keys, e.values, count), batch_delete),
         "agent": (agent_update, agent_delete),
         "each": (each_update, each_delete),
     }  # fmt: skip
@@ -277,7 +300,9 @@ def pb8_size(name: str, target: Map, e: Elements, count: int, repeat: int) -> Ba
             samples.setdefault(f"{method}_insert", []).append(took / count)
             took, _ = seconds(remove, gc_enabled=False)
             samples.setdefault(f"{method}_delete", []).append(took / count)
-            assert not target.keys(), f"PB-8 left entries behind in {name}"
+            left = ([k for k in e.key_list if target.lookup(k) != free] if array
+                    else target.keys())  # fmt: skip
+            assert not left, f"PB-8 left entries behind in {name}"
     return BatchResult(name, count, {k: Summary(v) for k, v in samples.items()})
 
 
@@ -382,9 +407,9 @@ def pb4_once(
     written: list[Writes] = []
     write = dp.maps._write
 
-    def timed_write(w: Writes) -> None:
+    def timed_write(w: Writes, space: SlotSpace) -> None:
         start = time.perf_counter()
-        write(w)
+        write(w, space)
         write_times.append(time.perf_counter() - start)
         written.append(w)
 
@@ -440,7 +465,10 @@ def pb4_once(
     took, _ = seconds(raw_write)
     samples["write_floor"].append(took)
     for name, (keys, _, count) in batches.items():
-        map_of(dp, name).delete_batch(keys, count)
+        if name == "kbp_slots":
+            zeroed(map_of(dp, name), keys, count)
+        else:
+            map_of(dp, name).delete_batch(keys, count)
     return FullSync(cluster.workload.services, len(nodestate.services), writes.count,
                     cluster.workload.total_endpoints)  # fmt: skip
 
@@ -525,13 +553,15 @@ def timed_change(
     times.writes.append(writes)
     # The floor of this change: decode its event, one batch of as many elements.
     slots = map_of(dp, "kbp_slots")
-    keys, values_b = scratch_slots(max(1, writes))
+    first = dp.maps.space.find(max(1, writes))  # slots no set holds
+    assert first is not None, "no free run of kbp_slots for the floor's writes"
+    keys, values_b = scratch_slots(max(1, writes), first)
     t4 = time.perf_counter()
     for text in change.texts:
         decode_object(json.loads(text))
     slots.update_batch(keys, values_b, max(1, writes))
     times.floor.append(time.perf_counter() - t4)
-    slots.delete_batch(keys, max(1, writes))
+    zeroed(slots, keys, max(1, writes))
 
 
 @dataclass

@@ -3,10 +3,11 @@ costs at 100k Services, measured alone (issue 15: why the spread / ACK target is
 reach on a machine, and what a change of map type would buy).
 
 One small tc program per access, on maps of the sizes and fill PB-1's 100k run has
-(frontends: 200k of 262,144; slots: 1M as a hash keyed (set, index), and the same count
-as an array; per-service counters: a per-CPU array; conntrack: 100k flows in an LRU and
-in a plain hash of 262,144), each called once per run with a random key from the frame,
-interleaved in chunks like datapath.py, net of an empty program. Each access reads or
+(frontends: 200k of 262,144; slots: 1M as a hash keyed (set, index), kbp_slots' layout
+before ABI 6, and the same count as an array, its layout since; per-service counters: a
+per-CPU array; conntrack: 100k flows in an LRU and in a plain hash of 262,144), each
+called once per run with a random key from the frame, interleaved in chunks like
+datapath.py, net of an empty program. Each access reads or
 writes the value, so the cost of reaching it is counted; each map gets its own keys, so
 no access warms another's memory.
 
@@ -156,8 +157,8 @@ int ct_insert_hash(struct __sk_buff *skb)
 
 PROGRAMS = {
     "frontend": "frontend hash lookup, 200k of 262,144 (hit)",
-    "slot_hash": "slot lookup, hash of 1M (set, index) (hit)",
-    "slot_arr": "slot lookup, array of 1M (what array slots cost)",
+    "slot_hash": "slot lookup, hash of 1M (set, index) (hit; kbp_slots before ABI 6)",
+    "slot_arr": "slot lookup, array of 1M (kbp_slots since ABI 6)",
     "counter": "per-service counters, per-CPU array (+= 2 fields)",
     "ct_lookup_miss": "conntrack lookup, LRU of 100k flows (miss)",
     "ct_insert_lru": "conntrack insert, LRU_HASH, new key",

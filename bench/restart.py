@@ -248,8 +248,8 @@ class EbpfView:
     def _members(self, set_id: int, count: int) -> tuple[Any, ...] | None:
         out = []
         for index in range(count):
-            slot = self.maps["kbp_slots"].lookup(codec.slot_key(set_id, index))
-            if slot is None:
+            slot = self.maps["kbp_slots"].lookup(codec.slot_key(set_id + index))
+            if slot is None or not codec.slot_backend_id(slot):  # past the array, or free
                 return None
             raw = self.maps["kbp_backends"].lookup(codec.backend_key(codec.slot_backend_id(slot)))
             if raw is None:

@@ -46,9 +46,9 @@ static __always_inline struct kbp_service *map_lookup_service(struct kbp_fronten
 	return kbp_services.lookup(key);
 }
 
-static __always_inline struct kbp_slot *map_lookup_slot(struct kbp_slot_key *key)
+static __always_inline struct kbp_slot *map_lookup_slot(__u32 index)
 {
-	return kbp_slots.lookup(key);
+	return kbp_slots.lookup(&index);
 }
 
 static __always_inline struct kbp_backend *map_lookup_backend(__u32 *backend_id)

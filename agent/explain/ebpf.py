@@ -295,7 +295,8 @@ def _service_lines(
         backend_id, copy = slot
         members.append(backend_id)
         copies.setdefault(backend_id, set()).add(copy)
-    lines.append(f"set:       {which} {set_id}, {count} slot{'s' if count != 1 else ''}")
+    where = f" at kbp_slots {set_id}..{set_id + count - 1}" if count else ""
+    lines.append(f"set:       {which}{where}, {count} slot{'s' if count != 1 else ''}")
     shares: dict[int, int] = {}
     for backend_id in members:
         shares[backend_id] = shares.get(backend_id, 0) + 1

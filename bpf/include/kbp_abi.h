@@ -148,22 +148,23 @@ struct kbp_frontend_key {
 struct kbp_service {
 	__u32 service_id;      /* stable per (Service, port, family): counters, affinity, CT */
 	__u32 flags;           /* KBP_SVC_F_* */
-	__u32 set_id;          /* backend slots for this frontend's traffic (docs/nodestate.md) */
+	__u32 set_id;          /* backend slots for this frontend's traffic (docs/nodestate.md):
+				  the index of the set's first slot in kbp_slots (0: none) */
 	__u32 count;           /* slots in set_id; Maglev: the table size */
-	__u32 internal_set_id; /* external frontends: slots for traffic from pods/node */
+	__u32 internal_set_id; /* external frontends: slots for traffic from pods/node (the
+				  first slot's index, as set_id) */
 	__u32 internal_count;  /* slots in internal_set_id */
 	__u32 affinity_timeout; /* seconds, when KBP_SVC_F_AFFINITY */
 	__u8 type;             /* KBP_FE_* */
 	__u8 pad[3];
 };
 
-/* kbp_slots: (set, index) -> backend (its id and a copy of its entry). A set is written in full before a service points
- * at it and deleted only after no service does, so readers never see a half set. */
-struct kbp_slot_key {
-	__u32 set_id;
-	__u32 index; /* 0 .. count-1 */
-};
-
+/* kbp_slots (array, KBP_MAX_SLOTS): the backend sets services point at, each a run of
+ * `count` consecutive slots from its first index (kbp_service.set_id; index 0 is never a
+ * set's, so 0 names none), so a new flow's backend is read at set_id + hash % count with
+ * no second hash lookup. A set is written in full into free slots before a service points
+ * at it and zeroed only after no service does, so readers never see a half set or a mix
+ * of two (agent/dataplane/ebpf/slots.py places them). */
 struct kbp_slot {
 	/* A copy of the backend's kbp_backends entry (struct kbp_backend, field for field),
 	 * so a new flow's selection reads one map fewer; ids never change address or port,
@@ -173,7 +174,7 @@ struct kbp_slot {
 	__u8 family;
 	__u8 flags;
 	__u32 service_id;
-	__u32 backend_id;
+	__u32 backend_id; /* 0: a free slot (backend ids start at 1) */
 };
 
 /* kbp_backends: backend id -> endpoint address. Ids are per (service, endpoint): a

@@ -70,8 +70,9 @@
 BPF_TABLE_PINNED("hash", struct kbp_frontend_key, struct kbp_service, kbp_services,
 		 KBP_MAX_SERVICES, KBP_PIN(kbp_services));
 
-/* (set id, index) -> backend id: the backend sets services point at. */
-BPF_TABLE_PINNED("hash", struct kbp_slot_key, struct kbp_slot, kbp_slots, KBP_MAX_SLOTS,
+/* Slot index -> backend (its id and a copy of its entry): the backend sets services point
+ * at, each a run of slots from the index the service names (struct kbp_slot). */
+BPF_TABLE_PINNED("array", __u32, struct kbp_slot, kbp_slots, KBP_MAX_SLOTS,
 		 KBP_PIN(kbp_slots));
 
 /* Backend id -> endpoint address:port. */

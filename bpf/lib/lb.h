@@ -164,15 +164,15 @@ static __always_inline struct kbp_backend *lb_backend_of_service(__u32 backend_i
 _Static_assert(__builtin_offsetof(struct kbp_slot, backend_id) == sizeof(struct kbp_backend),
 	       "struct kbp_slot must start with the fields of struct kbp_backend");
 
-/* The backend at `index` of a set, read from the slot's copy (one map read), and its id;
- * NULL when the slot is missing. */
+/* The backend at `index` of the set whose first slot is `set_id`, read from the slot's
+ * copy (one array read), and its id; NULL when the slot is not the service's (a free
+ * slot reads as service 0, which no service has). */
 static __always_inline struct kbp_backend *__lb_slot_backend(__u32 set_id, __u32 index,
-							     __u32 *backend_id)
+							     __u32 service_id, __u32 *backend_id)
 {
-	struct kbp_slot_key key = {.set_id = set_id, .index = index};
-	struct kbp_slot *slot = map_lookup_slot(&key);
+	struct kbp_slot *slot = map_lookup_slot(set_id + index);
 
-	if (!slot)
+	if (!slot || slot->service_id != service_id)
 		return NULL;
 	*backend_id = slot->backend_id;
 	return (struct kbp_backend *)slot;
@@ -272,7 +272,7 @@ static __always_inline struct kbp_backend *lb_select_backend_by(const struct kbp
 
 	if (backend)
 		return backend;
-	return __lb_slot_backend(set_id, hash % count, backend_id);
+	return __lb_slot_backend(set_id, hash % count, svc->service_id, backend_id);
 }
 
 /* A packet's new flow: lb_select_backend_by's rule with the flow hash (the set's slots,
@@ -296,7 +296,7 @@ static __always_inline struct kbp_backend *lb_select_backend(const struct kbp_tu
 		hash = bpf_get_prandom_u32();
 	else
 		hash = lb_flow_hash(t);
-	return __lb_slot_backend(set_id, hash % count, backend_id);
+	return __lb_slot_backend(set_id, hash % count, svc->service_id, backend_id);
 }
 
 #endif /* KBP_LIB_LB_H */

@@ -12,7 +12,7 @@
 #include "lib/common.h"
 
 static __always_inline struct kbp_service *map_lookup_service(struct kbp_frontend_key *key);
-static __always_inline struct kbp_slot *map_lookup_slot(struct kbp_slot_key *key);
+static __always_inline struct kbp_slot *map_lookup_slot(__u32 index);
 static __always_inline struct kbp_backend *map_lookup_backend(__u32 *backend_id);
 static __always_inline struct kbp_ct_entry *map_lookup_ct(struct kbp_ct_key *key);
 /* The next-hop cache slot of a destination address (kbp_hops), to read and write in

@@ -92,10 +92,10 @@ class Datapath:
     def write_set(self, set_id: int, backend_ids: list[int]) -> None:
         slots, backends = self.loaded.map("kbp_slots"), self.loaded.map("kbp_backends")
         for index, backend_id in enumerate(backend_ids):
-            key = abi.new("kbp_slot_key", set_id=set_id, index=index)
-            # a slot carries a copy of its backend (the backend is written first)
+            # a slot carries a copy of its backend (the backend is written first); the set
+            # is the run of slots from its id
             copy = backends.lookup(struct.pack("=I", backend_id)) or codec.NO_COPY
-            slots.update(abi.to_bytes(key), codec.slot_value(backend_id, copy))
+            slots.update(codec.slot_key(set_id + index), codec.slot_value(backend_id, copy))
 
     def write_service(
         self,

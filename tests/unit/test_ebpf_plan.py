@@ -38,6 +38,7 @@ from agent.dataplane.ebpf.maps import (
     required_capacity,
 )
 from agent.dataplane.ebpf.plan import Planner
+from agent.dataplane.ebpf.slots import Before, SlotSpace
 from agent.dataplane.ebpf.translate import translate
 from agent.dataplane.ebpf.writer import FILL_RATIO_MAPS, MapWriter
 from agent.metrics import Metrics
@@ -698,12 +699,18 @@ def apply_staged(
     by_service: dict[int, set[FrontendKey]] = {}
     for key, value in change.writes.services_to_upsert.items():
         by_service.setdefault(value.service_id, set()).add(key)
+    array = kernel.array
+    placed, space = array.space.place(stages, change.before())  # as the writer does
     for stage in stages:
         kernel.apply(stage)
         for value in stage.services_to_upsert.values():  # a Service's frontends flip together
             assert by_service[value.service_id] <= stage.services_to_upsert.keys()
+    for stage in placed:
+        array.apply(stage)
+    array.space = space
     content = change.commit()
     assert kernel.content() == content
+    assert view(array.content()) == view(content)
     oracle = translate(state, EMPTY, sizes=sizes, maglev_table_size=planner.maglev_table_size)
     assert view(content) == view(oracle)
     return content, stages
@@ -815,13 +822,149 @@ def test_the_map_writer_applies_a_full_replacement_in_stages_and_reports_the_nee
     assert writer.needed["slots"] == 903
     writes, removed = writer.apply(fleet([21] * 43, first=10_000))
     assert removed and writes == 4 * 903 + 43  # slots and backends twice, 43 flips
-    assert writer.current == writer.kernel.content()
-    assert writer.kernel.peak["slots"] <= 1024
+    # (the array model refuses a write past its 1,024 slots or over a live set's)
+    assert view(writer.current) == view(writer.kernel.content())
+    assert len(writer.kernel.slots) == 903
     with pytest.raises(DataplaneError) as raised:
         writer.apply(fleet([21] * 49))
     assert raised.value.reason == "capacity"
     assert writer.needed["slots"] == 1029  # what the refused state needs: fill 1.005
-    assert writer.current == writer.kernel.content()
+    assert view(writer.current) == view(writer.kernel.content())
+
+
+# --- kbp_slots' array: where the sets go (slots.py) -------------------------------------
+
+
+def frontend(n: int) -> FrontendKey:
+    return FrontendKey(f"10.96.1.{n}", 80, 6, const.KBP_FAMILY_IPV4)
+
+
+def sets_of(*lengths: int, first_backend: int = 1) -> tuple[KernelContent, int]:
+    """A content of one frontend per set (set ids 1, 2, ...; frontend n names set n), the
+    sets of `lengths` slots over backends of their own; and the next backend id."""
+    content, b = KernelContent(), first_backend
+    for n, length in enumerate(lengths, 1):
+        members = tuple(range(b, b + length))
+        for backend_id in members:
+            content.backends[backend_id] = BackendValue(f"10.128.0.{backend_id}", 8080,
+                                                        const.KBP_FAMILY_IPV4, 0, n)  # fmt: skip
+        b += length
+        content.slots[n] = members
+        content.services[frontend(n)] = ServiceValue(n, 1, n, length, n, length, 0, 1)
+    return content, b
+
+
+def placed_after(
+    array: ArrayKernel, current: KernelContent, desired: KernelContent
+) -> list[Writes]:
+    """`diff(current, desired)` placed into `array` and written (the array checks every
+    write); the placed stages."""
+    before = Before(current.services.get, current.slots.get, lambda: list(current.services))
+    stages, array.space = array.space.place([diff(current, desired)], before)
+    for stage in stages:
+        array.apply(stage)
+    assert view(array.content()) == view(desired)
+    return stages
+
+
+def test_a_set_goes_into_the_first_free_run_after_the_last_one_and_its_frontend_names_it():
+    content, _ = sets_of(3, 2)
+    array = ArrayKernel(content, 16)
+    assert array.space.bases == {1: 1, 2: 4}  # index 0 names no set
+    assert array.services[frontend(2)].set_id == 4 and array.slots[4] == content.slots[2][0]
+
+
+def test_free_slots_that_no_run_of_a_set_holds_are_joined_by_moving_a_set_down_whole():
+    """Three sets of 3 in 11 slots; the first and last go; a set of 6 finds 3 + 5 free
+    slots but no run: the middle set moves to index 1 first (written there, its frontend
+    flipped, its old run zeroed), then the new set takes the run freed."""
+    current, b = sets_of(3, 3, 3)
+    array = ArrayKernel(current, 12)
+    middle = dict(current.slots)[2]
+    shrunk = KernelContent({frontend(2): current.services[frontend(2)]}, {2: middle},
+                           {i: v for i, v in current.backends.items() if i in middle})  # fmt: skip
+    placed_after(array, current, shrunk)
+    grown, _ = sets_of(6, first_backend=b)
+    grown.slots[4] = grown.slots.pop(1)
+    grown.services[frontend(4)] = dataclasses.replace(grown.services.pop(frontend(1)),
+                                                      set_id=4, internal_set_id=4)  # fmt: skip
+    desired = KernelContent({**shrunk.services, **grown.services}, {**shrunk.slots, **grown.slots},
+                            {**shrunk.backends, **grown.backends})  # fmt: skip
+    stages = placed_after(array, shrunk, desired)
+    move, last = stages
+    assert move.sets_to_write == {1: middle} and move.sets_to_delete == {4: 3}
+    assert move.services_to_upsert[frontend(2)].set_id == 1
+    assert array.space.bases == {2: 1, 4: 4}
+    assert last.sets_to_write == {4: grown.slots[4]}
+
+
+def test_a_set_longer_than_the_hole_below_it_moves_down_through_a_part_of_itself():
+    """11 slots: sets of 2, 4, 2, 2 and one free slot; the first goes and a set of 3 comes
+    (3 free slots, no run of 3). The set of 4 cannot move into the hole of 2 whole: its
+    frontend is pointed at its first slot written in the free slot at the top, the set is
+    written from index 1 over its own old run, the frontend pointed back at all 4; then
+    the sets of 2 move down whole and the new set takes the run at the top."""
+    current, b = sets_of(2, 4, 2, 2)
+    first = KernelContent({frontend(1): current.services[frontend(1)]}, {1: current.slots[1]},
+                          {i: current.backends[i] for i in current.slots[1]})  # fmt: skip
+    array = ArrayKernel(first, 12)
+    placed_after(array, first, current)  # (the sets of one stage go in longest first)
+    assert array.space.bases == {1: 1, 2: 3, 3: 7, 4: 9}
+    rest = {n: current.slots[n] for n in (2, 3, 4)}
+    kept = KernelContent({frontend(n): current.services[frontend(n)] for n in rest}, rest,
+                         {i: v for i, v in current.backends.items() if i > 2})  # fmt: skip
+    placed_after(array, current, kept)
+    new, _ = sets_of(3, first_backend=b)
+    new.slots[5] = new.slots.pop(1)
+    new.services[frontend(5)] = dataclasses.replace(new.services.pop(frontend(1)), set_id=5,
+                                                    internal_set_id=5)  # fmt: skip
+    desired = KernelContent({**kept.services, **new.services}, {**kept.slots, **new.slots},
+                            {**kept.backends, **new.backends})  # fmt: skip
+    part, whole, *others, last = placed_after(array, kept, desired)
+    four = current.slots[2]
+    assert part.sets_to_write == {11: four[:1]} and part.sets_to_delete == {3: 4}
+    assert (part.services_to_upsert[frontend(2)].set_id,
+            part.services_to_upsert[frontend(2)].count) == (11, 1)  # fmt: skip
+    assert whole.sets_to_write == {1: four} and whole.sets_to_delete == {11: 1}
+    assert whole.services_to_upsert[frontend(2)].count == 4
+    assert len(others) == 2  # the two sets of 2, each moved down whole
+    assert last.sets_to_write == {9: new.slots[5]}
+    assert array.space.bases == {2: 1, 3: 5, 4: 7, 5: 9}
+
+
+def test_sets_more_than_the_free_slots_are_refused_before_anything_is_written():
+    current, b = sets_of(5, 5)
+    array = ArrayKernel(current, 12)
+    more, _ = sets_of(2, first_backend=b)
+    more.slots[3] = more.slots.pop(1)
+    more.services[frontend(3)] = dataclasses.replace(more.services.pop(frontend(1)), set_id=3,
+                                                     internal_set_id=3)  # fmt: skip
+    desired = KernelContent({**current.services, **more.services},
+                            {**current.slots, **more.slots},
+                            {**current.backends, **more.backends})  # fmt: skip
+    space = array.space
+    with pytest.raises(CapacityError) as raised:
+        placed_after(array, current, desired)
+    assert (raised.value.map, raised.value.needed, raised.value.size) == ("slots", 12, 11)
+    assert array.space is space and space.bases == {1: 1, 2: 6}  # left as it was
+    assert space.starts == {1: 1, 6: 2} and space.taken == 10
+
+
+def test_a_placement_whose_writes_were_not_made_is_undone_and_a_read_space_places_alike():
+    current, b = sets_of(4, 3)
+    read = ArrayKernel(current, 16).content()  # as codec.read_content: set ids first slots
+    space = SlotSpace.of_content(16, read)
+    before = ({1: 1, 5: 5}, {1: 1, 5: 5}, 8, 7)
+    assert (space.bases, space.starts, space.cursor, space.taken) == before
+    used = bytes(space.used)
+    new = sets_of(5, first_backend=b)[0].slots[1]
+    stage = Writes(sets_to_write={9: new}, sets_to_delete={5: 3})
+    placed, same = space.place([stage], NOTHING_BEFORE)
+    assert same is space and placed[0].sets_to_write == {8: new}
+    assert placed[0].sets_to_delete == {5: 3} and space.bases == {1: 1, 9: 8}
+    space.undo()
+    assert (space.bases, space.starts, space.cursor, space.taken) == before
+    assert bytes(space.used) == used
 
 
 # --- properties over generated clusters ------------------------------------------------
@@ -841,6 +984,8 @@ class Kernel:
         self.backends = dict(content.backends)
         self.fail_after: int | None = None
         self.sizes = sizes  # with sizes, no write may take a map past its size
+        # The same writes placed in kbp_slots' array (apply_staged), index 0 beside sizes.
+        self.array = ArrayKernel(content, sizes.slots + 1 if sizes else 1 << 16)
         self.peak = {"services": len(self.services), "slots": len(self.slots),
                      "backends": len(self.backends)}  # fmt: skip
         self.check_all()
@@ -899,6 +1044,76 @@ class Kernel:
             sets.setdefault(set_id, {})[index] = backend_id
         slots = {s: tuple(ids[i] for i in range(len(ids))) for s, ids in sets.items()}
         return KernelContent(dict(self.services), slots, dict(self.backends))
+
+
+class ArrayKernel:
+    """The three maps as the programs read them: kbp_slots an array (slots.py places the
+    planner's sets), frontends naming their sets' first slots. Written one element at a
+    time; after each write every frontend's runs hold slots of existing backends, and no
+    write touches a slot a frontend names (a reader sees a set whole, old or new, and
+    never a slot of another). `space` is where the sets are, as the writer keeps it."""
+
+    def __init__(self, content: KernelContent, size: int = 1 << 16) -> None:
+        self.services: dict[FrontendKey, ServiceValue] = {}
+        self.slots: dict[int, int] = {}  # index -> backend id; absent: free
+        self.backends: dict[int, BackendValue] = {}
+        self.size = size
+        self.space = SlotSpace(size)
+        self.fail_after: int | None = None
+        placed, self.space = self.space.place([diff(EMPTY, content)], NOTHING_BEFORE)
+        for stage in placed:
+            self.apply(stage)
+
+    def named(self) -> set[int]:
+        return {base + i for v in self.services.values()
+                for base, count in ((v.set_id, v.count), (v.internal_set_id, v.internal_count))
+                for i in range(count)}  # fmt: skip
+
+    def check_service(self, value: ServiceValue) -> None:
+        for base, count in ((value.set_id, value.count),
+                            (value.internal_set_id, value.internal_count)):  # fmt: skip
+            assert (base == 0) == (count == 0), value
+            assert base + count <= self.size, f"{value} past the array"
+            for i in range(base, base + count):
+                assert self.slots.get(i, 0) in self.backends, f"{value} names free slot {i}"
+
+    def apply(self, writes: Writes) -> None:
+        for written, (map_name, op, key, value) in enumerate(writes.elements()):
+            if written == self.fail_after:
+                raise OSError(28, "No space left on device")
+            if map_name == "counters":
+                continue
+            if map_name == "slots":
+                index = key[0] + key[1]
+                assert 0 < index < self.size, f"slot {index} outside the array"
+                assert index not in self.named(), f"slot {index} of a live set written"
+                if op == "delete":
+                    self.slots.pop(index, None)
+                else:
+                    assert value in self.backends, f"slot {index} before backend {value}"
+                    self.slots[index] = value
+            elif map_name == "services":
+                if op == "delete":
+                    del self.services[key]
+                else:
+                    self.check_service(value)
+                    self.services[key] = value
+            elif op == "delete":
+                assert key not in self.slots.values(), f"deleted backend {key} in a slot"
+                del self.backends[key]
+            else:
+                self.backends[key] = value
+
+    def content(self) -> KernelContent:
+        """As codec.read_content decodes it: each named run under its first slot."""
+        sets = {base: tuple(self.slots.get(i, 0) for i in range(base, base + count))
+                for v in self.services.values()
+                for base, count in ((v.set_id, v.count), (v.internal_set_id, v.internal_count))
+                if count}  # fmt: skip
+        return KernelContent(dict(self.services), sets, dict(self.backends))
+
+
+NOTHING_BEFORE = Before(lambda key: None, lambda set_id: None, list)
 
 
 def cluster_state(objects: dict[tuple[str, str, str], Obj]) -> ClusterState:
@@ -1281,11 +1496,14 @@ class ModelWriter(MapWriter):
         self.lock = threading.Lock()
         self.held = None
         self._range_index = external.SourceRangeIndex()
-        self.kernel = Kernel(EMPTY, sizes)
-        self.planner = Planner(self._read_kernel(), maglev_table_size=31, sizes=sizes)
+        self._change = None
+        self.kernel = ArrayKernel(EMPTY, sizes.slots)
+        self.space = SlotSpace(sizes.slots)
+        self.planner = Planner(self._read_kernel(), maglev_table_size=31,
+                               sizes=self._planned_sizes())  # fmt: skip
         self.needed = dict.fromkeys(("services", "slots", "backends", "src_ranges"), 0)
 
-    def _write(self, w: Writes) -> None:
+    def _write(self, w: Writes, space: SlotSpace) -> None:
         self.kernel.apply(w)
 
     def _add_external(self, w: Writes, state: object, ranges: object) -> None:
@@ -1304,12 +1522,13 @@ class ModelWriter(MapWriter):
 def test_the_map_writer_holds_what_the_kernel_holds_after_a_refused_and_a_failed_apply() -> None:
     writer = ModelWriter(MapSizes(services=4))
     assert writer.apply(FIRST) == (6, False)  # counters, 2 backends, 2 slots, 1 frontend
-    held = writer.kernel.content()
-    assert writer.current == held
+    held = writer.kernel.content()  # its set ids are first slots, the planner's its own
+    assert view(writer.current) == view(held)
     with pytest.raises(DataplaneError) as raised:
         writer.apply(TOO_BIG)
     assert raised.value.reason == "capacity"
-    assert writer.current == writer.kernel.content() == held
+    assert view(writer.current) == view(writer.kernel.content()) == view(held)
+    assert writer.kernel.content() == held
     writer.kernel.fail_after = 3  # the counters reset and both new backends
     with pytest.raises(DataplaneError) as raised:
         writer.apply(FITS)
@@ -1318,7 +1537,7 @@ def test_the_map_writer_holds_what_the_kernel_holds_after_a_refused_and_a_failed
     assert writer.held == FIRST.revision
     writer.kernel.fail_after = None
     assert writer.apply(FITS)[0] > 0
-    assert writer.current == writer.kernel.content()
+    assert view(writer.current) == view(writer.kernel.content())
     assert view(writer.current) == view(translate(FITS, EMPTY))
     assert writer.held == FITS.revision
     assert writer.apply(FITS) == (0, False)

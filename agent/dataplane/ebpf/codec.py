@@ -5,7 +5,6 @@ KernelContent."""
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from struct import Struct
 
 from .abi import addr_bytes, addr_text, const, packer, port_bytes
@@ -15,7 +14,6 @@ from .maps import BackendValue, FrontendKey, KernelContent, ServiceValue
 
 _FRONTEND_KEY = packer("kbp_frontend_key")
 _SERVICE = packer("kbp_service")
-_SLOT_KEY = packer("kbp_slot_key")
 _BACKEND = packer("kbp_backend")
 _SRC_RANGE_KEY = packer("kbp_src_range_key")
 _U32 = Struct("=I")  # a backend id key, a service id index
@@ -47,8 +45,9 @@ def service_value(v: ServiceValue) -> bytes:
     )
 
 
-def slot_key(set_id: int, index: int) -> bytes:
-    return _SLOT_KEY.pack(set_id, index)
+def slot_key(index: int) -> bytes:
+    """The kbp_slots key of a slot: its index in the array (a set's first slot + i)."""
+    return _U32.pack(index)
 
 
 def slot_value(backend_id: int, backend: bytes) -> bytes:
@@ -69,6 +68,7 @@ def slot_backend_copy(raw: bytes) -> bytes:
 
 SLOT_SIZE = _SLOT_COPY + _SLOT_ID.size  # bytes of a kbp_slots value
 NO_COPY = bytes(_SLOT_COPY)  # a slot copy of nothing, for synthetic slots (bench/maps.py)
+FREE_SLOT = bytes(SLOT_SIZE)  # a free slot (no set's): service id 0, backend id 0
 
 
 def backend_key(backend_id: int) -> bytes:
@@ -116,33 +116,39 @@ def percpu_sums(table: Map, struct: str) -> dict[int, tuple[int, ...]]:
 
 
 def read_content(services: Map, slots: Map, backends: Map) -> KernelContent:
-    """What the kernel holds now. A set with a missing index (a writer interrupted
-    between slots) is left out, so the next diff writes a complete new set."""
+    """What the kernel holds now. The sets are the runs of kbp_slots the frontends name,
+    each under its first index (its set id); slots no frontend names are free (a set an
+    interrupted writer wrote and never pointed at is garbage nobody reads). A set with a
+    free slot (a writer interrupted between slots), a copy that disagrees with its
+    backend, or a count that disagrees with another frontend's is kept (so the diff
+    deletes it) but never equals a wanted set, so services get a freshly written one."""
     frontends = {decode_frontend_key(k): decode_service(v) for k, v in services.items()}
     raw_backends = dict(backends.items())
-    by_set: dict[int, dict[int, int]] = defaultdict(dict)
-    stale: set[int] = set()
-    for k, v in slots.items():
-        set_id, index = _SLOT_KEY.unpack(k)
-        backend_id = _SLOT_ID.unpack_from(v, _SLOT_COPY)[0]
-        by_set[set_id][index] = backend_id
-        # An agent stopped between a backend's flag change and the rewrite of its slots'
-        # copies leaves them disagreeing: the set is rewritten (below).
-        if v[:_SLOT_COPY] != raw_backends.get(_U32.pack(backend_id)):
-            stale.add(set_id)
-    # An interrupted writer can leave a set with holes or a count that disagrees with the
-    # set: such a set is kept (so the diff deletes it) but never equals a wanted set, so
-    # services get a freshly written one.
-    sets = {
-        set_id: tuple(members[i] for i in sorted(members))
-        if len(members) == max(members) + 1 and set_id not in stale
-        else (_BROKEN, *members.values())
-        for set_id, members in by_set.items()
-    }
+    named: dict[int, int] = {}  # first index -> the most slots a frontend says it has
     for value in frontends.values():
         for set_id, count in ((value.set_id, value.count),
                               (value.internal_set_id, value.internal_count)):  # fmt: skip
-            if set_id in sets and len(sets[set_id]) != count:
+            if set_id and count:
+                named[set_id] = max(named.get(set_id, 0), count)
+    size = slots.info.max_entries
+    raw = slots.values_array(size) if named else b""
+    sets: dict[int, tuple[int, ...]] = {}
+    for set_id, count in named.items():
+        members = []
+        whole = set_id + count <= size
+        for index in range(set_id, min(set_id + count, size)):
+            v = raw[index * SLOT_SIZE : (index + 1) * SLOT_SIZE]
+            backend_id = _SLOT_ID.unpack_from(v, _SLOT_COPY)[0]
+            members.append(backend_id)
+            # An agent stopped between a backend's flag change and the rewrite of its
+            # slots' copies leaves them disagreeing: the set is rewritten.
+            if not backend_id or v[:_SLOT_COPY] != raw_backends.get(_U32.pack(backend_id)):
+                whole = False
+        sets[set_id] = tuple(members) if whole else (_BROKEN, *members)
+    for value in frontends.values():
+        for set_id, count in ((value.set_id, value.count),
+                              (value.internal_set_id, value.internal_count)):  # fmt: skip
+            if set_id in sets and count and len(sets[set_id]) != count:
                 sets[set_id] = (_BROKEN, *sets[set_id])
     ends = {_U32.unpack(k)[0]: decode_backend(v) for k, v in raw_backends.items()}
     return KernelContent(services=frontends, slots=sets, backends=ends)

@@ -107,9 +107,10 @@ class PinnedMaps:
         return codec.decode_service(raw) if raw else None
 
     def slot(self, set_id: int, index: int) -> tuple[int, bytes] | None:
-        """(backend id, the copy of its kbp_backends value) of one slot; None if absent."""
-        raw = self.map("kbp_slots").lookup(codec.slot_key(set_id, index))
-        if raw is None:
+        """(backend id, the copy of its kbp_backends value) of slot `index` of the set whose
+        first slot is `set_id`; None if that slot is free or past the array."""
+        raw = self.map("kbp_slots").lookup(codec.slot_key(set_id + index))
+        if raw is None or not codec.slot_backend_id(raw):
             return None
         return codec.slot_backend_id(raw), codec.slot_backend_copy(raw)
 

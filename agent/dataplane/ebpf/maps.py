@@ -96,10 +96,12 @@ class CapacityError(DataplaneError):
             advice = f"raise --map-size-{map} (takes effect at the next start)"
         else:  # kbp_src_ranges: a size of its own, no flag
             advice = "this map's size is fixed: the state must ask for fewer"
+        if needed > size:
+            what = f"needs {needed} entries but holds {size} ({needed - size} short{why})"
+        else:  # kbp_slots: enough free slots, scattered (slots.py)
+            what = f"holds {size} entries, {needed} of them needed{why}"
         super().__init__(
-            "capacity",
-            f"map {self.pinned} needs {needed} entries but holds {size} "
-            f"({needed - size} short{why}); the previous state keeps serving; {advice}",
+            "capacity", f"map {self.pinned} {what}; the previous state keeps serving; {advice}"
         )
 
 

@@ -16,7 +16,7 @@ or map sizes change. Pure Python: no kernel, bcc or netlink here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from itertools import compress
 from operator import not_
@@ -44,6 +44,7 @@ from .maps import (
     stage_writes,
     writes_for,
 )
+from .slots import Before
 from .translate import (
     DIGEST,
     Adoption,
@@ -387,6 +388,7 @@ class _Update:
 # --- changing a content in place -------------------------------------------------------
 
 _ABSENT: Any = object()  # in a journal: the key had no value before
+_UNCHANGED: Any = object()  # not in a journal: the key kept its value
 
 
 class _Journal:
@@ -603,6 +605,46 @@ class Change:
             journals.services.had, journals.backends.had, self.content.slots.__contains__,
             sizes,
         )  # fmt: skip
+
+    def before(self) -> Before:
+        """What the maps held before this change, for slots.py's placement (valid until
+        the change ends)."""
+        journals = self._journals
+        if journals is None:
+            previous = self._previous
+            return Before(previous.services.get, previous.slots.get,
+                          lambda: list(previous.services))  # fmt: skip
+        content = self.content
+
+        def of(journal: _Journal, now: dict[Any, Any]) -> Callable[[Any], Any]:
+            def lookup(key: Any) -> Any:
+                value = journal.before.get(key, _UNCHANGED)
+                if value is _UNCHANGED:
+                    return now.get(key)
+                return None if value is _ABSENT else value
+
+            return lookup
+
+        services = journals.services
+
+        def frontends() -> list[FrontendKey]:
+            changed = services.before
+            return [k for k in content.services if k not in changed] + [
+                k for k, v in changed.items() if v is not _ABSENT
+            ]
+
+        return Before(of(services, content.services), of(journals.slots, content.slots),
+                      frontends)  # fmt: skip
+
+    def backend_before(self, backend_id: int) -> BackendValue | None:
+        """A backend's value before this change (None: it was not there)."""
+        journals = self._journals
+        if journals is None:
+            return self._previous.backends.get(backend_id)
+        value = journals.backends.before.get(backend_id, _UNCHANGED)
+        if value is _UNCHANGED:
+            return self.content.backends.get(backend_id)
+        return None if value is _ABSENT else value
 
     def commit(self) -> KernelContent:
         """The writes are in the kernel: the planner holds `content` (returned) and how it

@@ -29,8 +29,9 @@ from .external import SourceRange
 from .kernel import LoadedPrograms
 from .libbpf import Map
 from .maps import CapacityError, KernelContent, Writes
-from .options import FLAG_MAP_SIZES, EbpfOptions
-from .plan import Planner
+from .options import FLAG_MAP_SIZES, EbpfOptions, MapSizes
+from .plan import Change, Planner
+from .slots import SlotSpace
 
 # kbp_config.handoff's offset, and the struct's size (set_handoff).
 _HANDOFF = next(offset for name, offset, _ in layout("kbp_config") if name == "handoff")
@@ -60,12 +61,16 @@ class MapWriter:
         self._ports: dict[int, int] = {}  # kbp_ports bits this agent knows are set
         self._check_pinned_sizes()
         # What the maps hold and how it was built: the first plan adopts the ids of what
-        # an earlier agent wrote.
+        # an earlier agent wrote. It plans for one slot fewer than kbp_slots has: index 0
+        # names no set. `space`: where its sets are in kbp_slots (slots.py).
+        held = self._read_kernel()
+        self.space = SlotSpace.of_content(self.sizes.slots, held)
         self.planner = Planner(
-            self._read_kernel(), maglev_table_size=options.maglev_table_size, sizes=self.sizes
+            held, maglev_table_size=options.maglev_table_size, sizes=self._planned_sizes()
         )
         self._mark_frontend_types()
         self._target = self.current  # the content an apply writes towards (`_write`)
+        self._change: Change | None = None  # the change an apply writes (`_write`)
         # The first apply (a full one: the sync loop's first is) compares with what was
         # just read rather than read the maps again: at 10k Services x 10 a read takes
         # ~1.5 s, more than the restarted agent's whole plan, and nothing else writes
@@ -113,7 +118,7 @@ class MapWriter:
         """Write what differs from `state`: (writes made, whether backends were removed)."""
         with self.lock:
             if full and not self._just_read:
-                self.planner.reset(self._read_kernel())
+                self._reset_from_kernel()
             self._just_read = False
             # Changes the planner's content in place (cost: what changed): every way out
             # below commits, rolls back or resets it.
@@ -125,16 +130,24 @@ class MapWriter:
             self.needed = {name: steady for name, (steady, _) in need.items()}
             self.needed["src_ranges"] = len(ranges)
             try:
-                stages = change.stages(self.sizes)
+                stages = change.stages(self.planner.sizes)
                 busy = w.count
                 self._add_external(w, state, ranges)
                 if len(stages) > 1:
                     self._stage_external(w, stages, need)
+                # The sets' places in kbp_slots, sets moved together if need be (slots.py)
+                placed, space = self.space.place(stages, change.before())
+                if len(placed) > len(stages):
+                    log.info("ebpf: %s had free slots enough but scattered: %d writes of sets "
+                             "moved together go first", versioned("kbp_slots"),
+                             len(placed) - len(stages))  # fmt: skip
                 # kbp_meta says "unknown" until every write is done
                 meta_writes = self._write_meta(None) if busy else 0
                 self._target = change.content
-                for stage in stages:
-                    self._write(stage)
+                self._change = change
+                for stage in placed:
+                    self._write(stage, space)
+                space.keep()
                 meta_writes += self._write_meta(state)
             except CapacityError as err:  # nothing was written
                 change.rollback()
@@ -143,18 +156,21 @@ class MapWriter:
                 # The kernel may hold something between the old and the new content: read
                 # it back (the next apply then plans in full) rather than trust either.
                 try:
-                    self.planner.reset(self._read_kernel())
+                    self._reset_from_kernel()
                 except OSError:
                     log.exception("ebpf: cannot read the maps back after a failed write")
                     change.rollback()
+                    self.space.undo()
                 self._forget_external()
                 if isinstance(err, OSError):
                     raise DataplaneError("map_write", str(err)) from err
                 raise
+            finally:
+                self._change = None
             change.commit()
             self.held = state.revision
             self.applied = state
-            made = w.count if len(stages) == 1 else sum(s.count for s in stages)  # + interim
+            made = w.count if len(placed) == 1 else sum(s.count for s in placed)  # + interim
             return made + meta_writes, bool(w.backends_to_delete)
 
     def _stage_external(
@@ -169,9 +185,9 @@ class MapWriter:
         first.ranges_to_add.extend(w.ranges_to_add)
         last.ranges_to_delete.extend(w.ranges_to_delete)
         peaks = ", ".join(
-            f"{versioned('kbp_' + name)} {peak} > {getattr(self.sizes, name)}"
+            f"{versioned('kbp_' + name)} {peak} > {getattr(self.planner.sizes, name)}"
             for name, (_, peak) in need.items()
-            if peak > getattr(self.sizes, name)
+            if peak > getattr(self.planner.sizes, name)
         )
         log.info(
             "ebpf: old and new entries together would not fit (%s): applying in %d stages, "
@@ -242,7 +258,9 @@ class MapWriter:
 
     # --- writes --------------------------------------------------------------------------
 
-    def _write(self, w: Writes) -> None:
+    def _write(self, w: Writes, space: SlotSpace) -> None:
+        """One stage, placed (slots.py): its sets by first slot; `space`, where every
+        set of the new content is once all stages are written."""
         m = self.programs.map
         services, slots, backends = m("kbp_services"), m("kbp_slots"), m("kbp_backends")
         # 0. kbp_config and the ports lookups must know before packets reach new entries
@@ -254,23 +272,30 @@ class MapWriter:
         backends.update_items([(codec.backend_key(i), value) for i, value in upserts.items()])
         target = self._target
         known = target.backends
+        change = self._change
 
         def copy_of(backend_id: int) -> bytes:
             value = upserts.get(backend_id)
-            return value if value is not None else codec.backend_value(known[backend_id])
+            if value is not None:
+                return value
+            backend = known.get(backend_id)
+            if backend is None and change is not None:  # a set moved before its backend goes
+                backend = change.backend_before(backend_id)
+            assert backend is not None, f"a slot names backend id {backend_id}, unknown"
+            return codec.backend_value(backend)
 
-        slots.update_items([(codec.slot_key(set_id, index), codec.slot_value(backend_id,
-                                                                           copy_of(backend_id)))
-                            for set_id, members in w.sets_to_write.items()
+        slots.update_items([(codec.slot_key(base + index), codec.slot_value(backend_id,
+                                                                          copy_of(backend_id)))
+                            for base, members in w.sets_to_write.items()
                             for index, backend_id in enumerate(members)])  # fmt: skip
         # A live backend whose flags changed: the slots of live sets that name it get the
         # new copy (the set itself, its ids, is unchanged). A staged apply names them in its
         # last stage, when every set of the new content is in.
         changed = w.backends_changed
         if changed:  # rare (a fallback set's endpoint terminating): one pass over the sets
-            slots.update_items([(codec.slot_key(set_id, index), codec.slot_value(b, upserts[b]))
-                                for set_id, members in target.slots.items()
-                                if set_id not in w.sets_to_write
+            bases = ((space.bases[set_id], members) for set_id, members in target.slots.items())
+            slots.update_items([(codec.slot_key(base + index), codec.slot_value(b, upserts[b]))
+                                for base, members in bases if base not in w.sets_to_write
                                 for index, b in enumerate(members) if b in changed])  # fmt: skip
         # 3. the ranges new services need, zeroed counters for new service ids, then the
         # flip: services point at new sets
@@ -285,17 +310,29 @@ class MapWriter:
                                for k, v in w.services_to_upsert.items()])  # fmt: skip
         # 4. frontends gone; 5. sets nobody points at; 6. backends no set names
         services.delete_keys([codec.frontend_key(k) for k in w.frontends_to_delete])
-        slots.delete_keys([codec.slot_key(set_id, index)
-                           for set_id, size in w.sets_to_delete.items()
-                           for index in range(size)])  # fmt: skip
+        free = codec.FREE_SLOT  # an array's slots are zeroed, not deleted
+        slots.update_items([(codec.slot_key(base + index), free)
+                            for base, size in w.sets_to_delete.items()
+                            for index in range(size)])  # fmt: skip
         backends.delete_keys([codec.backend_key(i) for i in w.backends_to_delete])
         # 9. ranges no service uses now (LPM tries have no batch delete)
         for key in w.ranges_to_delete:
             m("kbp_src_ranges").delete(key)
 
     def _read_kernel(self) -> KernelContent:
+        """What the maps hold (its set ids: the sets' first slots)."""
         m = self.programs.map
         return codec.read_content(m("kbp_services"), m("kbp_slots"), m("kbp_backends"))
+
+    def _reset_from_kernel(self) -> None:
+        """The planner and the space hold what the maps hold (read now)."""
+        content = self._read_kernel()
+        self.space = SlotSpace.of_content(self.sizes.slots, content)
+        self.planner.reset(content)
+
+    def _planned_sizes(self) -> MapSizes:
+        """The sizes the planner plans for: kbp_slots' less index 0, which names no set."""
+        return replace(self.sizes, slots=max(self.sizes.slots - 1, 0))
 
     def _mark_frontend_types(self) -> None:
         """Give an earlier agent's frontends the flag bits their type gives
