@@ -25,6 +25,7 @@ import pytest
 from agent.dataplane.base import DataplaneError
 from agent.dataplane.iptables.backend import run_command
 from agent.dataplane.nftables.dataplane import NftablesDataplane, cleanup, kernel_marker
+from agent.dataplane.nftables.libnft import LibNftRunner
 from agent.dataplane.nftables.render import FAMILIES, STATE, TABLE
 from agent.model.compile import CompileOptions, Compiler, compile
 from agent.model.decode import decode_object
@@ -473,3 +474,37 @@ def test_explains_flow_slot_is_the_kernels_pick_hash(nft_ns: str, family: str) -
         assert hit == [slot], (sport, hit, slot)
         seen.add(slot)
     assert len(seen) > 1, seen  # the ports spread over the slots
+
+
+def test_libnftables_runs_nfts_commands_in_the_namespace_it_was_opened_in(nft_ns: str) -> None:
+    """The dataplane's nft runs in-process (libnft.py): what `nft -f -`, `nft -j list`,
+    `nft -c -f -` and `nft delete table` would do, in the dataplane's namespace (its
+    socket was opened there, whatever namespace the caller is in), errors as nft prints
+    them; other commands go to the fallback."""
+    fallback_calls: list[list[str]] = []
+
+    def fallback(netns, argv, stdin):  # type: ignore[no-untyped-def]
+        fallback_calls.append(list(argv))
+        return run_command(netns, argv, stdin)
+
+    runner = LibNftRunner(fallback, "nft")
+    try:
+        made = runner(nft_ns, ["nft", "-f", "-"], "add table ip kbp-libnft-test\n")
+        assert made.returncode == 0, made.stderr
+        seen = run_command(nft_ns, ["nft", "list", "tables"], None).stdout
+        assert "table ip kbp-libnft-test" in seen, seen
+        # Checked, not applied.
+        checked = runner(nft_ns, ["nft", "-c", "-f", "-"], "add table ip kbp-libnft-other\n")
+        assert checked.returncode == 0, checked.stderr
+        listed = runner(nft_ns, ["nft", "-j", "list", "tables"], None)
+        names = [t["table"]["name"] for t in json.loads(listed.stdout)["nftables"] if "table" in t]
+        assert names == ["kbp-libnft-test"], listed.stdout
+        wrong = runner(nft_ns, ["nft", "-f", "-"], "add table ip kbp-libnft-test\nadd chain x\n")
+        assert wrong.returncode == 1 and "Error:" in wrong.stderr, wrong
+        deleted = runner(nft_ns, ["nft", "delete", "table", "ip", "kbp-libnft-test"], None)
+        assert deleted.returncode == 0, deleted.stderr
+        assert "kbp-libnft" not in run_command(nft_ns, ["nft", "list", "tables"], None).stdout
+        assert runner(nft_ns, ["true"], None).returncode == 0
+        assert fallback_calls == [["true"]]
+    finally:
+        runner.close()

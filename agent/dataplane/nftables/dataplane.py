@@ -35,6 +35,8 @@ from ...model.nodestate import Changes, NodeState, ServiceEntry
 from ..base import DataplaneError, QuietDataplane
 from ..iptables.backend import run_command
 from ..options import DEFAULT_POD_INTERFACES
+from .libnft import LibNftRunner
+from .libnft import available as libnft_available
 from .render import (
     AFFINITY_CLIENTS,
     FAMILIES,
@@ -239,9 +241,18 @@ class NftablesDataplane(QuietDataplane):
         pod_interfaces: Sequence[str] = DEFAULT_POD_INTERFACES,
         *,
         netns: str | None = None,
-        run: Runner = run_command,
+        run: Runner | None = None,
     ) -> None:
+        """`run`: how nft (and the conntrack tool) run; by default nft's commands go
+        through libnftables in-process (libnft.py), the command where it cannot load."""
         self.netns = netns
+        self._libnft: LibNftRunner | None = None
+        if run is None:
+            if (why := libnft_available()) is None:
+                run = self._libnft = LibNftRunner(run_command, NFT)
+            else:
+                log.info("nftables: libnftables not loaded (%s): each transaction runs nft", why)
+                run = run_command
         self._run = run
         self._patterns = interface_patterns(pod_interfaces)
         self._held: dict[str, _Held] = {}
@@ -276,6 +287,11 @@ class NftablesDataplane(QuietDataplane):
         self._held.clear()
         self._revision = None
         self._needs_full = True
+
+    def close(self) -> None:
+        """The table stays; libnftables' socket closes."""
+        if self._libnft is not None:
+            self._libnft.close()
 
     def _options(self, state: NodeState, family: str) -> RenderOptions:
         cidrs = tuple(c for c in state.node.cluster_cidrs if ip_family(c.split("/")[0]) == family)
