@@ -1012,49 +1012,35 @@ class TcAttacher:
         return found
 
 
-class LinkWatcher:
-    """Calls `on_link` for every interface matching the globs: once per existing one at
-    start, then for each new one (and each rename into a match) as the kernel announces
-    it on RTNLGRP_LINK. No polling; callbacks run on the watcher's own thread.
-    `on_change` (optional) hears of every later announcement of a known matching
-    interface (its state or carrier changed, say), `on_gone` of its removal."""
+class _Watcher:
+    """A thread reading an rtnetlink socket subscribed to some groups (`_subscribe`), in
+    namespace `netns` (None: this thread's), until stop(); `_loop` reads it and sets
+    `_scanned` once its first dump was read, which start() waits for."""
 
-    def __init__(
-        self,
-        attacher_or_netns: TcAttacher | str | None,
-        globs: Sequence[str] | PodInterfaces,
-        on_link: Callable[[Link], None],
-        on_change: Callable[[Link], None] | None = None,
-        on_gone: Callable[[Link], None] | None = None,
-    ) -> None:
-        if isinstance(attacher_or_netns, TcAttacher):
-            self.netns = attacher_or_netns.netns
-        else:
-            self.netns = attacher_or_netns
-        self.interfaces = globs if isinstance(globs, PodInterfaces) else PodInterfaces(globs)
-        self._on_link = on_link
-        self._on_change = on_change
-        self._on_gone = on_gone
-        self._known: dict[int, str] = {}  # every interface seen: index -> name
+    what = "watcher"  # in the errors and the log
+    thread_name = "kbp-watch"  # the thread's, with the namespace's name after it
+
+    def __init__(self, netns: str | None) -> None:
+        self.netns = netns
         self._wake_read = self._wake_write = -1  # stop() writes to wake the thread up
         self._stopping = threading.Event()
         self._scanned = threading.Event()
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._dump_sequence = 0
+        self._sequence = 0  # of the last dump asked for
 
     def start(self, timeout: float = _START_TIMEOUT_S) -> None:
-        """Subscribe, scan existing interfaces and return once their callbacks ran."""
+        """Subscribe, dump, and return once the dump was read."""
         if self._thread is not None:
-            raise RuntimeError("a LinkWatcher starts once")
+            raise RuntimeError(f"a {type(self).__name__} starts once")
         self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(
-            target=self._main, name=f"kbp-linkwatch-{self.netns or 'self'}", daemon=True
+            target=self._main, name=f"{self.thread_name}-{self.netns or 'self'}", daemon=True
         )
         self._thread.start()
         if not self._scanned.wait(timeout):
             self.stop()
-            raise NetlinkError(f"link watcher: no initial interface list within {timeout}s")
+            raise NetlinkError(f"{self.what}: no initial dump within {timeout}s")
         if self._failure is not None:
             failure = self._failure
             self.stop()
@@ -1070,7 +1056,7 @@ class LinkWatcher:
                 os.write(self._wake_write, b"x")
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.warning("link watcher thread did not stop within %.1fs", timeout)
+                log.warning("%s thread did not stop within %.1fs", self.what, timeout)
                 return
         for fd in (self._wake_read, self._wake_write):
             with contextlib.suppress(OSError):
@@ -1081,15 +1067,6 @@ class LinkWatcher:
     def failure(self) -> BaseException | None:
         """Why the watcher thread ended on its own; None while all is well."""
         return self._failure
-
-    def __enter__(self) -> LinkWatcher:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    # -- the watcher thread --
 
     def _main(self) -> None:
         try:
@@ -1109,25 +1086,79 @@ class LinkWatcher:
                 sock.setsockopt(socket.SOL_SOCKET, 33, 4 << 20)  # SO_RCVBUFFORCE
             except OSError:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-            # Subscribe before listing, so a link appearing in between is not missed.
-            sock.bind((0, RTMGRP_LINK))
+            self._subscribe(sock)  # before the dump, so nothing falls in between
             self._loop(sock)
         except BaseException as exc:
-            log.exception("link watcher for %s failed", self.netns or "this namespace")
+            log.exception("%s for %s failed", self.what, self.netns or "this namespace")
             self._failure = exc
             self._scanned.set()
         finally:
             sock.close()
 
-    def _request_dump(self, sock: socket.socket) -> None:
-        self._dump_sequence += 1
-        msg = ifinfmsg()
+    def _dump(self, sock: socket.socket, kind: int) -> int:
+        """Ask for a dump of every link (RTM_GETLINK) or neighbour (RTM_GETNEIGH); the
+        sequence number its answers carry."""
+        self._sequence += 1
+        msg = ifinfmsg() if kind == RTM_GETLINK else ndmsg()
         msg["family"] = socket.AF_UNSPEC
-        msg["header"]["type"] = RTM_GETLINK
+        msg["header"]["type"] = kind
         msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_DUMP
-        msg["header"]["sequence_number"] = self._dump_sequence
+        msg["header"]["sequence_number"] = self._sequence
         msg.encode()
         sock.send(msg.data)
+        return self._sequence
+
+    def _subscribe(self, sock: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _loop(self, sock: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class LinkWatcher(_Watcher):
+    """Calls `on_link` for every interface matching the globs: once per existing one at
+    start, then for each new one (and each rename into a match) as the kernel announces
+    it on RTNLGRP_LINK. No polling; callbacks run on the watcher's own thread.
+    `on_change` (optional) hears of every later announcement of a known matching
+    interface (its state or carrier changed, say), `on_gone` of its removal."""
+
+    what = "link watcher"
+    thread_name = "kbp-linkwatch"
+
+    def __init__(
+        self,
+        attacher_or_netns: TcAttacher | str | None,
+        globs: Sequence[str] | PodInterfaces,
+        on_link: Callable[[Link], None],
+        on_change: Callable[[Link], None] | None = None,
+        on_gone: Callable[[Link], None] | None = None,
+    ) -> None:
+        super().__init__(
+            attacher_or_netns.netns
+            if isinstance(attacher_or_netns, TcAttacher)
+            else attacher_or_netns
+        )
+        self.interfaces = globs if isinstance(globs, PodInterfaces) else PodInterfaces(globs)
+        self._on_link = on_link
+        self._on_change = on_change
+        self._on_gone = on_gone
+        self._known: dict[int, str] = {}  # every interface seen: index -> name
+        self._dump_sequence = 0
+
+    def __enter__(self) -> LinkWatcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # -- the watcher thread --
+
+    def _subscribe(self, sock: socket.socket) -> None:
+        sock.bind((0, RTMGRP_LINK))
+
+    def _request_dump(self, sock: socket.socket) -> None:
+        self._dump_sequence = self._dump(sock, RTM_GETLINK)
 
     def _loop(self, sock: socket.socket) -> None:
         marshal = MarshalRtnl()
@@ -1209,7 +1240,7 @@ _NUD_VALID = 0x02 | 0x04 | 0x08 | 0x10 | 0x40 | 0x80  # what bpf_fib_lookup reso
 _LINK_STATE = 0x1 | 0x40 | 0x10000  # IFF_UP, IFF_RUNNING, IFF_LOWER_UP
 
 
-class RouteWatcher:
+class RouteWatcher(_Watcher):
     """Calls `on_change(causes)` when the kernel announces, in `netns`, a change that can
     change a FIB lookup's answer: a route or routing rule added or removed (not the
     route cache's clones), a link removed or changing its state (up, running, carrier) or
@@ -1220,94 +1251,19 @@ class RouteWatcher:
     read, so a burst calls once. Starts with a dump of links and neighbours, to know the
     addresses they have; callbacks run on the watcher's own thread."""
 
+    what = "route watcher"
+    thread_name = "kbp-routewatch"
+
     def __init__(self, netns: str | None, on_change: Callable[[set[str]], None]) -> None:
-        self.netns = netns
+        super().__init__(netns)
         self._on_change = on_change
         self._links: dict[int, tuple[int, str | None]] = {}  # index -> (state bits, MAC)
         self._neighbours: dict[tuple[int, int, str], str | None] = {}  # -> MAC, None: unresolved
-        self._wake_read = self._wake_write = -1
-        self._stopping = threading.Event()
-        self._scanned = threading.Event()
-        self._failure: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._sequence = 0
 
-    def start(self, timeout: float = _START_TIMEOUT_S) -> None:
-        """Subscribe, dump links and neighbours, and return once both dumps were read."""
-        if self._thread is not None:
-            raise RuntimeError("a RouteWatcher starts once")
-        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._thread = threading.Thread(
-            target=self._main, name=f"kbp-routewatch-{self.netns or 'self'}", daemon=True
-        )
-        self._thread.start()
-        if not self._scanned.wait(timeout):
-            self.stop()
-            raise NetlinkError(f"route watcher: no link and neighbour dump within {timeout}s")
-        if self._failure is not None:
-            failure = self._failure
-            self.stop()
-            raise failure
-
-    def stop(self, timeout: float = _START_TIMEOUT_S) -> None:
-        """Stop watching and join the thread; idempotent."""
-        self._stopping.set()
-        if self._thread is threading.current_thread():
-            return
-        if self._thread is not None:
-            with contextlib.suppress(OSError):
-                os.write(self._wake_write, b"x")
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("route watcher thread did not stop within %.1fs", timeout)
-                return
-        for fd in (self._wake_read, self._wake_write):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._wake_read = self._wake_write = -1
-
-    @property
-    def failure(self) -> BaseException | None:
-        """Why the watcher thread ended on its own; None while all is well."""
-        return self._failure
-
-    def _main(self) -> None:
-        try:
-            if self.netns is not None:
-                enter_netns(self.netns)
-            sock = socket.socket(
-                socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, socket.NETLINK_ROUTE
-            )
-        except BaseException as exc:
-            self._failure = exc
-            self._scanned.set()
-            return
-        try:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, 33, 4 << 20)  # SO_RCVBUFFORCE
-            except OSError:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-            sock.bind((0, 0))
-            for group in _ROUTE_GROUPS:  # before the dumps: nothing falls in between
-                sock.setsockopt(_SOL_NETLINK, _NETLINK_ADD_MEMBERSHIP, group)
-            self._loop(sock)
-        except BaseException as exc:
-            log.exception("route watcher for %s failed", self.netns or "this namespace")
-            self._failure = exc
-            self._scanned.set()
-        finally:
-            sock.close()
-
-    def _dump(self, sock: socket.socket, kind: int) -> int:
-        self._sequence += 1
-        msg = ifinfmsg() if kind == RTM_GETLINK else ndmsg()
-        msg["family"] = socket.AF_UNSPEC
-        msg["header"]["type"] = kind
-        msg["header"]["flags"] = NLM_F_REQUEST | NLM_F_DUMP
-        msg["header"]["sequence_number"] = self._sequence
-        msg.encode()
-        sock.send(msg.data)
-        return self._sequence
+    def _subscribe(self, sock: socket.socket) -> None:
+        sock.bind((0, 0))
+        for group in _ROUTE_GROUPS:
+            sock.setsockopt(_SOL_NETLINK, _NETLINK_ADD_MEMBERSHIP, group)
 
     def _loop(self, sock: socket.socket) -> None:
         marshal = MarshalRtnl()
