@@ -35,10 +35,10 @@
  * a route or neighbour change reaches established flows within this time. */
 #define KBP_HOP_CACHE_NS (100ULL * 1000 * 1000)
 
-/* How long a next hop cached by address (kbp_hops) holds while the agent watches
- * routes and neighbours (kbp_hop_epoch not 0): it changes the
- * epoch on every change that could change an answer, so this bound only matters when
- * the agent is gone without saying so (killed), as the staleness it leaves behind. */
+/* How long a next hop cached by address (kbp_hops) holds while the agent watches routes
+ * and neighbours (kbp_hop_epoch not 0): it changes the epoch on every change that could
+ * change an answer, so this bound only matters when the agent is gone without saying so
+ * (killed), as the staleness it leaves behind. */
 #define KBP_HOP_WATCHED_NS (10ULL * 1000 * 1000 * 1000)
 
 struct kbp_ext_verdict {
@@ -227,10 +227,9 @@ static __always_inline int __ext_hop_fresh(__u64 time, __u32 out_ifindex, const 
 	return 1;
 }
 
-/* Does a cached next hop (kbp_hops) answer for `addr` arriving on
- * `ifindex` now: the same address and interface, found under the current epoch and
- * younger than KBP_HOP_WATCHED_NS, or, with no epoch (nobody watches), younger than
- * KBP_HOP_CACHE_NS. */
+/* Does a cached next hop (kbp_hops) answer for `addr` arriving on `ifindex` now: the
+ * same address and interface, found under the current epoch and younger than
+ * KBP_HOP_WATCHED_NS, or, with no epoch (nobody watches), younger than KBP_HOP_CACHE_NS. */
 static __always_inline int __ext_hop_current(const struct kbp_hop *hop, const __be32 *addr,
 					     __u32 ifindex, __u32 epoch, __u64 now)
 {
