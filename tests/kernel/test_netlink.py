@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import os
 import queue
+import struct
 import subprocess
 import threading
 import time
 
 import pytest
 
+from agent.dataplane.ebpf.hops import HopEpoch
+from agent.dataplane.ebpf.libbpf import Map
 from agent.dataplane.ebpf.netlink import (
     FILTER_HANDLE,
     FILTER_PRIORITY,
@@ -404,3 +407,45 @@ def test_the_route_watcher_hears_what_a_next_hop_depends_on_and_nothing_else(net
         assert watcher.failure is None
     finally:
         watcher.stop()
+
+
+class _OneMap:
+    """What HopEpoch asks of the loaded programs: kbp_hop_epoch, here a map of bcc's."""
+
+    def __init__(self) -> None:
+        from bcc import BPF
+
+        self.bpf = BPF(text=b"BPF_ARRAY(kbp_hop_epoch, u32, 1);")
+        self.table = Map(self.bpf[b"kbp_hop_epoch"].get_fd())
+
+    def map(self, name: str) -> Map:
+        assert name == "kbp_hop_epoch"
+        return self.table
+
+
+def test_the_next_hop_epoch_changes_with_what_the_watcher_hears_and_is_0_unwatched(
+    netns,
+) -> None:
+    """HopEpoch (hops.py): a new epoch at start, whatever an earlier agent left, and at
+    each change heard; 0 after a clean stop, and 0 when nobody watches (a killed agent's
+    epoch would otherwise keep its cached next hops 10 s)."""
+    ns = netns()
+    programs = _OneMap()
+    hops = HopEpoch(programs, ns)  # type: ignore[arg-type]
+    programs.table.update(bytes(4), struct.pack("=I", 41))  # a killed agent's
+    hops.start()
+    try:
+        assert hops.value == 42 and hops.changes == {"start": 1}
+        subprocess.run(in_netns(ns, ["ip", "link", "set", "lo", "up"]), check=True)
+        deadline = time.monotonic() + 5
+        while hops.value == 42:  # lo's state, and the local routes that come with it
+            assert time.monotonic() < deadline, hops.changes
+            time.sleep(0.05)
+        assert set(hops.changes) - {"start"} <= {"link", "route"}, hops.changes
+        assert hops.status()["watching"] is True
+    finally:
+        hops.stop()
+    assert hops.value == 0 and hops.status()["watching"] is False
+    programs.table.update(bytes(4), struct.pack("=I", 7))
+    HopEpoch(programs, ns).unwatched()  # type: ignore[arg-type]
+    assert programs.map("kbp_hop_epoch").lookup(bytes(4)) == struct.pack("=I", 0)

@@ -95,10 +95,12 @@ class EbpfDataplane:
             log.info("ebpf: removed the pins of another ABI version: %s", " ".join(stale))
         self.conntrack.start()
         self.hops = HopEpoch(self.programs, options.netns)
-        if options.watch_routes:
+        if not options.watch_routes:
+            self.hops.unwatched()
+        else:
             try:
                 self.hops.start()
-            except NetlinkError as err:
+            except (NetlinkError, OSError) as err:
                 log.warning("ebpf: cannot watch routes and neighbours (%s): the programs "
                             "keep a next hop 100 ms", err)  # fmt: skip
         # Flows netfilter translated (kube-proxy's) are left to it: handoff.py.

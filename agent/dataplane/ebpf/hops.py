@@ -56,11 +56,21 @@ class HopEpoch:
     def start(self) -> None:
         """Watch, then set a new epoch: what an earlier agent's programs cached is not
         trusted (routes may have changed while no one watched). NetlinkError when the
-        watcher cannot start; the epoch then stays 0 (100 ms answers)."""
+        watcher cannot start; the epoch is then 0 (100 ms answers), whatever an earlier
+        agent killed without a clean stop left in the pinned map."""
         watcher = RouteWatcher(self.netns, self.changed)
-        watcher.start()
+        try:
+            watcher.start()
+        except Exception:
+            self.unwatched()
+            raise
         self._watcher = watcher
         self.changed({"start"})
+
+    def unwatched(self) -> None:
+        """Epoch 0: nobody watches, cached answers hold 100 ms."""
+        with self._lock:
+            self.table.update(_INDEX, _U32.pack(0))
 
     def report_to(self, report: Callable[[str], None]) -> None:
         """`report(cause)` for every new epoch from now on (the metric)."""
@@ -83,5 +93,4 @@ class HopEpoch:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
-            with self._lock:
-                self.table.update(_INDEX, _U32.pack(0))
+            self.unwatched()
