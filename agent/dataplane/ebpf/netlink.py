@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
 import errno
 import fnmatch
 import ipaddress
@@ -52,6 +51,7 @@ from pyroute2.netlink.rtnl.ndmsg import ndmsg
 from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
 from ..base import DataplaneError
+from ..netns import netns_path, setns
 from ..options import DEFAULT_POD_INTERFACES
 from . import libbpf
 from .options import TcAttach
@@ -89,8 +89,6 @@ _LOOPBACK_IFINDEX = 1  # every network namespace's lo
 
 _CLSACT_HANDLE = 0xFFFF_0000
 _ETH_P_ALL = 0x0003
-_CLONE_NEWNET = 0x4000_0000
-_NETNS_RUN_DIR = "/run/netns"
 _START_TIMEOUT_S = 10.0
 
 _T = TypeVar("_T")
@@ -185,25 +183,19 @@ class PodInterfaces:
         return any(fnmatch.fnmatchcase(ifname, glob) for glob in self.globs)
 
 
-def _netns_path(netns: str) -> str:
-    """A namespace name means /run/netns/NAME (as `ip netns`); a path is used as given."""
-    return netns if "/" in netns else os.path.join(_NETNS_RUN_DIR, netns)
-
-
 def enter_netns(netns: str) -> None:
     """Move the calling thread (only) into a network namespace."""
-    path = _netns_path(netns)
+    path = netns_path(netns)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         message = f"cannot open network namespace {path}: {exc.strerror}"
         raise NetlinkError(message, exc.errno) from exc
     try:
-        # Python 3.11 has no os.setns; libc's setns(2) changes only this thread's netns.
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            code = ctypes.get_errno()
-            raise NetlinkError(f"cannot enter network namespace {path}: {os.strerror(code)}", code)
+        setns(fd)
+    except OSError as exc:
+        raise NetlinkError(f"cannot enter network namespace {path}: {exc.strerror}",
+                           exc.errno) from exc  # fmt: skip
     finally:
         os.close(fd)
 

@@ -20,7 +20,6 @@ was made in), and calls are serialised (a context is not thread-safe).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import threading
@@ -29,6 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import cffi
+
+from ..netns import netns_path, setns
 
 _CDEF = """
 struct nft_ctx;
@@ -46,8 +47,6 @@ int nft_run_cmd_from_buffer(struct nft_ctx *nft, const char *buf);
 """
 _LIBRARY = "libnftables.so.1"
 _OUTPUT_JSON = 1 << 4  # NFT_CTX_OUTPUT_JSON (libnftables.h)
-_CLONE_NEWNET = 0x40000000
-NETNS_DIR = "/run/netns"
 
 _ffi = cffi.FFI()
 _ffi.cdef(_CDEF)
@@ -55,16 +54,9 @@ _ffi.cdef(_CDEF)
 Run = Callable[[str | None, Sequence[str], str | None], subprocess.CompletedProcess[str]]
 
 
-def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
 class LibNft:
-    """One libnftables context, its socket in `netns` (a name under /run/netns; None:
-    this thread's). OSError when the library or the namespace cannot be had."""
+    """One libnftables context, its socket in `netns` (a name under /run/netns or a path;
+    None: this thread's). OSError when the library or the namespace cannot be had."""
 
     def __init__(self, netns: str | None = None) -> None:
         self._lib: Any = _ffi.dlopen(_LIBRARY)
@@ -74,13 +66,13 @@ class LibNft:
         else:
             own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                target = os.open(os.path.join(NETNS_DIR, netns), os.O_RDONLY | os.O_CLOEXEC)
+                target = os.open(netns_path(netns), os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    _setns(target)
+                    setns(target)
                     try:
                         self._ctx = self._lib.nft_ctx_new(0)
                     finally:
-                        _setns(own)
+                        setns(own)
                 finally:
                     os.close(target)
             finally:
