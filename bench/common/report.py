@@ -120,12 +120,44 @@ def fmt_b(size: float) -> str:
     return f"{size / 2**20:.1f} MiB"
 
 
+VULNERABILITIES = Path("/sys/devices/system/cpu/vulnerabilities")
+
+
+def cpu_mitigations(directory: Path = VULNERABILITIES) -> dict[str, str]:
+    """The CPU vulnerabilities the kernel mitigates here, by name, with how: what a
+    function return or an indirect call costs depends on them (on AMD Zen 3 the SRSO
+    mitigation "Safe RET" makes every return in the kernel dearer), so figures of
+    call-heavy paths (a hash map insert) differ between machines that differ only here."""
+    out = {}
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            status = entry.read_text().strip()
+        except OSError:
+            continue
+        if status.startswith("Mitigation"):
+            out[entry.name] = status.removeprefix("Mitigation:").strip()
+    return out
+
+
 def machine() -> dict[str, Any]:
-    cpu = ""
+    cpu, family, model = "", "", ""
+    hypervisor = False
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "model name" and not cpu:
+                cpu = value
+            elif key == "cpu family" and not family:
+                family = value
+            elif key == "model" and not model:
+                model = value
+            elif key == "flags":
+                hypervisor = "hypervisor" in value.split()
                 break
     except OSError:
         pass
@@ -134,6 +166,9 @@ def machine() -> dict[str, Any]:
         "implementation": platform.python_implementation(),
         "cpus": os.cpu_count(),
         "cpu_model": cpu,
+        "cpu_family_model": f"{family}/{model}" if family else "",
+        "virtual_machine": hypervisor,
+        "cpu_mitigations": cpu_mitigations(),
         "kernel": platform.release(),
         "yaml_libyaml": bool(getattr(yaml, "__with_libyaml__", False)),
         "yaml_loader": YamlLoader.__name__,
@@ -162,11 +197,32 @@ def git_commit() -> str:
 
 def header(name: str, info: dict[str, Any], extra: str = "") -> None:
     print(
-        f"{name}: kernel {info['kernel']}, {info['cpus']} CPUs ({info['cpu_model']}), "
+        f"{name}: kernel {info['kernel']}, {info['cpus']} CPUs ({cpu_text(info)}), "
         f"Python {info['python']}, commit {info['commit']}, load average "
         f"{info['load_average_at_start'][0]}{extra}",
         flush=True,
     )
+
+
+# The mitigations that change what a return or an indirect call costs in the kernel.
+CALL_MITIGATIONS = ("spectre_v2", "retbleed", "spec_rstack_overflow", "indirect_target_selection")
+
+
+def cpu_text(info: dict[str, Any]) -> str:
+    """The CPU as the header names it: model, family/model, a VM's, and the mitigations
+    that change what calls cost (CALL_MITIGATIONS, each by the first clause of its
+    status), e.g. "AMD EPYC, family/model 25/1, virtual; spectre_v2: Retpolines,
+    spec_rstack_overflow: Safe RET"."""
+    text = info.get("cpu_model") or "unknown CPU"
+    if info.get("cpu_family_model"):
+        text += f", family/model {info['cpu_family_model']}"
+    if info.get("virtual_machine"):
+        text += ", virtual"
+    mitigated = info.get("cpu_mitigations") or {}
+    calls = [f"{k}: {mitigated[k].split(';')[0]}" for k in CALL_MITIGATIONS if k in mitigated]
+    if calls:
+        text += "; " + ", ".join(calls)
+    return text
 
 
 def results_path(args: Any, name: str) -> Path:
