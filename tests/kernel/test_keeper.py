@@ -275,6 +275,10 @@ def test_the_self_test_asks_the_attached_program_and_tells_a_disagreement(
     pin_dir = node.pin_dir()
     agent = Agent(node.lab, node.manifests, pin_dir, "--socket-lb", "off")
     agent.wait_for_line("sync: applied revision")
+    # The self-test asks explain's build, which the agent compiles after its first apply
+    # (a child process's compile: about 10 s on a slow machine), so the keeper's period
+    # counts from there.
+    agent.wait_for_line("explain's build of the programs pinned")
     deadline = time.monotonic() + REPAIR_WITHIN
     while (tested := agent.state()["status"]["datapathIntact"]["selfTest"]) is None:
         assert time.monotonic() < deadline, agent.log()
