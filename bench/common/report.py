@@ -144,30 +144,23 @@ def cpu_mitigations(directory: Path = VULNERABILITIES) -> dict[str, str]:
 
 
 def machine() -> dict[str, Any]:
-    cpu, family, model = "", "", ""
-    hypervisor = False
+    first: dict[str, str] = {}  # the first processor's fields, up to its flags
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            key, value = key.strip(), value.strip()
-            if key == "model name" and not cpu:
-                cpu = value
-            elif key == "cpu family" and not family:
-                family = value
-            elif key == "model" and not model:
-                model = value
-            elif key == "flags":
-                hypervisor = "hypervisor" in value.split()
+            first[key.strip()] = value.strip()
+            if key.strip() == "flags":
                 break
     except OSError:
         pass
+    family = first.get("cpu family", "")
     return {
         "python": sys.version.split()[0],
         "implementation": platform.python_implementation(),
         "cpus": os.cpu_count(),
-        "cpu_model": cpu,
-        "cpu_family_model": f"{family}/{model}" if family else "",
-        "virtual_machine": hypervisor,
+        "cpu_model": first.get("model name", ""),
+        "cpu_family_model": f"{family}/{first.get('model', '')}" if family else "",
+        "virtual_machine": "hypervisor" in first.get("flags", "").split(),
         "cpu_mitigations": cpu_mitigations(),
         "kernel": platform.release(),
         "yaml_libyaml": bool(getattr(yaml, "__with_libyaml__", False)),
